@@ -1,0 +1,1 @@
+"""ampkit: mixed-precision training for PyTorch in four lines."""
