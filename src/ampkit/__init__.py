@@ -1,1 +1,25 @@
-"""ampkit: mixed-precision training for PyTorch in four lines."""
+"""ampkit: mixed-precision training for PyTorch in four lines — fast, measured, explained.
+
+The public API is what this module exports; everything else is internal and may change.
+"""
+
+from ampkit.accelerator import Accelerator, TrainingState
+from ampkit.errors import AmpkitError, CheckpointError, LossScaleCollapse, PrecisionError, StepOrderError
+from ampkit.precision import PRESETS, Precision, resolve_precision
+from ampkit.scaler import LossScaler
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Accelerator",
+    "AmpkitError",
+    "CheckpointError",
+    "LossScaleCollapse",
+    "LossScaler",
+    "PRESETS",
+    "Precision",
+    "PrecisionError",
+    "StepOrderError",
+    "TrainingState",
+    "resolve_precision",
+]

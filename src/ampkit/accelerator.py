@@ -1,0 +1,316 @@
+"""`Accelerator`: the four-line conversion of an ordinary PyTorch training loop.
+
+```python
+acc = ampkit.Accelerator(precision="auto")
+model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
+for x, y in loader:
+    loss = loss_fn(model(x), y)
+    acc.backward(loss)          # was: loss.backward()
+    optimizer.step(); scheduler.step(); optimizer.zero_grad()
+```
+
+The Accelerator owns the policy (`acc.policy`), the device, the loss scaler and the position inside
+a gradient-accumulation cycle; the wrapped optimizer (`ampkit.optim`) and scheduler
+(`ampkit.scheduler`) consult it. Nothing on the step path waits for the device except where a
+comment marked `# sync:` says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from ampkit.data import DeviceLoader
+from ampkit.errors import PrecisionError, StepOrderError
+from ampkit.hardware import capability, resolve_device
+from ampkit.metrics import MetricTracker
+from ampkit.module import KeepSpec, prepare_module
+from ampkit.optim import AmpOptimizer, CompensatedWeights, MasterWeights
+from ampkit.precision import Precision, resolve_precision
+from ampkit.scaler import LossScaler
+from ampkit.scheduler import AmpScheduler
+
+_Scheduler = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+class TrainingState:
+    """Step counters and the loss scale, read lazily (each read may wait for the device)."""
+
+    def __init__(self, acc: Accelerator) -> None:
+        self._acc = acc
+
+    def _optimizer(self) -> AmpOptimizer | None:
+        opts = self._acc._optimizers
+        if opts:
+            opts[0].reconcile(block=True)
+            return opts[0]
+        return None
+
+    @property
+    def applied_steps(self) -> int:
+        """Optimizer steps applied (of the first prepared optimizer)."""
+        opt = self._optimizer()
+        return opt.applied_steps if opt else 0
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because gradients overflowed."""
+        opt = self._optimizer()
+        return opt.skipped_steps if opt else 0
+
+    @property
+    def scale(self) -> float | None:
+        """The current loss scale, or None for presets without loss scaling."""
+        scaler = self._acc.scaler
+        if scaler is None:
+            return None
+        self._acc._flush_scale_update()
+        return scaler.get_scale()
+
+    def __repr__(self) -> str:
+        return f"TrainingState(applied_steps={self.applied_steps}, skipped_steps={self.skipped_steps}, scale={self.scale})"
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """What prepare() did to one model: kept so optimizers prepared later can find it."""
+
+    originals: dict[nn.Parameter, torch.Tensor]
+
+
+class Accelerator:
+    """Mixed-precision training on the right device, with gradient accumulation.
+
+    Args:
+        precision: "auto" (chosen from the hardware; `acc.policy.reason` says why), a preset name
+            ("fp32", "bf16-mixed", "fp16-mixed", "fp16-master", "bf16-master", "bf16-true") or an
+            `ampkit.Precision`.
+        grad_accum_steps: micro-batches per optimizer step. The loss is divided by it, and the
+            prepared optimizer and scheduler act only on every k-th call.
+        device: "auto" (cuda, then mps, then cpu), or e.g. "cpu", "cuda:1".
+        scaler: a custom `LossScaler` for the fp16 presets (default: dynamic, 2**16, growth every 2000).
+        keep_fp32: module types or name patterns (fnmatch, e.g. "head", "blocks.*.attn") that run and
+            are stored in fp32. Norm layers are kept in fp32 by the -master presets anyway.
+        step_scheduler_with_optimizer: True (default) for schedulers stepped once per optimizer
+            step: they advance only on applied steps. False passes every scheduler.step() through
+            (schedulers stepped once per epoch).
+    """
+
+    def __init__(
+        self,
+        precision: str | Precision = "auto",
+        grad_accum_steps: int = 1,
+        device: str | torch.device = "auto",
+        *,
+        scaler: LossScaler | None = None,
+        keep_fp32: KeepSpec = (),
+        step_scheduler_with_optimizer: bool = True,
+    ) -> None:
+        if not isinstance(grad_accum_steps, int) or isinstance(grad_accum_steps, bool) or grad_accum_steps < 1:
+            raise ValueError(f"grad_accum_steps={grad_accum_steps!r}: expected an integer >= 1")
+        if isinstance(keep_fp32, (str, type)):
+            keep_fp32 = [keep_fp32]  # type: ignore[list-item]
+        self.device = resolve_device(device)
+        self.policy = resolve_precision(precision, self.device)
+        if scaler is not None and not isinstance(scaler, LossScaler):
+            raise TypeError(f"scaler={scaler!r}: expected an ampkit.LossScaler")
+        if scaler is not None and not self.policy.loss_scaling:
+            raise PrecisionError(
+                f"scaler= was given but precision {self.policy.name!r} does not scale the loss; "
+                f"loss scaling is for fp16: use precision='fp16-mixed' or 'fp16-master', or drop scaler="
+            )
+        self.scaler = (scaler or LossScaler()).to(self.device) if self.policy.loss_scaling else None
+        self.grad_accum_steps = grad_accum_steps
+        self.keep_fp32 = list(keep_fp32)
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.state = TrainingState(self)
+        self._models: dict[int, _Prepared] = {}
+        self._optimizers: list[AmpOptimizer] = []
+        self._metrics = MetricTracker()
+        self._cycle_pos = 0  # backward calls in the current accumulation cycle, 1..k after the first
+        self._pending_found_infs: list[torch.Tensor] = []
+
+    # --- prepare ------------------------------------------------------------------------------
+    def prepare(self, *objs: Any) -> Any:
+        """Prepare models, optimizers, DataLoaders and LR schedulers; return them in the same order.
+
+        Models first (whatever the order given), so an optimizer finds its model's parameters
+        already in their training dtype. One object in, one object out; several in, a tuple out.
+        """
+        kinds = [self._kind(obj, i) for i, obj in enumerate(objs)]
+        out: list[Any] = list(objs)
+        for kind in ("model", "optimizer", "loader", "scheduler"):
+            for i, obj in enumerate(objs):
+                if kinds[i] == kind:
+                    out[i] = getattr(self, f"_prepare_{kind}")(obj, out, objs)
+        return out[0] if len(out) == 1 else tuple(out)
+
+    @staticmethod
+    def _kind(obj: Any, position: int) -> str:
+        if isinstance(obj, nn.Module):
+            return "model"
+        if isinstance(obj, AmpOptimizer) or isinstance(obj, (AmpScheduler, DeviceLoader)):
+            raise ValueError(f"prepare() argument {position} ({obj!r}) was already prepared; pass the original object once")
+        if isinstance(obj, torch.optim.Optimizer):
+            return "optimizer"
+        if isinstance(obj, DataLoader):
+            return "loader"
+        if isinstance(obj, _Scheduler):
+            return "scheduler"
+        raise TypeError(
+            f"prepare() argument {position} is a {type(obj).__module__}.{type(obj).__qualname__}; "
+            f"expected an nn.Module, a torch.optim.Optimizer, a torch.utils.data.DataLoader or a torch LR scheduler"
+        )
+
+    def _prepare_model(self, model: nn.Module, *_: Any) -> nn.Module:
+        originals = prepare_module(model, self.policy, self.device, self.keep_fp32)
+        self._models[id(model)] = _Prepared(originals)
+        return model
+
+    def _prepare_optimizer(self, optimizer: torch.optim.Optimizer, *_: Any) -> AmpOptimizer:
+        weights = None
+        if self.policy.master_weights or self.policy.compensated:
+            weights = self._low_precision_weights(optimizer)
+        # State created before prepare (a loaded optimizer) follows its parameters' device and dtype.
+        if optimizer.state:
+            optimizer.load_state_dict(optimizer.state_dict())
+        wrapped = AmpOptimizer(optimizer, self, weights)
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    def _low_precision_weights(self, optimizer: torch.optim.Optimizer) -> MasterWeights | CompensatedWeights | None:
+        """Point `optimizer` at fp32 parameters standing in for the model's low-precision ones."""
+        originals: dict[nn.Parameter, torch.Tensor] = {}
+        for prepared in self._models.values():
+            originals.update(prepared.originals)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        low = [p for p in params if p.is_floating_point() and p.dtype != torch.float32]
+        if low and not originals:
+            raise StepOrderError(
+                f"precision {self.policy.name!r}: prepare the model together with (or before) its optimizer, "
+                f"e.g. model, optimizer = acc.prepare(model, optimizer)"
+            )
+        if optimizer.state:
+            raise StepOrderError(
+                f"precision {self.policy.name!r}: the optimizer already has state; prepare it before its first step "
+                f"(load its state_dict after prepare)"
+            )
+        pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+        stand_in: dict[int, nn.Parameter] = {}
+        for p in low:
+            init = originals.get(p)
+            if init is None:
+                init = p.detach().to(torch.float32)
+            fp32 = nn.Parameter(init.clone(), requires_grad=p.requires_grad)
+            pairs.append((p, fp32))
+            stand_in[id(p)] = fp32
+        for group in optimizer.param_groups:
+            group["params"] = [stand_in.get(id(p), p) for p in group["params"]]
+        if self.policy.master_weights:
+            return MasterWeights(pairs)
+        with torch.no_grad():
+            compensation = [(fp32 - p.to(torch.float32)).to(p.dtype) for p, fp32 in pairs]
+        weights = CompensatedWeights(pairs, compensation, optimizer)
+        weights.release()
+        return weights
+
+    def _prepare_loader(self, loader: DataLoader, *_: Any) -> DeviceLoader:
+        return DeviceLoader(loader, self.device)
+
+    def _prepare_scheduler(self, scheduler: Any, out: list[Any], objs: tuple[Any, ...]) -> AmpScheduler:
+        target = scheduler.optimizer
+        for opt in self._optimizers:
+            if opt.optimizer is target or opt is target:
+                return AmpScheduler(scheduler, opt, per_step=self.step_scheduler_with_optimizer)
+        raise StepOrderError(
+            f"prepare() got the scheduler {scheduler.__class__.__name__} before its optimizer: "
+            f"prepare the optimizer in the same call or earlier"
+        )
+
+    # --- the step -----------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """`loss.backward()` with loss scaling and gradient accumulation (the loop's one changed line)."""
+        self._cycle_pos = self._cycle_pos % self.grad_accum_steps + 1
+        for opt in self._optimizers:
+            opt._on_backward()
+        if self.grad_accum_steps > 1:
+            loss = loss / self.grad_accum_steps
+        if self.scaler is not None:
+            self._flush_scale_update()
+            loss = self.scaler.scale(loss)
+        loss.backward(**kwargs)
+
+    def _flush_scale_update(self) -> None:
+        """Apply the scale update owed by the optimizer steps since the last backward (on the device)."""
+        if not self._pending_found_infs or self.scaler is None:
+            return
+        found = self._pending_found_infs[0]
+        for other in self._pending_found_infs[1:]:
+            found = found + other
+        self._pending_found_infs.clear()
+        self.scaler.update(found)
+
+    def _cycle_start(self) -> bool:
+        return self._cycle_pos in (0, self.grad_accum_steps)
+
+    def _cycle_end(self) -> bool:
+        return self._cycle_pos == self.grad_accum_steps
+
+    @property
+    def sync_gradients(self) -> bool:
+        """Whether the latest backward completed an accumulation cycle (the optimizer will step)."""
+        return self._cycle_end()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
+        """Clip the unscaled gradients of every prepared optimizer; return the total norm.
+
+        On an overflowing step the norm is inf/NaN: nothing raises and the step is skipped, so no
+        weight changes. The norm stays on the device (no sync). On a micro-step that does not end
+        an accumulation cycle there is nothing to clip yet: it does nothing and returns None, so
+        the loop needs no `if` around it.
+        """
+        if not self._optimizers:
+            raise StepOrderError("acc.clip_grad_norm_() needs a prepared optimizer: acc.prepare(model, optimizer)")
+        if self._cycle_pos == 0:
+            raise StepOrderError("acc.clip_grad_norm_() was called before acc.backward(loss)")
+        if not self._cycle_end():
+            return None
+        params: list[torch.Tensor] = []
+        for opt in self._optimizers:
+            opt.unscale_()
+            params.extend(p for g in opt.param_groups for p in g["params"] if p.grad is not None)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=True)
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """The policy's autocast, for computation outside the prepared model (e.g. a loss)."""
+        if not self.policy.autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.policy.compute_dtype)
+
+    # --- metrics and helpers ------------------------------------------------------------------
+    def track(self, name: str, value: torch.Tensor | float) -> None:
+        """Accumulate `value` into the running mean `name` on the device (no sync)."""
+        self._metrics.track(name, value)
+
+    def metrics(self) -> dict[str, float]:
+        """Means of everything tracked since the last call, as floats (one sync); then reset."""
+        return self._metrics.read()
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module without ampkit's wrappers (today the same object: prepare wraps in place)."""
+        return getattr(model, "module", model) if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+    def _bf16_runs(self) -> bool:
+        return capability(self.device).bf16_runs
+
+    def __repr__(self) -> str:
+        return (
+            f"Accelerator(precision={self.policy.name!r}, device={str(self.device)!r}, "
+            f"grad_accum_steps={self.grad_accum_steps})"
+        )
+

@@ -1,0 +1,31 @@
+"""The exceptions ampkit raises.
+
+Every one of them says what was passed, what was expected and what to do next: a user who meets
+one should not need to read ampkit's source to recover.
+"""
+
+from __future__ import annotations
+
+
+class AmpkitError(Exception):
+    """Base class of every error ampkit raises on purpose."""
+
+
+class PrecisionError(AmpkitError, ValueError):
+    """An unknown precision name, or a preset the chosen device cannot run."""
+
+
+class LossScaleCollapse(AmpkitError, RuntimeError):
+    """The loss scale sits at its minimum and gradients still overflow.
+
+    Training cannot make progress: every step is skipped. The message carries the diagnosis
+    (steps skipped, last good scale, what to try).
+    """
+
+
+class StepOrderError(AmpkitError, RuntimeError):
+    """The training-step calls came in an order that would silently train wrong."""
+
+
+class CheckpointError(AmpkitError, RuntimeError):
+    """A checkpoint could not be written or read safely."""

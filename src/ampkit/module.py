@@ -1,0 +1,122 @@
+"""Preparing a model for a precision policy: device, parameter dtypes, autocast, kept-fp32 layers.
+
+`prepare_module` returns the user's own module object (same class, same state_dict keys) with its
+`forward` run under the policy's autocast and floating outputs cast back to fp32, so a loss
+computed outside the model sees what `torch.autocast` would give it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampkit.precision import NORM_TYPES, Precision
+
+KeepSpec = Sequence["type[nn.Module] | str"]
+
+
+class PolicyForward:
+    """A module's forward run under autocast (or with autocast off, for kept-fp32 layers).
+
+    A class rather than a closure so a prepared model stays picklable and deep-copyable.
+    """
+
+    def __init__(self, forward: Any, device_type: str, dtype: torch.dtype, fp32: bool) -> None:
+        self.forward = forward
+        self.device_type = device_type
+        self.dtype = dtype
+        self.fp32 = fp32  # True: a kept-fp32 layer inside an autocast model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.fp32:
+            with torch.autocast(self.device_type, enabled=False):
+                return self.forward(*_to_fp32(args), **_to_fp32(kwargs))
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            out = self.forward(*args, **kwargs)
+        return _to_fp32(out)
+
+
+def _to_fp32(obj: Any) -> Any:
+    """`obj` with every bf16/fp16 tensor inside it (tuples, lists, dicts) cast to fp32."""
+    if isinstance(obj, torch.Tensor):
+        return obj.float() if obj.dtype in (torch.float16, torch.bfloat16) else obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_to_fp32(v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_fp32(v) for v in obj)
+    if isinstance(obj, Mapping):
+        return type(obj)({k: _to_fp32(v) for k, v in obj.items()})  # type: ignore[call-arg]
+    return obj
+
+
+def is_prepared(model: nn.Module) -> bool:
+    return isinstance(model.__dict__.get("forward"), PolicyForward)
+
+
+def kept_fp32_roots(model: nn.Module, keep_fp32: KeepSpec) -> list[nn.Module]:
+    """The outermost modules that `keep_fp32` (types or fnmatch name patterns) selects.
+
+    Raises ValueError for an entry of the wrong kind or a pattern that matches nothing: a typo here
+    would silently leave an overflowing layer in fp16.
+    """
+    roots: list[nn.Module] = []
+    covered: set[int] = set()
+    matched = {id(spec): False for spec in keep_fp32}
+    for spec in keep_fp32:
+        if not (isinstance(spec, str) or (isinstance(spec, type) and issubclass(spec, nn.Module))):
+            raise ValueError(f"keep_fp32 entry {spec!r}: expected an nn.Module subclass or a module-name pattern like 'head' or 'blocks.*.attn'")
+    for name, module in model.named_modules():
+        hits = [s for s in keep_fp32 if (isinstance(s, str) and fnmatch.fnmatchcase(name, s)) or (isinstance(s, type) and isinstance(module, s))]
+        for s in hits:
+            matched[id(s)] = True
+        if hits and id(module) not in covered:
+            roots.append(module)
+            covered.update(id(m) for m in module.modules())
+    missing = [s for s in keep_fp32 if not matched[id(s)]]
+    if missing:
+        names = [n for n, _ in model.named_modules() if n][:12]
+        raise ValueError(
+            f"keep_fp32={list(keep_fp32)!r}: {missing!r} matched no module of {model.__class__.__name__}; "
+            f"its modules are named like: {', '.join(names)}"
+        )
+    return roots
+
+
+def prepare_module(
+    model: nn.Module, policy: Precision, device: torch.device, keep_fp32: KeepSpec
+) -> dict[nn.Parameter, torch.Tensor]:
+    """Move `model` to `device`, store its parameters as `policy` says and wrap its forward.
+
+    Returns the fp32 values of the parameters that were cast down, so the optimizer's master or
+    compensation buffers start from the exact initial weights rather than their rounded copies.
+    """
+    if is_prepared(model):
+        raise ValueError(f"{model.__class__.__name__} was already prepared; prepare each model once")
+    model.to(device)
+    roots = kept_fp32_roots(model, keep_fp32)
+    keep = {id(m) for root in roots for m in root.modules()}
+    if policy.norms_fp32:
+        keep.update(id(m) for m in model.modules() if isinstance(m, NORM_TYPES))
+    originals: dict[nn.Parameter, torch.Tensor] = {}
+    if policy.low_precision_params:
+        with torch.no_grad():
+            for module in model.modules():
+                if id(module) in keep:
+                    continue
+                for param in module.parameters(recurse=False):
+                    if param.is_floating_point() and param.dtype != policy.param_dtype:
+                        originals[param] = param.detach().to(torch.float32, copy=True)
+                        param.data = param.data.to(policy.param_dtype)
+                for name, buf in module.named_buffers(recurse=False):
+                    if buf.is_floating_point():
+                        setattr(module, name, buf.to(policy.param_dtype))
+    if policy.autocast:
+        model.forward = PolicyForward(model.forward, device.type, policy.compute_dtype, fp32=False)
+        for root in roots:
+            if root is not model:
+                root.forward = PolicyForward(root.forward, device.type, policy.compute_dtype, fp32=True)
+    return originals

@@ -1,0 +1,76 @@
+"""The host learns whether each optimizer step was applied or skipped, without waiting for it.
+
+A loss-scaled step decides on the device whether it overflowed. Reading that flag at once
+(`found_inf.item()`) would make the host wait for the whole step on a GPU — the sync that makes
+small models slower on a GPU than on a CPU. Instead each step's outcome (overflow flag and the scale
+it used) is copied into a slot of a pinned host ring without blocking, and an event marks when it
+has landed. `poll()` hands back the outcomes that have arrived, oldest first; `poll(block=True)`
+waits for all of them (for exact counters on demand, never inside a step). On a CPU the copy is
+synchronous, so every outcome is known as soon as it is recorded.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+_RING = 64  # outcomes in flight before recording one waits for the oldest (the host 64 steps ahead)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What happened at one optimizer step."""
+
+    skipped: bool
+    scale: float
+
+
+class StepOutcomes:
+    """A ring of pinned host slots receiving per-step (found_inf, scale) pairs from the device."""
+
+    def __init__(self, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self._device = device
+        self._host = torch.zeros((_RING, 2), dtype=torch.float32, pin_memory=pin)
+        self._view = self._host.numpy()  # reads of landed slots: plain memory, no tensor op
+        self._pending: deque[tuple[int, torch.cuda.Event | None]] = deque()
+        self._next = 0
+
+    def record(self, found_inf: torch.Tensor, scale: torch.Tensor) -> None:
+        """Queue the outcome of the step that just ran (both 0-dim device tensors); never blocks
+        unless `_RING` outcomes are already in flight."""
+        if len(self._pending) == _RING:
+            slot, event = self._pending[0]
+            if event is not None:
+                event.synchronize()  # sync: only when the host runs _RING steps ahead of the device
+        slot = self._next
+        self._next = (self._next + 1) % _RING
+        pair = torch.stack((found_inf.float(), scale.float()))
+        self._host[slot].copy_(pair, non_blocking=self._device.type == "cuda")
+        event = None
+        if self._device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self._pending.append((slot, event))
+
+    def poll(self, block: bool = False) -> list[Outcome]:
+        """Outcomes that have landed since the last poll, oldest first; all of them if `block`."""
+        landed: list[Outcome] = []
+        while self._pending:
+            slot, event = self._pending[0]
+            if event is not None:
+                if block:
+                    event.synchronize()  # sync: the caller asked for exact figures, outside the step
+                elif not event.query():
+                    break
+            found, scale = self._view[slot]
+            landed.append(Outcome(skipped=bool(found > 0), scale=float(scale)))
+            self._pending.popleft()
+        return landed
+
+    @property
+    def in_flight(self) -> int:
+        """Outcomes recorded but not yet handed back by `poll`."""
+        return len(self._pending)

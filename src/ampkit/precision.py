@@ -1,0 +1,136 @@
+"""Precision policies: what runs in which dtype, as data rather than a chain of ifs.
+
+A `Precision` is a frozen record of four decisions (compute dtype, parameter dtype, how the
+optimizer update is kept accurate, whether the loss is scaled). The named presets are rows of one
+table, `PRESETS`. `resolve_precision` turns a name (or "auto") into a policy for one device, and
+either explains the choice in `.reason` or raises `PrecisionError` saying what would work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from ampkit.errors import PrecisionError
+from ampkit.hardware import auto_precision, capability
+
+#: Module types kept in fp32 by the presets that store parameters in low precision: their
+#: statistics (mean/variance) lose too much in bf16/fp16 and they are a tiny share of the weights.
+NORM_TYPES: tuple[type[torch.nn.Module], ...] = (
+    torch.nn.modules.batchnorm._NormBase,
+    torch.nn.LayerNorm,
+    torch.nn.GroupNorm,
+    torch.nn.LocalResponseNorm,
+    torch.nn.RMSNorm,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Precision:
+    """One precision policy. Build it with `resolve_precision` or pick a row of `PRESETS`."""
+
+    name: str
+    """The preset's name, e.g. "bf16-mixed"."""
+    compute_dtype: torch.dtype
+    """dtype of matmuls and convolutions (autocast's target). fp32 means autocast is off."""
+    param_dtype: torch.dtype
+    """dtype the model's parameters are stored in (kept-fp32 modules aside)."""
+    master_weights: bool = False
+    """Keep an fp32 copy of low-precision parameters and apply the update to it (apex O2)."""
+    compensated: bool = False
+    """Apply the update in fp32 and keep the rounding error in a low-precision Kahan buffer."""
+    loss_scaling: bool = False
+    """Scale the loss dynamically so small fp16 gradients do not flush to zero."""
+    norms_fp32: bool = False
+    """Keep normalisation layers' parameters in fp32 (the -master presets)."""
+    reason: str = ""
+    """Why this policy was chosen: "requested" or the hardware fact behind `auto`."""
+
+    @property
+    def autocast(self) -> bool:
+        """Whether forward passes run under `torch.autocast`."""
+        return self.compute_dtype != torch.float32
+
+    @property
+    def low_precision_params(self) -> bool:
+        """Whether `prepare` casts parameters below fp32."""
+        return self.param_dtype != torch.float32
+
+
+_bf16, _fp16, _fp32 = torch.bfloat16, torch.float16, torch.float32
+
+#: The named presets; see the README's table.
+PRESETS: dict[str, Precision] = {
+    p.name: p
+    for p in (
+        Precision(name="fp32", compute_dtype=_fp32, param_dtype=_fp32),
+        Precision(name="bf16-mixed", compute_dtype=_bf16, param_dtype=_fp32),
+        Precision(name="fp16-mixed", compute_dtype=_fp16, param_dtype=_fp32, loss_scaling=True),
+        Precision(
+            name="fp16-master", compute_dtype=_fp16, param_dtype=_fp16,
+            master_weights=True, loss_scaling=True, norms_fp32=True,
+        ),
+        Precision(
+            name="bf16-master", compute_dtype=_bf16, param_dtype=_bf16,
+            master_weights=True, norms_fp32=True,
+        ),
+        Precision(name="bf16-true", compute_dtype=_bf16, param_dtype=_bf16, compensated=True),
+    )
+}
+
+PRESET_NAMES: tuple[str, ...] = (*PRESETS, "auto")
+
+
+def resolve_precision(precision: str | Precision, device: torch.device) -> Precision:
+    """Return the policy for `precision` ("auto", a preset name or a `Precision`) on `device`.
+
+    Raises `PrecisionError` for an unknown name or a preset the device cannot run. fp16 on a CPU
+    without fp16 instructions runs but warns: it is correct, only far slower than fp32.
+    """
+    if isinstance(precision, Precision):
+        policy = precision
+    elif not isinstance(precision, str):
+        raise PrecisionError(
+            f"precision={precision!r} must be a preset name or an ampkit.Precision; "
+            f"choose one of: {', '.join(PRESET_NAMES)}"
+        )
+    elif precision == "auto":
+        name, reason = auto_precision(device)
+        return dataclasses.replace(PRESETS[name], reason=f"auto: {reason}")
+    elif precision in PRESETS:
+        policy = dataclasses.replace(PRESETS[precision], reason="requested")
+    else:
+        raise PrecisionError(
+            f"unknown precision {precision!r}; choose one of: {', '.join(PRESET_NAMES)}"
+        )
+    _check_runs(policy, device)
+    return policy
+
+
+def _check_runs(policy: Precision, device: torch.device) -> None:
+    """Raise if `device` cannot run `policy`; warn if it runs it far slower than fp32."""
+    support = capability(device)
+    runs = {_bf16: support.bf16_runs, _fp16: support.fp16_runs, _fp32: True}
+    fast = {_bf16: support.bf16_fast, _fp16: support.fp16_fast, _fp32: True}
+    dtype = policy.compute_dtype
+    if not runs[dtype]:
+        working = [n for n, p in PRESETS.items() if runs[p.compute_dtype]]
+        nearest = next((n for n in working if n != "fp32" and PRESETS[n].compute_dtype != dtype), "fp32")
+        raise PrecisionError(
+            f"precision {policy.name!r} needs {_dtype_name(dtype)}, which {support.device} cannot run "
+            f"(per {support.source}); it supports: {', '.join(working)}. Nearest that works: {nearest!r}"
+        )
+    if not fast[dtype] and device.type == "cpu":
+        warnings.warn(
+            f"precision {policy.name!r} on {support.device}: this CPU has no {_dtype_name(dtype)} "
+            f"instructions, so it runs far slower than fp32 (correct, but use it only to test); "
+            f"precision='auto' picks what is fast here",
+            stacklevel=3,
+        )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {_bf16: "bf16", _fp16: "fp16", _fp32: "fp32"}[dtype]

@@ -1,0 +1,69 @@
+"""The wrapped LR scheduler: it advances once per *applied* optimizer step, without a sync.
+
+Whether a loss-scaled step was applied is decided on the device. Where that outcome has already
+reached the host (always on a CPU; on a GPU when the device is not far behind) the scheduler acts on
+it exactly. Where it has not, the scheduler advances optimistically — overflows are rare — and if
+the step later turns out to have been skipped, it owes one advance and skips its next one. The
+schedule therefore never drifts from the applied-step count; on a GPU it can run ahead by one step
+for the few steps between an overflow and the host learning of it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ampkit.optim import AmpOptimizer
+
+
+class AmpScheduler:
+    """The scheduler `Accelerator.prepare` returns; attribute access goes to the wrapped scheduler."""
+
+    def __init__(self, scheduler: Any, optimizer: AmpOptimizer, per_step: bool) -> None:
+        self.scheduler = scheduler
+        self._optimizer = optimizer
+        self._per_step = per_step
+        self._seen_attempts = 0
+        self._optimistic: set[int] = set()  # step indices advanced for before their outcome landed
+        self._owed = 0  # advances taken for steps that turned out skipped
+        optimizer._schedulers.append(self)
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """Advance if an optimizer step was applied since the last call (always, if not per-step)."""
+        if not self._per_step:
+            self.scheduler.step(*args, **kwargs)
+            return
+        opt = self._optimizer
+        if opt.attempted_steps == self._seen_attempts:
+            return  # no optimizer step since the last call: a non-boundary micro-step
+        self._seen_attempts = opt.attempted_steps
+        opt.reconcile()
+        applied = opt.latest_outcome()
+        if applied is False:
+            return
+        if self._owed:
+            self._owed -= 1
+            return
+        if applied is None:
+            self._optimistic.add(opt.attempted_steps)
+        self.scheduler.step(*args, **kwargs)
+
+    def _on_outcome(self, index: int, skipped: bool) -> None:
+        """Called by the optimizer when the outcome of step `index` lands on the host."""
+        if index in self._optimistic:
+            self._optimistic.discard(index)
+            if skipped:
+                self._owed += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "scheduler":
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
+
+    def __repr__(self) -> str:
+        return f"AmpScheduler({self.scheduler.__class__.__name__})"
