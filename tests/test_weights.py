@@ -1,0 +1,97 @@
+"""fp32 updates of low-precision weights: master copies and Kahan compensation keep tiny updates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ampkit
+
+STEPS = 200
+LR = 1e-4  # with gradient 1, each update is 1e-4: below half an ulp of 1.0 in bf16 (3.9e-3) and fp16 (4.9e-4)
+
+
+class Scalar(nn.Module):
+    """One weight initialised to 1.0 whose gradient is always exactly 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.w * x).sum()
+
+
+def train(precision: str) -> torch.Tensor:
+    model = Scalar()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    acc = ampkit.Accelerator(precision=precision, device="cpu")
+    model, opt = acc.prepare(model, opt)
+    for _ in range(STEPS):
+        acc.backward(model(torch.ones(4)))
+        opt.step()
+        opt.zero_grad()
+    return model.w.detach().float()
+
+
+def naive(dtype: torch.dtype) -> torch.Tensor:
+    """The update applied straight to low-precision weights: what the presets must beat."""
+    model = Scalar().to(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for _ in range(STEPS):
+        model(torch.ones(4, dtype=dtype)).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.w.detach().float()
+
+
+FP32_RESULT = 1.0 - STEPS * LR  # 0.98
+
+
+@pytest.mark.parametrize("precision,dtype", [("fp16-master", torch.float16), ("bf16-master", torch.bfloat16)])
+def test_master_weights_accumulate_updates_a_naive_update_loses(precision, dtype):
+    assert torch.equal(naive(dtype), torch.ones(4))  # every update rounded away
+    w = train(precision)
+    expected = torch.tensor(FP32_RESULT, dtype=dtype).float()  # the fp32 result, rounded once
+    assert torch.equal(w, expected.expand(4))
+
+
+def test_kahan_reaches_the_fp32_result_within_one_bf16_ulp():
+    assert torch.equal(naive(torch.bfloat16), torch.ones(4))
+    reference = train("fp32")
+    w = train("bf16-true")
+    ulp = 2.0**-8  # bf16 spacing just below 1.0
+    assert (w - reference).abs().max() <= ulp
+    assert (w - 1.0).abs().min() > 0.01  # it really moved
+
+
+def test_bf16_true_keeps_no_fp32_copy_between_steps():
+    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    acc = ampkit.Accelerator(precision="bf16-true", device="cpu")
+    model, opt = acc.prepare(model, opt)
+    for _ in range(3):
+        acc.backward(model(torch.randn(4, 8)).square().mean())
+        opt.step()
+        opt.zero_grad()
+    for group in opt.param_groups:
+        for stand_in in group["params"]:
+            assert stand_in.numel() == 0 and stand_in.grad is None
+            for key, value in opt.state[stand_in].items():
+                if key != "step":
+                    assert value.dtype == torch.bfloat16, key
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_master_initial_weights_are_the_exact_fp32_values():
+    """Masters start from the fp32 initialisation, not from its fp16 rounding."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    original = model.weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    acc = ampkit.Accelerator(precision="fp16-master", device="cpu")
+    model, opt = acc.prepare(model, opt)
+    masters = opt.param_groups[0]["params"]
+    assert masters[0].dtype == torch.float32 and torch.equal(masters[0], original)
+    assert not torch.equal(model.weight.float(), original)
