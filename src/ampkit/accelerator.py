@@ -33,6 +33,7 @@ from ampkit.module import KeepSpec, prepare_module
 from ampkit.optim import AmpOptimizer, CompensatedWeights, MasterWeights
 from ampkit.precision import Precision, resolve_precision
 from ampkit.scaler import LossScaler
+from ampkit.recorder import Recorder
 from ampkit.scheduler import AmpScheduler
 
 _Scheduler = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
@@ -134,6 +135,7 @@ class Accelerator:
         self._metrics = MetricTracker()
         self._cycle_pos = 0  # backward calls in the current accumulation cycle, 1..k after the first
         self._pending_found_infs: list[torch.Tensor] = []
+        self._recorder: Recorder | None = None  # set by ampkit.compare to gather per-step figures
 
     # --- prepare ------------------------------------------------------------------------------
     def prepare(self, *objs: Any) -> Any:
@@ -238,6 +240,8 @@ class Accelerator:
         self._cycle_pos = self._cycle_pos % self.grad_accum_steps + 1
         for opt in self._optimizers:
             opt._on_backward()
+        if self._recorder is not None:
+            self._recorder.loss(loss)
         if self.grad_accum_steps > 1:
             loss = loss / self.grad_accum_steps
         if self.scaler is not None:

@@ -8,8 +8,10 @@ it is a different question, which `ampkit compare` and the doctor answer by meas
 from __future__ import annotations
 
 import functools
+import platform
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -136,3 +138,37 @@ def auto_precision(device: torch.device) -> tuple[str, str]:
         if flags[flag]:
             return "bf16-mixed", f"CPU has {flag}: bf16 matmul is faster than fp32 here"
     return "fp32", "CPU has neither avx512_bf16 nor amx_bf16: bf16 and fp16 would be slower than fp32 here"
+
+
+def cpu_name() -> str:
+    """The CPU's model name as the OS reports it, or the platform's guess."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def describe(device: torch.device) -> dict[str, Any]:
+    """The facts a report needs to be reproducible: device, versions, CPU flags, GPU."""
+    flags = cpu_flags()
+    gpu = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        gpu = {"name": props.name, "capability": f"{props.major}.{props.minor}", "memory_bytes": int(props.total_memory)}
+    have = [f for f, on in (flags or {}).items() if on]
+    name = gpu["name"] if gpu else f"{cpu_name()} ({', '.join(have) if have else 'no avx512_bf16/amx'})"
+    return {
+        "device": str(device),
+        "device_name": name,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "threads": torch.get_num_threads(),
+        "cpu_flags": flags,
+        "gpu": gpu,
+    }

@@ -246,6 +246,9 @@ class AmpOptimizer(torch.optim.Optimizer):
             self._weights.release()
         self._stage = Stage.STEPPED
         self.attempted_steps += 1
+        recorder = self._acc._recorder
+        if recorder is not None and self is self._acc._optimizers[0]:
+            recorder.step()
         if self._outcomes is None:
             self.applied_steps += 1
         else:
@@ -292,6 +295,9 @@ class AmpOptimizer(torch.optim.Optimizer):
             for scheduler in self._schedulers:
                 scheduler._on_outcome(index, outcome.skipped)
             self._latest_applied = not outcome.skipped
+            recorder = self._acc._recorder
+            if recorder is not None and self is self._acc._optimizers[0]:
+                recorder.outcomes.append(outcome)
             if not outcome.skipped:
                 self.applied_steps += 1
                 self._overflows_at_min = 0

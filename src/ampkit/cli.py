@@ -1,0 +1,61 @@
+"""The `ampkit` command: parses flags into a call of the library, nothing else."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from ampkit.precision import PRESET_NAMES
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from ampkit.compare import compare
+    from ampkit.errors import PrecisionError
+
+    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()] if args.precisions else None
+    command = "ampkit " + " ".join(shlex.quote(a) for a in args.argv)
+    try:
+        compare(task=args.task, precisions=precisions, steps=args.steps, batch_size=args.batch_size,
+                seed=args.seed, device=args.device, out=args.out, command=command)
+    except (PrecisionError, ValueError) as exc:
+        print(f"ampkit compare: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: the runs that finished are in {args.out}/", file=sys.stderr)
+        return 130
+    print(f"\nreport: {args.out}/report.html (and report.json, PNG plots)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ampkit", description="Mixed-precision training for PyTorch: measured and explained.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    cmp = sub.add_parser(
+        "compare", help="train a task once per precision and compare time, memory, loss and accuracy",
+        description="Train the same task once per precision preset, each in its own process with the same seed "
+                    "and data order, and report time per step, peak memory, the loss curve and the eval metric "
+                    "against fp32.",
+    )
+    cmp.add_argument("--task", default="tiny-lm", help="built-in task: tiny-lm (default), digits-cnn, iris-mlp")
+    cmp.add_argument("--precisions", default=None,
+                     help=f"comma-separated presets, the first is the baseline (choices: {', '.join(PRESET_NAMES)}); "
+                          "default: fp32, the auto choice and every preset fast on this hardware")
+    cmp.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the task's)")
+    cmp.add_argument("--batch-size", type=int, default=None, help="batch size (default: the task's)")
+    cmp.add_argument("--seed", type=int, default=0, help="seed for model init and data order (default: 0)")
+    cmp.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, mps")
+    cmp.add_argument("--out", default="report", help="folder for report.json, plots and report.html (default: report)")
+    cmp.set_defaults(func=_compare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,440 @@
+"""`ampkit compare`: train the same thing once per precision and report what each one buys.
+
+Each precision runs in its own process (spawned, so memory figures start clean and nothing leaks
+from one run into the next) with the same seed and data order. The child trains with an
+Accelerator carrying a `Recorder`, so the loss curve and step times are gathered without a sync
+per step, and sends back one run record. The parent shows progress, computes the ratios against
+the fp32 baseline and hands the report to `ampkit.report` for the table, JSON, plots and HTML.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import multiprocessing
+import pickle
+import random
+import resource
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ampkit import __version__
+from ampkit.accelerator import Accelerator
+from ampkit.errors import PrecisionError
+from ampkit.hardware import auto_precision, capability, describe, resolve_device
+from ampkit.precision import PRESETS, resolve_precision
+from ampkit.recorder import Recorder
+
+TrainFn = Callable[[Accelerator], dict[str, float]]
+
+#: Steps a "probe" run times a preset this hardware runs slowly (no accuracy: it would take too long).
+PROBE_STEPS = 8
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """Everything a child process needs to run one precision (picklable)."""
+
+    precision: str
+    device: str
+    seed: int
+    task: str | None = None
+    steps: int | None = None
+    batch_size: int | None = None
+    train_fn: TrainFn | None = None
+    probe: bool = False
+    samples_per_step: int | None = None
+
+
+def default_precisions(device: torch.device) -> tuple[list[str], list[str]]:
+    """(full runs, timing-only probes) for `device` when the user names no precisions.
+
+    Full: fp32, the `auto` choice and every preset whose compute dtype is fast here. Probe:
+    bf16-mixed where bf16 runs but slowly, so the report shows that cost instead of hiding it.
+    """
+    support = capability(device)
+    fast = {torch.float32: True, torch.bfloat16: support.bf16_fast, torch.float16: support.fp16_fast}
+    full = ["fp32", auto_precision(device)[0]]
+    full += [name for name, p in PRESETS.items() if fast[p.compute_dtype]]
+    full = list(dict.fromkeys(full))
+    probes = [] if support.bf16_fast or not support.bf16_runs else ["bf16-mixed"]
+    return full, probes
+
+
+def _peak_rss_bytes() -> int:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class _Memory:
+    """Peak memory of the training alone: CUDA's max allocated, or the peak RSS above a baseline."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.mark()
+
+    def mark(self) -> None:
+        """Start measuring here: after imports and data, before the model exists."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._rss_before = _peak_rss_bytes()
+
+    def read(self) -> tuple[int, int | None, str]:
+        """(figure ratios use, raw peak RSS or None, kind)."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device), None, "cuda_max_allocated"
+        raw = _peak_rss_bytes()
+        return raw - self._rss_before, raw, "cpu_peak_rss_delta"
+
+
+def _train_task(acc: Accelerator, spec: RunSpec, steps: int, memory: _Memory) -> dict[str, float]:
+    """The built-in loop: the four-line conversion of a plain loop, run for `steps` optimizer steps."""
+    from ampkit.tasks import get_task
+
+    task = get_task(spec.task or "")
+    data = task.make_data(spec.seed, spec.batch_size or task.default_batch_size)
+    memory.mark()
+    model = task.make_model(spec.seed)
+    optimizer = task.make_optimizer(model.parameters(), task.default_lr)
+    model, optimizer, loader = acc.prepare(model, optimizer, data.train_loader)
+    done = 0
+    while done < steps:
+        for x, y in loader:
+            loss = task.loss_fn(model(x), y)
+            acc.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            done += 1
+            if done == steps:
+                break
+    if spec.probe:
+        return {}
+    return task.evaluate(model, data, acc.device)
+
+
+def run_one(spec: RunSpec, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Train one precision and return its run record (the `runs[i]` of report.json, before ratios)."""
+    device = resolve_device(spec.device)
+    _seed_everything(spec.seed)
+    memory = _Memory(device)
+    acc = Accelerator(precision=spec.precision, device=device)
+    recorder = Recorder(device, on_step=progress)
+    acc._recorder = recorder
+    steps = spec.steps or 0
+    if spec.task is not None and not spec.steps:
+        from ampkit.tasks import get_task
+
+        steps = get_task(spec.task).default_steps
+    if spec.probe:
+        steps = PROBE_STEPS
+    start = time.perf_counter()
+    if spec.train_fn is not None:
+        metrics = dict(spec.train_fn(acc))
+    else:
+        metrics = _train_task(acc, spec, steps, memory)
+    state = acc.state  # waits for the outcomes still in flight: the run is over
+    skipped = state.skipped_steps
+    wall = time.perf_counter() - start
+    warmup = 2 if spec.probe else min(10, recorder.steps // 10)
+    summary = recorder.summary(warmup)
+    peak, raw, kind = memory.read()
+    policy = acc.policy
+    median = summary["step_time_median_s"]
+    return {
+        "precision": spec.precision,
+        "status": "probe" if spec.probe else "ok",
+        "reason": None,
+        "policy": {
+            "name": policy.name,
+            "reason": policy.reason,
+            "compute_dtype": str(policy.compute_dtype).removeprefix("torch."),
+            "param_dtype": str(policy.param_dtype).removeprefix("torch."),
+            "master_weights": policy.master_weights,
+            "compensated": policy.compensated,
+            "loss_scaling": policy.loss_scaling,
+        },
+        **summary,
+        "skipped_steps": skipped,
+        "samples_per_s": spec.samples_per_step / median if spec.samples_per_step and median else None,
+        "memory_kind": kind,
+        "peak_memory_bytes": peak,
+        "peak_rss_bytes": raw,
+        "eval": {k: float(v) for k, v in metrics.items()},
+        "wall_time_s": wall,
+    }
+
+
+def _child(spec: RunSpec, conn: Any) -> None:
+    """Entry point of a run's process: stream progress, then send the record or the error."""
+    last = [0.0]
+
+    def progress(step: int) -> None:
+        now = time.monotonic()
+        if now - last[0] > 0.2:
+            last[0] = now
+            conn.send(("progress", step))
+
+    try:
+        conn.send(("done", run_one(spec, progress)))
+    except KeyboardInterrupt:
+        conn.send(("error", "interrupted"))
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes a reported status
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=-3)}"))
+    finally:
+        conn.close()
+
+
+def _run_isolated(spec: RunSpec, on_progress: Callable[[int], None]) -> dict[str, Any]:
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(spec, child), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        while True:
+            if parent.poll(0.1):
+                try:
+                    kind, payload = parent.recv()
+                except EOFError:
+                    break
+                if kind == "progress":
+                    on_progress(payload)
+                elif kind == "done":
+                    return payload
+                else:
+                    raise _RunFailed(payload)
+            elif not proc.is_alive() and not parent.poll():
+                break
+        raise _RunFailed(f"the run's process died (exit code {proc.exitcode}) before reporting")
+    finally:
+        if proc.is_alive():
+            proc.terminate()
+        proc.join(timeout=10)
+
+
+class _RunFailed(Exception):
+    pass
+
+
+def _blank_run(precision: str, status: str, reason: str) -> dict[str, Any]:
+    return {
+        "precision": precision, "status": status, "reason": reason, "policy": None,
+        "steps": 0, "warmup_steps": 0, "step_time_median_s": None, "samples_per_s": None,
+        "speedup_vs_baseline": None, "memory_kind": "cpu_peak_rss_delta", "peak_memory_bytes": None,
+        "peak_rss_bytes": None, "memory_ratio_vs_baseline": None, "loss_curve": [],
+        "final_train_loss": None, "eval": {}, "metric": None, "metric_delta_vs_baseline": None,
+        "skipped_steps": 0, "scale_history": None, "last_finite_step": None, "wall_time_s": None,
+    }
+
+
+def _finish_run(run: dict[str, Any], metric: str | None) -> None:
+    """Derive final loss, headline metric and divergence from a child's raw record."""
+    curve = [v if v is not None and math.isfinite(v) else None for v in run["loss_curve"]]
+    run["loss_curve"] = curve
+    finite = [i for i, v in enumerate(curve) if v is not None]
+    run["last_finite_step"] = finite[-1] if finite else None
+    tail = [v for v in curve[-max(1, min(20, len(curve) // 10)):] if v is not None]
+    run["final_train_loss"] = sum(tail) / len(tail) if tail else None
+    value = run["eval"].get(metric) if metric else (next(iter(run["eval"].values()), None))
+    run["metric"] = value if value is not None and math.isfinite(value) else None
+    run.setdefault("speedup_vs_baseline", None)
+    run.setdefault("memory_ratio_vs_baseline", None)
+    run.setdefault("metric_delta_vs_baseline", None)
+    if run["status"] == "ok" and (not curve or curve[-1] is None or (run["eval"] and run["metric"] is None)):
+        run["status"] = "diverged"
+        run["reason"] = "the loss became non-finite" + (f" after step {finite[-1]}" if finite else " from the first step")
+
+
+def _ratios(report: dict[str, Any]) -> None:
+    base = next((r for r in report["runs"] if r["precision"] == report["baseline"] and r["status"] == "ok"), None)
+    if base is None:
+        report["baseline"] = None
+        return
+    for run in report["runs"]:
+        if run["step_time_median_s"] and base["step_time_median_s"]:
+            run["speedup_vs_baseline"] = base["step_time_median_s"] / run["step_time_median_s"]
+        if run["peak_memory_bytes"] and base["peak_memory_bytes"]:
+            run["memory_ratio_vs_baseline"] = run["peak_memory_bytes"] / base["peak_memory_bytes"]
+        if run["metric"] is not None and base["metric"] is not None:
+            run["metric_delta_vs_baseline"] = run["metric"] - base["metric"]
+
+
+def compare(
+    train_fn: TrainFn | None = None,
+    precisions: list[str] | tuple[str, ...] | None = None,
+    *,
+    task: str | None = None,
+    steps: int | None = None,
+    batch_size: int | None = None,
+    seed: int = 0,
+    device: str = "auto",
+    out: str | Path | None = None,
+    metric: str | None = None,
+    samples_per_step: int | None = None,
+    isolate: bool = True,
+    show: bool = True,
+    command: str | None = None,
+) -> dict[str, Any]:
+    """Run `train_fn` (or a built-in `task`) once per precision and return the report dict.
+
+    Args:
+        train_fn: `train_fn(acc) -> dict` runs your loop with the given Accelerator (use
+            `acc.prepare` and `acc.backward`) and returns its metrics, e.g. {"accuracy": 0.97}.
+            With `isolate=True` it must be a module-level function (it is pickled into a fresh
+            process, and your script needs an `if __name__ == "__main__":` guard).
+        precisions: presets to run; the first is the baseline. Default: fp32, the `auto` choice and
+            every preset fast on this hardware, plus a timing-only probe of bf16 where it is slow.
+        task: a built-in task name (see `ampkit.tasks.TASKS`) instead of `train_fn`.
+        steps, batch_size: override the task's defaults.
+        out: folder for report.json, the PNG plots and report.html (None: write nothing).
+        metric: which key of `train_fn`'s dict is the headline metric (default: the first key).
+        samples_per_step: for `train_fn`, to report samples/s.
+        isolate: run each precision in its own process (clean memory figures). False runs in-process.
+    """
+    if (train_fn is None) == (task is None):
+        raise ValueError("compare() needs exactly one of train_fn=... or task='...'")
+    if steps is not None and (not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"steps={steps!r}: expected an integer >= 1")
+    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size={batch_size!r}: expected an integer >= 1")
+    task_info = None
+    if task is not None:
+        from ampkit.tasks import get_task
+
+        t = get_task(task)
+        metric = t.metric
+        batch = batch_size or t.default_batch_size
+        samples_per_step = batch
+        task_info = {"name": t.name, "metric": t.metric, "higher_is_better": t.higher_is_better,
+                     "steps": steps or t.default_steps, "batch_size": batch, "seed": seed}
+    if isolate and train_fn is not None:
+        try:
+            pickle.dumps(train_fn)
+        except Exception as exc:
+            raise TypeError(
+                f"train_fn={train_fn!r} cannot be sent to a fresh process ({exc}); define it at module level "
+                f"(not a lambda or a nested function), or pass isolate=False to run every precision in this process"
+            ) from None
+    dev = resolve_device(device)
+    probes: list[str] = []
+    if precisions is None:
+        precisions, probes = default_precisions(dev)
+    else:
+        precisions = list(precisions)
+        unknown = [p for p in precisions if p not in PRESETS and p != "auto"]
+        if unknown or not precisions:
+            raise PrecisionError(f"unknown precision(s) {unknown!r}; choose from: {', '.join([*PRESETS, 'auto'])}")
+        precisions = list(dict.fromkeys(auto_precision(dev)[0] if p == "auto" else p for p in precisions))
+
+    report: dict[str, Any] = {
+        "schema_version": 1,
+        "ampkit_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command or "ampkit.compare(...)",
+        "task": task_info,
+        "machine": describe(dev),
+        "baseline": precisions[0],
+        "interrupted": False,
+        "runs": [],
+    }
+    plan = [(p, False) for p in precisions] + [(p, True) for p in probes if p not in precisions]
+    progress = _Progress(show)
+    try:
+        for name, probe in plan:
+            run = _run_planned(name, probe, dev, seed, task, steps, batch_size, train_fn, samples_per_step, isolate, progress, task_info)
+            _finish_run(run, metric)
+            report["runs"].append(run)
+    except KeyboardInterrupt:
+        report["interrupted"] = True
+        done = {r["precision"] for r in report["runs"]}
+        report["runs"] += [_blank_run(p, "interrupted", "interrupted (Ctrl-C) before this run finished") for p, _ in plan if p not in done]
+    finally:
+        progress.close()
+    _ratios(report)
+    if out is not None or show:
+        from ampkit import report as reporting
+
+        if out is not None:
+            reporting.write_report(report, Path(out))
+        if show:
+            reporting.render_table(report)
+    if report["interrupted"]:
+        raise KeyboardInterrupt
+    return report
+
+
+def _run_planned(name, probe, dev, seed, task, steps, batch_size, train_fn, samples_per_step, isolate, progress, task_info) -> dict[str, Any]:  # noqa: ANN001
+    try:
+        resolve_precision(name, dev)
+    except PrecisionError as exc:
+        return _blank_run(name, "skipped", str(exc))
+    spec = RunSpec(precision=name, device=str(dev), seed=seed, task=task, steps=steps, batch_size=batch_size,
+                   train_fn=train_fn, probe=probe, samples_per_step=samples_per_step)
+    total = PROBE_STEPS if probe else (task_info["steps"] if task_info else None)
+    label = f"{name} (probe: timing only)" if probe else name
+    progress.start(label, total)
+    try:
+        run = _run_isolated(spec, progress.update) if isolate else run_one(spec, progress.update)
+    except _RunFailed as exc:
+        progress.stop()
+        return _blank_run(name, "failed", str(exc).strip().splitlines()[0] if str(exc).strip() else "failed")
+    except Exception as exc:  # in-process runs: a failure is a reported status, not a crash of the comparison
+        progress.stop()
+        return _blank_run(name, "failed", f"{type(exc).__name__}: {exc}")
+    progress.update(run["steps"])
+    progress.stop()
+    if probe:
+        run["reason"] = (
+            f"timing only ({PROBE_STEPS} steps): {dev.type} runs {PRESETS[name].compute_dtype} slowly here, "
+            f"so a full run was left out; name it in --precisions to run it fully"
+        )
+    return run
+
+
+class _Progress:
+    """One progress bar per run (rich when installed, else a line per run)."""
+
+    def __init__(self, show: bool) -> None:
+        self._show = show
+        self._bar: Any = None
+        self._task: Any = None
+        self._label = ""
+
+    def start(self, label: str, total: int | None) -> None:
+        self._label = label
+        if not self._show:
+            return
+        try:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        except ImportError:
+            print(f"running {label} ...", flush=True)
+            return
+        self._bar = Progress(TextColumn("{task.description:<32}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=False)
+        self._bar.start()
+        self._task = self._bar.add_task(label, total=total)
+
+    def update(self, step: int) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step)
+
+    def stop(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+    def close(self) -> None:
+        self.stop()

@@ -1,0 +1,113 @@
+"""`ampkit compare`: one run per precision, real training, a report with every figure."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ampkit
+from ampkit.compare import RunSpec, compare, default_precisions, run_one
+from ampkit.hardware import Support
+from conftest import make_loader, make_model
+
+
+def user_train_fn(acc: ampkit.Accelerator) -> dict[str, float]:
+    """A user's own loop, module-level so it can be sent to a fresh process."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
+    model, opt, loader = acc.prepare(model, opt, make_loader(batch_size=16))
+    for _ in range(2):
+        for x, y in loader:
+            acc.backward(F.cross_entropy(model(x), y))
+            opt.step()
+            opt.zero_grad()
+    x, y = next(iter(loader))
+    with torch.no_grad():
+        accuracy = (model(x).argmax(1) == y).float().mean().item()
+    return {"accuracy": accuracy, "extra": 1.0}
+
+
+def diverging_fn(acc: ampkit.Accelerator) -> dict[str, float]:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = acc.prepare(model, opt)
+    for step, (x, y) in enumerate(make_loader(batch_size=16)):
+        loss = F.cross_entropy(model(x), y)
+        if step >= 5:
+            loss = loss * float("nan")
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    return {"accuracy": float("nan")}
+
+
+def test_user_train_fn_in_separate_processes():
+    report = compare(user_train_fn, ["fp32", "bf16-mixed"], device="cpu", show=False, samples_per_step=16)
+    fp32, bf16 = report["runs"]
+    assert [r["status"] for r in report["runs"]] == ["ok", "ok"]
+    assert fp32["steps"] == bf16["steps"] == 32  # two epochs of 16 batches
+    assert fp32["metric"] == fp32["eval"]["accuracy"] and fp32["metric"] > 0.5
+    assert len(fp32["loss_curve"]) == 32 and all(math.isfinite(v) for v in fp32["loss_curve"])
+    assert fp32["loss_curve"][-1] < fp32["loss_curve"][0]
+    assert bf16["policy"]["compute_dtype"] == "bfloat16"
+    assert fp32["speedup_vs_baseline"] == 1.0 and bf16["speedup_vs_baseline"] > 0
+    assert fp32["peak_memory_bytes"] > 0 and fp32["memory_kind"] == "cpu_peak_rss_delta"
+    assert bf16["samples_per_s"] > 0 and bf16["metric_delta_vs_baseline"] is not None
+    assert report["machine"]["torch"] == torch.__version__
+
+
+def test_same_seed_gives_the_same_fp32_loss_curve():
+    spec = RunSpec(precision="fp32", device="cpu", seed=3, task="iris-mlp", steps=25)
+    a, b = run_one(spec)["loss_curve"], run_one(spec)["loss_curve"]
+    assert a == b and len(a) == 25
+    c = run_one(RunSpec(precision="fp32", device="cpu", seed=4, task="iris-mlp", steps=25))["loss_curve"]
+    assert c != a
+
+
+def test_fp16_run_records_its_scale_history():
+    run = run_one(RunSpec(precision="fp16-mixed", device="cpu", seed=0, task="iris-mlp", steps=12))
+    assert run["scale_history"] == [65536.0] * 12 and run["skipped_steps"] == 0
+
+
+def test_a_diverging_run_is_reported_with_its_last_finite_step():
+    report = compare(diverging_fn, ["fp32"], device="cpu", show=False, isolate=False)
+    run = report["runs"][0]
+    assert run["status"] == "diverged"
+    assert run["last_finite_step"] == 4
+    assert run["reason"] == "the loss became non-finite after step 4"
+    assert run["loss_curve"][5] is None
+
+
+def test_a_preset_the_hardware_cannot_run_is_skipped_and_the_rest_still_run(monkeypatch):
+    no_bf16 = Support("old GPU", bf16_runs=False, bf16_fast=False, fp16_runs=True, fp16_fast=True, source="test")
+    monkeypatch.setattr("ampkit.precision.capability", lambda device: no_bf16)
+    report = compare(user_train_fn, ["fp32", "bf16-mixed", "fp16-mixed"], device="cpu", show=False, isolate=False)
+    statuses = {r["precision"]: r["status"] for r in report["runs"]}
+    assert statuses == {"fp32": "ok", "bf16-mixed": "skipped", "fp16-mixed": "ok"}
+    skipped = report["runs"][1]
+    assert "needs bf16, which old GPU cannot run" in skipped["reason"]
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match=r"unknown task 'mnist'; choose one of: digits-cnn, iris-mlp, tiny-lm"):
+        compare(task="mnist", device="cpu", show=False)
+    with pytest.raises(ampkit.PrecisionError, match=r"unknown precision\(s\) \['fp8'\]"):
+        compare(task="iris-mlp", precisions=["fp32", "fp8"], device="cpu", show=False)
+    with pytest.raises(TypeError, match=r"cannot be sent to a fresh process .*define it at module level .*or pass isolate=False"):
+        compare(lambda acc: {}, ["fp32"], device="cpu", show=False)
+    with pytest.raises(ValueError, match=r"needs exactly one of train_fn=... or task='...'"):
+        compare(device="cpu", show=False)
+    with pytest.raises(ValueError, match=r"steps=0: expected an integer >= 1"):
+        compare(task="iris-mlp", steps=0, device="cpu", show=False)
+
+
+def test_default_precisions_follow_the_hardware(monkeypatch):
+    cpu = torch.device("cpu")
+    zen4 = {"avx512_bf16": True, "amx_bf16": False, "avx512_fp16": False, "amx_fp16": False}
+    monkeypatch.setattr("ampkit.hardware.cpu_flags", lambda: zen4)
+    assert default_precisions(cpu) == (["fp32", "bf16-mixed", "bf16-master", "bf16-true"], [])
+    monkeypatch.setattr("ampkit.hardware.cpu_flags", lambda: dict.fromkeys(zen4, False))
+    assert default_precisions(cpu) == (["fp32"], ["bf16-mixed"])
