@@ -69,7 +69,32 @@ def default_precisions(device: torch.device) -> tuple[list[str], list[str]]:
     return full, probes
 
 
+def _proc_status(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's resident-memory high-water mark to the current RSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def _peak_rss_bytes() -> int:
+    """The process's resident-memory high-water mark (VmHWM; ru_maxrss where /proc is missing)."""
+    hwm = _proc_status("VmHWM")
+    if hwm is not None:
+        return hwm
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
 
@@ -91,7 +116,9 @@ class _Memory:
         """Start measuring here: after imports and data, before the model exists."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        self._rss_before = _peak_rss_bytes()
+        # With the high-water mark reset, the peak above the current RSS is what training added;
+        # without it (no /proc), the peak so far is the best baseline there is.
+        self._rss_before = _proc_status("VmRSS") if _reset_peak_rss() else _peak_rss_bytes()
 
     def read(self) -> tuple[int, int | None, str]:
         """(figure ratios use, raw peak RSS or None, kind)."""
