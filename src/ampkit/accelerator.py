@@ -18,13 +18,16 @@ comment marked `# sync:` says why.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from ampkit import checkpoint
 from ampkit.data import DeviceLoader
 from ampkit.errors import PrecisionError, StepOrderError
 from ampkit.hardware import capability, resolve_device
@@ -131,7 +134,11 @@ class Accelerator:
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.state = TrainingState(self)
         self._models: dict[int, _Prepared] = {}
+        self._model_list: list[nn.Module] = []
         self._optimizers: list[AmpOptimizer] = []
+        self._schedulers: list[AmpScheduler] = []
+        self._loaders: list[DeviceLoader] = []
+        self._epoch = 0  # the epoch acc.epochs() is in (saved with checkpoints)
         self._metrics = MetricTracker()
         self._cycle_pos = 0  # backward calls in the current accumulation cycle, 1..k after the first
         self._pending_found_infs: list[torch.Tensor] = []
@@ -172,6 +179,7 @@ class Accelerator:
     def _prepare_model(self, model: nn.Module, *_: Any) -> nn.Module:
         originals = prepare_module(model, self.policy, self.device, self.keep_fp32)
         self._models[id(model)] = _Prepared(originals)
+        self._model_list.append(model)
         return model
 
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer, *_: Any) -> AmpOptimizer:
@@ -222,13 +230,17 @@ class Accelerator:
         return weights
 
     def _prepare_loader(self, loader: DataLoader, *_: Any) -> DeviceLoader:
-        return DeviceLoader(loader, self.device)
+        wrapped = DeviceLoader(loader, self.device)
+        self._loaders.append(wrapped)
+        return wrapped
 
     def _prepare_scheduler(self, scheduler: Any, out: list[Any], objs: tuple[Any, ...]) -> AmpScheduler:
         target = scheduler.optimizer
         for opt in self._optimizers:
             if opt.optimizer is target or opt is target:
-                return AmpScheduler(scheduler, opt, per_step=self.step_scheduler_with_optimizer)
+                wrapped = AmpScheduler(scheduler, opt, per_step=self.step_scheduler_with_optimizer)
+                self._schedulers.append(wrapped)
+                return wrapped
         raise StepOrderError(
             f"prepare() got the scheduler {scheduler.__class__.__name__} before its optimizer: "
             f"prepare the optimizer in the same call or earlier"
@@ -295,6 +307,52 @@ class Accelerator:
         if not self.policy.autocast:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.policy.compute_dtype)
+
+    # --- checkpoints --------------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        """Write the whole training state to one file, atomically (see `ampkit.checkpoint`)."""
+        return checkpoint.save(self, path)
+
+    def load(self, path: str | Path) -> None:
+        """Restore the whole training state from `path`; `CheckpointError` if it is missing or broken."""
+        self._require_prepared("load")
+        checkpoint.load(self, path)
+
+    def save_checkpoint(self, folder: str | Path, keep: int = 3) -> Path:
+        """Save `folder/step-<applied steps>.pt`, point `folder/latest` at it, keep the newest `keep`."""
+        return checkpoint.save_checkpoint(self, folder, keep)
+
+    def resume(self, folder: str | Path) -> Path | None:
+        """Load the newest valid checkpoint in `folder` (skipping broken ones with a warning).
+
+        Returns its path, or None on a fresh start (no folder or no checkpoint): call it
+        unconditionally before the loop.
+        """
+        self._require_prepared("resume")
+        return checkpoint.resume(self, folder)
+
+    def epochs(self, n: int) -> Iterator[int]:
+        """Yield the epochs still to run, 0..n-1 on a fresh start, from the saved epoch on a resume.
+
+        Prepared loaders follow it: each epoch gets its own shuffle (and `set_epoch` on a
+        DistributedSampler), and an epoch interrupted by a crash resumes at its next batch.
+        """
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"epochs({n!r}): expected an integer >= 0")
+        start = self._epoch
+        if self._loaders and all(l._started and l._finished and l.epoch == start for l in self._loaders):
+            start += 1  # the checkpoint was taken after the saved epoch's last batch
+        for epoch in range(start, n):
+            self._epoch = epoch
+            for loader in self._loaders:
+                if loader._resume is None or loader.epoch != epoch:
+                    loader.set_epoch(epoch)
+            yield epoch
+        self._epoch = max(n, start)
+
+    def _require_prepared(self, what: str) -> None:
+        if not (self._model_list or self._optimizers):
+            raise StepOrderError(f"acc.{what}() needs the prepared objects to restore into: call acc.prepare(model, optimizer, ...) first")
 
     # --- metrics and helpers ------------------------------------------------------------------
     def track(self, name: str, value: torch.Tensor | float) -> None:

@@ -39,6 +39,9 @@ class DeviceLoader:
 
     Iterating yields the same batches in the same order as the wrapped loader. Attribute access
     (`dataset`, `batch_size`, `sampler`, ...) goes to the wrapped loader.
+
+    It also keeps its place — the epoch, the batches handed out in it, and the random state the
+    epoch's shuffle started from — so a checkpoint can resume mid-epoch at the exact next batch.
     """
 
     def __init__(self, loader: DataLoader, device: torch.device) -> None:
@@ -48,22 +51,109 @@ class DeviceLoader:
         if self._cuda and not loader.pin_memory and loader.num_workers == 0:
             # Pinned host memory lets the host→device copy run without blocking the host.
             loader.pin_memory = True
+        self.epoch = 0  # passes started before the current one
+        self.batch_index = 0  # batches handed out in the current pass
+        self._finished = False  # the current pass ran to its end
+        self._started = False
+        self._epoch_rng: dict[str, torch.Tensor] = {}  # random state at the start of the current pass
+        self._resume: tuple[int, dict[str, torch.Tensor]] | None = None  # (batches to skip, rng to replay)
 
+    # --- random state that decides a pass's order ---------------------------------------------
+    def _generators(self) -> dict[str, torch.Generator]:
+        found: dict[str, torch.Generator] = {}
+        for name, owner in (("loader", self.loader), ("sampler", getattr(self.loader, "sampler", None)),
+                            ("batch_sampler", getattr(getattr(self.loader, "batch_sampler", None), "sampler", None))):
+            gen = getattr(owner, "generator", None)
+            if isinstance(gen, torch.Generator) and all(gen is not g for g in found.values()):
+                found[name] = gen
+        return found
+
+    def _capture_rng(self) -> dict[str, torch.Tensor]:
+        state = {"global": torch.get_rng_state()}
+        state.update({name: gen.get_state() for name, gen in self._generators().items()})
+        return state
+
+    def _restore_rng(self, state: dict[str, torch.Tensor]) -> None:
+        torch.set_rng_state(state["global"])
+        for name, gen in self._generators().items():
+            if name in state:
+                gen.set_state(state[name])
+
+    # --- iteration ----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
+        skip = 0
+        if self._resume is not None:
+            skip, epoch_rng = self._resume
+            self._resume = None
+            now = torch.get_rng_state()
+            self._restore_rng(epoch_rng)  # replay the shuffle of the interrupted pass ...
+            self._epoch_rng = epoch_rng
+            it = iter(self.loader) if skip < len(self) else iter(())
+            torch.set_rng_state(now)  # ... but continue everything else from the checkpoint's state
+        else:
+            if self._started:
+                self.epoch += 1
+            self._epoch_rng = self._capture_rng()
+            self._set_sampler_epoch()
+            it = iter(self.loader)
+        self._started, self._finished, self.batch_index = True, False, 0
+        for _ in range(skip):  # the batches the interrupted run had already trained on
+            if next(it, _END) is _END:
+                break
+            self.batch_index += 1
+        yield from self._on_device(it)
+        self._finished = True
+
+    def _on_device(self, it: Iterator[Any]) -> Iterator[Any]:
         if not self._cuda:
-            for batch in self.loader:
+            for batch in it:
+                self.batch_index += 1
                 yield move_to_device(batch, self.device)
             return
         # One batch ahead: its copy overlaps the current step's compute.
-        it = iter(self.loader)
         try:
             ahead = move_to_device(next(it), self.device, non_blocking=True)
         except StopIteration:
             return
         for batch in it:
             current, ahead = ahead, move_to_device(batch, self.device, non_blocking=True)
+            self.batch_index += 1
             yield current
+        self.batch_index += 1
         yield ahead
+
+    def set_epoch(self, epoch: int) -> None:
+        """Declare the pass about to start (`acc.epochs` calls it); forwarded to the sampler."""
+        self.epoch = epoch
+        self._started = False
+        self._set_sampler_epoch()
+
+    def _set_sampler_epoch(self) -> None:
+        sampler = getattr(self.loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(self.epoch)  # DistributedSampler: a new shuffle per epoch
+
+    # --- checkpointing ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader is: epoch, batches handed out, and the pass's starting random state."""
+        return {
+            "epoch": self.epoch,
+            "batch_index": self.batch_index,
+            "finished": self._finished,
+            "started": self._started,
+            "epoch_rng": dict(self._epoch_rng),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Arrange for the next pass to resume exactly where `state` was taken."""
+        self.epoch = int(state["epoch"])
+        self._started = bool(state["started"])
+        self._finished = bool(state["finished"])
+        self.batch_index = int(state["batch_index"])
+        if self._started and not self._finished and state["epoch_rng"]:
+            self._resume = (self.batch_index, dict(state["epoch_rng"]))
+        elif self._started and self._finished:
+            self._resume = None  # the pass ended: the next one starts fresh
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -75,3 +165,6 @@ class DeviceLoader:
 
     def __repr__(self) -> str:
         return f"DeviceLoader({self.loader!r}, device={self.device})"
+
+
+_END = object()

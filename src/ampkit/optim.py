@@ -99,7 +99,7 @@ class CompensatedWeights:
                 shadow.data = param.to(torch.float32).add_(comp)
                 shadow.grad = param.grad.to(torch.float32)
                 grads.append(shadow.grad)
-                self._cast_state(shadow, torch.float32)
+                self._cast_state(param, shadow, torch.float32)
         return grads
 
     def weights_out(self) -> None:
@@ -110,7 +110,7 @@ class CompensatedWeights:
                     continue
                 param.copy_(shadow)
                 comp.copy_(shadow.sub_(param))
-                self._cast_state(shadow, torch.bfloat16)
+                self._cast_state(param, shadow, torch.bfloat16)
 
     def release(self) -> None:
         """Free the fp32 stand-ins: between steps bf16-true holds no fp32 copy of anything."""
@@ -118,13 +118,18 @@ class CompensatedWeights:
             shadow.grad = None
             shadow.data = _EMPTY_FP32
 
-    def _cast_state(self, shadow: nn.Parameter, dtype: torch.dtype) -> None:
+    def store_state_low(self) -> None:
+        """Store per-element optimizer state in bf16 (after loading a state_dict, which casts it to fp32)."""
+        for param, shadow in self.pairs:
+            self._cast_state(param, shadow, torch.bfloat16)
+
+    def _cast_state(self, param: nn.Parameter, shadow: nn.Parameter, dtype: torch.dtype) -> None:
         state = self.optimizer.state.get(shadow)
         if not state:
             return
         for key, value in state.items():
             # Per-element state (moments, momentum buffers) only; scalar step counters stay exact.
-            if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == shadow.shape:
+            if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == param.shape:
                 state[key] = value.to(dtype)
 
 

@@ -1,0 +1,94 @@
+"""A small training run with the resumable loop shape, used by the checkpoint tests.
+
+Run as a script it trains in this fresh process and writes its per-micro-step losses and final
+weights to --out, so a test can compare a resumed run with an uninterrupted one bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import ampkit
+
+EPOCHS = 3
+
+
+def build(precision: str, accum: int):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.2), nn.GELU(), nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(96, 8, generator=g)
+    y = x[:, :4].argmax(dim=1)
+    loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(2))
+    acc = ampkit.Accelerator(precision=precision, device="cpu", grad_accum_steps=accum)
+    model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
+    return acc, model, opt, loader, sched
+
+
+def train(precision: str, accum: int = 1, ckpt: str | None = None, stop_after: int | None = None,
+          inject_at: int | None = None, every: int | None = None, log: str | None = None, sleep: float = 0.0):
+    """Train EPOCHS epochs; return (micro-step losses, final weights).
+
+    stop_after: save a checkpoint after that many micro-steps (of this process) and stop, as a crash would.
+    every: save a checkpoint every that many micro-steps. inject_at: put an inf in the gradients at
+    that global micro-step (counted across a resume). log: append each loss to this file as it happens.
+    """
+    acc, model, opt, loader, sched = build(precision, accum)
+    if ckpt is not None:
+        acc.resume(ckpt)
+    micro = opt.attempted_steps * accum + acc._cycle_pos % accum  # micro-steps already trained (resumed runs)
+    losses: list[float] = []
+    for _ in acc.epochs(EPOCHS):
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
+            acc.backward(loss)
+            if inject_at is not None and micro == inject_at:
+                with torch.no_grad():
+                    model[0].weight.grad[0, 0] = float("inf")
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            micro += 1
+            losses.append(loss.item())
+            if log is not None:
+                with open(log, "a") as f:
+                    f.write(f"{micro - 1} {loss.item()!r}\n")
+            if every is not None and micro % every == 0:
+                acc.save_checkpoint(ckpt)
+            if stop_after is not None and len(losses) == stop_after:
+                acc.save_checkpoint(ckpt)
+                return losses, [p.detach().clone() for p in model.parameters()], acc
+            time.sleep(sleep)
+    return losses, [p.detach().clone() for p in model.parameters()], acc
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--precision", default="fp32")
+    p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--out")
+    p.add_argument("--every", type=int)
+    p.add_argument("--log")
+    p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--inject-at", type=int)
+    a = p.parse_args()
+    losses, weights, acc = train(a.precision, a.accum, a.ckpt, every=a.every, log=a.log, sleep=a.sleep, inject_at=a.inject_at)
+    if a.out:
+        torch.save({"losses": losses, "weights": weights, "scale": acc.state.scale,
+                    "skipped": acc.state.skipped_steps, "applied": acc.state.applied_steps}, a.out)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
+    main()
