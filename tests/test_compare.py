@@ -111,3 +111,36 @@ def test_default_precisions_follow_the_hardware(monkeypatch):
     assert default_precisions(cpu) == (["fp32", "bf16-mixed", "bf16-master", "bf16-true"], [])
     monkeypatch.setattr("ampkit.hardware.cpu_flags", lambda: dict.fromkeys(zen4, False))
     assert default_precisions(cpu) == (["fp32"], ["bf16-mixed"])
+
+
+def test_report_files_from_a_real_comparison(tmp_path, capsys):
+    import json
+
+    from ampkit.report import validate_report
+
+    out = tmp_path / "report"
+    compare(task="iris-mlp", precisions=["fp32", "fp16-mixed"], steps=15, device="cpu", out=out)
+    report = json.loads((out / "report.json").read_text())
+    validate_report(report)
+    assert [r["status"] for r in report["runs"]] == ["ok", "ok"]
+    fp16 = report["runs"][1]
+    assert fp16["scale_history"] == [65536.0] * 15
+    assert "no fp16 instructions" in fp16["reason"] or "fp16" not in str(report["machine"]["cpu_flags"])
+    for name in ("loss_curves.png", "throughput.png", "scale_history.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    html = (out / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == 3
+    printed = capsys.readouterr().out
+    assert "fp16-mixed" in printed and "baseline" in printed
+
+
+def test_cli_compare(tmp_path, capsys):
+    from ampkit.cli import main
+
+    assert main(["compare", "--task", "iris-mlp", "--steps", "5", "--precisions", "fp32", "--out", str(tmp_path / "r"), "--device", "cpu"]) == 0
+    assert (tmp_path / "r" / "report.html").exists()
+    assert main(["compare", "--task", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "ampkit compare: unknown task 'nope'; choose one of: digits-cnn, iris-mlp, tiny-lm"
+    assert main(["compare", "--task", "iris-mlp", "--precisions", "fp32,fp9"]) == 2
+    assert "unknown precision(s) ['fp9']" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import math
 import multiprocessing
 import pickle
@@ -19,6 +20,7 @@ import resource
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -158,7 +160,10 @@ def run_one(spec: RunSpec, progress: Callable[[int], None] | None = None) -> dic
     device = resolve_device(spec.device)
     _seed_everything(spec.seed)
     memory = _Memory(device)
-    acc = Accelerator(precision=spec.precision, device=device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc = Accelerator(precision=spec.precision, device=device)
+    notes = [str(w.message) for w in caught]
     recorder = Recorder(device, on_step=progress)
     acc._recorder = recorder
     steps = spec.steps or 0
@@ -184,7 +189,7 @@ def run_one(spec: RunSpec, progress: Callable[[int], None] | None = None) -> dic
     return {
         "precision": spec.precision,
         "status": "probe" if spec.probe else "ok",
-        "reason": None,
+        "reason": "; ".join(notes) or None,
         "policy": {
             "name": policy.name,
             "reason": policy.reason,
@@ -257,11 +262,12 @@ class _RunFailed(Exception):
     pass
 
 
-def _blank_run(precision: str, status: str, reason: str) -> dict[str, Any]:
+def _blank_run(precision: str, status: str, reason: str, device: torch.device | None = None) -> dict[str, Any]:
+    kind = "cuda_max_allocated" if device is not None and device.type == "cuda" else "cpu_peak_rss_delta"
     return {
         "precision": precision, "status": status, "reason": reason, "policy": None,
         "steps": 0, "warmup_steps": 0, "step_time_median_s": None, "samples_per_s": None,
-        "speedup_vs_baseline": None, "memory_kind": "cpu_peak_rss_delta", "peak_memory_bytes": None,
+        "speedup_vs_baseline": None, "memory_kind": kind, "peak_memory_bytes": None,
         "peak_rss_bytes": None, "memory_ratio_vs_baseline": None, "loss_curve": [],
         "final_train_loss": None, "eval": {}, "metric": None, "metric_delta_vs_baseline": None,
         "skipped_steps": 0, "scale_history": None, "last_finite_step": None, "wall_time_s": None,
@@ -388,7 +394,7 @@ def compare(
     except KeyboardInterrupt:
         report["interrupted"] = True
         done = {r["precision"] for r in report["runs"]}
-        report["runs"] += [_blank_run(p, "interrupted", "interrupted (Ctrl-C) before this run finished") for p, _ in plan if p not in done]
+        report["runs"] += [_blank_run(p, "interrupted", "interrupted (Ctrl-C) before this run finished", dev) for p, _ in plan if p not in done]
     finally:
         progress.close()
     _ratios(report)
@@ -396,7 +402,13 @@ def compare(
         from ampkit import report as reporting
 
         if out is not None:
-            reporting.write_report(report, Path(out))
+            try:
+                reporting.write_report(report, Path(out))
+            except ValueError as exc:  # never lose a finished comparison to a report bug
+                Path(out).mkdir(parents=True, exist_ok=True)
+                raw = Path(out) / "report.unvalidated.json"
+                raw.write_text(json.dumps(report, indent=2, default=str))
+                warnings.warn(f"{exc}; the raw figures are in {raw}", stacklevel=2)
         if show:
             reporting.render_table(report)
     if report["interrupted"]:
@@ -406,9 +418,11 @@ def compare(
 
 def _run_planned(name, probe, dev, seed, task, steps, batch_size, train_fn, samples_per_step, isolate, progress, task_info) -> dict[str, Any]:  # noqa: ANN001
     try:
-        resolve_precision(name, dev)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the run itself records the warning as a note
+            resolve_precision(name, dev)
     except PrecisionError as exc:
-        return _blank_run(name, "skipped", str(exc))
+        return _blank_run(name, "skipped", str(exc), dev)
     spec = RunSpec(precision=name, device=str(dev), seed=seed, task=task, steps=steps, batch_size=batch_size,
                    train_fn=train_fn, probe=probe, samples_per_step=samples_per_step)
     total = PROBE_STEPS if probe else (task_info["steps"] if task_info else None)
@@ -418,15 +432,15 @@ def _run_planned(name, probe, dev, seed, task, steps, batch_size, train_fn, samp
         run = _run_isolated(spec, progress.update) if isolate else run_one(spec, progress.update)
     except _RunFailed as exc:
         progress.stop()
-        return _blank_run(name, "failed", str(exc).strip().splitlines()[0] if str(exc).strip() else "failed")
+        return _blank_run(name, "failed", str(exc).strip() or "failed", dev)
     except Exception as exc:  # in-process runs: a failure is a reported status, not a crash of the comparison
         progress.stop()
-        return _blank_run(name, "failed", f"{type(exc).__name__}: {exc}")
+        return _blank_run(name, "failed", f"{type(exc).__name__}: {exc}", dev)
     progress.update(run["steps"])
     progress.stop()
     if probe:
         run["reason"] = (
-            f"timing only ({PROBE_STEPS} steps): {dev.type} runs {PRESETS[name].compute_dtype} slowly here, "
+            f"timing only: {dev.type} runs {str(PRESETS[name].compute_dtype).removeprefix('torch.')} slowly here, "
             f"so a full run was left out; name it in --precisions to run it fully"
         )
     return run
