@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -144,3 +145,33 @@ def test_cli_compare(tmp_path, capsys):
     assert err.strip() == "ampkit compare: unknown task 'nope'; choose one of: digits-cnn, iris-mlp, tiny-lm"
     assert main(["compare", "--task", "iris-mlp", "--precisions", "fp32,fp9"]) == 2
     assert "unknown precision(s) ['fp9']" in capsys.readouterr().err
+
+
+def test_an_interrupted_comparison_resumes_where_it_stopped(tmp_path, monkeypatch):
+    import ampkit.compare as cmp
+
+    kwargs = dict(task="iris-mlp", precisions=["fp32", "fp16-mixed"], steps=20, device="cpu", isolate=False, show=False)
+    reference = compare(**kwargs)["runs"]
+
+    real_update = cmp._Progress.update
+
+    def crash_at_13(self, step):
+        if self._label == "fp16-mixed" and step == 13:
+            raise KeyboardInterrupt
+        real_update(self, step)
+
+    monkeypatch.setattr(cmp._Progress, "update", crash_at_13)
+    out = tmp_path / "cmp"
+    with pytest.raises(KeyboardInterrupt):
+        compare(out=out, **kwargs)
+    partial = json.loads((out / "report.json").read_text())
+    assert [r["status"] for r in partial["runs"]] == ["ok", "interrupted"]
+
+    monkeypatch.setattr(cmp._Progress, "update", real_update)
+    runs = compare(out=out, resume=True, **kwargs)["runs"]
+    assert runs[0] == partial["runs"][0]  # the finished run is kept, not re-run
+    fp16 = runs[1]
+    assert fp16["status"] == "ok" and "resumed from a checkpoint at step 12" in fp16["reason"]
+    assert fp16["loss_curve"] == reference[1]["loss_curve"][12:]
+    assert fp16["eval"] == reference[1]["eval"]
+    assert not (out / ".compare" / "fp16-mixed.ckpt").exists()

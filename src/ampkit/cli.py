@@ -17,12 +17,13 @@ def _compare(args: argparse.Namespace) -> int:
     command = "ampkit " + " ".join(shlex.quote(a) for a in args.argv)
     try:
         compare(task=args.task, precisions=precisions, steps=args.steps, batch_size=args.batch_size,
-                seed=args.seed, device=args.device, out=args.out, command=command)
+                seed=args.seed, device=args.device, out=args.out, command=command, resume=args.resume)
     except (PrecisionError, ValueError) as exc:
         print(f"ampkit compare: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"\ninterrupted: the runs that finished are in {args.out}/", file=sys.stderr)
+        print(f"\ninterrupted: the runs that finished are in {args.out}/; continue with the same command and --resume",
+              file=sys.stderr)
         return 130
     print(f"\nreport: {args.out}/report.html (and report.json, PNG plots)")
     return 0
@@ -46,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--seed", type=int, default=0, help="seed for model init and data order (default: 0)")
     cmp.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, mps")
     cmp.add_argument("--out", default="report", help="folder for report.json, plots and report.html (default: report)")
+    cmp.add_argument("--resume", action="store_true",
+                     help="continue an interrupted comparison in --out: finished runs are kept, the unfinished one "
+                          "resumes from its last checkpoint")
     cmp.set_defaults(func=_compare)
     return parser
 

@@ -17,6 +17,7 @@ import multiprocessing
 import pickle
 import random
 import resource
+import shutil
 import sys
 import time
 import traceback
@@ -30,6 +31,7 @@ import torch
 
 from ampkit import __version__
 from ampkit.accelerator import Accelerator
+from ampkit.checkpoint import atomic_write
 from ampkit.errors import PrecisionError
 from ampkit.hardware import auto_precision, capability, describe, resolve_device
 from ampkit.precision import PRESETS, resolve_precision
@@ -54,6 +56,7 @@ class RunSpec:
     train_fn: TrainFn | None = None
     probe: bool = False
     samples_per_step: int | None = None
+    checkpoints: str | None = None  # folder to checkpoint into and resume from (built-in tasks)
 
 
 def default_precisions(device: torch.device) -> tuple[list[str], list[str]]:
@@ -140,14 +143,21 @@ def _train_task(acc: Accelerator, spec: RunSpec, steps: int, memory: _Memory) ->
     model = task.make_model(spec.seed)
     optimizer = task.make_optimizer(model.parameters(), task.default_lr)
     model, optimizer, loader = acc.prepare(model, optimizer, data.train_loader)
-    done = 0
-    while done < steps:
+    every = max(1, steps // 10)
+    if spec.checkpoints is not None:
+        acc.resume(spec.checkpoints)
+    done = optimizer.attempted_steps  # > 0 when resumed
+    for _ in acc.epochs(sys.maxsize):
+        if done >= steps:
+            break
         for x, y in loader:
             loss = task.loss_fn(model(x), y)
             acc.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
             done += 1
+            if spec.checkpoints is not None and done % every == 0 and done < steps:
+                acc.save_checkpoint(spec.checkpoints, keep=2)
             if done == steps:
                 break
     if spec.probe:
@@ -184,6 +194,9 @@ def run_one(spec: RunSpec, progress: Callable[[int], None] | None = None) -> dic
     warmup = 2 if spec.probe else min(10, recorder.steps // 10)
     summary = recorder.summary(warmup)
     peak, raw, kind = memory.read()
+    resumed_at = acc._optimizers[0].attempted_steps - recorder.steps if acc._optimizers else 0
+    if resumed_at > 0:
+        notes.append(f"resumed from a checkpoint at step {resumed_at}: the loss curve and timings cover the steps after it")
     policy = acc.policy
     median = summary["step_time_median_s"]
     return {
@@ -321,6 +334,7 @@ def compare(
     isolate: bool = True,
     show: bool = True,
     command: str | None = None,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """Run `train_fn` (or a built-in `task`) once per precision and return the report dict.
 
@@ -337,6 +351,8 @@ def compare(
         metric: which key of `train_fn`'s dict is the headline metric (default: the first key).
         samples_per_step: for `train_fn`, to report samples/s.
         isolate: run each precision in its own process (clean memory figures). False runs in-process.
+        resume: continue an interrupted comparison in `out`: finished runs are kept, an unfinished
+            built-in-task run resumes from its last checkpoint (they are written to `out` as it trains).
     """
     if (train_fn is None) == (task is None):
         raise ValueError("compare() needs exactly one of train_fn=... or task='...'")
@@ -344,6 +360,11 @@ def compare(
         raise ValueError(f"steps={steps!r}: expected an integer >= 1")
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"batch_size={batch_size!r}: expected an integer >= 1")
+    if resume and out is None:
+        raise ValueError("resume=True needs out=: the folder of the comparison to continue")
+    state_dir = Path(out) / ".compare" if out is not None else None
+    if state_dir is not None and not resume:
+        shutil.rmtree(state_dir, ignore_errors=True)  # a new comparison: forget an old one's runs
     task_info = None
     if task is not None:
         from ampkit.tasks import get_task
@@ -388,9 +409,19 @@ def compare(
     progress = _Progress(show)
     try:
         for name, probe in plan:
-            run = _run_planned(name, probe, dev, seed, task, steps, batch_size, train_fn, samples_per_step, isolate, progress, task_info)
+            finished = state_dir / f"{name}.json" if state_dir is not None else None
+            if resume and finished is not None and finished.exists():
+                report["runs"].append(json.loads(finished.read_text()))
+                continue
+            ckpt = str(state_dir / f"{name}.ckpt") if state_dir is not None and task is not None and not probe else None
+            run = _run_planned(name, probe, dev, seed, task, steps, batch_size, train_fn, samples_per_step, isolate, progress, task_info, ckpt)
             _finish_run(run, metric)
             report["runs"].append(run)
+            if finished is not None and run["status"] != "failed":
+                finished.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write(finished, lambda f, run=run: f.write(json.dumps(run).encode()))
+                if ckpt is not None:
+                    shutil.rmtree(ckpt, ignore_errors=True)
     except KeyboardInterrupt:
         report["interrupted"] = True
         done = {r["precision"] for r in report["runs"]}
@@ -416,7 +447,7 @@ def compare(
     return report
 
 
-def _run_planned(name, probe, dev, seed, task, steps, batch_size, train_fn, samples_per_step, isolate, progress, task_info) -> dict[str, Any]:  # noqa: ANN001
+def _run_planned(name, probe, dev, seed, task, steps, batch_size, train_fn, samples_per_step, isolate, progress, task_info, ckpt) -> dict[str, Any]:  # noqa: ANN001
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the run itself records the warning as a note
@@ -424,7 +455,7 @@ def _run_planned(name, probe, dev, seed, task, steps, batch_size, train_fn, samp
     except PrecisionError as exc:
         return _blank_run(name, "skipped", str(exc), dev)
     spec = RunSpec(precision=name, device=str(dev), seed=seed, task=task, steps=steps, batch_size=batch_size,
-                   train_fn=train_fn, probe=probe, samples_per_step=samples_per_step)
+                   train_fn=train_fn, probe=probe, samples_per_step=samples_per_step, checkpoints=ckpt)
     total = PROBE_STEPS if probe else (task_info["steps"] if task_info else None)
     label = f"{name} (probe: timing only)" if probe else name
     progress.start(label, total)
