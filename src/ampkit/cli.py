@@ -29,6 +29,29 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _info(args: argparse.Namespace) -> int:
+    import json
+
+    from ampkit.info import collect_info, render_info
+
+    if args.bench and not args.bench_seconds > 0:
+        print(f"ampkit info: --bench-seconds {args.bench_seconds:g} must be a positive number of seconds",
+              file=sys.stderr)
+        return 2
+    if args.bench and not args.json:
+        print(f"measuring matmul throughput on {args.device} (~{args.bench_seconds:g} s)...", file=sys.stderr)
+    try:
+        info = collect_info(device=args.device, bench=args.bench, bench_seconds=args.bench_seconds)
+    except ValueError as exc:
+        print(f"ampkit info: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(info, indent=2, allow_nan=False))
+    else:
+        render_info(info)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ampkit", description="Mixed-precision training for PyTorch: measured and explained.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -51,6 +74,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help="continue an interrupted comparison in --out: finished runs are kept, the unfinished one "
                           "resumes from its last checkpoint")
     cmp.set_defaults(func=_compare)
+    info = sub.add_parser(
+        "info", help="what this machine runs fast in low precision, and what precision='auto' picks here",
+        description="Show torch/CUDA/cuDNN versions, every device (name, compute capability, memory, SMs), "
+                    "which low-precision dtypes each runs fast (with the source of each fact; 'unknown' where "
+                    "ampkit does not know), the CPU's flags, and the preset precision='auto' picks with its reason.",
+    )
+    info.add_argument("--device", default="auto",
+                      help="device the recommendation and benchmark are for: auto (default), cpu, cuda, cuda:N, mps")
+    info.add_argument("--json", action="store_true", help="print the report as JSON (schema: ampkit.info.INFO_SCHEMA)")
+    info.add_argument("--bench", action="store_true",
+                      help="also time matmuls in fp32, bf16 and fp16 on the device, to confirm the table by speed")
+    info.add_argument("--bench-seconds", type=float, default=2.0,
+                      help="time budget of --bench for all dtypes together (default: 2)")
+    info.set_defaults(func=_info)
     return parser
 
 
