@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 
 from ampkit import checkpoint
 from ampkit.data import DeviceLoader
+from ampkit.distributed import DistributedContext, barrier, shard_loader, sum_across_ranks, wrap_ddp
 from ampkit.errors import PrecisionError, StepOrderError
 from ampkit.hardware import capability, resolve_device
 from ampkit.metrics import MetricTracker
@@ -103,6 +104,9 @@ class Accelerator:
         step_scheduler_with_optimizer: True (default) for schedulers stepped once per optimizer
             step: they advance only on applied steps. False passes every scheduler.step() through
             (schedulers stepped once per epoch).
+        strategy: under torchrun (WORLD_SIZE > 1), "auto" or "ddp" wraps models in
+            DistributedDataParallel and shards DataLoaders; "none" leaves both to you.
+        backend: the process group's backend (default: nccl on CUDA, gloo on CPU).
     """
 
     def __init__(
@@ -114,12 +118,21 @@ class Accelerator:
         scaler: LossScaler | None = None,
         keep_fp32: KeepSpec = (),
         step_scheduler_with_optimizer: bool = True,
+        strategy: str = "auto",
+        backend: str | None = None,
     ) -> None:
         if not isinstance(grad_accum_steps, int) or isinstance(grad_accum_steps, bool) or grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps={grad_accum_steps!r}: expected an integer >= 1")
         if isinstance(keep_fp32, (str, type)):
             keep_fp32 = [keep_fp32]  # type: ignore[list-item]
+        if strategy not in ("auto", "ddp", "none"):
+            raise ValueError(f"strategy={strategy!r}: expected 'auto', 'ddp' or 'none'")
+        self.distributed = DistributedContext.from_env()
+        if self.distributed.enabled and str(device) in ("auto", "cuda") and torch.cuda.is_available():
+            device = self.distributed.local_device("cuda")  # one GPU per rank
         self.device = resolve_device(device)
+        self.distributed.init(self.device, backend)
+        self.strategy = "ddp" if self.distributed.enabled and strategy != "none" else "none"
         self.policy = resolve_precision(precision, self.device)
         if scaler is not None and not isinstance(scaler, LossScaler):
             raise TypeError(f"scaler={scaler!r}: expected an ampkit.LossScaler")
@@ -180,7 +193,16 @@ class Accelerator:
         originals = prepare_module(model, self.policy, self.device, self.keep_fp32)
         self._models[id(model)] = _Prepared(originals)
         self._model_list.append(model)
+        if self.strategy == "ddp":
+            ddp = wrap_ddp(model, self.device)
+            # DDP reads this flag in forward: only the forward whose backward ends an accumulation
+            # cycle all-reduces (no_sync on the others), so there is one all-reduce per optimizer step.
+            ddp.register_forward_pre_hook(self._set_grad_sync)
+            return ddp
         return model
+
+    def _set_grad_sync(self, ddp: nn.Module, _inputs: Any) -> None:
+        ddp.require_backward_grad_sync = self._cycle_pos % self.grad_accum_steps + 1 == self.grad_accum_steps
 
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer, *_: Any) -> AmpOptimizer:
         weights = None
@@ -230,6 +252,8 @@ class Accelerator:
         return weights
 
     def _prepare_loader(self, loader: DataLoader, *_: Any) -> DeviceLoader:
+        if self.strategy == "ddp":
+            loader = shard_loader(loader, self.distributed)
         wrapped = DeviceLoader(loader, self.device)
         self._loaders.append(wrapped)
         return wrapped
@@ -310,8 +334,12 @@ class Accelerator:
 
     # --- checkpoints --------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
-        """Write the whole training state to one file, atomically (see `ampkit.checkpoint`)."""
-        return checkpoint.save(self, path)
+        """Write the whole training state to one file, atomically (see `ampkit.checkpoint`).
+
+        Under torchrun call it on every rank: rank 0 writes, and no rank returns before the file is durable."""
+        path = checkpoint.save(self, path)
+        barrier()
+        return path
 
     def load(self, path: str | Path) -> None:
         """Restore the whole training state from `path`; `CheckpointError` if it is missing or broken."""
@@ -360,12 +388,43 @@ class Accelerator:
         self._metrics.track(name, value)
 
     def metrics(self) -> dict[str, float]:
-        """Means of everything tracked since the last call, as floats (one sync); then reset."""
-        return self._metrics.read()
+        """Means of everything tracked since the last call (over all ranks), as floats; then reset.
+
+        One sync (and, under torchrun, one all-reduce)."""
+        return self._metrics.read(reduce=sum_across_ranks if self.distributed.enabled else None)
+
+    # --- distributed --------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This process's rank (0 without torchrun)."""
+        return self.distributed.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of processes training together (1 without torchrun)."""
+        return self.distributed.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.distributed.local_rank
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0: the process that prints, writes reports and writes checkpoints."""
+        return self.distributed.is_main
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """`print` on rank 0 only."""
+        if self.is_main:
+            print(*args, **kwargs)
+
+    def wait_for_everyone(self) -> None:
+        """A barrier across ranks (a no-op in a single process)."""
+        barrier()
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """The user's module without ampkit's wrappers (today the same object: prepare wraps in place)."""
-        return getattr(model, "module", model) if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        """The user's module without DDP (ampkit's own changes are made in place, on the module)."""
+        return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
     def _bf16_runs(self) -> bool:
         return capability(self.device).bf16_runs
@@ -373,6 +432,6 @@ class Accelerator:
     def __repr__(self) -> str:
         return (
             f"Accelerator(precision={self.policy.name!r}, device={str(self.device)!r}, "
-            f"grad_accum_steps={self.grad_accum_steps})"
+            f"grad_accum_steps={self.grad_accum_steps}, rank={self.rank}/{self.world_size})"
         )
 

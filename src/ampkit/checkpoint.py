@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 import torch
 
+from ampkit.distributed import barrier, gather_objects
 from ampkit.errors import CheckpointError
 from ampkit.optim import CompensatedWeights, MasterWeights, Stage
 
@@ -223,18 +224,22 @@ def collect(acc: Accelerator) -> dict[str, Any]:
         "fp32_weights": _cpu(_fp32_truth(acc)),
         "grads": [_cpu([p.grad for p in m.parameters()]) for m in acc._model_list] if pending else [],
         "schedulers": [_cpu(s.scheduler.state_dict()) for s in acc._schedulers],
-        "loaders": [_cpu(l.state_dict()) for l in acc._loaders],
-        "rng": _cpu(_rng_state()),
+        # Random state and data position differ per rank: keep every rank's (rank order).
+        "ranks": gather_objects(_cpu({"rng": _rng_state(), "loaders": [l.state_dict() for l in acc._loaders]})),
     }
 
 
 def save(acc: Accelerator, path: str | Path) -> Path:
-    """Write a checkpoint of `acc`'s whole training state to `path`, atomically."""
+    """Write a checkpoint of `acc`'s whole training state to `path`, atomically.
+
+    Under torchrun every rank must call it (the ranks' random states are gathered); rank 0 writes.
+    """
     path = Path(path)
     payload = collect(acc)
-    payload["digest"] = _digest({k: v for k, v in payload.items() if k != "digest"})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda f: torch.save(payload, f))
+    if acc.is_main:
+        payload["digest"] = _digest({k: v for k, v in payload.items() if k != "digest"})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda f: torch.save(payload, f))
     return path
 
 
@@ -268,7 +273,8 @@ def apply(acc: Accelerator, payload: dict[str, Any], path: Path) -> None:
     meta = json.loads(payload["meta"])
     _check_shapes(acc, payload, path)
     counts = [(len(acc._model_list), len(payload["models"]), "models"), (len(acc._optimizers), len(payload["optimizers"]), "optimizers"),
-              (len(acc._schedulers), len(payload["schedulers"]), "schedulers"), (len(acc._loaders), len(payload["loaders"]), "data loaders")]
+              (len(acc._schedulers), len(payload["schedulers"]), "schedulers"),
+              (len(acc._loaders), len(payload["ranks"][0]["loaders"]), "data loaders")]
     for have, saved, what in counts:
         if have != saved:
             raise CheckpointError(f"checkpoint {path} holds {saved} {what} but this Accelerator prepared {have}; prepare the same objects before loading")
@@ -294,7 +300,15 @@ def apply(acc: Accelerator, payload: dict[str, Any], path: Path) -> None:
     for sched, state, info in zip(acc._schedulers, payload["schedulers"], meta["schedulers"]):
         sched.scheduler.load_state_dict(state)
         sched._seen_attempts, sched._owed = info["seen"], info["owed"]
-    for loader, state in zip(acc._loaders, payload["loaders"]):
+    ranks = payload["ranks"]
+    if len(ranks) != acc.world_size:
+        warnings.warn(
+            f"checkpoint {path} was saved by {len(ranks)} rank(s) and is resumed by {acc.world_size}: weights, optimizer "
+            f"and schedule continue exactly, but the data order and random streams of the new ranks differ",
+            stacklevel=3,
+        )
+    mine = ranks[acc.rank % len(ranks)]
+    for loader, state in zip(acc._loaders, mine["loaders"]):
         loader.load_state_dict(state)
     if acc.scaler is not None and meta["scaler"] is not None:
         acc.scaler.load_state_dict(meta["scaler"])
@@ -302,7 +316,7 @@ def apply(acc: Accelerator, payload: dict[str, Any], path: Path) -> None:
     acc._cycle_pos = meta["cycle_pos"] if meta["grad_accum_steps"] == acc.grad_accum_steps else 0
     acc._epoch = meta["epoch"]
     acc._pending_found_infs.clear()
-    _set_rng_state(payload["rng"])
+    _set_rng_state(mine["rng"])
 
 
 def _restore_weights(acc: Accelerator, payload: dict[str, Any]) -> None:
@@ -381,14 +395,16 @@ def save_checkpoint(acc: Accelerator, folder: str | Path, keep: int = 3) -> Path
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step-{acc.state.applied_steps:08d}.pt"
     save(acc, path)
-    atomic_write(folder / LATEST, lambda f: f.write(path.name.encode() + b"\n"))
-    for old in list(_candidates(folder))[keep:]:  # only now: the new checkpoint is durable
-        with contextlib.suppress(OSError):
-            old.unlink()
-    for stale in folder.glob(".*.tmp-*"):  # temp files of writers that were killed mid-write
-        with contextlib.suppress(OSError):
-            if not _pid_alive(stale.name.rsplit("-", 1)[-1]):
-                stale.unlink()
+    if acc.is_main:
+        atomic_write(folder / LATEST, lambda f: f.write(path.name.encode() + b"\n"))
+        for old in list(_candidates(folder))[keep:]:  # only now: the new checkpoint is durable
+            with contextlib.suppress(OSError):
+                old.unlink()
+        for stale in folder.glob(".*.tmp-*"):  # temp files of writers that were killed mid-write
+            with contextlib.suppress(OSError):
+                if not _pid_alive(stale.name.rsplit("-", 1)[-1]):
+                    stale.unlink()
+    barrier()  # no rank goes on (or reads the folder) before the checkpoint is durable
     return path
 
 

@@ -88,6 +88,7 @@ class DeviceLoader:
             now = torch.get_rng_state()
             self._restore_rng(epoch_rng)  # replay the shuffle of the interrupted pass ...
             self._epoch_rng = epoch_rng
+            self._set_sampler_epoch()
             it = iter(self.loader) if skip < len(self) else iter(())
             torch.set_rng_state(now)  # ... but continue everything else from the checkpoint's state
         else:

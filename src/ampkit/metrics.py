@@ -6,6 +6,8 @@ adds to device tensors; `read()` fetches every metric with one transfer and star
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -31,15 +33,23 @@ class MetricTracker:
         else:
             self._sums[name], self._counts[name] = total, count
 
-    def read(self) -> dict[str, float]:
-        """The mean of each tracked name since the last read, as floats; then reset. One sync."""
+    def read(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
+        """The mean of each tracked name since the last read, as floats; then reset. One sync.
+
+        `reduce` (e.g. a sum across ranks) is applied to the sums and counts together first, so
+        every rank gets the global means from one collective.
+        """
         if not self._sums:
             return {}
         names = list(self._sums)
         device = self._sums[names[0]].device
         sums = torch.stack([self._sums[n].to(device) for n in names])
-        values = sums.tolist()  # sync: the one read per logging window, by design
-        result = {n: v / self._counts[n] for n, v in zip(names, values)}
+        counts = torch.tensor([float(self._counts[n]) for n in names], device=device)
+        both = torch.cat([sums, counts])
+        if reduce is not None:
+            both = reduce(both)
+        values = both.tolist()  # sync: the one read per logging window, by design
+        result = {n: s / c for n, s, c in zip(names, values[: len(names)], values[len(names):])}
         self._sums.clear()
         self._counts.clear()
         return result

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ampkit.distributed import agree_on_overflow
 from ampkit.errors import LossScaleCollapse, StepOrderError
 from ampkit.outcomes import StepOutcomes
 
@@ -278,6 +279,8 @@ class AmpOptimizer(torch.optim.Optimizer):
                 grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
             self._found_inf = torch.zeros((), dtype=torch.float32, device=scaler.scale_tensor.device)
             scaler.unscale_(grads, self._found_inf)
+            if self._acc.distributed.enabled:
+                agree_on_overflow(self._found_inf)  # every rank skips the same steps, decided on the device
         self._stage = Stage.UNSCALED
 
     def _on_backward(self) -> None:

@@ -1,0 +1,152 @@
+"""Data parallelism on PyTorch's own engine: torchrun's environment, the process group, DDP,
+sharded data and agreement between ranks.
+
+ampkit invents no launcher and no communication layer. Under `torchrun` the environment names
+this process's rank; `DistributedContext` turns it into a process group (NCCL on CUDA, Gloo on a
+CPU), pins the rank to its local device, and tears the group down at exit. The Accelerator asks it
+to wrap models in DDP, to shard DataLoaders with a DistributedSampler, and to reduce the few
+things ranks must agree on (the overflow flag, tracked metrics) on the device.
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """This process's place in the job, read from torchrun's environment variables."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def from_env(cls) -> DistributedContext:
+        """RANK / LOCAL_RANK / WORLD_SIZE as torchrun sets them; a single process without them."""
+        try:
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            rank = int(os.environ.get("RANK", "0"))
+            local = int(os.environ.get("LOCAL_RANK", str(rank)))
+        except ValueError as exc:
+            raise ValueError(f"RANK/LOCAL_RANK/WORLD_SIZE must be integers (as torchrun sets them): {exc}") from None
+        if world < 1 or not 0 <= rank < world:
+            raise ValueError(f"RANK={rank} and WORLD_SIZE={world} are inconsistent: expected 0 <= RANK < WORLD_SIZE")
+        return cls(rank=rank, local_rank=local, world_size=world)
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def local_device(self, device_type: str) -> torch.device:
+        """The device this rank trains on when the user asked for a device type without an index."""
+        if device_type == "cuda":
+            return torch.device("cuda", self.local_rank % max(1, torch.cuda.device_count()))
+        return torch.device(device_type)
+
+    def init(self, device: torch.device, backend: str | None) -> None:
+        """Create the default process group (if torchrun did not) and destroy it at exit."""
+        if not self.enabled or dist.is_initialized():
+            return
+        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        # torchrun's store outlives a worker restart; keys of the failed attempt (a dead rank's
+        # address) would be read again, so each attempt gets its own namespace in the store.
+        store, _, _ = next(dist.rendezvous("env://", self.rank, self.world_size))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"ampkit/attempt-{attempt}", store)
+        dist.init_process_group(backend=backend, store=store, rank=self.rank, world_size=self.world_size)
+        atexit.register(_destroy)
+
+
+def _destroy() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap_ddp(model: nn.Module, device: torch.device) -> nn.parallel.DistributedDataParallel:
+    """DDP over `model` on this rank's device (gradients are averaged across ranks in backward)."""
+    device_ids = [device.index] if device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+
+def shard_loader(loader: DataLoader, ctx: DistributedContext) -> DataLoader:
+    """A copy of `loader` whose sampler gives this rank its share of every epoch.
+
+    Sequential stays sequential (rank r takes samples r, r+W, ...); a random sampler becomes a
+    shuffling DistributedSampler seeded from the loader's generator, so every rank agrees on the
+    epoch's permutation and `set_epoch` makes each epoch differ.
+    """
+    if isinstance(loader.sampler, DistributedSampler) or isinstance(loader.dataset, IterableDataset):
+        if isinstance(loader.dataset, IterableDataset):
+            warnings.warn("an IterableDataset cannot be sharded by ampkit: make it yield this rank's share "
+                          "(acc.rank, acc.world_size)", stacklevel=3)
+        return loader
+    sampler = loader.sampler
+    if not isinstance(sampler, (RandomSampler, SequentialSampler)) or loader.batch_sampler is None:
+        raise ValueError(
+            f"prepare() cannot shard a DataLoader with a {type(sampler).__name__} across {ctx.world_size} ranks; "
+            f"give it a DistributedSampler yourself (it is then left as it is)"
+        )
+    shuffle = isinstance(sampler, RandomSampler)
+    generator = getattr(sampler, "generator", None) or loader.generator
+    seed = generator.initial_seed() if shuffle and generator is not None else 0
+    dist_sampler = DistributedSampler(
+        loader.dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=shuffle, seed=seed,
+        drop_last=loader.drop_last,
+    )
+    kwargs: dict[str, Any] = dict(
+        batch_size=loader.batch_size, sampler=dist_sampler, num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
+        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn, persistent_workers=loader.persistent_workers,
+    )
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    return DataLoader(loader.dataset, **kwargs)
+
+
+def agree_on_overflow(found_inf: torch.Tensor) -> None:
+    """Make `found_inf` the max over all ranks, on the device: every rank skips the same steps."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+
+
+def sum_across_ranks(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj` (tensors and plain data), in rank order; a list of one without a group.
+
+    The objects travel as `torch.save` bytes and come back through `torch.load(weights_only=True)`:
+    all_gather_object cannot carry tensors' storages on every backend.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, buf.getvalue())
+    return [torch.load(io.BytesIO(b), weights_only=True) for b in out]
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,141 @@
+"""Training scripts run under torchrun by test_distributed.py: `torchrun ... ddp_run.py MODE OUT`.
+
+Each rank writes what the test checks to OUT/rank<r>.pt.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import ampkit
+from ampkit import checkpoint
+
+B = 8  # per-rank batch
+
+
+def data(n: int = 160) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 8, generator=g)
+    return TensorDataset(x, x[:, :4].argmax(dim=1))
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4))
+
+
+def make_optimizer(m: nn.Module, sgd: bool) -> torch.optim.Optimizer:
+    # SGD for the equivalence check: Adam's normalised update turns rounding-level gradient
+    # differences into lr-sized steps where a gradient is ~0, hiding what the test measures.
+    return torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) if sgd else torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+
+def setup(precision: str, accum: int = 1, shuffle: bool = False, sgd: bool = False):
+    acc = ampkit.Accelerator(precision=precision, device="cpu", grad_accum_steps=accum)
+    m = model()
+    opt = make_optimizer(m, sgd)
+    loader = DataLoader(data(), batch_size=B, shuffle=shuffle, generator=torch.Generator().manual_seed(3) if shuffle else None)
+    m, opt, loader = acc.prepare(m, opt, loader)
+    return acc, m, opt, loader
+
+
+def equivalence(out: Path, precision: str) -> dict:
+    acc, m, opt, loader = setup(precision, sgd=True)
+    for _, (x, y) in zip(range(10), loader):
+        acc.backward(F.cross_entropy(m(x), y))
+        opt.step()
+        opt.zero_grad()
+    return {"weights": [p.detach() for p in acc.unwrap(m).parameters()]}
+
+
+def overflow(out: Path) -> dict:
+    acc, m, opt, loader = setup("fp16-mixed")
+    scales = []
+    for step, (x, y) in zip(range(12), loader):
+        acc.backward(F.cross_entropy(m(x), y))
+        if acc.rank == 1 and step in (3, 7):
+            with torch.no_grad():
+                acc.unwrap(m)[0].weight.grad[0, 0] = float("inf")  # after the all-reduce: rank 1 only
+        opt.step()
+        opt.zero_grad()
+        scales.append(acc.state.scale)
+    return {"scales": scales, "skipped": acc.state.skipped_steps, "weights": [p.detach() for p in acc.unwrap(m).parameters()]}
+
+
+def accumulation(out: Path) -> dict:
+    acc, m, opt, loader = setup("fp32", accum=4)
+    calls = []
+
+    def counting_allreduce(state, bucket):
+        calls.append(1)
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        return allreduce_hook(state, bucket)
+
+    m.register_comm_hook(None, counting_allreduce)
+    for x, y in loader:  # 10 batches per rank: 2 full cycles of 4 and a partial one
+        acc.backward(F.cross_entropy(m(x), y))
+        opt.step()
+        opt.zero_grad()
+    metrics_seen = []
+    acc.track("rank", torch.tensor(float(acc.rank)))
+    metrics_seen.append(acc.metrics())
+    return {"allreduces": len(calls), "steps": acc.state.applied_steps, "metrics": metrics_seen}
+
+
+def files(out: Path) -> dict:
+    writes = []
+    real = checkpoint.atomic_write
+
+    def logged(path, write):
+        writes.append(str(path))
+        return real(path, write)
+
+    checkpoint.atomic_write = logged
+    acc, m, opt, loader = setup("fp32")
+    for step, (x, y) in enumerate(loader):
+        acc.backward(F.cross_entropy(m(x), y))
+        opt.step()
+        opt.zero_grad()
+        if step % 4 == 3:
+            acc.save_checkpoint(out / "ckpts")
+            acc.print(f"saved at step {acc.state.applied_steps} by rank {acc.rank}")
+    return {"writes": writes}
+
+
+def resumable(out: Path, epochs: int = 3) -> dict:
+    acc, m, opt, loader = setup("fp16-mixed", shuffle=True)
+    acc.resume(out / "ckpts")
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    for _ in acc.epochs(epochs):
+        for x, y in loader:
+            acc.backward(F.cross_entropy(m(x), y))
+            opt.step()
+            opt.zero_grad()
+            if acc.state.applied_steps % 5 == 0:
+                acc.save_checkpoint(out / "ckpts")
+            if attempt == 0 and acc.rank == 1 and acc.state.applied_steps == 17 and os.environ.get("AMPKIT_TEST_KILL"):
+                os.kill(os.getpid(), signal.SIGKILL)  # a worker dies mid-run
+    return {"weights": [p.detach() for p in acc.unwrap(m).parameters()], "attempt": attempt,
+            "steps": acc.state.applied_steps, "scale": acc.state.scale}
+
+
+def main() -> None:
+    mode, out = sys.argv[1], Path(sys.argv[2])
+    runs = {"equiv-fp32": lambda: equivalence(out, "fp32"), "equiv-bf16": lambda: equivalence(out, "bf16-mixed"),
+            "overflow": lambda: overflow(out), "accum": lambda: accumulation(out), "files": lambda: files(out),
+            "resumable": lambda: resumable(out)}
+    result = runs[mode]()
+    rank = int(os.environ.get("RANK", "0"))
+    torch.save(result, out / f"rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

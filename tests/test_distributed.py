@@ -1,0 +1,90 @@
+"""Data-parallel training under torchrun (2 CPU processes, gloo): the same four lines, correct."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+import ampkit
+from conftest import assert_bitwise_equal
+from ddp_run import B, data, make_optimizer, model
+
+SCRIPT = Path(__file__).with_name("ddp_run.py")
+
+
+def torchrun(mode: str, out: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *extra, str(SCRIPT), mode, str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, **(env or {})})
+    if proc.returncode != 0:
+        (out / "torchrun.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def ranks(out: Path) -> list[dict]:
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_two_ranks_of_batch_b_equal_one_process_of_batch_2b(tmp_path, precision):
+    torchrun(f"equiv-{precision.split('-')[0]}", tmp_path)
+    r0, r1 = ranks(tmp_path)
+    assert_bitwise_equal(r0["weights"], r1["weights"])  # DDP keeps the replicas identical
+
+    acc = ampkit.Accelerator(precision=precision, device="cpu")
+    m = model()
+    opt = make_optimizer(m, sgd=True)
+    m, opt, loader = acc.prepare(m, opt, DataLoader(data(), batch_size=2 * B))
+    for _, (x, y) in zip(range(10), loader):
+        acc.backward(F.cross_entropy(m(x), y))
+        opt.step()
+        opt.zero_grad()
+    tol = 1e-6 if precision == "fp32" else 2e-2
+    for a, b in zip(r0["weights"], m.parameters()):
+        torch.testing.assert_close(a, b.detach(), rtol=0, atol=tol)
+
+
+def test_an_overflow_on_one_rank_is_skipped_by_every_rank(tmp_path):
+    torchrun("overflow", tmp_path)
+    r0, r1 = ranks(tmp_path)
+    assert r0["skipped"] == r1["skipped"] == 2
+    assert r0["scales"] == r1["scales"]
+    assert r0["scales"][3] == r0["scales"][2] / 2 and r0["scales"][7] == r0["scales"][6] / 2
+    assert_bitwise_equal(r0["weights"], r1["weights"])
+
+
+def test_accumulation_all_reduces_once_per_optimizer_step(tmp_path):
+    torchrun("accum", tmp_path)
+    r0, r1 = ranks(tmp_path)
+    assert r0["steps"] == 2  # 10 micro-batches per rank, k=4: two full cycles
+    assert r0["allreduces"] == r1["allreduces"] == 2  # one bucket, one all-reduce per optimizer step
+    assert r0["metrics"] == r1["metrics"] == [{"rank": 0.5}]  # metrics() averages over ranks
+
+
+def test_only_rank_0_writes_files_and_prints(tmp_path):
+    proc = torchrun("files", tmp_path)
+    r0, r1 = ranks(tmp_path)
+    assert r1["writes"] == []
+    assert len(r0["writes"]) == 4  # 10 batches per rank, a checkpoint every 4 steps: 2 files + 2 `latest` markers
+    assert proc.stdout.count("saved at step") == 2 and "by rank 1" not in proc.stdout
+    assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == ["latest", "step-00000004.pt", "step-00000008.pt"]
+
+
+def test_a_killed_worker_restarts_resumes_and_finishes_like_an_uninterrupted_run(tmp_path):
+    torchrun("resumable", tmp_path / "clean")
+    clean = ranks(tmp_path / "clean")
+    torchrun("resumable", tmp_path / "killed", "--max-restarts=1", env={"AMPKIT_TEST_KILL": "1"})
+    killed = ranks(tmp_path / "killed")
+    assert killed[0]["attempt"] == killed[1]["attempt"] == 1  # the job really restarted
+    assert killed[0]["steps"] == clean[0]["steps"] == 30  # 3 epochs of 10 batches per rank
+    assert killed[0]["scale"] == clean[0]["scale"]
+    assert_bitwise_equal(killed[0]["weights"], clean[0]["weights"])
+    assert_bitwise_equal(killed[1]["weights"], clean[1]["weights"])
