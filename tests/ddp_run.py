@@ -127,11 +127,36 @@ def resumable(out: Path, epochs: int = 3) -> dict:
             "steps": acc.state.applied_steps, "scale": acc.state.scale}
 
 
+def full(m: nn.Module) -> list[torch.Tensor]:
+    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in m.parameters()]
+
+
+def sharded(out: Path, stop_after: int | None, precision: str = "fp16-mixed") -> dict:
+    """FSDP2 training with the resumable loop shape; stop (as a crash would) after `stop_after` steps."""
+    acc = ampkit.Accelerator(precision=precision, device="cpu", strategy="fsdp")
+    m = model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    loader = DataLoader(data(), batch_size=B, shuffle=True, generator=torch.Generator().manual_seed(3))
+    m, opt, loader = acc.prepare(m, opt, loader)
+    resumed = acc.resume(out / "ckpts")
+    for _ in acc.epochs(3):
+        for x, y in loader:
+            acc.backward(F.cross_entropy(m(x), y))
+            acc.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+            if stop_after is not None and acc.state.applied_steps == stop_after:
+                acc.save_checkpoint(out / "ckpts")
+                return {"weights": full(m), "steps": acc.state.applied_steps, "resumed": str(resumed)}
+    return {"weights": full(m), "steps": acc.state.applied_steps, "resumed": str(resumed), "scale": acc.state.scale}
+
+
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
     runs = {"equiv-fp32": lambda: equivalence(out, "fp32"), "equiv-bf16": lambda: equivalence(out, "bf16-mixed"),
             "overflow": lambda: overflow(out), "accum": lambda: accumulation(out), "files": lambda: files(out),
-            "resumable": lambda: resumable(out)}
+            "resumable": lambda: resumable(out), "fsdp-clean": lambda: sharded(out, None),
+            "fsdp-crash": lambda: sharded(out, 13), "fsdp-resume": lambda: sharded(out, None)}
     result = runs[mode]()
     rank = int(os.environ.get("RANK", "0"))
     torch.save(result, out / f"rank{rank}.pt")

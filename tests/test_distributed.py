@@ -88,3 +88,29 @@ def test_a_killed_worker_restarts_resumes_and_finishes_like_an_uninterrupted_run
     assert killed[0]["scale"] == clean[0]["scale"]
     assert_bitwise_equal(killed[0]["weights"], clean[0]["weights"])
     assert_bitwise_equal(killed[1]["weights"], clean[1]["weights"])
+
+
+def test_fsdp2_trains_checkpoints_shards_and_resumes_bitwise(tmp_path):
+    """FSDP2 (fully_shard) on 2 CPU ranks with fp16-mixed and clipping: a sharded (DCP) checkpoint,
+    a fresh torchrun resuming it, and the same final weights as an uninterrupted run."""
+    torchrun("fsdp-clean", tmp_path / "clean")
+    clean = ranks(tmp_path / "clean")
+    torchrun("fsdp-crash", tmp_path / "run")
+    crashed = ranks(tmp_path / "run")
+    assert crashed[0]["steps"] == 13 and (tmp_path / "run" / "ckpts" / "step-00000013" / ".metadata").exists()
+    torchrun("fsdp-resume", tmp_path / "run")
+    resumed = ranks(tmp_path / "run")
+    assert resumed[0]["resumed"].endswith("step-00000013")
+    assert resumed[0]["steps"] == clean[0]["steps"] == 30 and resumed[0]["scale"] == clean[0]["scale"]
+    assert_bitwise_equal(resumed[0]["weights"], clean[0]["weights"])
+    assert_bitwise_equal(resumed[1]["weights"], clean[0]["weights"])
+
+    # The same sharded checkpoint, resharded into one process without torchrun.
+    acc = ampkit.Accelerator(precision="fp16-mixed", device="cpu")
+    m = model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    m, opt, _ = acc.prepare(m, opt, DataLoader(data(), batch_size=B, shuffle=True, generator=torch.Generator().manual_seed(3)))
+    with pytest.warns(UserWarning, match=r"saved by 2 rank\(s\) and is resumed by 1"):
+        acc.resume(tmp_path / "run" / "ckpts")
+    assert_bitwise_equal([p.detach() for p in m.parameters()], crashed[0]["weights"])
+    assert acc.state.applied_steps == 13

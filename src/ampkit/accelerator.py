@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 
 from ampkit import checkpoint
 from ampkit.data import DeviceLoader
-from ampkit.distributed import DistributedContext, barrier, shard_loader, sum_across_ranks, wrap_ddp
+from ampkit.distributed import FSDP_PRESETS, DistributedContext, barrier, shard_loader, sum_across_ranks, wrap_ddp, wrap_fsdp
 from ampkit.errors import PrecisionError, StepOrderError
 from ampkit.hardware import capability, resolve_device
 from ampkit.metrics import MetricTracker
@@ -125,15 +125,25 @@ class Accelerator:
             raise ValueError(f"grad_accum_steps={grad_accum_steps!r}: expected an integer >= 1")
         if isinstance(keep_fp32, (str, type)):
             keep_fp32 = [keep_fp32]  # type: ignore[list-item]
-        if strategy not in ("auto", "ddp", "none"):
-            raise ValueError(f"strategy={strategy!r}: expected 'auto', 'ddp' or 'none'")
+        if strategy not in ("auto", "ddp", "fsdp", "none"):
+            raise ValueError(f"strategy={strategy!r}: expected 'auto', 'ddp', 'fsdp' or 'none'")
         self.distributed = DistributedContext.from_env()
         if self.distributed.enabled and str(device) in ("auto", "cuda") and torch.cuda.is_available():
             device = self.distributed.local_device("cuda")  # one GPU per rank
         self.device = resolve_device(device)
-        self.distributed.init(self.device, backend)
-        self.strategy = "ddp" if self.distributed.enabled and strategy != "none" else "none"
         self.policy = resolve_precision(precision, self.device)
+        self.distributed.init(self.device, backend)
+        if not self.distributed.enabled or strategy == "none":
+            self.strategy = "none"
+        else:
+            self.strategy = "fsdp" if strategy == "fsdp" else "ddp"
+        if self.strategy == "fsdp" and (self.policy.name not in FSDP_PRESETS or keep_fp32):
+            raise PrecisionError(
+                f"strategy='fsdp' runs the presets {', '.join(FSDP_PRESETS)} (FSDP's sharded fp32 parameters are the "
+                f"master weights) without keep_fp32; got precision={self.policy.name!r}"
+                + (f", keep_fp32={list(keep_fp32)!r}" if keep_fp32 else "")
+            )
+        self._fsdp_params: dict[int, nn.Parameter] = {}
         if scaler is not None and not isinstance(scaler, LossScaler):
             raise TypeError(f"scaler={scaler!r}: expected an ampkit.LossScaler")
         if scaler is not None and not self.policy.loss_scaling:
@@ -190,6 +200,14 @@ class Accelerator:
         )
 
     def _prepare_model(self, model: nn.Module, *_: Any) -> nn.Module:
+        if self.strategy == "fsdp":
+            model.to(self.device)
+            model, params = wrap_fsdp(model, self.policy.compute_dtype)
+            self._fsdp_params.update(params)
+            self._models[id(model)] = _Prepared({})
+            self._model_list.append(model)
+            model.register_forward_pre_hook(self._set_grad_sync)
+            return model
         originals = prepare_module(model, self.policy, self.device, self.keep_fp32)
         self._models[id(model)] = _Prepared(originals)
         self._model_list.append(model)
@@ -201,12 +219,21 @@ class Accelerator:
             return ddp
         return model
 
-    def _set_grad_sync(self, ddp: nn.Module, _inputs: Any) -> None:
-        ddp.require_backward_grad_sync = self._cycle_pos % self.grad_accum_steps + 1 == self.grad_accum_steps
+    def _set_grad_sync(self, model: nn.Module, _inputs: Any) -> None:
+        sync = self._cycle_pos % self.grad_accum_steps + 1 == self.grad_accum_steps
+        if self.strategy == "fsdp":
+            model.set_requires_gradient_sync(sync)  # type: ignore[operator]
+        else:
+            model.require_backward_grad_sync = sync
 
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer, *_: Any) -> AmpOptimizer:
         weights = None
-        if self.policy.master_weights or self.policy.compensated:
+        if self._fsdp_params:  # re-point an optimizer built before sharding at the sharded parameters
+            if optimizer.state:
+                raise StepOrderError("strategy='fsdp': prepare the optimizer before its first step (FSDP replaces the parameters)")
+            for group in optimizer.param_groups:
+                group["params"] = [self._fsdp_params.get(id(p), p) for p in group["params"]]
+        if (self.policy.master_weights or self.policy.compensated) and self.strategy != "fsdp":
             weights = self._low_precision_weights(optimizer)
         # State created before prepare (a loaded optimizer) follows its parameters' device and dtype.
         if optimizer.state:
@@ -252,7 +279,7 @@ class Accelerator:
         return weights
 
     def _prepare_loader(self, loader: DataLoader, *_: Any) -> DeviceLoader:
-        if self.strategy == "ddp":
+        if self.strategy != "none":
             loader = shard_loader(loader, self.distributed)
         wrapped = DeviceLoader(loader, self.device)
         self._loaders.append(wrapped)

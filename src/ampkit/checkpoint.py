@@ -21,6 +21,7 @@ import json
 import os
 import random
 import re
+import shutil
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 import torch
 
-from ampkit.distributed import barrier, gather_objects
+from ampkit.distributed import barrier, gather_objects, local_tensor
 from ampkit.errors import CheckpointError
 from ampkit.optim import CompensatedWeights, MasterWeights, Stage
 
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 FORMAT = "ampkit-checkpoint"
 VERSION = 1
 LATEST = "latest"
-_NAME = re.compile(r"^step-(\d+)\.pt$")
+_NAME = re.compile(r"^step-(\d+)(\.pt)?$")  # a file, or a folder of shards (strategy="fsdp")
 
 
 # --- writing files so that a crash leaves the old file or the new one, never half of one --------
@@ -173,8 +174,10 @@ def _check_finite(acc: Accelerator) -> None:
     bad = []
     for i, model in enumerate(acc._model_list):
         for name, p in model.named_parameters():
-            if p.is_floating_point() and not bool(torch.isfinite(p).all()):  # sync: once per save, outside the step
+            shard = local_tensor(p.detach())
+            if shard.is_floating_point() and not bool(torch.isfinite(shard).all()):  # sync: once per save, outside the step
                 bad.append(f"model {i}: {name}" if len(acc._model_list) > 1 else name)
+    bad = sorted({name for names in gather_objects(bad) for name in names})  # every rank refuses together
     if bad:
         raise CheckpointError(
             f"refusing to save non-finite weights: {', '.join(bad[:10])}{' ...' if len(bad) > 10 else ''} "
@@ -183,8 +186,11 @@ def _check_finite(acc: Accelerator) -> None:
         )
 
 
-def collect(acc: Accelerator) -> dict[str, Any]:
-    """Everything that decides the next training step, as tensors and plain data."""
+def collect(acc: Accelerator, weights: bool = True) -> dict[str, Any]:
+    """Everything that decides the next training step, as tensors and plain data.
+
+    `weights=False` leaves out models and optimizers (FSDP checkpoints store them sharded, via DCP).
+    """
     from ampkit import __version__
 
     _check_finite(acc)
@@ -219,10 +225,10 @@ def collect(acc: Accelerator) -> dict[str, Any]:
         "format": FORMAT,
         "version": VERSION,
         "meta": json.dumps(meta, sort_keys=True),
-        "models": [_cpu(m.state_dict()) for m in acc._model_list],
-        "optimizers": [_cpu(o.optimizer.state_dict()) for o in acc._optimizers],
-        "fp32_weights": _cpu(_fp32_truth(acc)),
-        "grads": [_cpu([p.grad for p in m.parameters()]) for m in acc._model_list] if pending else [],
+        "models": [_cpu(m.state_dict()) for m in acc._model_list] if weights else [],
+        "optimizers": [_cpu(o.optimizer.state_dict()) for o in acc._optimizers] if weights else [],
+        "fp32_weights": _cpu(_fp32_truth(acc)) if weights else {},
+        "grads": [_cpu([p.grad for p in m.parameters()]) for m in acc._model_list] if pending and weights else [],
         "schedulers": [_cpu(s.scheduler.state_dict()) for s in acc._schedulers],
         # Random state and data position differ per rank: keep every rank's (rank order).
         "ranks": gather_objects(_cpu({"rng": _rng_state(), "loaders": [l.state_dict() for l in acc._loaders]})),
@@ -235,6 +241,8 @@ def save(acc: Accelerator, path: str | Path) -> Path:
     Under torchrun every rank must call it (the ranks' random states are gathered); rank 0 writes.
     """
     path = Path(path)
+    if acc.strategy == "fsdp":
+        return _save_sharded(acc, path.with_suffix("") if path.suffix == ".pt" else path)
     payload = collect(acc)
     if acc.is_main:
         payload["digest"] = _digest({k: v for k, v in payload.items() if k != "digest"})
@@ -243,9 +251,70 @@ def save(acc: Accelerator, path: str | Path) -> Path:
     return path
 
 
+# --- sharded checkpoints (strategy="fsdp"): a folder written by torch.distributed.checkpoint -----
+_META = "ampkit.pt"
+
+
+def _save_sharded(acc: Accelerator, path: Path) -> Path:
+    """Every rank writes its shards (DCP) into a temporary folder; rank 0 adds the rest of the state
+    and renames the folder into place once all shards are durable."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    if len(acc._model_list) != 1:
+        raise CheckpointError(f"strategy='fsdp' checkpoints one model; this Accelerator prepared {len(acc._model_list)}")
+    payload = collect(acc, weights=False)
+    payload["sharded"] = True
+    model_sd, optim_sd = get_state_dict(acc._model_list[0], [o.optimizer for o in acc._optimizers])
+    tmp = path.with_name(f".{path.name}.tmp")
+    if acc.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+    barrier()
+    try:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    except OSError as exc:
+        raise CheckpointError(f"could not write {path}: {exc.strerror or exc}; the previous checkpoint is intact") from exc
+    if acc.is_main:
+        payload["digest"] = _digest({k: v for k, v in payload.items() if k != "digest"})
+        atomic_write(tmp / _META, lambda f: torch.save(payload, f))
+    barrier()
+    if acc.is_main:
+        old = path.with_name(f".{path.name}.old")
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return path
+
+
+def _load_sharded(acc: Accelerator, path: Path) -> None:
+    """Load DCP shards into the prepared model and optimizers (resharding to this job's ranks)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if len(acc._model_list) != 1:
+        raise CheckpointError(f"checkpoint {path} is sharded (one model); this Accelerator prepared {len(acc._model_list)}")
+    model, optimizers = acc._model_list[0], [o.optimizer for o in acc._optimizers]
+    model_sd, optim_sd = get_state_dict(model, optimizers)
+    try:
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    except Exception as exc:  # DCP reports missing keys and bad shards in many shapes
+        raise CheckpointError(f"checkpoint {path} does not fit this model or is damaged: {str(exc).splitlines()[0]}") from None
+    set_state_dict(model, optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+
 def read(path: str | Path) -> dict[str, Any]:
     """Load and verify a checkpoint file; `CheckpointError` naming the file and the fault otherwise."""
     path = Path(path)
+    if path.is_dir():
+        if not (path / _META).is_file() or not (path / ".metadata").is_file():
+            raise CheckpointError(f"checkpoint {path} is incomplete: a sharded checkpoint needs {_META} and .metadata")
+        payload = read(path / _META)
+        payload["dcp_path"] = str(path)
+        return payload
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:
@@ -263,7 +332,7 @@ def read(path: str | Path) -> dict[str, Any]:
     if payload.get("version") != VERSION:
         raise CheckpointError(f"checkpoint {path} has format version {payload.get('version')!r}; this ampkit reads version {VERSION}")
     digest = payload.get("digest")
-    if digest != _digest({k: v for k, v in payload.items() if k != "digest"}):
+    if digest != _digest({k: v for k, v in payload.items() if k not in ("digest", "dcp_path")}):
         raise CheckpointError(f"checkpoint {path} is corrupt: its content does not match its SHA-256 digest")
     return payload
 
@@ -271,12 +340,17 @@ def read(path: str | Path) -> dict[str, Any]:
 def apply(acc: Accelerator, payload: dict[str, Any], path: Path) -> None:
     """Put a verified checkpoint's state into `acc` and everything it prepared."""
     meta = json.loads(payload["meta"])
-    _check_shapes(acc, payload, path)
+    sharded = payload.get("sharded", False)
+    if sharded:
+        if "dcp_path" not in payload:
+            raise CheckpointError(f"checkpoint {path} is the metadata of a sharded checkpoint: load its folder")
+    else:
+        _check_shapes(acc, payload, path)
     counts = [(len(acc._model_list), len(payload["models"]), "models"), (len(acc._optimizers), len(payload["optimizers"]), "optimizers"),
               (len(acc._schedulers), len(payload["schedulers"]), "schedulers"),
               (len(acc._loaders), len(payload["ranks"][0]["loaders"]), "data loaders")]
     for have, saved, what in counts:
-        if have != saved:
+        if have != saved and not (sharded and what in ("models", "optimizers")):
             raise CheckpointError(f"checkpoint {path} holds {saved} {what} but this Accelerator prepared {have}; prepare the same objects before loading")
     if meta["grad_accum_steps"] != acc.grad_accum_steps and meta["cycle_pos"] not in (0, meta["grad_accum_steps"]):
         raise CheckpointError(
@@ -285,9 +359,13 @@ def apply(acc: Accelerator, payload: dict[str, Any], path: Path) -> None:
         )
     for model, state in zip(acc._model_list, payload["models"]):
         model.load_state_dict(state)
-    _restore_weights(acc, payload)
-    for opt, state, info in zip(acc._optimizers, payload["optimizers"], meta["optimizers"]):
-        opt.optimizer.load_state_dict(state)
+    if sharded:
+        _load_sharded(acc, Path(payload["dcp_path"]))
+    else:
+        _restore_weights(acc, payload)
+    for i, (opt, info) in enumerate(zip(acc._optimizers, meta["optimizers"])):
+        if not sharded:
+            opt.optimizer.load_state_dict(payload["optimizers"][i])
         if isinstance(opt._weights, CompensatedWeights):
             opt._weights.store_state_low()
         opt.attempted_steps, opt.applied_steps, opt.skipped_steps = info["attempted"], info["applied"], info["skipped"]
@@ -393,13 +471,13 @@ def save_checkpoint(acc: Accelerator, folder: str | Path, keep: int = 3) -> Path
         raise ValueError(f"keep={keep!r}: expected an integer >= 1 (how many checkpoints to keep)")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"step-{acc.state.applied_steps:08d}.pt"
-    save(acc, path)
+    suffix = "" if acc.strategy == "fsdp" else ".pt"
+    path = save(acc, folder / f"step-{acc.state.applied_steps:08d}{suffix}")
     if acc.is_main:
         atomic_write(folder / LATEST, lambda f: f.write(path.name.encode() + b"\n"))
         for old in list(_candidates(folder))[keep:]:  # only now: the new checkpoint is durable
             with contextlib.suppress(OSError):
-                old.unlink()
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
         for stale in folder.glob(".*.tmp-*"):  # temp files of writers that were killed mid-write
             with contextlib.suppress(OSError):
                 if not _pid_alive(stale.name.rsplit("-", 1)[-1]):

@@ -150,3 +150,46 @@ def gather_objects(obj: Any) -> list[Any]:
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+#: Presets FSDP2 can carry: its sharded fp32 parameters are the master weights, and its
+#: MixedPrecisionPolicy casts them to the compute dtype for forward and backward.
+FSDP_PRESETS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master")
+
+
+def wrap_fsdp(model: nn.Module, compute_dtype: torch.dtype) -> tuple[nn.Module, dict[int, nn.Parameter]]:
+    """Shard `model` with FSDP2 `fully_shard`: each top-level block its own unit, then the root.
+
+    Returns the model (the same object, now an FSDPModule) and a map from the id of each old
+    parameter to its sharded replacement, so an optimizer built before prepare can be re-pointed.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    old = dict(model.named_parameters())
+    mp = MixedPrecisionPolicy(
+        param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
+        reduce_dtype=torch.float32,  # gradients are averaged in fp32: no precision lost across ranks
+        output_dtype=None if compute_dtype == torch.float32 else torch.float32,
+    )
+    units: list[nn.Module] = []
+    for child in model.children():
+        units.extend(child.children() if isinstance(child, (nn.ModuleList, nn.ModuleDict)) else [child])
+    for unit in units:
+        if any(p.requires_grad for p in unit.parameters()):
+            fully_shard(unit, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    new = dict(model.named_parameters())
+    return model, {id(p): new[name] for name, p in old.items() if name in new}
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (the tensor itself otherwise)."""
+    return t.to_local() if hasattr(t, "to_local") else t
