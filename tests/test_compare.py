@@ -175,3 +175,12 @@ def test_an_interrupted_comparison_resumes_where_it_stopped(tmp_path, monkeypatc
     assert fp16["loss_curve"] == reference[1]["loss_curve"][12:]
     assert fp16["eval"] == reference[1]["eval"]
     assert not (out / ".compare" / "fp16-mixed.ckpt").exists()
+
+
+def test_nproc_runs_each_precision_data_parallel_under_torchrun(tmp_path):
+    report = compare(task="iris-mlp", precisions=["fp32"], steps=12, device="cpu", show=False, nproc=2)
+    run = report["runs"][0]
+    assert run["status"] == "ok" and run["steps"] == 12 and run["metric"] is not None
+    assert run["samples_per_s"] == pytest.approx(2 * 16 / run["step_time_median_s"])
+    with pytest.raises(ValueError, match=r"nproc=0: expected an integer >= 1"):
+        compare(task="iris-mlp", nproc=0, device="cpu", show=False)

@@ -17,7 +17,8 @@ def _compare(args: argparse.Namespace) -> int:
     command = "ampkit " + " ".join(shlex.quote(a) for a in args.argv)
     try:
         compare(task=args.task, precisions=precisions, steps=args.steps, batch_size=args.batch_size,
-                seed=args.seed, device=args.device, out=args.out, command=command, resume=args.resume)
+                seed=args.seed, device=args.device, out=args.out, command=command, resume=args.resume,
+                nproc=args.nproc)
     except (PrecisionError, ValueError) as exc:
         print(f"ampkit compare: {exc}", file=sys.stderr)
         return 2
@@ -70,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--seed", type=int, default=0, help="seed for model init and data order (default: 0)")
     cmp.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, mps")
     cmp.add_argument("--out", default="report", help="folder for report.json, plots and report.html (default: report)")
+    cmp.add_argument("--nproc", type=int, default=1,
+                     help="processes per precision: >1 trains data-parallel under torchrun (batch size is per process)")
     cmp.add_argument("--resume", action="store_true",
                      help="continue an interrupted comparison in --out: finished runs are kept, the unfinished one "
                           "resumes from its last checkpoint")

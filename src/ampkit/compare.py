@@ -9,6 +9,7 @@ the fp32 baseline and hands the report to `ampkit.report` for the table, JSON, p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -17,8 +18,11 @@ import multiprocessing
 import pickle
 import random
 import resource
+import os
 import shutil
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -57,6 +61,7 @@ class RunSpec:
     probe: bool = False
     samples_per_step: int | None = None
     checkpoints: str | None = None  # folder to checkpoint into and resume from (built-in tasks)
+    nproc: int = 1  # > 1: run under torchrun with this many processes (data parallel)
 
 
 def default_precisions(device: torch.device) -> tuple[list[str], list[str]]:
@@ -214,7 +219,8 @@ def run_one(spec: RunSpec, progress: Callable[[int], None] | None = None) -> dic
         },
         **summary,
         "skipped_steps": skipped,
-        "samples_per_s": spec.samples_per_step / median if spec.samples_per_step and median else None,
+        # every process trains a batch per step: the job's throughput is nproc times one rank's
+        "samples_per_s": spec.samples_per_step * spec.nproc / median if spec.samples_per_step and median else None,
         "memory_kind": kind,
         "peak_memory_bytes": peak,
         "peak_rss_bytes": raw,
@@ -273,6 +279,47 @@ def _run_isolated(spec: RunSpec, on_progress: Callable[[int], None]) -> dict[str
 
 class _RunFailed(Exception):
     pass
+
+
+def _run_torchrun(spec: RunSpec, on_progress: Callable[[int], None]) -> dict[str, Any]:
+    """Run one precision as `torchrun --nproc-per-node=N -m ampkit.compare`; rank 0 reports."""
+    with tempfile.TemporaryDirectory(prefix="ampkit-compare-") as tmp:
+        spec_file, out_file, progress_file = Path(tmp, "spec.pkl"), Path(tmp, "run.json"), Path(tmp, "progress")
+        spec_file.write_bytes(pickle.dumps(spec))  # our own file, read back by our own worker
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.nproc}",
+               "-m", "ampkit.compare", str(spec_file), str(out_file), str(progress_file)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            while proc.poll() is None:
+                time.sleep(0.2)
+                with contextlib.suppress(OSError, ValueError):
+                    on_progress(int(progress_file.read_text() or 0))
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
+        output = proc.stdout.read() if proc.stdout else ""
+        if proc.returncode != 0 or not out_file.exists():
+            tail = [line for line in output.splitlines() if "Error" in line][-1:] or output.splitlines()[-1:]
+            raise _RunFailed(f"torchrun exited with code {proc.returncode}: {tail[0] if tail else 'no output'}")
+        return json.loads(out_file.read_text())
+
+
+def _torchrun_worker(spec_file: str, out_file: str, progress_file: str) -> None:
+    """Entry point of each torchrun process: train; rank 0 writes the run record and progress."""
+    spec = pickle.loads(Path(spec_file).read_bytes())
+    rank = int(os.environ.get("RANK", "0"))
+    last = [0.0]
+
+    def progress(step: int) -> None:
+        now = time.monotonic()
+        if rank == 0 and now - last[0] > 0.2:
+            last[0] = now
+            Path(progress_file).write_text(str(step))
+
+    run = run_one(spec, progress)
+    if rank == 0:
+        Path(out_file).write_text(json.dumps(run))
 
 
 def _blank_run(precision: str, status: str, reason: str, device: torch.device | None = None) -> dict[str, Any]:
@@ -335,6 +382,7 @@ def compare(
     show: bool = True,
     command: str | None = None,
     resume: bool = False,
+    nproc: int = 1,
 ) -> dict[str, Any]:
     """Run `train_fn` (or a built-in `task`) once per precision and return the report dict.
 
@@ -353,6 +401,8 @@ def compare(
         isolate: run each precision in its own process (clean memory figures). False runs in-process.
         resume: continue an interrupted comparison in `out`: finished runs are kept, an unfinished
             built-in-task run resumes from its last checkpoint (they are written to `out` as it trains).
+        nproc: run each precision data-parallel under `torchrun --nproc-per-node=nproc` (batch_size
+            is per process); figures are rank 0's.
     """
     if (train_fn is None) == (task is None):
         raise ValueError("compare() needs exactly one of train_fn=... or task='...'")
@@ -360,6 +410,8 @@ def compare(
         raise ValueError(f"steps={steps!r}: expected an integer >= 1")
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"batch_size={batch_size!r}: expected an integer >= 1")
+    if not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc={nproc!r}: expected an integer >= 1 (processes per precision)")
     if resume and out is None:
         raise ValueError("resume=True needs out=: the folder of the comparison to continue")
     state_dir = Path(out) / ".compare" if out is not None else None
@@ -414,7 +466,7 @@ def compare(
                 report["runs"].append(json.loads(finished.read_text()))
                 continue
             ckpt = str(state_dir / f"{name}.ckpt") if state_dir is not None and task is not None and not probe else None
-            run = _run_planned(name, probe, dev, seed, task, steps, batch_size, train_fn, samples_per_step, isolate, progress, task_info, ckpt)
+            run = _run_planned(name, probe, dev, seed, task, steps, batch_size, train_fn, samples_per_step, isolate, progress, task_info, ckpt, nproc)
             _finish_run(run, metric)
             report["runs"].append(run)
             if finished is not None and run["status"] != "failed":
@@ -447,7 +499,7 @@ def compare(
     return report
 
 
-def _run_planned(name, probe, dev, seed, task, steps, batch_size, train_fn, samples_per_step, isolate, progress, task_info, ckpt) -> dict[str, Any]:  # noqa: ANN001
+def _run_planned(name, probe, dev, seed, task, steps, batch_size, train_fn, samples_per_step, isolate, progress, task_info, ckpt, nproc) -> dict[str, Any]:  # noqa: ANN001
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the run itself records the warning as a note
@@ -455,12 +507,15 @@ def _run_planned(name, probe, dev, seed, task, steps, batch_size, train_fn, samp
     except PrecisionError as exc:
         return _blank_run(name, "skipped", str(exc), dev)
     spec = RunSpec(precision=name, device=str(dev), seed=seed, task=task, steps=steps, batch_size=batch_size,
-                   train_fn=train_fn, probe=probe, samples_per_step=samples_per_step, checkpoints=ckpt)
+                   train_fn=train_fn, probe=probe, samples_per_step=samples_per_step, checkpoints=ckpt, nproc=nproc)
     total = PROBE_STEPS if probe else (task_info["steps"] if task_info else None)
     label = f"{name} (probe: timing only)" if probe else name
     progress.start(label, total)
     try:
-        run = _run_isolated(spec, progress.update) if isolate else run_one(spec, progress.update)
+        if spec.nproc > 1:
+            run = _run_torchrun(spec, progress.update)
+        else:
+            run = _run_isolated(spec, progress.update) if isolate else run_one(spec, progress.update)
     except _RunFailed as exc:
         progress.stop()
         return _blank_run(name, "failed", str(exc).strip() or "failed", dev)
@@ -510,3 +565,7 @@ class _Progress:
 
     def close(self) -> None:
         self.stop()
+
+
+if __name__ == "__main__":  # torchrun ... -m ampkit.compare SPEC OUT PROGRESS
+    _torchrun_worker(*sys.argv[1:4])
