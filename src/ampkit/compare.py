@@ -458,6 +458,8 @@ def compare(
         "runs": [],
     }
     plan = [(p, False) for p in precisions] + [(p, True) for p in probes if p not in precisions]
+    base = RunSpec(precision="", device=str(dev), seed=seed, task=task, steps=steps, batch_size=batch_size,
+                   train_fn=train_fn, samples_per_step=samples_per_step, nproc=nproc)
     progress = _Progress(show)
     try:
         for name, probe in plan:
@@ -466,7 +468,9 @@ def compare(
                 report["runs"].append(json.loads(finished.read_text()))
                 continue
             ckpt = str(state_dir / f"{name}.ckpt") if state_dir is not None and task is not None and not probe else None
-            run = _run_planned(name, probe, dev, seed, task, steps, batch_size, train_fn, samples_per_step, isolate, progress, task_info, ckpt, nproc)
+            spec = dataclasses.replace(base, precision=name, probe=probe, checkpoints=ckpt)
+            total = PROBE_STEPS if probe else (task_info["steps"] if task_info else None)
+            run = _run_planned(spec, dev, isolate, progress, total)
             _finish_run(run, metric)
             report["runs"].append(run)
             if finished is not None and run["status"] != "failed":
@@ -499,16 +503,15 @@ def compare(
     return report
 
 
-def _run_planned(name, probe, dev, seed, task, steps, batch_size, train_fn, samples_per_step, isolate, progress, task_info, ckpt, nproc) -> dict[str, Any]:  # noqa: ANN001
+def _run_planned(spec: RunSpec, dev: torch.device, isolate: bool, progress: _Progress, total: int | None) -> dict[str, Any]:
+    """One planned run: skipped if the device cannot run it, else run (isolated, torchrun or in-process)."""
+    name, probe = spec.precision, spec.probe
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the run itself records the warning as a note
             resolve_precision(name, dev)
     except PrecisionError as exc:
         return _blank_run(name, "skipped", str(exc), dev)
-    spec = RunSpec(precision=name, device=str(dev), seed=seed, task=task, steps=steps, batch_size=batch_size,
-                   train_fn=train_fn, probe=probe, samples_per_step=samples_per_step, checkpoints=ckpt, nproc=nproc)
-    total = PROBE_STEPS if probe else (task_info["steps"] if task_info else None)
     label = f"{name} (probe: timing only)" if probe else name
     progress.start(label, total)
     try:
