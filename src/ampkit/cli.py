@@ -53,6 +53,50 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    import contextlib
+    import json
+    import traceback
+
+    from ampkit.doctor import DoctorError, diagnose_script, diagnose_task, render_report
+
+    if (args.script is None) == (args.task is None):
+        print("ampkit doctor: give a script (ampkit doctor train.py [args...]) or --task NAME, not both"
+              if args.script else "ampkit doctor: give a script to run (ampkit doctor train.py [args...]) or --task NAME",
+              file=sys.stderr)
+        return 2
+    if args.script is not None and (args.precision or args.device or args.batch_size):
+        print("ampkit doctor: --precision, --device and --batch-size are for --task; a script chooses its own",
+              file=sys.stderr)
+        return 2
+    # With --json, stdout carries only the JSON: the script's own prints go to stderr.
+    quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    try:
+        with quiet:
+            if args.task is not None:
+                result = diagnose_task(args.task, steps=args.steps, warmup=args.warmup, gpu=args.gpu,
+                                       precision=args.precision or "auto", device=args.device or "auto",
+                                       batch_size=args.batch_size, seed=args.seed)
+            else:
+                result = diagnose_script(args.script, args.script_args, steps=args.steps, warmup=args.warmup,
+                                         gpu=args.gpu)
+    except (FileNotFoundError, ValueError, DoctorError) as exc:
+        print(f"ampkit doctor: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nampkit doctor: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # the user's script failed: show its traceback, not ours
+        traceback.print_exc()
+        print(f"ampkit doctor: {args.script or args.task} raised {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result, indent=2, allow_nan=False))
+    else:
+        render_report(result)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ampkit", description="Mixed-precision training for PyTorch: measured and explained.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,6 +135,32 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--bench-seconds", type=float, default=2.0,
                       help="time budget of --bench for all dtypes together (default: 2)")
     info.set_defaults(func=_info)
+    doc = sub.add_parser(
+        "doctor", help="run a training script (or a built-in task) for a few steps and say where the time goes",
+        description="Run a script that trains with ampkit (or a built-in task) for a few steps under "
+                    "instrumentation: per-step time by phase (data, host->device copy, forward, backward, "
+                    "optimizer, other), kernel ops per step and their duration, host<->device syncs with the "
+                    "file:line that caused them, an estimate of the step on known GPUs, and findings ranked "
+                    "by the time they should save. Doctor options go before the script; everything after "
+                    "the script is passed to it.",
+    )
+    doc.add_argument("script", nargs="?", default=None, help="the training script (it must use ampkit.Accelerator)")
+    doc.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    doc.add_argument("--task", default=None, help="diagnose a built-in task instead: iris-mlp, digits-cnn, tiny-lm")
+    doc.add_argument("--steps", type=int, default=20,
+                     help="optimizer steps to measure after the warm-up (default: 20; a few are profiled)")
+    doc.add_argument("--warmup", type=int, default=5, help="steps to skip before measuring (default: 5)")
+    doc.add_argument("--gpu", default="A100",
+                     help="the GPU the advisor and the findings quote costs for: T4, L4, A100, RTX 4090, H100 "
+                          "(default: A100)")
+    doc.add_argument("--json", action="store_true",
+                     help="print the result as JSON (schema: ampkit.doctor.DOCTOR_SCHEMA); the script's output "
+                          "goes to stderr")
+    doc.add_argument("--precision", default=None, help="--task only: precision preset (default: auto)")
+    doc.add_argument("--device", default=None, help="--task only: auto (default), cpu, cuda, cuda:N, mps")
+    doc.add_argument("--batch-size", type=int, default=None, help="--task only: batch size (default: the task's)")
+    doc.add_argument("--seed", type=int, default=0, help="--task only: seed (default: 0)")
+    doc.set_defaults(func=_doctor)
     return parser
 
 

@@ -1,0 +1,37 @@
+"""`ampkit doctor`: where a training step's time goes, and what to change, ranked by time saved.
+
+    ampkit doctor train.py --epochs 1          # run a script that uses ampkit, under the doctor
+    ampkit doctor --task iris-mlp --gpu T4     # a built-in task
+
+From Python, on a loop you already have (training continues; the report prints when done):
+
+    session = ampkit.doctor.profile(acc, steps=20)
+
+The performance half lives here: phase times (`phases`), kernel ops from `torch.profiler`
+(`ops`), host↔device syncs by file:line (`sync`), the device advisor (`advisor`), the ranked
+findings (`findings`), and the report in three forms (`report`, `schema`).
+"""
+
+from ampkit.doctor.advisor import GPUS, GPUSpec, estimate, find_gpu
+from ampkit.doctor.report import format_text, render_html_section, render_report
+from ampkit.doctor.run import diagnose_script, diagnose_task
+from ampkit.doctor.schema import DOCTOR_SCHEMA, validate_result
+from ampkit.doctor.session import DoctorError, DoctorSession, StopTraining, profile
+
+__all__ = [
+    "DOCTOR_SCHEMA",
+    "DoctorError",
+    "DoctorSession",
+    "GPUS",
+    "GPUSpec",
+    "StopTraining",
+    "diagnose_script",
+    "diagnose_task",
+    "estimate",
+    "find_gpu",
+    "format_text",
+    "profile",
+    "render_html_section",
+    "render_report",
+    "validate_result",
+]

@@ -1,0 +1,301 @@
+"""From a finished session's measurements to the result (`DOCTOR_SCHEMA`): figures, bound, advice.
+
+Two windows feed it. The *profiled* steps give the ops and, measured together with them, the
+share of the step spent inside kernel ops — both slowed alike by the profiler, so their ratio holds.
+The *timed* steps give the step and phase times without that overhead. Figures are medians: on a
+busy machine one step that waited for a core must not set them.
+
+Device speeds are measured too: the fastest matmul per dtype (at torch's thread count and at one
+thread) and a large copy's bandwidth (`ampkit.doctor.peak`). With them the doctor knows how long
+the step's work *needs* here, which is what separates "slow arithmetic" from "overhead" and from
+"threads waiting for cores".
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ampkit import __version__
+from ampkit.doctor import advisor, findings
+from ampkit.doctor.ops import OpStats, analyse
+from ampkit.doctor.peak import SIZE, copy_bandwidth, matmul_peaks
+from ampkit.doctor.phases import PHASES
+from ampkit.doctor.units import article, seconds, times
+from ampkit.hardware import capability, describe
+
+if TYPE_CHECKING:
+    from ampkit.doctor.session import DoctorSession
+
+#: A step is overhead-bound when its kernels fill less than this share of its compute time.
+OVERHEAD_BOUND_SHARE = 0.5
+
+#: A step is data-bound when waiting for the loader takes at least this share of it.
+DATA_BOUND_SHARE = 0.5
+
+#: Seconds the doctor spends measuring this device's matmul peaks (all dtypes and thread counts).
+BENCH_SECONDS = 0.8
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Analysis:
+    """The figures of one finished session, and the result built from them."""
+
+    def __init__(self, session: DoctorSession) -> None:
+        self.s = session
+        self.acc = session.acc
+        self.device = session.acc.device
+        self.notes: list[str] = []
+        profiled, timed = session._rows["profiled"], session._rows["timed"]
+        self.rows = timed or profiled
+        if not timed:
+            self.notes.append("no unprofiled step ran: times include the profiler's overhead")
+        self.measured = len(profiled) + len(timed)
+        self.ops: OpStats = analyse(session._events or [], len(profiled))
+
+        # Step and phases: medians of the timed steps.
+        self.step_s = self._step_time()
+        self.host_s = statistics.median(r["host_s"] for r in self.rows)
+        self.phases = {p: statistics.median(r["phases"][p] for r in self.rows) for p in PHASES}
+        self.phases["other"] = max(0.0, self.host_s - sum(self.phases.values()))
+        self.compute_s = max(1e-9, self.host_s - self.phases["data"] - self.phases["h2d"])
+
+        # Kernel share: kernel-op time over step time, both from the profiled steps.
+        prof_compute = statistics.fmean(r["host_s"] - r["phases"]["data"] - r["phases"]["h2d"] for r in profiled)
+        self.scale = min(1.0, self.compute_s / prof_compute) if prof_compute > 0 else 1.0  # profiler -> timed
+        self.kernel_share = self._kernel_share(prof_compute)
+        self.kernel_s = self.kernel_share * self.compute_s
+
+        samples = [r["samples"] for r in self.rows if r["samples"] is not None]
+        self.samples = statistics.median(samples) if len(samples) == len(self.rows) else None
+        self.batch_bytes = statistics.median(r["batch_bytes"] for r in self.rows)
+
+        syncs = session._syncs
+        # Reads of device tensors by their method, plus (CUDA) every other op the sync debugger caught.
+        debugged = self.device.type == "cuda" and syncs.cuda_debug is None
+        self.sync_method = "cuda-sync-debug" if debugged else "tensor-reads"
+        self.sync_sites = syncs.sites + syncs.cuda_sites
+        self.cuda_debug = syncs.cuda_debug
+        self.syncs_per_step = sum(self.sync_sites.values()) / self.measured
+
+        self.thread_peaks: dict[int, float] = {}  # fp32 matmul FLOP/s by thread count
+        self.peaks = self._peaks() if session.bench else {}
+        self.bandwidth = self._bandwidth() if session.bench else None
+        self.work_s = self._work_time()
+        self.stall_s = findings.stall_time(self.kernel_s, self.work_s, self.ops.per_step, self.thread_peaks,
+                                           on_cpu=self.device.type == "cpu")
+        self.work = advisor.Workload(
+            host_outside_s=max(0.0, self.host_s - self.kernel_s),
+            dispatch_us=min(self.ops.floor_us * self.scale, advisor.LAUNCH_US), ops=self.ops,
+            batch_bytes=self.batch_bytes, syncs_per_step=self.syncs_per_step)
+
+    # --- measurements -------------------------------------------------------------------------
+    def _step_time(self) -> float:
+        marks = self.s._cuda_marks
+        if self.device.type == "cuda" and len(marks) > 1:
+            marks[-1].synchronize()  # sync: once, after the run
+            return statistics.median(a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:]))
+        return statistics.median(r["host_s"] for r in self.rows)
+
+    def _kernel_share(self, prof_compute: float) -> float:
+        """Share of the compute time (data wait excluded) that kernels keep the device busy."""
+        ops = self.ops
+        if ops.cuda_kernels is not None and ops.cuda_kernel_us is not None:  # the device's own account
+            device_s = ops.cuda_kernel_us * 1e-6 / ops.steps
+            return min(1.0, device_s / max(1e-9, self.step_s - self.phases["data"]))
+        return min(1.0, ops.kernel_us_per_step * 1e-6 / prof_compute) if prof_compute > 0 else 0.0
+
+    @property
+    def compute_dtype(self) -> str:
+        dtype = self.acc.policy.compute_dtype
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+
+    def _peaks(self) -> dict[str, float]:
+        """Best matmul FLOP/s here by dtype (fp32, bf16, and fp16 where it matters), over thread counts."""
+        names = ["fp32", "bf16"]
+        if self.device.type == "cuda" or self.compute_dtype == "fp16":
+            names.append("fp16")
+        peaks = {}
+        for name in names:
+            try:
+                by_threads = matmul_peaks(self.device, _DTYPES[name], seconds=BENCH_SECONDS / len(names))
+            except Exception as exc:  # a dtype this device cannot run: its figures are "unknown"
+                self.notes.append(f"{name} matmul peak not measured ({type(exc).__name__}: {exc})")
+                continue
+            peaks[name] = max(by_threads.values())
+            if name == "fp32":
+                self.thread_peaks = by_threads
+        return peaks
+
+    def _bandwidth(self) -> float | None:
+        try:
+            return copy_bandwidth(self.device)
+        except Exception as exc:  # out of memory for the 64 MiB buffers, say: bandwidth unknown
+            self.notes.append(f"memory bandwidth not measured ({type(exc).__name__}: {exc})")
+            return None
+
+    def _work_time(self) -> float | None:
+        """Seconds per step the kernels' arithmetic and memory traffic need at this device's measured speed."""
+        peak = self.peaks.get(self.compute_dtype)
+        if not peak or not self.bandwidth:
+            return None
+        return sum(max(k.flops / peak, k.bytes / self.bandwidth) for k in self.ops.kernels) / self.ops.steps
+
+    # --- the result ---------------------------------------------------------------------------
+    def result(self) -> dict[str, Any]:
+        s, acc = self.s, self.acc
+        share = {p: (v / self.host_s if self.host_s > 0 else 0.0) for p, v in self.phases.items()}
+        if self.measured < s.steps:
+            self.notes.append(f"the loop ended after {self.measured} of the {s.steps} steps asked for")
+        if not acc._loaders:
+            self.notes.append("no prepared DataLoader: time spent loading batches is counted in 'other'")
+        result: dict[str, Any] = {
+            "schema_version": 1,
+            "ampkit_version": __version__,
+            "torch": torch.__version__,
+            "subject": s.subject,
+            "device": {
+                "device": str(self.device),
+                "name": describe(self.device)["device_name"],
+                "threads": torch.get_num_threads(),
+                "precision": acc.policy.name,
+                "precision_reason": acc.policy.reason,
+                "bf16_fast": capability(self.device).bf16_fast,
+            },
+            "steps": {"warmup": s.warmup, "profiled": len(s._rows["profiled"]), "timed": len(s._rows["timed"]),
+                      "requested": s.steps, "complete": self.measured >= s.steps},
+            "step": {
+                "time_s": self.step_s,
+                "host_s": self.host_s,
+                "samples": self.samples,
+                "samples_per_s": self.samples / self.step_s if self.samples and self.step_s > 0 else None,
+            },
+            "phases": [{"name": p, "seconds": self.phases[p], "share": share[p]} for p in (*PHASES, "other")],
+            "ops": self._ops(),
+            "syncs": self._syncs(),
+            "utilisation": self._utilisation(),
+            "bound": self._bound(share),
+            "advisor": self._advisor(),
+            "findings": [],
+            "notes": self.notes,
+        }
+        context = findings.Context(
+            work=self.work, gpu=s.gpu, device_gpu=advisor.gpu_for_device(self.device), peaks=self.peaks,
+            thread_peaks=self.thread_peaks,
+            loaders=[(int(l.loader.num_workers), bool(l.loader.pin_memory)) for l in acc._loaders],
+            compute_s=self.compute_s, kernel_s=self.kernel_s, work_s=self.work_s, stall_s=self.stall_s)
+        result["findings"] = findings.diagnose(result, context)
+        return result
+
+    def _ops(self) -> dict[str, Any]:
+        ops = self.ops
+        per_step_cuda = ops.cuda_kernels / ops.steps if ops.cuda_kernels is not None else None
+        mean_cuda = (ops.cuda_kernel_us / ops.cuda_kernels
+                     if ops.cuda_kernels and ops.cuda_kernel_us is not None else None)
+        return {
+            "per_step": ops.per_step,
+            "mean_us": ops.mean_us * self.scale,
+            "floor_us": ops.floor_us * self.scale,
+            "seconds_per_step": self.kernel_s,
+            "work_s_per_step": self.work_s,
+            "kernel_share": self.kernel_share,
+            "flops_per_step": ops.flops_per_step,
+            "bytes_per_step": ops.bytes_per_step,
+            "matmul_share": ops.matmul_share,
+            "profiler_scale": self.scale,
+            "cuda_kernels_per_step": per_step_cuda,
+            "cuda_kernel_mean_us": mean_cuda,
+            "top": [dict(row, median_us=row["median_us"] * self.scale, us_per_step=row["us_per_step"] * self.scale)
+                    for row in ops.top()],
+        }
+
+    def _syncs(self) -> dict[str, Any]:
+        sites = sorted(self.sync_sites.items(), key=lambda kv: -kv[1])
+        return {
+            "per_step": self.syncs_per_step,
+            "method": self.sync_method,
+            "real": self.device.type != "cpu",
+            "sites": [{"file": site.file, "line": site.line, "code": site.code, "call": site.call,
+                       "via": site.via, "per_step": n / self.measured} for site, n in sites],
+            "cuda_debug": self.cuda_debug,
+        }
+
+    def _utilisation(self) -> dict[str, Any]:
+        dtype = self.compute_dtype
+        achieved = self.ops.flops_per_step / self.compute_s
+        peak = self.peaks.get(dtype)
+        return {
+            "achieved_flops_per_s": achieved,
+            "peak_flops_per_s": peak,
+            "fraction": min(1.0, achieved / peak) if peak else None,
+            "peak_source": (f"fastest {dtype} {SIZE.get(self.device.type, 1024)}² matmul measured on {self.device}"
+                            if peak else "unknown (no matmul benchmark)"),
+        }
+
+    def _bound(self, share: dict[str, float]) -> dict[str, Any]:
+        """data, overhead or compute, with the measured reason (`OVERHEAD_BOUND_SHARE`, `findings.OP_FIXED_US`)."""
+        n, mean = self.ops.per_step, self.ops.mean_us * self.scale
+        if share["data"] >= DATA_BOUND_SHARE:
+            return {"kind": "data", "reason": f"{share['data']:.0%} of the step waits for the data loader"}
+        what = "the device's kernels" if self.ops.cuda_kernels is not None else "kernel ops"
+        fixed = n * findings.OP_FIXED_US * 1e-6
+        if self.stall_s > 0 and self.work_s is not None:
+            # Threads waiting for cores make every clock-based share unreliable: judge by the work.
+            kind = "overhead" if self.work_s < fixed else "compute"
+            return {"kind": kind, "reason": (
+                f"judged by the work, as this machine is busy (threads waiting for cores): the step's arithmetic "
+                f"and memory traffic need ~{seconds(self.work_s)} at this device's best measured speed, "
+                f"{'less' if kind == 'overhead' else 'more'} than the ~{seconds(fixed)} its {n:.0f} ops cost just "
+                f"to run ({findings.OP_FIXED_US:g} µs each)")}
+        if self.kernel_share < OVERHEAD_BOUND_SHARE:
+            return {"kind": "overhead", "reason": (
+                f"{what} fill only {self.kernel_share:.0%} of the compute time ({n:.0f} per step at "
+                f"{seconds(mean * 1e-6)}): the rest is Python, autograd and per-op dispatch")}
+        if self.work_s is not None and self.work_s < fixed:
+            return {"kind": "overhead", "reason": (
+                f"the step's arithmetic and memory traffic need ~{seconds(self.work_s)} at this device's measured "
+                f"speed, less than the ~{seconds(fixed)} its {n:.0f} ops cost just to run "
+                f"({findings.OP_FIXED_US:g} µs each); {what} measured {seconds(mean * 1e-6)} each")}
+        return {"kind": "compute", "reason": (
+            f"{what} fill {self.kernel_share:.0%} of the compute time ({n:.0f} per step at {seconds(mean * 1e-6)})")}
+
+    def _advisor(self) -> dict[str, Any]:
+        here = self.step_s
+        estimates = [advisor.estimate(self.work, gpu, dtype) for gpu in advisor.GPUS.values()
+                     for dtype in ("fp32", advisor.mixed_dtype(gpu))]
+        rows = [{"gpu": e.gpu, "dtype": e.dtype, "step_s": e.step_s, "host_s": e.host_s, "device_s": e.device_s,
+                 "bound": e.bound, "speedup": here / e.step_s if e.step_s > 0 else math.inf} for e in estimates]
+        ref = self.s.gpu
+        best = min((r for r in rows if r["gpu"] == ref.name), key=lambda r: r["step_s"])
+        here_name = "this GPU" if self.device.type == "cuda" else "this CPU"
+        # Judge against what this CPU does once its threads stop waiting for cores, not against the stall.
+        steady = max(1e-9, here - self.stall_s)
+        ratio = steady / best["step_s"] if best["step_s"] > 0 else math.inf
+        judged = f"should be ~{times(ratio)} faster" if ratio >= 1.2 else (
+            "would be no faster" if ratio > 1 / 1.2 else "would be slower")
+        verdict = (f"{article(ref.name)} {ref.name} {judged}: ~{seconds(best['step_s'])} per step "
+                   f"({best['dtype']}, {best['bound']}-bound) vs {seconds(here)} measured on {here_name}")
+        if self.stall_s > 0:
+            verdict += (f" (~{seconds(steady)} once its threads stop waiting for cores; this machine is busy, so "
+                        f"the host times behind every estimate are too: rerun on an idle machine to trust this)")
+        if best["bound"] == "host" and self.phases["data"] > best["host_s"] / 2:
+            verdict += " — the data loader keeps the device waiting"
+        elif best["bound"] == "host":
+            verdict += f" — {self.ops.per_step:.0f} kernel launches and the Python around them keep the device waiting"
+        return {
+            "here": {"device": here_name, "name": describe(self.device)["device_name"], "step_s": here},
+            "reference_gpu": ref.name,
+            "estimates": rows,
+            "verdict": verdict,
+            "assumptions": (
+                f"host time outside kernels carries over; each kernel costs dispatch + {advisor.LAUNCH_US:g} µs launch "
+                f"on the host, and on the device max(FLOPs/peak, bytes/bandwidth, {advisor.MIN_KERNEL_US:g} µs) at "
+                f"datasheet peaks (a lower bound); a sync per step adds host and device instead of overlapping them"),
+            "gpus": [{"name": g.name, "fp32_tflops": g.fp32_tflops, "bf16_tflops": g.bf16_tflops,
+                      "fp16_tflops": g.fp16_tflops, "memory_gbps": g.memory_gbps, "launch_us": g.launch_us,
+                      "source": g.source} for g in advisor.GPUS.values()],
+        }

@@ -1,0 +1,359 @@
+"""The doctor's findings: what to change, ranked by the time it should save, each with its evidence.
+
+Every rule reads the measured figures (the result under construction) and returns a `Finding` or
+nothing. A finding says what was seen (`evidence`), what to do (`fix`) and what it should save per
+step: on this device (`saved_s`) and, where that differs, on the reference GPU (`saved_on_gpu_s`) —
+a `loss.item()` costs nothing on a CPU and a whole step's overlap on a GPU. The estimates are
+labelled as such; the evidence is measured.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ampkit.doctor import advisor
+from ampkit.doctor.units import article, count, flops, percent, seconds, times, where
+
+#: Data wait worth a finding, as a share of the step.
+DATA_SHARE = 0.10
+
+#: Below this share of the device's measured matmul peak, the batch is too small for the device.
+LOW_UTILISATION = 0.10
+
+#: The least one eager op costs beyond its arithmetic, µs: Python and dispatch on a CPU, the launch
+#: on a GPU (`advisor.LAUNCH_US`). A step whose whole work needs less than its ops' count times this
+#: is overhead-bound whatever the clock says (a busy machine can make tiny ops look long).
+OP_FIXED_US = 5.0
+
+#: Share of per-op overhead that fusing (torch.compile, CUDA graphs) or a bigger batch is assumed
+#: to remove: an estimate to rank by, not a promise — measure after the change.
+OVERHEAD_REMOVED = 0.5
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing to change, with what was measured and what it should save per step."""
+
+    id: str
+    title: str
+    evidence: str
+    fix: str
+    saved_s: float  # per step on this device (0: costs nothing here)
+    saved_on_gpu_s: float | None = None  # per step on the reference GPU, where it differs
+
+    def as_dict(self, step_s: float) -> dict[str, Any]:
+        saved = min(self.saved_s, step_s)  # an estimate never saves more than the whole step
+        return {"id": self.id, "title": self.title, "evidence": self.evidence, "fix": self.fix,
+                "saved_s": saved, "saved_share": saved / step_s if step_s > 0 else 0.0,
+                "saved_on_gpu_s": self.saved_on_gpu_s}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Context:
+    """What the rules need beyond the result dict."""
+
+    work: advisor.Workload
+    gpu: advisor.GPUSpec  # the reference GPU (`--gpu`)
+    device_gpu: advisor.GPUSpec | None  # this device's row of the table, when it is a known GPU
+    peaks: dict[str, float]  # measured peak matmul FLOP/s here, by dtype ("fp32", "bf16", "fp16")
+    loaders: list[tuple[int, bool]]  # (num_workers, pin_memory) of each prepared DataLoader
+    thread_peaks: dict[int, float]  # fp32 matmul FLOP/s here by torch thread count
+    compute_s: float  # step time minus data and h2d
+    kernel_s: float  # of which inside kernel ops
+    work_s: float | None  # what the kernels' FLOPs and bytes need at this device's measured speed
+    stall_s: float  # of the kernel time, what threads spent waiting for cores (`stall_time`)
+
+
+def rank(findings: list[Finding]) -> list[Finding]:
+    """Most time saved here first; among those that save nothing here, most saved on a GPU first."""
+    return sorted(findings, key=lambda f: (-f.saved_s, -(f.saved_on_gpu_s or 0.0)))
+
+
+def diagnose(result: dict[str, Any], ctx: Context) -> list[dict[str, Any]]:
+    """All findings for `result`, ranked, as dicts (the `findings` of `DOCTOR_SCHEMA`)."""
+    found: list[Finding] = []
+    for rule in (data_wait, busy_threads, overhead_bound, small_batch, precision):
+        finding = rule(result, ctx)
+        if finding is not None:
+            found.append(finding)
+    found.extend(syncs(result, ctx))
+    return [f.as_dict(result["step"]["host_s"]) for f in rank(found)]
+
+
+def _phase(result: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(p for p in result["phases"] if p["name"] == name)
+
+
+def _on_cpu(result: dict[str, Any]) -> bool:
+    return result["device"]["device"] == "cpu"
+
+
+# --- data -------------------------------------------------------------------------------------------
+def data_wait(result: dict[str, Any], ctx: Context) -> Finding | None:
+    data = _phase(result, "data")
+    if data["share"] < DATA_SHARE:
+        return None
+    workers = max((w for w, _ in ctx.loaders), default=0)
+    pinned = all(p for _, p in ctx.loaders) if ctx.loaders else False
+    suggest = max(2, min(8, (os.cpu_count() or 2)))
+    if workers == 0:
+        fix = (f"load batches in background processes: DataLoader(..., num_workers={suggest}, "
+               f"persistent_workers=True) — the workers run __getitem__ while the step trains")
+        k = suggest
+    else:
+        fix = (f"raise num_workers above {workers} (or prefetch_factor), or make __getitem__ cheaper: cache "
+               f"decoded samples, batch the work (a BatchSampler), move augmentation to the device")
+        k = 2 * workers
+    if not _on_cpu(result) and not pinned:
+        fix += "; pin_memory=True lets the host→device copy overlap compute"
+    # k workers hide loading as long as each batch is ready before the step needs it.
+    saved = data["seconds"] - max(0.0, data["seconds"] / k - ctx.compute_s)
+    return Finding(
+        id="data-wait",
+        title=f"{data['share']:.0%} of the step waiting for data",
+        evidence=(f"the DataLoader's next() took {seconds(data['seconds'])} of a {seconds(result['step']['host_s'])} "
+                  f"step (num_workers={workers}, pin_memory={pinned}); the model waits for every batch"),
+        fix=fix,
+        saved_s=max(0.0, saved),
+    )
+
+
+# --- threads ------------------------------------------------------------------------------------
+#: Kernel ops taking this many times longer than their work and fixed cost explain is not slowness
+#: of the arithmetic: the threads of parallel ops are waiting for a core.
+STALLED_RATIO = 10.0
+
+
+#: One thread doing a matmul this many times faster than torch's thread count: the extra threads
+#: wait for cores more than they help.
+THREADS_SLOWER = 1.5
+
+
+def stall_time(kernel_s: float, work_s: float | None, ops_per_step: float, thread_peaks: dict[int, float], *,
+               on_cpu: bool) -> float:
+    """Seconds per step a CPU's kernel ops spend with threads waiting for cores (0 where nothing says so).
+
+    Two measured signs, either enough: kernel ops taking `STALLED_RATIO` times longer than their work
+    and dispatch need; or one thread running a matmul `THREADS_SLOWER` times faster than all of them.
+    """
+    if not on_cpu:
+        return 0.0
+    stalls = [0.0]
+    if work_s is not None:
+        expected = max(work_s, ops_per_step * OP_FIXED_US * 1e-6)
+        if kernel_s >= STALLED_RATIO * expected:
+            stalls.append(kernel_s - expected)
+    one, many = thread_peaks.get(1), thread_peaks.get(max(thread_peaks, default=1))
+    if one and many and len(thread_peaks) > 1 and one >= THREADS_SLOWER * many:
+        stalls.append(kernel_s * (1 - many / one))
+    return max(stalls)
+
+
+def busy_threads(result: dict[str, Any], ctx: Context) -> Finding | None:
+    if ctx.stall_s <= 0:
+        return None
+    ops = result["ops"]
+    threads = result["device"]["threads"]
+    cores = os.cpu_count() or 1
+    try:
+        load = f"load average {os.getloadavg()[0]:.1f} on {cores} cores"
+    except OSError:  # not available on this OS
+        load = f"{cores} cores"
+    evidence = [f"kernel ops take {seconds(ctx.kernel_s)} per step"]
+    if ctx.work_s is not None:
+        evidence.append(f"their FLOPs and bytes need ~{seconds(ctx.work_s)} at this CPU's best measured speed and "
+                        f"their dispatch ~{seconds(ops['per_step'] * OP_FIXED_US * 1e-6)}")
+    if len(ctx.thread_peaks) > 1:
+        evidence.append("fp32 matmul " + " vs ".join(
+            f"{flops(v)} on {n} thread{'s' if n > 1 else ''}" for n, v in sorted(ctx.thread_peaks.items(), reverse=True)))
+    evidence.append(f"torch uses {threads} threads, {load}")
+    free = max(1, min(threads - 1, cores - 1))
+    expected = ctx.kernel_s - ctx.stall_s
+    return Finding(
+        id="busy-threads",
+        title=(f"ops run ~{times(ctx.kernel_s / expected)} slower than they can here: threads waiting for cores"
+               if expected > 0 else "ops spend their time with threads waiting for cores"),
+        evidence="; ".join(evidence),
+        fix=(f"torch.set_num_threads({free}) (or OMP_NUM_THREADS={free}) so parallel ops never wait for a "
+             f"descheduled thread, or run on an idle machine; then run the doctor again — the other findings "
+             f"measure this busy state"),
+        saved_s=ctx.stall_s,
+    )
+
+
+# --- overhead -----------------------------------------------------------------------------------
+def overhead_bound(result: dict[str, Any], ctx: Context) -> Finding | None:
+    if result["bound"]["kind"] != "overhead":
+        return None
+    ops, adv = result["ops"], result["advisor"]
+    # Time the work does not explain: outside kernels, or inside them beyond their FLOPs and bytes.
+    overhead = max(0.0, ctx.compute_s - max(ctx.work_s or 0.0, min(ctx.kernel_s, ctx.compute_s)))
+    best_gpu = min((e for e in adv["estimates"] if e["gpu"] == ctx.gpu.name), key=lambda e: e["step_s"])
+    no_gpu = best_gpu["speedup"] < 1.2 and _on_cpu(result)
+    fix = ("raise the batch size (the same ops then do more work each), or cut the per-op overhead: "
+           "torch.compile(model) fuses ops into fewer kernels; on a GPU, CUDA graphs replay a step with one launch")
+    if no_gpu:
+        fix += f" — a GPU will not beat this CPU here (device advisor: {article(ctx.gpu.name)} {ctx.gpu.name} " \
+               f"~{seconds(best_gpu['step_s'])} per step)"
+    return Finding(
+        id="overhead-bound",
+        title=f"overhead-bound: {count(ops['per_step'])} kernels/step at {seconds(ops['mean_us'] * 1e-6)}",
+        evidence=result["bound"]["reason"] + (
+            f"; {seconds(overhead)} of the {seconds(ctx.compute_s)} compute time is outside kernels" if overhead else ""),
+        fix=fix,
+        saved_s=OVERHEAD_REMOVED * overhead,
+    )
+
+
+def small_batch(result: dict[str, Any], ctx: Context) -> Finding | None:
+    util = result["utilisation"]
+    if util["fraction"] is None or util["fraction"] >= LOW_UTILISATION:
+        return None
+    samples = result["step"]["samples"]
+    per = f"{count(samples)} samples per step, " if samples else ""
+    overhead = max(0.0, ctx.compute_s - ctx.kernel_s)
+    return Finding(
+        id="small-batch",
+        title=f"the batch fills {percent(util['fraction'])} of the device",
+        evidence=(f"{per}{flops(util['achieved_flops_per_s'])} achieved vs {flops(util['peak_flops_per_s'])} "
+                  f"measured matmul peak here ({util['peak_source']})"),
+        fix=("raise the batch size (and the learning rate with it) until the step time starts to grow with it: "
+             "per-step overhead is then spread over more samples (the saving is per sample)"),
+        saved_s=OVERHEAD_REMOVED * overhead,
+    )
+
+
+# --- precision ----------------------------------------------------------------------------------
+def _ratio(ctx: Context, dtype: str) -> float | None:
+    """Measured matmul throughput of `dtype` over fp32 here, or None."""
+    if dtype not in ctx.peaks or not ctx.peaks.get("fp32"):
+        return None
+    return ctx.peaks[dtype] / ctx.peaks["fp32"]
+
+
+def precision(result: dict[str, Any], ctx: Context) -> Finding | None:
+    ops, dev = result["ops"], result["device"]
+    step = result["step"]["host_s"]
+    matmul_s = ops["matmul_share"] * ctx.kernel_s
+    share = matmul_s / step if step > 0 else 0.0
+    where_ = "this CPU" if _on_cpu(result) else "this GPU"
+    low = dev["precision"] not in ("fp32",)
+    gpu_fp32 = advisor.estimate(ctx.work, ctx.gpu, "fp32")
+    gpu_mixed = advisor.estimate(ctx.work, ctx.gpu, advisor.mixed_dtype(ctx.gpu))
+    on_gpu = (f"on {article(ctx.gpu.name)} {ctx.gpu.name}, {advisor.mixed_dtype(ctx.gpu)}-mixed would take the step from "
+              f"~{seconds(gpu_fp32.step_s)} to ~{seconds(gpu_mixed.step_s)} (est.)")
+    r = _ratio(ctx, "bf16")
+    if not low:
+        if dev["bf16_fast"] and r and r > 1:
+            speedup = 1 / ((1 - share) + share / r)
+            return Finding(
+                id="precision",
+                title=f"matmul/conv share {share:.0%} → bf16-mixed should give ~{speedup:.2g}× here",
+                evidence=f"bf16 matmuls measured {r:.2g}× fp32 on {where_}; matmul/conv/attention kernels take "
+                         f"{seconds(matmul_s)} of the {seconds(step)} step",
+                fix="Accelerator(precision='bf16-mixed'), or 'auto' which picks it on this hardware",
+                saved_s=step * (1 - 1 / speedup),
+            )
+        slower = f"~{1 / r:.0f}× slower than fp32" if r and r < 1 else "slower than fp32 (no fast bf16 unit)"
+        measured = ""
+        if r is not None:  # a ratio above 1 on a device without bf16 units is a busy machine, not a fact
+            measured = (f"; bf16 matmuls measured {r:.2g}× fp32 here" if r < 1 else
+                        f"; the matmul benchmark was inconclusive here (bf16 {r:.2g}× fp32: a busy machine?)")
+        return Finding(
+            id="precision",
+            title=f"matmul/conv share {share:.0%}, but bf16 is {slower} on {where_}: stay on fp32",
+            evidence=f"{where_} has no fast bf16 ({dev['name']}){measured}; {on_gpu}",
+            fix=("keep precision='auto' (fp32 here); bf16-mixed pays on a GPU with bf16 (compute capability 8.0+) "
+                 "or a CPU with AMX/AVX512-BF16"),
+            saved_s=0.0,
+            saved_on_gpu_s=max(0.0, gpu_fp32.step_s - gpu_mixed.step_s),
+        )
+    dtype = "bf16" if "bf16" in dev["precision"] else "fp16"
+    fast = dev["bf16_fast"] if dtype == "bf16" else None
+    r_low = _ratio(ctx, dtype)
+    if fast is False or (r_low is not None and r_low < 1):
+        saved = matmul_s * (1 - r_low) if r_low is not None and r_low < 1 else 0.0
+        return Finding(
+            id="precision",
+            title=f"{dev['precision']} runs matmuls ~{1 / r_low:.0f}× slower than fp32 on {where_}" if r_low
+                  else f"{dev['precision']} has no fast unit on {where_}",
+            evidence=(f"{dtype} matmuls measured {r_low:.2g}× fp32 here; matmul/conv/attention kernels take "
+                      f"{seconds(matmul_s)} of the {seconds(step)} step" if r_low else
+                      f"{where_} has no fast {dtype} ({dev['name']})"),
+            fix="Accelerator(precision='auto') picks fp32 here; keep the low precision for a device that runs it fast",
+            saved_s=saved,
+        )
+    return None
+
+
+# --- syncs --------------------------------------------------------------------------------------
+def _sync_fix(site: dict[str, Any]) -> str:
+    call, via = site["call"], site["via"] or ""
+    if "optim.py" in via:
+        return ("pass fused=True to the optimizer (torch.optim.Adam/AdamW/SGD): ampkit then skips overflowing fp16 "
+                "steps on the device, without reading the overflow flag")
+    if "metrics.py" in via:
+        return "acc.metrics() syncs once by design: call it every N steps, not every step"
+    if call in ("item", "__float__", "__format__", "__repr__"):
+        return ("acc.track('loss', loss) every step (adds on the device, no sync) and print(acc.metrics()) every "
+                "N steps: one sync per N steps")
+    if call == "__bool__":
+        return ("a Python `if` on a tensor: decide on the device instead (torch.where, masking), or check "
+                "every N steps")
+    if call == "cuda-sync":
+        return ("a torch op that must wait for the device (nonzero, boolean-mask indexing, a CPU copy): "
+                "move it out of the step, or make its result's size fixed")
+    return ("keep the values on the device and read them every N steps (acc.track for running means), or copy "
+            "with .to('cpu', non_blocking=True) into pinned memory and read them a step later")
+
+
+_CALL_NAMES = {"__float__": "float()", "__int__": "int()", "__bool__": "bool() / if", "__repr__": "print/str",
+               "__format__": "an f-string/format", "cuda-sync": "a synchronizing CUDA op"}
+
+
+def syncs(result: dict[str, Any], ctx: Context) -> list[Finding]:
+    """One finding per site (the three most frequent), the rest in one."""
+    section = result["syncs"]
+    sites = section["sites"]
+    total = section["per_step"]
+    if not sites or total <= 0:
+        return []
+    cost_gpu = advisor.sync_cost(ctx.work, ctx.gpu)
+    cost_here = advisor.sync_cost(ctx.work, ctx.device_gpu) if ctx.device_gpu and section["real"] else 0.0
+    out = []
+    for site in sites[:3]:
+        share = site["per_step"] / total
+        n = site["per_step"]
+        every = "1 sync per step" if abs(n - 1) < 1e-9 else (
+            f"{count(n)} syncs per step" if n >= 1 else f"1 sync every {1 / n:.0f} steps")
+        call = _CALL_NAMES.get(site["call"], f".{site['call']}()")
+        via = f" via {site['via']}" if site["via"] else ""
+        if section["real"]:
+            cost = "each makes the host wait until the device has finished everything queued"
+        else:
+            cost = (f"free on this CPU; on {article(ctx.gpu.name)} {ctx.gpu.name} each makes the host wait until "
+                    f"the device has finished everything queued: est. {seconds(cost_gpu * share)} per step, host "
+                    f"and device no longer overlap")
+        out.append(Finding(
+            id="sync",
+            title=f"{every} at {where(site['file'], site['line'])} (`{site['code']}`)",
+            evidence=f"{call}{via} reads a tensor's value on the host; {cost}",
+            fix=_sync_fix(site),
+            saved_s=cost_here * share,
+            saved_on_gpu_s=cost_gpu * share,
+        ))
+    rest = sites[3:]
+    if rest:
+        n = sum(s["per_step"] for s in rest)
+        share = n / total
+        out.append(Finding(
+            id="sync",
+            title=f"{count(n)} more syncs per step at {len(rest)} other lines",
+            evidence=", ".join(f"{where(s['file'], s['line'])} (`{s['code']}`)" for s in rest[:5]),
+            fix="the same as above: read values every N steps, not every step",
+            saved_s=cost_here * share,
+            saved_on_gpu_s=cost_gpu * share,
+        ))
+    return out

@@ -1,0 +1,256 @@
+"""The doctor's report: a terminal view (rich if installed, else plain text) and an HTML section.
+
+Each takes the result dict (`DOCTOR_SCHEMA`) and decides nothing: the figures and findings are
+computed by `ampkit.doctor.analysis` and `ampkit.doctor.findings`. Strings that come from the user's code (file names, source lines) are
+never interpreted — not as rich markup, not as HTML.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+from ampkit.doctor.units import article, count, flop, seconds, times, where
+
+Result = dict[str, Any]
+
+_BAR = 24  # characters of the widest phase bar
+
+
+def _title(r: Result) -> str:
+    subject = r["subject"]
+    name = subject["name"] + (" " + " ".join(subject["argv"]) if subject["argv"] else "")
+    dev = r["device"]
+    return f"ampkit doctor — {name} on {dev['device']} ({dev['name']}), {dev['precision']}"
+
+
+def _measured(r: Result) -> str:
+    s = r["steps"]
+    line = (f"{s['profiled'] + s['timed']} steps measured after {s['warmup']} warm-up "
+            f"({s['profiled']} profiled, {s['timed']} timed)")
+    return line if s["complete"] else line + f" — the loop ended before the {s['requested']} asked for"
+
+
+def _step_line(r: Result) -> str:
+    st = r["step"]
+    parts = [f"step {seconds(st['time_s'])} (median)"]
+    if st["samples"]:
+        parts.append(f"{count(st['samples'])} samples/step")
+    if st["samples_per_s"]:
+        parts.append(f"{st['samples_per_s']:,.0f} samples/s")
+    return " · ".join(parts)
+
+
+def _bound_line(r: Result) -> str:
+    return f"bound: {r['bound']['kind']} — {r['bound']['reason']}"
+
+
+def _phase_rows(r: Result) -> list[list[str]]:
+    widest = max((p["share"] for p in r["phases"]), default=0.0) or 1.0
+    return [[p["name"], seconds(p["seconds"]), f"{p['share']:.0%}", "█" * round(_BAR * p["share"] / widest)]
+            for p in r["phases"]]
+
+
+def _ops_line(r: Result) -> str:
+    o = r["ops"]
+    line = (f"{count(o['per_step'])} kernel ops/step, mean {seconds(o['mean_us'] * 1e-6)}, {seconds(o['seconds_per_step'])}"
+            f"/step ({o['kernel_share']:.0%} of compute), {flop(o['flops_per_step'])}/step, "
+            f"matmul/conv/attention {o['matmul_share']:.0%} of kernel time")
+    if o["cuda_kernels_per_step"] is not None:
+        line += (f"; CUDA: {count(o['cuda_kernels_per_step'])} kernels/step, mean "
+                 f"{seconds((o['cuda_kernel_mean_us'] or 0) * 1e-6)} on the device")
+    return line
+
+
+def _op_rows(r: Result) -> list[list[str]]:
+    return [[t["name"], count(t["per_step"]), seconds(t["us_per_step"] * 1e-6), seconds(t["median_us"] * 1e-6),
+             f"{t['share']:.0%}"] for t in r["ops"]["top"]]
+
+
+def _sync_line(r: Result) -> str:
+    s = r["syncs"]
+    if not s["sites"]:
+        return "syncs: none in the measured steps"
+    kind = "on the device" if s["real"] else "free on this CPU, each would make a GPU's host wait"
+    return f"syncs: {count(s['per_step'])} per step ({kind})"
+
+
+def _sync_rows(r: Result) -> list[list[str]]:
+    return [[where(s["file"], s["line"]), s["code"], s["call"] + (f" via {s['via']}" if s["via"] else ""),
+             count(s["per_step"])] for s in r["syncs"]["sites"][:8]]
+
+
+def _advisor_rows(r: Result) -> list[list[str]]:
+    """One row per GPU: its fp32 and mixed-precision estimates side by side, after this device's measurement."""
+    a = r["advisor"]
+    rows = [[f"{a['here']['device']} (measured)", seconds(a["here"]["step_s"]), "", "", "", "", "1×"]]
+    by_gpu: dict[str, list[dict[str, Any]]] = {}
+    for e in a["estimates"]:
+        by_gpu.setdefault(e["gpu"], []).append(e)
+    for gpu, (fp32, *mixed) in by_gpu.items():
+        half = mixed[0] if mixed else None
+        best = min([fp32, *mixed], key=lambda e: e["step_s"])
+        rows.append([gpu + (" *" if gpu == a["reference_gpu"] else ""), seconds(fp32["step_s"]),
+                     f"{seconds(half['step_s'])} ({half['dtype']})" if half else "", seconds(best["host_s"]),
+                     seconds(best["device_s"]), best["bound"], times(best["speedup"])])
+    return rows
+
+
+def _saving(f: dict[str, Any], r: Result) -> str:
+    parts = []
+    if f["saved_s"] > 0:
+        parts.append(f"~{seconds(f['saved_s'])}/step here ({f['saved_share']:.0%})")
+    if f["saved_on_gpu_s"]:
+        gpu = r["advisor"]["reference_gpu"]
+        parts.append(f"~{seconds(f['saved_on_gpu_s'])}/step on {article(gpu)} {gpu}")
+    return "est. saving: " + (", ".join(parts) if parts else "none here")
+
+
+_PHASE_HEADER = ["phase", "time", "share", ""]
+_OP_HEADER = ["kernel op", "per step", "time/step", "median", "share"]
+_SYNC_HEADER = ["where", "code", "call", "per step"]
+_ADVISOR_HEADER = ["device", "fp32 step", "mixed step", "host", "device time", "bound", "vs here"]
+
+
+def format_text(r: Result) -> str:
+    """The whole report as plain text (logs, and terminals without rich)."""
+    def table(header: list[str], rows: list[list[str]]) -> list[str]:
+        widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+        fmt = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+        return ["  " + fmt(header), *("  " + fmt(row) for row in rows)]
+
+    out = [_title(r), _measured(r), "", _step_line(r), _bound_line(r), "", "where the step goes (host time):"]
+    out += table(_PHASE_HEADER, _phase_rows(r))
+    out += ["", _ops_line(r)] + table(_OP_HEADER, _op_rows(r))
+    out += ["", _sync_line(r)]
+    if r["syncs"]["sites"]:
+        out += table(_SYNC_HEADER, _sync_rows(r))
+    out += ["", f"device advisor (* = reference GPU; host, device and bound of the faster precision): "
+                f"{r['advisor']['verdict']}"]
+    out += table(_ADVISOR_HEADER, _advisor_rows(r))
+    out += [f"  assumptions: {r['advisor']['assumptions']}", "", "findings, ranked by estimated time saved:"]
+    if not r["findings"]:
+        out.append("  none: nothing in the measured steps stands out")
+    for i, f in enumerate(r["findings"], 1):
+        out += [f"  {i}. {f['title']}", f"     evidence: {f['evidence']}", f"     fix: {f['fix']}",
+                f"     {_saving(f, r)}"]
+    if r["notes"]:
+        out += ["", *(f"note: {n}" for n in r["notes"])]
+    return "\n".join(out)
+
+
+def render_report(r: Result, console: Any = None) -> None:
+    """Print the report to the terminal: rich tables where rich is installed, else `format_text`."""
+    try:
+        from rich import box
+        from rich.console import Console
+        from rich.table import Table
+        from rich.text import Text
+    except ImportError:
+        print(format_text(r))
+        return
+    console = console or Console()
+
+    def table(title: str, header: list[str], rows: list[list[str]], right: tuple[int, ...] = ()) -> Table:
+        t = Table(title=Text(title, style="bold"), title_justify="left", box=box.SIMPLE_HEAD)
+        for i, h in enumerate(header):
+            t.add_column(Text(h), justify="right" if i in right else "left")
+        for row in rows:
+            t.add_row(*(Text(str(c)) for c in row))
+        return t
+
+    console.print(Text(_title(r), style="bold"))
+    console.print(Text(_measured(r), style="dim"))
+    console.print(Text(_step_line(r)))
+    console.print(Text(_bound_line(r), style="bold yellow" if r["bound"]["kind"] != "compute" else "bold green"))
+    console.print(table("where the step goes (host time)", _PHASE_HEADER, _phase_rows(r), right=(1, 2)))
+    console.print(Text(_ops_line(r)))
+    console.print(table("top kernel ops", _OP_HEADER, _op_rows(r), right=(1, 2, 3, 4)))
+    console.print(Text(_sync_line(r), style="bold"))
+    if r["syncs"]["sites"]:
+        console.print(table("", _SYNC_HEADER, _sync_rows(r), right=(3,)))
+    console.print(Text("device advisor: " + r["advisor"]["verdict"], style="bold"))
+    console.print(table("", _ADVISOR_HEADER, _advisor_rows(r), right=(1, 2, 3, 4, 6)))
+    console.print(Text("assumptions: " + r["advisor"]["assumptions"], style="dim"))
+    console.print(Text("\nfindings, ranked by estimated time saved", style="bold"))
+    if not r["findings"]:
+        console.print(Text("  none: nothing in the measured steps stands out"))
+    for i, f in enumerate(r["findings"], 1):
+        console.print(Text(f"{i}. {f['title']}", style="bold cyan"))
+        console.print(Text(f"   evidence: {f['evidence']}"))
+        console.print(Text(f"   fix: {f['fix']}", style="green"))
+        console.print(Text(f"   {_saving(f, r)}", style="dim"))
+    for note in r["notes"]:
+        console.print(Text(f"note: {note}", style="dim"))
+
+
+# --- HTML -------------------------------------------------------------------------------------------
+_CSS = """
+.ampkit-doctor{font:14px/1.45 system-ui,sans-serif;color:#1d2330;max-width:60rem}
+.ampkit-doctor h2{font-size:1.25rem;margin:1.2rem 0 .3rem}
+.ampkit-doctor h3{font-size:1rem;margin:1rem 0 .3rem}
+.ampkit-doctor table{border-collapse:collapse;margin:.3rem 0}
+.ampkit-doctor th,.ampkit-doctor td{padding:.15rem .6rem;text-align:left;border-bottom:1px solid #e3e6ea}
+.ampkit-doctor td.n{text-align:right;font-variant-numeric:tabular-nums}
+.ampkit-doctor .bar{display:inline-block;height:.7rem;background:#4c78a8}
+.ampkit-doctor code{font:12px ui-monospace,monospace;background:#f3f4f6;padding:0 .2rem}
+.ampkit-doctor .muted{color:#667085}
+.ampkit-doctor ol.findings li{margin:.5rem 0}
+"""
+
+
+def _e(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _html_table(header: list[str], rows: list[list[str]], numeric: tuple[int, ...] = (),
+                raw: tuple[int, ...] = ()) -> str:
+    head = "".join(f"<th>{_e(h)}</th>" for h in header)
+    body = "".join(
+        "<tr>" + "".join(
+            f"<td{' class=n' if i in numeric else ''}>{c if i in raw else _e(c)}</td>" for i, c in enumerate(row)
+        ) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def render_html_section(r: Result) -> str:
+    """The report as one self-contained `<section>` (its own scoped style, no scripts, no links).
+
+    Every value is escaped, so a file name or source line from the user's code cannot inject
+    markup. `ampkit compare`'s HTML report can include it as is.
+    """
+    widest = max((p["share"] for p in r["phases"]), default=0.0) or 1.0
+    phase_rows = [[p["name"], seconds(p["seconds"]), f"{p['share']:.0%}",
+                   f'<span class="bar" style="width:{12 * p["share"] / widest:.2f}rem"></span>']
+                  for p in r["phases"]]
+    sync_rows = [[f"<code>{_e(where(s['file'], s['line']))}</code>", f"<code>{_e(s['code'])}</code>",
+                  _e(s["call"] + (f" via {s['via']}" if s["via"] else "")), _e(count(s["per_step"]))]
+                 for s in r["syncs"]["sites"][:8]]
+    findings = "".join(
+        f"<li><strong>{_e(f['title'])}</strong><br><span class=muted>evidence:</span> {_e(f['evidence'])}"
+        f"<br><span class=muted>fix:</span> {_e(f['fix'])}<br><span class=muted>{_e(_saving(f, r))}</span></li>"
+        for f in r["findings"]) or "<li>none: nothing in the measured steps stands out</li>"
+    parts = [
+        f'<section class="ampkit-doctor"><style>{_CSS}</style>',
+        f"<h2>{_e(_title(r))}</h2>",
+        f"<p class=muted>{_e(_measured(r))}</p>",
+        f"<p>{_e(_step_line(r))}<br><strong>{_e(_bound_line(r))}</strong></p>",
+        "<h3>Findings, ranked by estimated time saved</h3>",
+        f"<ol class=findings>{findings}</ol>",
+        "<h3>Where the step goes (host time)</h3>",
+        _html_table(_PHASE_HEADER, phase_rows, numeric=(1, 2), raw=(3,)),
+        "<h3>Kernel ops</h3>",
+        f"<p>{_e(_ops_line(r))}</p>",
+        _html_table(_OP_HEADER, _op_rows(r), numeric=(1, 2, 3, 4)),
+        "<h3>Host↔device syncs</h3>",
+        f"<p>{_e(_sync_line(r))}</p>",
+        _html_table(_SYNC_HEADER, sync_rows, numeric=(3,), raw=(0, 1, 2, 3)) if sync_rows else "",
+        "<h3>Device advisor</h3>",
+        f"<p>{_e(r['advisor']['verdict'])}</p>",
+        _html_table(_ADVISOR_HEADER, _advisor_rows(r), numeric=(1, 2, 3, 4, 6)),
+        f"<p class=muted>{_e(r['advisor']['assumptions'])}. Peaks: "
+        + "; ".join(f"{_e(g['name'])}: {_e(g['source'])}" for g in r["advisor"]["gpus"]) + "</p>",
+        *(f"<p class=muted>note: {_e(n)}</p>" for n in r["notes"]),
+        "</section>",
+    ]
+    return "\n".join(p for p in parts if p)

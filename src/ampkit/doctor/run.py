@@ -1,0 +1,126 @@
+"""Running training code under the doctor: a user's script, or a built-in task.
+
+`diagnose_script` executes a script as `python train.py args...` would (`runpy`, `__main__`,
+`sys.argv`, the script's folder first on `sys.path`), with the doctor attached to the first
+`ampkit.Accelerator` the script creates, and ends it once enough steps are measured. The script
+does not change. `diagnose_task` does the same for a built-in task's four-line loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import runpy
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ampkit.accelerator import Accelerator
+from ampkit.doctor.session import DoctorError, DoctorSession, StopTraining
+
+
+def diagnose_script(script: str | Path, args: Sequence[str] = (), *, steps: int = 20, warmup: int = 5,
+                    gpu: str = "A100", bench: bool = True) -> dict[str, Any]:
+    """Run `script` with `args` until `warmup + steps` optimizer steps, and diagnose them.
+
+    Returns the result (`DOCTOR_SCHEMA`). Raises FileNotFoundError for a missing script,
+    `DoctorError` when the script creates no Accelerator or ends before a step was measured, and
+    re-raises whatever the script itself raised.
+    """
+    path = Path(script)
+    if not path.is_file():
+        raise FileNotFoundError(f"script {str(script)!r} not found (from {Path.cwd()})")
+    subject = {"kind": "script", "name": str(script), "argv": [str(a) for a in args]}
+    sessions: list[DoctorSession] = []
+    original_init = Accelerator.__init__
+
+    @functools.wraps(original_init)
+    def watched_init(self: Accelerator, *a: Any, **kw: Any) -> None:
+        original_init(self, *a, **kw)
+        if not sessions:  # the first Accelerator is the one training
+            sessions.append(DoctorSession(self, steps=steps, warmup=warmup, gpu=gpu, stop=True, subject=subject,
+                                          bench=bench))
+
+    _validate(steps, warmup, gpu)  # before running anything
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    Accelerator.__init__ = watched_init  # type: ignore[method-assign]
+    sys.argv = [str(path), *map(str, args)]
+    sys.path.insert(0, str(path.resolve().parent))
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except StopTraining:
+        pass
+    except SystemExit as exc:
+        if exc.code not in (None, 0) and not (sessions and sessions[0].result is not None):
+            _close(sessions)
+            raise DoctorError(f"{script} exited with status {exc.code!r} before the doctor had measured "
+                              f"its steps") from exc
+    except BaseException:
+        _close(sessions)
+        raise
+    finally:
+        Accelerator.__init__ = original_init  # type: ignore[method-assign]
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+    if not sessions:
+        raise DoctorError(f"{script} finished without creating an ampkit.Accelerator: the doctor watches the "
+                          f"first Accelerator a script creates (see the README's four-line conversion)")
+    session = sessions[0]
+    if session.result is None and session.seen_steps == 0:
+        session.close()
+        raise DoctorError(f"{script} created an Accelerator but ran no optimizer step through a prepared "
+                          f"optimizer: the doctor counts steps at optimizer.step() of acc.prepare()'s optimizer")
+    try:
+        return session.finish()
+    except BaseException:
+        session.close()
+        raise
+
+
+def diagnose_task(task: str = "iris-mlp", *, steps: int = 20, warmup: int = 5, gpu: str = "A100",
+                  precision: str = "auto", device: str = "auto", batch_size: int | None = None, seed: int = 0,
+                  bench: bool = True) -> dict[str, Any]:
+    """Train the built-in `task` for `warmup + steps` steps under the doctor; return the result."""
+    from ampkit.tasks import get_task
+
+    _validate(steps, warmup, gpu)
+    spec = get_task(task)
+    data = spec.make_data(seed, batch_size or spec.default_batch_size)
+    torch.manual_seed(seed)
+    acc = Accelerator(precision=precision, device=device)
+    model = spec.make_model(seed)
+    optimizer = spec.make_optimizer(model.parameters(), spec.default_lr)
+    model, optimizer, loader = acc.prepare(model, optimizer, data.train_loader)
+    subject = {"kind": "task", "name": task, "argv": []}
+    session = DoctorSession(acc, steps=steps, warmup=warmup, gpu=gpu, stop=True, subject=subject, bench=bench)
+    try:
+        for _ in acc.epochs(sys.maxsize):  # until the doctor stops it
+            for x, y in loader:
+                loss = spec.loss_fn(model(x), y)
+                acc.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+    except StopTraining:
+        pass
+    except BaseException:
+        session.close()
+        raise
+    return session.finish()
+
+
+def _validate(steps: int, warmup: int, gpu: str) -> None:
+    """The session's argument checks, run before any training starts."""
+    from ampkit.doctor.advisor import find_gpu
+
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"steps={steps!r}: expected an integer >= 1 (the steps to measure)")
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+        raise ValueError(f"warmup={warmup!r}: expected an integer >= 0")
+    find_gpu(gpu)
+
+
+def _close(sessions: list[DoctorSession]) -> None:
+    if sessions and sessions[0].result is None:
+        sessions[0].close()

@@ -1,0 +1,388 @@
+"""`ampkit doctor`: planted problems are found and named, the bound is classified, the report keeps its contract.
+
+The suite shares two cores with other processes. With torch's default two threads, a parallel op
+then waits for a descheduled thread and a 16×32 matmul can take milliseconds (the doctor reports
+that as its own "busy-threads" finding). The end-to-end tests run torch on one thread so that what
+they check — the planted line, the top finding, the bound — is what the code does, not the
+machine's load. They assert no timings.
+"""
+
+from __future__ import annotations
+
+import html.parser
+import io
+import json
+import re
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+from torch import nn
+
+import ampkit
+import ampkit.data
+from ampkit.accelerator import Accelerator
+from ampkit.cli import main
+from ampkit.doctor import (
+    DOCTOR_SCHEMA,
+    DoctorError,
+    GPUS,
+    diagnose_script,
+    diagnose_task,
+    find_gpu,
+    format_text,
+    profile,
+    render_html_section,
+    validate_result,
+)
+from ampkit.doctor import advisor
+from ampkit.doctor.ops import KernelOp, OpStats, is_kernel
+from ampkit.doctor.sync import SYNC_METHODS, SyncWatcher
+from ampkit.optim import AmpOptimizer
+
+from conftest import make_loader, make_model
+
+SCRIPTS = Path(__file__).parent / "doctor_scripts"
+ITEM_SCRIPT = SCRIPTS / "item_per_step.py"
+SLOW_LOADER_SCRIPT = SCRIPTS / "slow_loader.py"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _line_of(path: Path, marker: str) -> int:
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if marker in line)
+
+
+def _patched_state() -> tuple:
+    """Everything the doctor patches while it watches, to check that it puts it all back."""
+    return (
+        tuple(torch.Tensor.__dict__.get(name) for name in SYNC_METHODS),
+        Accelerator.__init__, Accelerator.backward, AmpOptimizer.step, AmpOptimizer.zero_grad,
+        ampkit.data.DeviceLoader._on_device, ampkit.data.move_to_device,
+        len(nn.modules.module._global_forward_pre_hooks), len(nn.modules.module._global_forward_hooks),
+        list(sys.argv),
+    )
+
+
+@pytest.fixture(scope="module")
+def item_result():
+    return diagnose_script(ITEM_SCRIPT, ["--epochs", "50"], steps=8, warmup=2, bench=False)
+
+
+# ----- the planted problems ----------------------------------------------------------------------
+
+def test_a_planted_item_per_step_is_found_with_its_file_and_line(item_result):
+    line = _line_of(ITEM_SCRIPT, "doctor: planted sync")
+    sites = item_result["syncs"]["sites"]
+    assert [(Path(s["file"]).resolve(), s["line"], s["call"]) for s in sites] == [(ITEM_SCRIPT.resolve(), line, "item")]
+    assert sites[0]["code"] == "losses.append(loss.item())  # doctor: planted sync"
+    assert sites[0]["per_step"] == pytest.approx(1.0)
+    assert item_result["syncs"]["real"] is False  # on a CPU: would sync on a GPU
+    finding = next(f for f in item_result["findings"] if f["id"] == "sync")
+    assert finding["title"].startswith("1 sync per step at ")
+    assert f"item_per_step.py:{line} (`losses.append(loss.item())" in finding["title"]
+    assert "acc.track" in finding["fix"]
+    assert finding["saved_s"] == 0  # free on this CPU ...
+    assert finding["saved_on_gpu_s"] > 0  # ... not on the reference GPU
+
+
+def test_a_slow_data_loader_is_the_top_finding():
+    result = diagnose_script(SLOW_LOADER_SCRIPT, steps=4, warmup=1, bench=False)
+    top = result["findings"][0]
+    assert top["id"] == "data-wait", [f["title"] for f in result["findings"]]
+    assert re.fullmatch(r"\d+% of the step waiting for data", top["title"])
+    assert "num_workers=0" in top["evidence"] and "num_workers=" in top["fix"]
+    assert result["bound"]["kind"] == "data"
+    data = next(p for p in result["phases"] if p["name"] == "data")
+    assert data["share"] == max(p["share"] for p in result["phases"])
+
+
+def test_iris_on_a_cpu_is_overhead_bound():
+    result = diagnose_task("iris-mlp", steps=8, warmup=3)
+    assert result["bound"]["kind"] == "overhead", result["bound"]
+    overhead = next(f for f in result["findings"] if f["id"] == "overhead-bound")
+    assert re.match(r"overhead-bound: \d+ kernels/step at ", overhead["title"])
+    assert result["ops"]["per_step"] > 20  # forward, backward and AdamW over 6 parameters
+    assert result["step"]["samples"] == 16
+
+
+def test_the_tiny_lm_is_not_overhead_bound_and_a_gpu_would_beat_this_cpu():
+    result = diagnose_task("tiny-lm", steps=4, warmup=1)
+    assert result["bound"]["kind"] == "compute", result["bound"]
+    assert "overhead-bound" not in [f["id"] for f in result["findings"]]
+    assert result["ops"]["matmul_share"] > 0.3
+    assert result["ops"]["flops_per_step"] > 1e9  # GEMMs of 2048×128×384 and up
+    a100 = [e for e in result["advisor"]["estimates"] if e["gpu"] == "A100"]
+    assert min(e["step_s"] for e in a100) < result["step"]["time_s"]
+
+
+# ----- the contract ------------------------------------------------------------------------------
+
+def test_json_validates_against_the_schema(capsys):
+    assert main(["doctor", "--task", "iris-mlp", "--steps", "4", "--warmup", "1", "--json", "--gpu", "T4"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    validate_result(result)
+    jsonschema.Draft202012Validator.check_schema(DOCTOR_SCHEMA)
+    assert result["advisor"]["reference_gpu"] == "T4"
+    assert result["subject"] == {"kind": "task", "name": "iris-mlp", "argv": []}
+    names = [p["name"] for p in result["phases"]]
+    assert names == ["data", "h2d", "forward", "backward", "optimizer", "other"]
+
+
+def test_a_scripts_json_validates_and_its_prints_stay_off_stdout(capsys):
+    rc = main(["doctor", "--steps", "3", "--warmup", "1", "--json", str(ITEM_SCRIPT), "--epochs", "1"])
+    assert rc == 0
+    out = capsys.readouterr()
+    result = json.loads(out.out)
+    validate_result(result)
+    assert result["subject"]["argv"] == ["--epochs", "1"]
+
+
+def test_the_schema_rejects_a_finding_without_a_fix(item_result):
+    broken = json.loads(json.dumps(item_result))
+    del broken["findings"][0]["fix"]
+    with pytest.raises(jsonschema.ValidationError):
+        validate_result(broken)
+
+
+def test_findings_are_ranked_by_time_saved_here_then_on_the_gpu(item_result):
+    keys = [(f["saved_s"], f["saved_on_gpu_s"] or 0.0) for f in item_result["findings"]]
+    assert keys == sorted(keys, reverse=True)
+
+
+class _Checker(html.parser.HTMLParser):
+    """Collects tags and checks that every opened element is closed (void elements aside)."""
+
+    VOID = {"br", "meta", "img", "hr", "input", "link"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[str] = []
+        self.tags: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+        if tag not in self.VOID:
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        assert self.stack and self.stack[-1] == tag, f"</{tag}> closes {self.stack[-1:]}"
+        self.stack.pop()
+
+
+def test_the_html_section_is_self_contained_and_escapes_the_users_code(item_result):
+    hostile = json.loads(json.dumps(item_result))
+    hostile["syncs"]["sites"][0]["code"] = "print('<script>alert(1)</script>')"
+    hostile["subject"]["name"] = "<img src=x onerror=alert(1)>.py"
+    section = render_html_section(hostile)
+    assert section.startswith('<section class="ampkit-doctor">') and section.endswith("</section>")
+    checker = _Checker()
+    checker.feed(section)
+    checker.close()
+    assert checker.stack == []
+    assert "script" not in checker.tags and "img" not in checker.tags and "link" not in checker.tags
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in section
+    assert "http" not in section  # nothing to fetch: it opens offline
+
+
+def test_the_plain_text_report_shows_the_findings_and_the_advisor(item_result):
+    text = format_text(item_result)
+    line = _line_of(ITEM_SCRIPT, "doctor: planted sync")
+    assert f"item_per_step.py:{line}" in text
+    assert "device advisor" in text and "findings, ranked by estimated time saved:" in text
+    for f in item_result["findings"]:
+        assert f["title"] in text
+
+
+def test_the_terminal_report_renders(capsys, item_result):
+    assert main(["doctor", "--task", "iris-mlp", "--steps", "2", "--warmup", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "ampkit doctor — iris-mlp on cpu" in out
+    assert "findings, ranked by estimated time saved" in out
+
+
+# ----- running user code -------------------------------------------------------------------------
+
+def test_everything_patched_is_restored_after_a_run(item_result):
+    before = _patched_state()
+    diagnose_script(ITEM_SCRIPT, ["--epochs", "50"], steps=3, warmup=1, bench=False)
+    assert _patched_state() == before
+    assert "item" not in torch.Tensor.__dict__  # back to TensorBase's own method
+
+
+def test_a_script_that_raises_is_reraised_and_everything_is_restored(tmp_path):
+    script = tmp_path / "crash.py"
+    script.write_text(ITEM_SCRIPT.read_text().replace(
+        "        losses.append(loss.item())  # doctor: planted sync",
+        "        if len(losses) == 3:\n            raise RuntimeError('boom at step 3')\n        losses.append(0.0)"))
+    before = _patched_state()
+    with pytest.raises(RuntimeError, match="boom at step 3"):
+        diagnose_script(script, steps=20, warmup=1, bench=False)
+    assert _patched_state() == before
+    diagnose_script(ITEM_SCRIPT, ["--epochs", "50"], steps=2, warmup=1, bench=False)  # no session left behind
+
+
+def test_a_script_that_ends_early_gives_the_steps_it_ran(item_result):
+    # 256 samples / batch 16 = 16 steps in one epoch: fewer than the 2 + 30 asked for.
+    result = diagnose_script(ITEM_SCRIPT, ["--epochs", "1"], steps=30, warmup=2, bench=False)
+    assert result["steps"]["complete"] is False
+    assert result["steps"]["profiled"] + result["steps"]["timed"] == 14
+    assert "the loop ended after 14 of the 30 steps asked for" in result["notes"]
+
+
+def test_errors_repeat_what_was_passed(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"script 'no/such/train\.py' not found"):
+        diagnose_script("no/such/train.py")
+    plain = tmp_path / "plain.py"
+    plain.write_text("print('no ampkit here')\n")
+    with pytest.raises(DoctorError, match="finished without creating an ampkit.Accelerator"):
+        diagnose_script(plain)
+    with pytest.raises(DoctorError, match=r"the loop ran 16 optimizer step\(s\) and the doctor skips the first 40"):
+        diagnose_script(ITEM_SCRIPT, ["--epochs", "1"], warmup=40, bench=False)
+    with pytest.raises(ValueError, match=r"gpu='V100' is not in the doctor's table; choose one of: T4, L4, A100"):
+        diagnose_task("iris-mlp", gpu="V100")
+    with pytest.raises(ValueError, match=r"steps=0: expected an integer >= 1"):
+        diagnose_script(ITEM_SCRIPT, steps=0)
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "give a script to run"),
+    (["--task", "iris-mlp", "train.py"], "not both"),
+    (["--precision", "bf16-mixed", "train.py"], "are for --task"),
+    (["missing.py"], "script 'missing.py' not found"),
+    (["--task", "iris-mlp", "--gpu", "P100"], "gpu='P100' is not in the doctor's table"),
+])
+def test_cli_errors(capsys, args, message):
+    assert main(["doctor", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_profile_watches_a_running_loop_without_stopping_it():
+    acc = ampkit.Accelerator(precision="fp32")
+    model = make_model()
+    model, optimizer, loader = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), make_loader())
+    results = []
+    session = profile(acc, steps=4, warmup=2, report=False, on_done=results.append)
+    steps = 0
+    for _ in range(2):
+        for x, y in loader:
+            acc.backward(nn.functional.cross_entropy(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+            steps += 1
+    assert steps == 32  # the doctor did not stop the loop
+    assert len(results) == 1 and session.result is results[0]
+    validate_result(session.result)
+    assert acc._recorder is None  # detached once done
+
+
+# ----- the parts -------------------------------------------------------------------------------------
+
+def test_sync_watcher_names_each_read_once_at_the_users_line():
+    watcher = SyncWatcher(torch.device("cpu"))
+    watcher.install()
+    try:
+        watcher.active = True
+        t = torch.tensor(1.5)
+        float(t)  # read: float
+        # print -> __repr__ -> item is one read, not three:
+        print(t, file=io.StringIO())  # read: print
+        f"{t:.2f}"  # read: format
+        torch.tensor([1.0, 2.0]).sum().item()  # read: item
+        torch.nn.functional.relu(t)  # no read
+    finally:
+        watcher.uninstall()
+    here = Path(__file__).resolve()
+    got = sorted((s.line, s.call) for s in watcher.sites if Path(s.file).resolve() == here)
+    source = here.read_text().splitlines()
+    expected = sorted((i, call) for call, marker in [("__float__", "# read: float"), ("__repr__", "# read: print"),
+                                                       ("__format__", "# read: format"), ("item", "# read: item")]
+                      for i, line in enumerate(source, 1) if line.strip().endswith(marker))
+    assert got == expected
+    assert sum(watcher.sites.values()) == 4
+    assert not any(name in torch.Tensor.__dict__ for name in ("item", "__float__", "tolist", "cpu"))
+
+
+def test_reads_inside_ampkit_are_reported_at_the_users_line_with_via():
+    acc = ampkit.Accelerator(precision="fp32")
+    watcher = SyncWatcher(torch.device("cpu"))
+    watcher.install()
+    try:
+        watcher.active = True
+        acc.track("loss", torch.tensor(2.0))
+        acc.metrics()  # read via ampkit/metrics.py
+    finally:
+        watcher.uninstall()
+    (site,) = watcher.sites
+    assert site.code == "acc.metrics()  # read via ampkit/metrics.py"
+    assert site.via is not None and site.via.startswith("ampkit/metrics.py:")
+
+
+@pytest.mark.parametrize("name, overload, kernel", [
+    ("aten::addmm", "", True),  # a backend kernel
+    ("aten::copy_", "", True),  # CompositeExplicitAutograd: still does the copy
+    ("aten::add_", "Tensor", True),
+    ("aten::linear", "", False),  # decomposes into addmm
+    ("aten::view", "", False),  # a view: no work
+    ("aten::t", "", False),
+    ("aten::empty_strided", "", False),  # an allocation
+    ("autograd::engine::evaluate_function: AddmmBackward0", "", False),  # not an operator
+])
+def test_kernel_ops_are_the_ones_that_do_work(name, overload, kernel):
+    assert is_kernel(name, overload) is kernel
+
+
+def _work(kernels: int, flops: int = 0, syncs: float = 0.0, outside_s: float = 1e-3) -> advisor.Workload:
+    ops = OpStats(1, tuple(KernelOp("aten::mm", 5.0, flops, 4096, True) for _ in range(kernels)), flops * kernels)
+    return advisor.Workload(host_outside_s=outside_s, dispatch_us=1.0, ops=ops, batch_bytes=0, syncs_per_step=syncs)
+
+
+def test_the_advisor_sees_launch_bound_and_compute_bound_steps():
+    a100 = find_gpu("a100")
+    tiny = advisor.estimate(_work(400), a100)
+    assert tiny.bound == "host"
+    assert tiny.host_s == pytest.approx(1e-3 + 400 * (1.0 + advisor.LAUNCH_US) * 1e-6)
+    big = advisor.estimate(_work(10, flops=10**12), a100)  # 10 TFLOP at 19.5 TFLOP/s fp32
+    assert big.bound == "device" and big.device_s == pytest.approx(10 * 1e12 / 19.5e12, rel=1e-3)
+    assert advisor.estimate(_work(10, flops=10**12), a100, "bf16").step_s < big.step_s / 10  # Tensor Cores
+
+
+def test_a_sync_per_step_stops_host_and_device_overlapping():
+    t4 = find_gpu("T4")
+    free = advisor.estimate(_work(100, flops=10**9), t4)
+    synced = advisor.estimate(_work(100, flops=10**9, syncs=1.0), t4)
+    assert free.step_s == pytest.approx(max(free.host_s, free.device_s))
+    assert synced.step_s == pytest.approx(free.host_s + free.device_s)
+    assert advisor.sync_cost(_work(100, flops=10**9, syncs=1.0), t4) == pytest.approx(min(free.host_s, free.device_s))
+
+
+def test_the_gpu_table_is_complete_and_sourced():
+    assert {"T4", "A100", "H100", "RTX 4090"} <= set(GPUS)
+    for gpu in GPUS.values():
+        assert gpu.source and gpu.fp32_tflops > 0 and gpu.memory_gbps > 0 and gpu.launch_us > 0
+    assert GPUS["T4"].bf16_tflops is None  # Turing has no bf16: "none", not a guess
+    assert find_gpu("rtx4090") is GPUS["RTX 4090"]
+
+
+# ----- on a GPU ------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs CUDA: syncs counted by torch.cuda.set_sync_debug_mode, kernels by the profiler")
+def test_on_cuda_the_sync_debugger_and_the_profilers_kernels_are_used():
+    result = diagnose_script(ITEM_SCRIPT, ["--epochs", "50"], steps=6, warmup=2, bench=False)
+    assert result["device"]["device"].startswith("cuda")
+    assert result["syncs"]["real"] is True
+    assert result["syncs"]["method"] == "cuda-sync-debug"
+    line = _line_of(ITEM_SCRIPT, "doctor: planted sync")
+    assert any(s["line"] == line for s in result["syncs"]["sites"])
+    assert result["ops"]["cuda_kernels_per_step"] > 0
+    validate_result(result)
