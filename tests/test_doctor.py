@@ -119,7 +119,6 @@ def test_the_tiny_lm_is_not_overhead_bound_and_a_gpu_would_beat_this_cpu():
     assert result["bound"]["kind"] == "compute", result["bound"]
     assert "overhead-bound" not in [f["id"] for f in result["findings"]]
     assert result["ops"]["matmul_share"] > 0.3
-    assert result["ops"]["flops_per_step"] > 1e9  # GEMMs of 2048×128×384 and up
     a100 = [e for e in result["advisor"]["estimates"] if e["gpu"] == "A100"]
     assert min(e["step_s"] for e in a100) < result["step"]["time_s"]
 
