@@ -1,0 +1,146 @@
+"""The `Task` contract: what a built-in task hands to `ampkit compare` and to tests.
+
+A task is data, not a class hierarchy: a frozen record of defaults plus five plain
+callables. That keeps each task a short module that reads top to bottom, and lets
+`compare` run fp32 and mixed precision through exactly the same functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+_METRIC_DIRECTION = {"accuracy": True, "perplexity": False}
+"""Each supported metric and whether a higher value is better."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskData:
+    """One seeded instance of a task's data: a training stream and a held-out split."""
+
+    train_loader: DataLoader
+    """Shuffled with a generator seeded from the task seed, `drop_last=True` so every
+    step has the same batch shape (a changing shape would skew timing and recompile
+    under `torch.compile`). Re-iterable: each pass is a new epoch in a new order. The
+    generator is consumed as epochs pass, so build a fresh `TaskData` per run when two
+    runs must see the same order."""
+
+    eval_inputs: Tensor
+    """Held-out inputs on the CPU, never trained on; `evaluate` moves them itself."""
+
+    eval_targets: Tensor
+    """Targets matching `eval_inputs` row for row."""
+
+    info: Mapping[str, object] = field(default_factory=dict)
+    """Provenance for reports (split sizes, source files), so a result says what it saw."""
+
+
+ModelFactory = Callable[[int], nn.Module]
+DataFactory = Callable[[int, int], TaskData]
+OptimizerFactory = Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer]
+LossFn = Callable[[Tensor, Tensor], Tensor]
+EvaluateFn = Callable[[nn.Module, TaskData, torch.device | str], dict[str, float]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Task:
+    """A built-in training task whose data ships with the install (no downloads)."""
+
+    name: str
+    """Registry key, used on the command line (`ampkit compare --task NAME`)."""
+
+    description: str
+    """One line for `--help` and reports: the model, the data and the regime it probes."""
+
+    metric: str
+    """Headline metric `evaluate` returns: "accuracy" or "perplexity"."""
+
+    higher_is_better: bool
+    """Direction of `metric`, so a report can say which run won without a table of names."""
+
+    default_steps: int
+    """Optimizer steps sized for a 20-40 s fp32 run on a 2-core CPU that still learns."""
+
+    default_batch_size: int
+    """Batch size the defaults were measured with; `make_data` accepts others."""
+
+    default_lr: float
+    """Learning rate that converges at the default steps and batch size."""
+
+    make_model: ModelFactory
+    """`make_model(seed)`: a fresh fp32 CPU model, bitwise the same for the same seed."""
+
+    make_data: DataFactory
+    """`make_data(seed, batch_size)`: the data, shuffled in an order fixed by the seed."""
+
+    make_optimizer: OptimizerFactory
+    """`make_optimizer(params, lr)`: the optimizer. No fused/foreach flags, so the
+    precision engine stays free to choose the implementation."""
+
+    loss_fn: LossFn
+    """`loss_fn(output, target)`: a scalar loss, computed in fp32 whatever the output dtype."""
+
+    evaluate: EvaluateFn
+    """`evaluate(model, data, device)`: metrics on the held-out split, in eval mode and
+    under `no_grad`, restoring the model's previous train/eval mode afterwards."""
+
+    def __post_init__(self) -> None:
+        if self.metric not in _METRIC_DIRECTION:
+            raise ValueError(
+                f"task {self.name!r}: unknown metric {self.metric!r}; "
+                f"choose one of: {', '.join(sorted(_METRIC_DIRECTION))}"
+            )
+        if self.higher_is_better != _METRIC_DIRECTION[self.metric]:
+            raise ValueError(
+                f"task {self.name!r}: higher_is_better={self.higher_is_better} "
+                f"contradicts metric {self.metric!r}"
+            )
+        for key in ("default_steps", "default_batch_size"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"task {self.name!r}: {key} must be a positive int, got {value!r}")
+        if not self.default_lr > 0:
+            raise ValueError(f"task {self.name!r}: default_lr must be > 0, got {self.default_lr!r}")
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Seed torch's global CPU generator for a block, then put the caller's state back.
+
+    Module constructors draw their init from the global generator; forking it makes the
+    init a function of `seed` alone without disturbing the caller's random stream.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def seeded_generator(seed: int) -> torch.Generator:
+    """A private CPU generator for data order, independent of the global one."""
+    return torch.Generator().manual_seed(seed)
+
+
+def check_batch_size(task: str, batch_size: int, n_train: int) -> None:
+    """Refuse a batch size that would give no full batch (drop_last would yield nothing)."""
+    if not isinstance(batch_size, int) or not 1 <= batch_size <= n_train:
+        raise ValueError(
+            f"task {task!r}: batch_size={batch_size!r} must be an int in [1, {n_train}] "
+            f"(the training split has {n_train} examples)"
+        )
+
+
+def input_dtype(model: nn.Module) -> torch.dtype | None:
+    """The floating dtype the model's parameters are stored in, or None without any.
+
+    Float inputs are cast to it at evaluation so a model kept in bf16/fp16 runs without
+    autocast; under autocast with fp32 parameters this is fp32, which changes nothing.
+    """
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return None

@@ -1,0 +1,253 @@
+"""tiny-lm: a byte-level transformer language model trained on Python's own stdlib source.
+
+Most of its time is in matrix multiplies (QKV, attention, MLP, the vocab head; about
+two thirds of an fp32 CPU step at the default size, by torch.profiler), which is where
+mixed precision pays on hardware that has fast half-precision units.
+The text is CPython's standard library, present on every machine that runs ampkit,
+and the vocabulary is the 256 byte values, so it never depends on the text.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import sysconfig
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset, RandomSampler
+
+from .task import Task, TaskData, check_batch_size, seeded, seeded_generator
+
+NAME = "tiny-lm"
+VOCAB = 256
+BLOCK = 64
+"""Context length in bytes, also the size of the learned positional table."""
+D_MODEL = 96
+N_HEADS = 3
+N_LAYERS = 3
+EVAL_FRACTION = 0.1
+EVAL_BATCH_SIZE = 64
+
+STDLIB_FILES = (
+    "argparse.py",
+    "collections/__init__.py",
+    "dataclasses.py",
+    "enum.py",
+    "functools.py",
+    "inspect.py",
+    "textwrap.py",
+    "typing.py",
+)
+"""Modules that are plain files on every CPython >= 3.10, in a fixed order. Their text
+changes between Python versions, so perplexities compare only on one interpreter."""
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def load_corpus() -> tuple[bytes, list[str]]:
+    """Concatenate the listed stdlib files that exist; return the bytes and their names."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found = [name for name in STDLIB_FILES if (root / name).is_file()]
+    if not found:
+        raise FileNotFoundError(
+            f"task {NAME!r} trains on Python's standard-library source, but none of "
+            f"{', '.join(STDLIB_FILES)} exists under {str(root)!r} "
+            f"(sysconfig stdlib path of {sys.executable})"
+        )
+    text = b"\n\n".join((root / name).read_bytes() for name in found)
+    return text, found
+
+
+class ByteWindows(Dataset):
+    """Item i is the window starting at byte i: (x, y) with y shifted one byte right."""
+
+    def __init__(self, data: Tensor, block: int) -> None:
+        self.data = data
+        self.block = block
+
+    def __len__(self) -> int:
+        return len(self.data) - self.block
+
+    def __getitem__(self, start: int) -> tuple[Tensor, Tensor]:
+        chunk = self.data[start : start + self.block + 1]
+        return chunk[:-1], chunk[1:]
+
+
+def eval_windows(data: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """Fixed, non-overlapping windows over the held-out bytes: (inputs, targets)."""
+    n = (len(data) - 1) // block
+    x = data[: n * block].view(n, block)
+    y = data[1 : n * block + 1].view(n, block)
+    return x, y
+
+
+def make_data(seed: int, batch_size: int) -> TaskData:
+    """Random windows of the first 90% of the text; the last 10% is held out.
+
+    One epoch draws as many windows (with replacement, from the seeded generator) as
+    fit in the train text end to end, so an epoch is one pass over it in expectation.
+    """
+    text, files = load_corpus()
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(torch.int64)
+    split = int(len(data) * (1 - EVAL_FRACTION))
+    train, held_out = data[:split], data[split:]
+    windows_per_epoch = len(train) // BLOCK
+    check_batch_size(NAME, batch_size, windows_per_epoch)
+    dataset = ByteWindows(train, BLOCK)
+    sampler = RandomSampler(
+        dataset, replacement=True, num_samples=windows_per_epoch, generator=seeded_generator(seed)
+    )
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
+    eval_x, eval_y = eval_windows(held_out, BLOCK)
+    info = {
+        "source": "python stdlib " + sys.version.split()[0],
+        "files": ", ".join(files),
+        "train_bytes": len(train),
+        "eval_bytes": len(held_out),
+        "eval_windows": len(eval_x),
+    }
+    return TaskData(train_loader=loader, eval_inputs=eval_x, eval_targets=eval_y, info=info)
+
+
+# ---------------------------------------------------------------------------- model
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention through `scaled_dot_product_attention`."""
+
+    def __init__(self, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        # (B, T, C) -> (B, heads, T, head_dim)
+        q, k, v = (z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyLM(nn.Module):
+    """Byte-level GPT: token + learned position embeddings, blocks, final LayerNorm, head.
+
+    No dropout, so a training step draws nothing from the global RNG and the loss curve
+    is a function of the seed alone.
+    """
+
+    def __init__(self, *, vocab: int, block: int, d_model: int, n_heads: int, n_layers: int) -> None:
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} must be divisible by n_heads={n_heads}")
+        self.block = block
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(block, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+        self._init_weights(n_layers)
+
+    def _init_weights(self, n_layers: int) -> None:
+        """GPT-2 init: N(0, 0.02), zero biases, residual projections scaled by depth."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        # each residual branch adds to the stream; keep its sum's variance depth-independent
+        for block in self.blocks:
+            for proj in (block.attn.proj, block.mlp[2]):
+                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * n_layers))
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """(B, T) int64 byte ids -> (B, T, vocab) logits, T <= block."""
+        t = idx.shape[1]
+        if t > self.block:
+            raise ValueError(f"sequence length {t} exceeds the model's block size {self.block}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.tok(idx) + self.pos(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def make_model(seed: int) -> nn.Module:
+    """The default-size TinyLM (about 0.4 M parameters), initialised from `seed`."""
+    with seeded(seed):
+        return TinyLM(vocab=VOCAB, block=BLOCK, d_model=D_MODEL, n_heads=N_HEADS, n_layers=N_LAYERS)
+
+
+# ------------------------------------------------------------------ loss, optimizer, eval
+
+
+def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+    """Mean next-byte cross-entropy, in fp32: half-precision logits lose too much in
+    log-softmax over 256 classes."""
+    return F.cross_entropy(output.float().flatten(0, 1), target.flatten())
+
+
+def make_optimizer(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """AdamW with GPT betas (0.9, 0.95): a shorter second-moment memory is steadier on
+    short runs at a high constant learning rate. fused/foreach are left for torch."""
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: TaskData, device: torch.device | str) -> dict[str, float]:
+    """Held-out mean loss per byte and its exponential, perplexity."""
+    was_training = model.training
+    model.eval()
+    try:
+        total = torch.zeros((), dtype=torch.float64, device=device)  # stays on device
+        for x, y in zip(
+            data.eval_inputs.split(EVAL_BATCH_SIZE), data.eval_targets.split(EVAL_BATCH_SIZE)
+        ):
+            logits = model(x.to(device)).float()
+            total += F.cross_entropy(
+                logits.flatten(0, 1), y.to(device).flatten(), reduction="sum"
+            ).double()
+        # note: .item() is the one host-device sync of the evaluation.
+        eval_loss = total.item() / data.eval_targets.numel()
+        return {"perplexity": math.exp(eval_loss), "eval_loss": eval_loss}
+    finally:
+        model.train(was_training)
+
+
+TASK = Task(
+    name=NAME,
+    description="byte-level 3-layer transformer LM on Python stdlib source: GEMM-bound",
+    metric="perplexity",
+    higher_is_better=False,
+    default_steps=500,
+    default_batch_size=32,
+    default_lr=2e-3,
+    make_model=make_model,
+    make_data=make_data,
+    make_optimizer=make_optimizer,
+    loss_fn=loss_fn,
+    evaluate=evaluate,
+)
