@@ -105,7 +105,8 @@ class Accelerator:
             step: they advance only on applied steps. False passes every scheduler.step() through
             (schedulers stepped once per epoch).
         strategy: under torchrun (WORLD_SIZE > 1), "auto" or "ddp" wraps models in
-            DistributedDataParallel and shards DataLoaders; "none" leaves both to you.
+            DistributedDataParallel and shards DataLoaders; "fsdp" shards the model with FSDP2
+            (`fully_shard`) instead; "none" leaves both to you. Ignored in a single process.
         backend: the process group's backend (default: nccl on CUDA, gloo on CPU).
     """
 
