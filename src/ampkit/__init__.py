@@ -3,12 +3,13 @@
 The public API is what this module exports; everything else is internal and may change.
 """
 
+__version__ = "0.1.0"  # before the imports: modules below read it
+
 from ampkit.accelerator import Accelerator, TrainingState
+from ampkit.compare import compare
 from ampkit.errors import AmpkitError, CheckpointError, LossScaleCollapse, PrecisionError, StepOrderError
 from ampkit.precision import PRESETS, Precision, resolve_precision
 from ampkit.scaler import LossScaler
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Accelerator",
@@ -21,5 +22,6 @@ __all__ = [
     "PrecisionError",
     "StepOrderError",
     "TrainingState",
+    "compare",
     "resolve_precision",
 ]

@@ -130,8 +130,14 @@ class _Memory:
         # without it (no /proc), the peak so far is the best baseline there is.
         self._rss_before = _proc_status("VmRSS") if _reset_peak_rss() else _peak_rss_bytes()
 
+    def freeze(self) -> None:
+        """Take the reading now: training is over, and evaluation's memory is not training's."""
+        self._frozen = self.read()
+
     def read(self) -> tuple[int, int | None, str]:
         """(figure ratios use, raw peak RSS or None, kind)."""
+        if getattr(self, "_frozen", None) is not None:
+            return self._frozen
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device), None, "cuda_max_allocated"
         raw = _peak_rss_bytes()
@@ -165,6 +171,7 @@ def _train_task(acc: Accelerator, spec: RunSpec, steps: int, memory: _Memory) ->
                 acc.save_checkpoint(spec.checkpoints, keep=2)
             if done == steps:
                 break
+    memory.freeze()
     if spec.probe:
         return {}
     return task.evaluate(model, data, acc.device)
@@ -282,12 +289,12 @@ class _RunFailed(Exception):
 
 
 def _run_torchrun(spec: RunSpec, on_progress: Callable[[int], None]) -> dict[str, Any]:
-    """Run one precision as `torchrun --nproc-per-node=N -m ampkit.compare`; rank 0 reports."""
+    """Run one precision as `torchrun --nproc-per-node=N -m ampkit._torchrun_compare`; rank 0 reports."""
     with tempfile.TemporaryDirectory(prefix="ampkit-compare-") as tmp:
         spec_file, out_file, progress_file = Path(tmp, "spec.pkl"), Path(tmp, "run.json"), Path(tmp, "progress")
         spec_file.write_bytes(pickle.dumps(spec))  # our own file, read back by our own worker
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.nproc}",
-               "-m", "ampkit.compare", str(spec_file), str(out_file), str(progress_file)]
+               "-m", "ampkit._torchrun_compare", str(spec_file), str(out_file), str(progress_file)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             while proc.poll() is None:
@@ -569,6 +576,3 @@ class _Progress:
     def close(self) -> None:
         self.stop()
 
-
-if __name__ == "__main__":  # torchrun ... -m ampkit.compare SPEC OUT PROGRESS
-    _torchrun_worker(*sys.argv[1:4])
