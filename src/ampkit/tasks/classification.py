@@ -98,7 +98,6 @@ def evaluate_accuracy(model: nn.Module, data: TaskData, device: torch.device | s
             logits = model(x).float()
             correct += (logits.argmax(dim=-1) == y).sum()
         total = len(data.eval_targets)
-        # note: .item() is the one host-device sync of the evaluation.
-        return {"accuracy": correct.item() / total}
+        return {"accuracy": correct.item() / total}  # sync: the evaluation's one read, after training
     finally:
         model.train(was_training)

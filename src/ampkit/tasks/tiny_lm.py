@@ -230,8 +230,7 @@ def evaluate(model: nn.Module, data: TaskData, device: torch.device | str) -> di
             total += F.cross_entropy(
                 logits.flatten(0, 1), y.to(device).flatten(), reduction="sum"
             ).double()
-        # note: .item() is the one host-device sync of the evaluation.
-        eval_loss = total.item() / data.eval_targets.numel()
+        eval_loss = total.item() / data.eval_targets.numel()  # sync: the evaluation's one read, after training
         return {"perplexity": math.exp(eval_loss), "eval_loss": eval_loss}
     finally:
         model.train(was_training)
