@@ -158,8 +158,7 @@ class LossScaler:
             "collapse_after": self.collapse_after,
         }
         if self._scale is not None:
-            # sync: a checkpoint reads the state once, outside the step
-            state["scale"] = self._scale.item()
+            state["scale"] = self._scale.item()  # sync: a checkpoint reads the state once, outside the step
             state["growth_tracker"] = int(self._growth_tracker.item())  # sync: as above
             state["hysteresis_left"] = int(self._hysteresis_left.item())  # sync: as above
         return state
