@@ -182,14 +182,6 @@ def wrap_fsdp(model: nn.Module, compute_dtype: torch.dtype) -> tuple[nn.Module, 
     return model, {id(p): new[name] for name, p in old.items() if name in new}
 
 
-def is_fsdp(model: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        return False
-    return isinstance(model, FSDPModule)
-
-
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (the tensor itself otherwise)."""
     return t.to_local() if hasattr(t, "to_local") else t

@@ -69,8 +69,3 @@ class StepOutcomes:
             landed.append(Outcome(skipped=bool(found > 0), scale=float(scale)))
             self._pending.popleft()
         return landed
-
-    @property
-    def in_flight(self) -> int:
-        """Outcomes recorded but not yet handed back by `poll`."""
-        return len(self._pending)
