@@ -2,6 +2,7 @@
 gradient accumulation — median step time and all-reduces per optimizer step.
 
     python benchmarks/ddp.py --write        # runs torchrun itself; updates benchmarks/RESULTS.md
+    python benchmarks/ddp.py --device cuda --nproc 1,2,4,8   # on a lent multi-GPU machine (NCCL)
 
 On a 2-core CPU expect little speed-up (the two ranks share the cores): the point is that the
 all-reduce count is one per optimizer step, with or without accumulation.
@@ -26,7 +27,7 @@ START, END = "<!-- ddp:start -->", "<!-- ddp:end -->"
 WIDTH, GLOBAL_BATCH, STEPS, WARMUP = 1024, 64, 40, 5
 
 
-def worker(accum: int, out: str) -> None:
+def worker(accum: int, out: str, device: str) -> None:
     """One rank (or the single process): train an MLP, time optimizer steps, count all-reduces."""
     import torch
     import torch.nn.functional as F
@@ -34,7 +35,7 @@ def worker(accum: int, out: str) -> None:
 
     import ampkit
 
-    acc = ampkit.Accelerator(precision="fp32", device="cpu", grad_accum_steps=accum)
+    acc = ampkit.Accelerator(precision="fp32", device=device, grad_accum_steps=accum)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -49,14 +50,17 @@ def worker(accum: int, out: str) -> None:
 
         model.register_comm_hook(None, counting)
     micro = GLOBAL_BATCH // acc.world_size // accum  # the same global batch in every configuration
-    x, y = torch.randn(micro, WIDTH), torch.randn(micro, WIDTH)
+    x, y = torch.randn(micro, WIDTH, device=acc.device), torch.randn(micro, WIDTH, device=acc.device)
+    sync = torch.cuda.synchronize if acc.device.type == "cuda" else (lambda: None)
     times, per_step = [], []
     for _ in range(STEPS):
+        sync()
         t0, before = time.perf_counter(), calls[0]
         for _ in range(accum):
             acc.backward(F.mse_loss(model(x), y))
             opt.step()
             opt.zero_grad()
+        sync()
         times.append(time.perf_counter() - t0)
         per_step.append(calls[0] - before)
     if acc.is_main:
@@ -65,36 +69,43 @@ def worker(accum: int, out: str) -> None:
                                          "buckets": buckets, "steps": acc.state.applied_steps, "world": acc.world_size}))
 
 
-def run(nproc: int, accum: int) -> dict:
+def run(nproc: int, accum: int, device: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
-        args = [__file__, "--worker", str(accum), out]
+        args = [__file__, "--worker", str(accum), out, device]
         cmd = [sys.executable, *args] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-        subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": str(max(1, 2 // nproc))})
+        env = dict(os.environ)
+        if device == "cpu":
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // nproc))  # ranks share the cores
+        subprocess.run(cmd, check=True, capture_output=True, env=env)
         return json.loads(Path(out).read_text())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worker", nargs=2, metavar=("ACCUM", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=3, metavar=("ACCUM", "OUT", "DEVICE"), help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cpu", help="cpu (gloo, default) or cuda (nccl, one GPU per rank)")
+    parser.add_argument("--nproc", default="1,2", help="process counts to compare (default: 1,2)")
     parser.add_argument("--write", action="store_true", help=f"replace the DDP section of {RESULTS.name}")
     args = parser.parse_args()
     if args.worker:
-        worker(int(args.worker[0]), args.worker[1])
+        worker(int(args.worker[0]), args.worker[1], args.worker[2])
         return
-    rows = ["| processes | accumulation | median optimizer step (ms) | vs 1 process | bucket all-reduces per optimizer step (buckets) |", "|---:|---:|---:|---:|---:|"]
+    rows = ["| processes | accumulation | median optimizer step (ms) | vs 1 process | scaling efficiency | bucket all-reduces per optimizer step (buckets) |",
+            "|---:|---:|---:|---:|---:|---:|"]
     base: dict[int, float] = {}
     for accum in (1, 4):
-        for nproc in (1, 2):
-            r = run(nproc, accum)
+        for nproc in (int(n) for n in args.nproc.split(",")):
+            r = run(nproc, accum, args.device)
             base.setdefault(accum, r["median_s"])
             counts = sorted(set(r["per_step"]))
             per_step = f"{'/'.join(map(str, counts))} ({r['buckets']})" if nproc > 1 else "—"
-            rows.append(f"| {nproc} | {accum} | {r['median_s'] * 1e3:.1f} | {base[accum] / r['median_s']:.2f}× | {per_step} |")
+            speedup = base[accum] / r["median_s"]
+            rows.append(f"| {nproc} | {accum} | {r['median_s'] * 1e3:.1f} | {speedup:.2f}× | {speedup / nproc:.0%} | {per_step} |")
             print(rows[-1], flush=True)
     lines = [
         START, "## Data parallel: 2 ranks under torchrun vs 1 process (`benchmarks/ddp.py`)", "",
-        f"- date: {datetime.date.today()}; command: `python benchmarks/ddp.py --write`; gloo on CPU; fp32; "
+        f"- date: {datetime.date.today()}; command: `python {' '.join(sys.argv)}`; {'nccl on CUDA' if args.device == 'cuda' else 'gloo on CPU'}; fp32; "
         f"MLP {WIDTH}→{4 * WIDTH}→{WIDTH}, global batch {GLOBAL_BATCH} per optimizer step in every row; "
         f"{STEPS} steps, first {WARMUP} dropped; OMP threads split between the ranks (2 cores).", "",
         *rows, "",
