@@ -273,11 +273,7 @@ class Accelerator:
             group["params"] = [stand_in.get(id(p), p) for p in group["params"]]
         if self.policy.master_weights:
             return MasterWeights(pairs)
-        with torch.no_grad():
-            compensation = [(fp32 - p.to(torch.float32)).to(p.dtype) for p, fp32 in pairs]
-        weights = CompensatedWeights(pairs, compensation, optimizer)
-        weights.release()
-        return weights
+        return CompensatedWeights(pairs, optimizer)
 
     def _prepare_loader(self, loader: DataLoader, *_: Any) -> DeviceLoader:
         if self.strategy != "none":

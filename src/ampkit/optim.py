@@ -39,99 +39,232 @@ class Stage(enum.Enum):
     STEPPED = "stepped"  # the optimizer step ran (or was skipped on the device)
 
 
+class _Flat:
+    """One contiguous buffer and, for each tensor in `like`, a view of it with that tensor's shape.
+
+    ampkit's per-step fp32 buffers (gradients for masters, working weights and optimizer state for
+    `bf16-true`) are flat so that filling, rounding and freeing them is one kernel, not one per
+    parameter. `free()` releases the memory between steps; the views are then invalid and must not
+    be handed out until `alloc()` (ampkit keeps them private and re-points its tensors at them only
+    inside a step).
+    """
+
+    def __init__(self, like: list[torch.Tensor], dtype: torch.dtype) -> None:
+        device = like[0].device if like else torch.device("cpu")
+        sizes = [t.numel() for t in like]
+        self.buffer = torch.zeros(sum(sizes), dtype=dtype, device=device)
+        self.views = [v.view(t.shape) for v, t in zip(self.buffer.split(sizes), like)]
+        self._nbytes = self.buffer.untyped_storage().nbytes()
+
+    def alloc(self) -> None:
+        storage = self.buffer.untyped_storage()
+        if storage.nbytes() != self._nbytes:
+            storage.resize_(self._nbytes)
+
+    def free(self) -> None:
+        self.buffer.untyped_storage().resize_(0)
+
+
+def _grads(params: list[nn.Parameter]) -> tuple[list[int], list[torch.Tensor]]:
+    """Indices and gradients of the parameters that have one (an unused layer has none)."""
+    grads = [p.grad for p in params]
+    if all(g is not None for g in grads):
+        return list(range(len(params))), grads  # type: ignore[return-value]
+    kept = [i for i, g in enumerate(grads) if g is not None]
+    return kept, [grads[i] for i in kept]  # type: ignore[misc]
+
+
 class MasterWeights:
-    """Persistent fp32 master copies of low-precision parameters (the `*-master` presets)."""
+    """Persistent fp32 master copies of low-precision parameters (the `*-master` presets).
+
+    The fp32 gradients the masters receive live in one flat buffer that exists only during the
+    step; copying gradients in and weights out are single foreach kernels.
+    """
 
     def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
         self.pairs = pairs  # (model parameter in bf16/fp16, its fp32 master)
+        self._params = [p for p, _ in pairs]
+        self._masters = [m for _, m in pairs]
+        self._grad = _Flat(self._masters, torch.float32)
+        self._grad.free()
 
     @property
     def optimizer_params(self) -> Iterator[nn.Parameter]:
-        return (master for _, master in self.pairs)
+        return iter(self._masters)
 
     def grads_in(self) -> list[torch.Tensor]:
         """Give each master the fp32 copy of its model parameter's gradient; return those grads."""
-        grads = []
-        for param, master in self.pairs:
-            if param.grad is None:
-                master.grad = None
-            else:
-                master.grad = param.grad.to(torch.float32)
-                grads.append(master.grad)
-        return grads
+        kept, grads = _grads(self._params)
+        self._grad.alloc()
+        views = [self._grad.views[i] for i in kept] if len(kept) != len(self._params) else self._grad.views
+        if grads:
+            torch._foreach_copy_(views, grads)
+        present = set(kept) if len(kept) != len(self._params) else None
+        for i, master in enumerate(self._masters):
+            master.grad = self._grad.views[i] if present is None or i in present else None
+        return views
 
     def weights_out(self) -> None:
         """Round the (possibly updated) masters into the model's parameters."""
         if self.pairs:
             with torch.no_grad():
-                torch._foreach_copy_([p for p, _ in self.pairs], [m for _, m in self.pairs])
+                torch._foreach_copy_(self._params, self._masters)
 
     def release(self) -> None:
-        """Drop the fp32 gradient copies (after the step, or when gradients are zeroed)."""
-        for _, master in self.pairs:
+        """Drop the fp32 gradients (after the step, or when gradients are zeroed)."""
+        for master in self._masters:
             master.grad = None
+        self._grad.free()
 
 
 class CompensatedWeights:
-    """bf16 weights updated in fp32 with a bf16 Kahan buffer (the `bf16-true` preset)."""
+    """bf16 weights updated in fp32 with a bf16 Kahan buffer (the `bf16-true` preset).
 
-    def __init__(
-        self,
-        pairs: list[tuple[nn.Parameter, nn.Parameter]],
-        compensation: list[torch.Tensor],
-        optimizer: torch.optim.Optimizer,
-    ) -> None:
+    Between steps this preset holds, per parameter, the bf16 weight, its bf16 compensation and the
+    optimizer's per-element state in bf16 (AdamW: 2 + 2 + 2 + 2 = 8 bytes). For the update only,
+    fp32 working copies of weights, gradients and state are made in flat buffers (a few kernels in
+    all), the user's optimizer steps them, and the results are rounded back.
+    """
+
+    def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]], optimizer: torch.optim.Optimizer) -> None:
         self.pairs = pairs  # (model parameter in bf16, fp32 stand-in the optimizer steps; empty between steps)
-        self.compensation = compensation  # bf16: what rounding the weight lost, per parameter
         self.optimizer = optimizer
+        self._params = [p for p, _ in pairs]
+        self._shadows = [s for _, s in pairs]
+        self._comp = _Flat(self._params, self._params[0].dtype if pairs else torch.bfloat16)
+        self.compensation = self._comp.views  # what rounding each weight lost, in its own dtype
+        with torch.no_grad():
+            for (param, initial), comp in zip(pairs, self.compensation):
+                comp.copy_(initial - param.to(torch.float32))
+        self._work = _Flat(self._params, torch.float32)  # fp32 weights during the step
+        self._grad = _Flat(self._params, torch.float32)  # fp32 gradients during the step
+        self._state: dict[str, _StateBuffers] = {}  # per-element optimizer state, by key
+        self._state_count = -1  # len(optimizer.state) when the state buffers were last built
+        self._kept: list[int] = []
+        self.release()
 
     @property
     def optimizer_params(self) -> Iterator[nn.Parameter]:
-        return (shadow for _, shadow in self.pairs)
+        return iter(self._shadows)
 
     def grads_in(self) -> list[torch.Tensor]:
-        """Materialise fp32 weights (bf16 weight + compensation) and gradients for the update."""
-        grads = []
-        with torch.no_grad():
-            for (param, shadow), comp in zip(self.pairs, self.compensation):
-                if param.grad is None:
-                    shadow.grad = None
-                    continue
-                shadow.data = param.to(torch.float32).add_(comp)
-                shadow.grad = param.grad.to(torch.float32)
-                grads.append(shadow.grad)
-                self._cast_state(param, shadow, torch.float32)
-        return grads
+        """Materialise fp32 weights (bf16 weight + compensation), gradients and state for the update."""
+        kept, grads = _grads(self._params)
+        self._kept = kept
+        every = len(kept) == len(self._params)
+        self._work.alloc()
+        self._grad.alloc()
+        work = self._work.views if every else [self._work.views[i] for i in kept]
+        grad_views = self._grad.views if every else [self._grad.views[i] for i in kept]
+        params = self._params if every else [self._params[i] for i in kept]
+        comp = self.compensation if every else [self.compensation[i] for i in kept]
+        if grads:
+            with torch.no_grad():
+                torch._foreach_copy_(work, params)
+                torch._foreach_add_(work, comp)
+                torch._foreach_copy_(grad_views, grads)
+        for i in kept:
+            shadow = self._shadows[i]
+            shadow.data = self._work.views[i]
+            shadow.grad = self._grad.views[i]
+        for buffers in self._state.values():
+            buffers.to_fp32(self.optimizer.state, self._shadows)
+        return grad_views
 
     def weights_out(self) -> None:
         """Round the updated fp32 weights into bf16 and keep the rounding error (Kahan)."""
+        kept = self._kept
+        if not kept:
+            return
+        every = len(kept) == len(self._params)
+        work = self._work.views if every else [self._work.views[i] for i in kept]
+        params = self._params if every else [self._params[i] for i in kept]
         with torch.no_grad():
-            for (param, shadow), comp in zip(self.pairs, self.compensation):
-                if shadow.grad is None:
-                    continue
-                param.copy_(shadow)
-                comp.copy_(shadow.sub_(param))
-                self._cast_state(param, shadow, torch.bfloat16)
+            torch._foreach_copy_(params, work)
+            torch._foreach_sub_(work, params)
+            if every:
+                self._comp.buffer.copy_(self._work.buffer)
+            else:
+                torch._foreach_copy_([self.compensation[i] for i in kept], work)
+        if len(self.optimizer.state) != self._state_count:
+            self._build_state()  # the optimizer created state (its first step, or a new parameter's)
+        else:
+            for buffers in self._state.values():
+                buffers.to_low(self.optimizer.state, self._shadows)
 
     def release(self) -> None:
-        """Free the fp32 stand-ins: between steps bf16-true holds no fp32 copy of anything."""
-        for _, shadow in self.pairs:
+        """Free the fp32 working copies: between steps bf16-true holds no fp32 copy of anything."""
+        for shadow in self._shadows:
             shadow.grad = None
             shadow.data = _EMPTY_FP32
+        self._kept = []
+        self._work.free()
+        self._grad.free()
+        for buffers in self._state.values():
+            if buffers.active:  # a step unscaled the gradients but did not run: the state is unchanged
+                buffers.to_low(self.optimizer.state, self._shadows, copy=False)
 
     def store_state_low(self) -> None:
         """Store per-element optimizer state in bf16 (after loading a state_dict, which casts it to fp32)."""
-        for param, shadow in self.pairs:
-            self._cast_state(param, shadow, torch.bfloat16)
+        self._state_count = -1
+        self._build_state()
 
-    def _cast_state(self, param: nn.Parameter, shadow: nn.Parameter, dtype: torch.dtype) -> None:
-        state = self.optimizer.state.get(shadow)
-        if not state:
-            return
-        for key, value in state.items():
-            # Per-element state (moments, momentum buffers) only; scalar step counters stay exact.
-            if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == param.shape:
-                state[key] = value.to(dtype)
+    def _build_state(self) -> None:
+        """(Re)build the bf16 stores of the optimizer's per-element state from its current tensors."""
+        state = self.optimizer.state
+        low = self._params[0].dtype if self._params else torch.bfloat16
+        keys: list[str] = []
+        for shadow, param in zip(self._shadows, self._params):
+            for key, value in state.get(shadow, {}).items():
+                if key not in keys and _per_element(key, value, param):
+                    keys.append(key)
+        self._state = {}
+        for key in keys:
+            values = [state.get(s, {}).get(key) for s in self._shadows]
+            if not all(_per_element(key, v, p) for v, p in zip(values, self._params)):
+                continue  # not every parameter has it yet: left as the optimizer made it
+            buffers = _StateBuffers(key, self._params, low)
+            with torch.no_grad():
+                torch._foreach_copy_(buffers.store.views, values)
+            buffers.to_low(state, self._shadows, copy=False)
+            self._state[key] = buffers
+        self._state_count = len(state)
+
+
+def _per_element(key: str, value: Any, param: torch.Tensor) -> bool:
+    # Per-element state (moments, momentum buffers) only; scalar step counters stay exact.
+    return key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == param.shape
+
+
+class _StateBuffers:
+    """One per-element optimizer state key (e.g. AdamW's exp_avg) of every bf16-true parameter:
+    stored flat in bf16 between steps, worked on flat in fp32 during the step."""
+
+    def __init__(self, key: str, like: list[torch.Tensor], low: torch.dtype) -> None:
+        self.key = key
+        self.store = _Flat(like, low)
+        self.work = _Flat(like, torch.float32)
+        self.work.free()
+        self.active = False  # True while the optimizer's state points at the fp32 work buffer
+
+    def to_fp32(self, state: Any, shadows: list[nn.Parameter]) -> None:
+        self.active = True
+        self.work.alloc()
+        self.work.buffer.copy_(self.store.buffer)
+        for shadow, view in zip(shadows, self.work.views):
+            state[shadow][self.key] = view
+
+    def to_low(self, state: Any, shadows: list[nn.Parameter], copy: bool = True) -> None:
+        if copy:
+            for shadow, view in zip(shadows, self.work.views):
+                value = state[shadow][self.key]
+                if value is not view:  # the optimizer replaced the tensor instead of updating it in place
+                    view.copy_(value)
+            self.store.buffer.copy_(self.work.buffer)
+        for shadow, view in zip(shadows, self.store.views):
+            state[shadow][self.key] = view
+        self.work.free()
+        self.active = False
 
 
 _EMPTY_FP32 = torch.empty(0, dtype=torch.float32)
