@@ -13,11 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import platform
-import re
-import statistics
 import sys
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampkit
-from ampkit.hardware import cpu_flags
+from _timing import interleaved, machine, medians, write_section
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 START, END = "<!-- overhead:start -->", "<!-- overhead:end -->"
@@ -88,18 +84,8 @@ class Variant:
 
 def measure(variants: list[Variant], rounds: int, steps: int, warmup: int) -> dict[str, float]:
     """Median seconds per step of each variant over interleaved rounds, warm-up rounds dropped."""
-    times: dict[str, list[float]] = {v.name: [] for v in variants}
     sync = torch.cuda.synchronize if variants[0].device.type == "cuda" else (lambda: None)
-    for r in range(rounds + warmup):
-        for v in variants:
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                v.step()
-            sync()
-            if r >= warmup:
-                times[v.name].append((time.perf_counter() - t0) / steps)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return medians(interleaved({v.name: v.step for v in variants}, rounds, steps, warmup, sync))
 
 
 def run_model(title: str, make, device: torch.device, rounds: int, steps: int, warmup: int) -> list[str]:
@@ -121,17 +107,6 @@ def run_model(title: str, make, device: torch.device, rounds: int, steps: int, w
     return rows
 
 
-def machine() -> str:
-    flags = cpu_flags()
-    have = [f for f, on in (flags or {}).items() if on] or ["no avx512_bf16/amx"]
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {torch.get_num_threads()} threads, flags: {', '.join(have)}; torch {torch.__version__}; Python {platform.python_version()}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="auto")
@@ -145,7 +120,6 @@ def main() -> None:
     d_model, layers, seq, batch = (int(v) for v in args.transformer.split(","))
 
     lines = [
-        START,
         "## Overhead: ampkit vs the hand-written loop (`benchmarks/overhead.py`)",
         "",
         f"- date: {datetime.date.today()}; device: {device}; machine: {machine()}",
@@ -158,15 +132,8 @@ def main() -> None:
         f"transformer encoder ({layers} layers, d_model {d_model}, seq {seq}, batch {batch})",
         lambda: transformer(d_model, layers, seq, batch), device, args.transformer_rounds, 2, 2,
     )
-    lines.append(END)
     if args.write:
-        text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n\n"
-        block = "\n".join(lines)
-        if START in text:
-            text = re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: block, text, flags=re.S)
-        else:
-            text = text.rstrip() + "\n\n" + block + "\n"
-        RESULTS.write_text(text)
+        write_section(RESULTS, START, END, lines)
         print(f"wrote {RESULTS}")
 
 
