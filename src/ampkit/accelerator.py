@@ -18,7 +18,9 @@ comment marked `# sync:` says why.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import time
+import warnings
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ampkit import checkpoint
+from ampkit.compiler import CompiledForward, CompileStats, compile_options, unavailable_reason
 from ampkit.data import DeviceLoader
 from ampkit.distributed import FSDP_PRESETS, DistributedContext, barrier, shard_loader, sum_across_ranks, wrap_ddp, wrap_fsdp
 from ampkit.errors import PrecisionError, StepOrderError
@@ -108,6 +111,15 @@ class Accelerator:
             DistributedDataParallel and shards DataLoaders; "fsdp" shards the model with FSDP2
             (`fully_shard`) instead; "none" leaves both to you. Ignored in a single process.
         backend: the process group's backend (default: nccl on CUDA, gloo on CPU).
+        compile: torch.compile each prepared model's forward, precision policy inside (True, or a
+            dict of torch.compile arguments such as {"mode": "max-autotune"}). Falls back to eager
+            with a warning where the compiler is unavailable or fails; `acc.compile_stats` keeps
+            the first step's compile time apart from the steady state.
+        channels_last: store 4-D weights and batches in channels-last layout (NHWC), which the
+            convolution kernels of GPUs (tensor cores) and of oneDNN on CPUs run fastest.
+        cuda_graphs: replay each step's forward and backward kernels as CUDA graphs (torch.compile's
+            "reduce-overhead" mode), for small launch-bound models. CUDA only; input shapes should
+            be static (each new shape records a new graph).
     """
 
     def __init__(
@@ -121,6 +133,9 @@ class Accelerator:
         step_scheduler_with_optimizer: bool = True,
         strategy: str = "auto",
         backend: str | None = None,
+        compile: bool | Mapping[str, Any] = False,
+        channels_last: bool = False,
+        cuda_graphs: bool = False,
     ) -> None:
         if not isinstance(grad_accum_steps, int) or isinstance(grad_accum_steps, bool) or grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps={grad_accum_steps!r}: expected an integer >= 1")
@@ -153,6 +168,11 @@ class Accelerator:
                 f"loss scaling is for fp16: use precision='fp16-mixed' or 'fp16-master', or drop scaler="
             )
         self.scaler = (scaler or LossScaler()).to(self.device) if self.policy.loss_scaling else None
+        self._compile = self._compile_setup(compile, cuda_graphs)
+        self.compile_stats = CompileStats()
+        if not isinstance(channels_last, bool):
+            raise TypeError(f"channels_last={channels_last!r}: expected True or False")
+        self.channels_last = channels_last
         self.grad_accum_steps = grad_accum_steps
         self.keep_fp32 = list(keep_fp32)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
@@ -167,6 +187,49 @@ class Accelerator:
         self._cycle_pos = 0  # backward calls in the current accumulation cycle, 1..k after the first
         self._pending_found_infs: list[torch.Tensor] = []
         self._recorder: Recorder | None = None  # set by ampkit.compare to gather per-step figures
+
+    def _compile_setup(self, compile: bool | Mapping[str, Any], cuda_graphs: bool) -> dict[str, Any] | None:
+        """torch.compile arguments for the models, or None; `cuda_graphs` is compile's reduce-overhead mode."""
+        options = compile_options(compile)
+        if not isinstance(cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs={cuda_graphs!r}: expected True or False")
+        if cuda_graphs:
+            if self.device.type != "cuda":
+                raise ValueError(
+                    f"cuda_graphs=True needs a CUDA device (a CUDA graph replays recorded GPU kernels); "
+                    f"this Accelerator runs on {str(self.device)!r}: drop cuda_graphs=True, or use compile=True"
+                )
+            options = options or {}
+            if options.get("mode", "reduce-overhead") != "reduce-overhead":
+                raise ValueError(
+                    f"cuda_graphs=True records CUDA graphs through torch.compile's 'reduce-overhead' mode; "
+                    f"compile={compile!r} asks for mode={options['mode']!r}: drop one of the two"
+                )
+            options["mode"] = "reduce-overhead"
+        if options is None:
+            return None
+        reason = unavailable_reason(self.device, options)
+        if reason is not None:
+            warnings.warn(f"compile=True: {reason}; the model runs eagerly (same results, no compiler speed-up)", stacklevel=3)
+            return None
+        return options
+
+    def _compiled(self, model: nn.Module) -> None:
+        """Compile `model`'s (prepared) forward in place, if compile= asked for it."""
+        if self._compile is None:
+            return
+        model.forward = CompiledForward(model.forward, self._compile, self.compile_stats, type(model).__name__)
+        self.compile_stats.models.append(type(model).__name__)
+
+    def _to_channels_last(self, model: nn.Module) -> None:
+        if not self.channels_last:
+            return
+        if not any(p.dim() == 4 for p in model.parameters()):
+            warnings.warn(
+                f"channels_last=True: {type(model).__name__} has no 4-D (convolution) weights, so the layout "
+                f"changes nothing for it", stacklevel=4,
+            )
+        model.to(memory_format=torch.channels_last)
 
     # --- prepare ------------------------------------------------------------------------------
     def prepare(self, *objs: Any) -> Any:
@@ -203,13 +266,17 @@ class Accelerator:
     def _prepare_model(self, model: nn.Module, *_: Any) -> nn.Module:
         if self.strategy == "fsdp":
             model.to(self.device)
+            self._to_channels_last(model)
             model, params = wrap_fsdp(model, self.policy.compute_dtype)
             self._fsdp_params.update(params)
+            self._compiled(model)
             self._models[id(model)] = _Prepared({})
             self._model_list.append(model)
             model.register_forward_pre_hook(self._set_grad_sync)
             return model
         originals = prepare_module(model, self.policy, self.device, self.keep_fp32)
+        self._to_channels_last(model)
+        self._compiled(model)
         self._models[id(model)] = _Prepared(originals)
         self._model_list.append(model)
         if self.strategy == "ddp":
@@ -278,7 +345,7 @@ class Accelerator:
     def _prepare_loader(self, loader: DataLoader, *_: Any) -> DeviceLoader:
         if self.strategy != "none":
             loader = shard_loader(loader, self.distributed)
-        wrapped = DeviceLoader(loader, self.device)
+        wrapped = DeviceLoader(loader, self.device, torch.channels_last if self.channels_last else None)
         self._loaders.append(wrapped)
         return wrapped
 
@@ -307,6 +374,12 @@ class Accelerator:
         if self.scaler is not None:
             self._flush_scale_update()
             loss = self.scaler.scale(loss)
+        stats = self.compile_stats
+        if stats.first_forward_s is not None and stats.first_backward_s is None:
+            start = time.perf_counter()  # the compiled graph's backward is generated in this call
+            loss.backward(**kwargs)
+            stats.first_backward_s = time.perf_counter() - start
+            return
         loss.backward(**kwargs)
 
     def _flush_scale_update(self) -> None:

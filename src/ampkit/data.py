@@ -14,19 +14,26 @@ import torch
 from torch.utils.data import DataLoader
 
 
-def move_to_device(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
-    """Return `obj` with every tensor inside it (tuples, lists, dicts, dataclasses, namedtuples) on `device`."""
+def move_to_device(obj: Any, device: torch.device, non_blocking: bool = False,
+                   memory_format: torch.memory_format | None = None) -> Any:
+    """Return `obj` with every tensor inside it (tuples, lists, dicts, dataclasses, namedtuples) on `device`.
+
+    With `memory_format` (channels_last), 4-D floating tensors (image batches) are laid out in it
+    during the same copy.
+    """
     if isinstance(obj, torch.Tensor):
+        if memory_format is not None and obj.dim() == 4 and obj.is_floating_point():
+            return obj.to(device, non_blocking=non_blocking, memory_format=memory_format)
         return obj.to(device, non_blocking=non_blocking)
     if isinstance(obj, Mapping):
-        return type(obj)({k: move_to_device(v, device, non_blocking) for k, v in obj.items()})  # type: ignore[call-arg]
+        return type(obj)({k: move_to_device(v, device, non_blocking, memory_format) for k, v in obj.items()})  # type: ignore[call-arg]
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(move_to_device(v, device, non_blocking) for v in obj))
+        return type(obj)(*(move_to_device(v, device, non_blocking, memory_format) for v in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(move_to_device(v, device, non_blocking) for v in obj)
+        return type(obj)(move_to_device(v, device, non_blocking, memory_format) for v in obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         changes = {
-            f.name: move_to_device(getattr(obj, f.name), device, non_blocking)
+            f.name: move_to_device(getattr(obj, f.name), device, non_blocking, memory_format)
             for f in dataclasses.fields(obj)
             if f.init
         }
@@ -44,9 +51,10 @@ class DeviceLoader:
     epoch's shuffle started from — so a checkpoint can resume mid-epoch at the exact next batch.
     """
 
-    def __init__(self, loader: DataLoader, device: torch.device) -> None:
+    def __init__(self, loader: DataLoader, device: torch.device, memory_format: torch.memory_format | None = None) -> None:
         self.loader = loader
         self.device = device
+        self.memory_format = memory_format  # channels_last for image batches, or None
         self._cuda = device.type == "cuda"
         if self._cuda and not loader.pin_memory and loader.num_workers == 0:
             # Pinned host memory lets the host→device copy run without blocking the host.
@@ -109,15 +117,15 @@ class DeviceLoader:
         if not self._cuda:
             for batch in it:
                 self.batch_index += 1
-                yield move_to_device(batch, self.device)
+                yield move_to_device(batch, self.device, memory_format=self.memory_format)
             return
         # One batch ahead: its copy overlaps the current step's compute.
         try:
-            ahead = move_to_device(next(it), self.device, non_blocking=True)
+            ahead = move_to_device(next(it), self.device, True, self.memory_format)
         except StopIteration:
             return
         for batch in it:
-            current, ahead = ahead, move_to_device(batch, self.device, non_blocking=True)
+            current, ahead = ahead, move_to_device(batch, self.device, True, self.memory_format)
             self.batch_index += 1
             yield current
         self.batch_index += 1

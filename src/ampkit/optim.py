@@ -168,7 +168,7 @@ class CompensatedWeights:
             shadow.data = self._work.views[i]
             shadow.grad = self._grad.views[i]
         for buffers in self._state.values():
-            buffers.to_fp32(self.optimizer.state, self._shadows)
+            buffers.to_fp32(self.optimizer.state)
         return grad_views
 
     def weights_out(self) -> None:
@@ -190,7 +190,7 @@ class CompensatedWeights:
             self._build_state()  # the optimizer created state (its first step, or a new parameter's)
         else:
             for buffers in self._state.values():
-                buffers.to_low(self.optimizer.state, self._shadows)
+                buffers.to_low(self.optimizer.state)
 
     def release(self) -> None:
         """Free the fp32 working copies: between steps bf16-true holds no fp32 copy of anything."""
@@ -202,7 +202,7 @@ class CompensatedWeights:
         self._grad.free()
         for buffers in self._state.values():
             if buffers.active:  # a step unscaled the gradients but did not run: the state is unchanged
-                buffers.to_low(self.optimizer.state, self._shadows, copy=False)
+                buffers.to_low(self.optimizer.state, copy=False)
 
     def store_state_low(self) -> None:
         """Store per-element optimizer state in bf16 (after loading a state_dict, which casts it to fp32)."""
@@ -213,20 +213,18 @@ class CompensatedWeights:
         """(Re)build the bf16 stores of the optimizer's per-element state from its current tensors."""
         state = self.optimizer.state
         low = self._params[0].dtype if self._params else torch.bfloat16
-        keys: list[str] = []
-        for shadow, param in zip(self._shadows, self._params):
+        holders: dict[str, list[int]] = {}  # state key -> indices of the parameters that have it
+        for i, (shadow, param) in enumerate(zip(self._shadows, self._params)):
             for key, value in state.get(shadow, {}).items():
-                if key not in keys and _per_element(key, value, param):
-                    keys.append(key)
+                if _per_element(key, value, param):
+                    holders.setdefault(key, []).append(i)
         self._state = {}
-        for key in keys:
-            values = [state.get(s, {}).get(key) for s in self._shadows]
-            if not all(_per_element(key, v, p) for v, p in zip(values, self._params)):
-                continue  # not every parameter has it yet: left as the optimizer made it
-            buffers = _StateBuffers(key, self._params, low)
+        for key, indices in holders.items():
+            shadows = [self._shadows[i] for i in indices]
+            buffers = _StateBuffers(key, shadows, [self._params[i] for i in indices], low)
             with torch.no_grad():
-                torch._foreach_copy_(buffers.store.views, values)
-            buffers.to_low(state, self._shadows, copy=False)
+                torch._foreach_copy_(buffers.store.views, [state[s][key] for s in shadows])
+            buffers.to_low(state, copy=False)
             self._state[key] = buffers
         self._state_count = len(state)
 
@@ -237,31 +235,32 @@ def _per_element(key: str, value: Any, param: torch.Tensor) -> bool:
 
 
 class _StateBuffers:
-    """One per-element optimizer state key (e.g. AdamW's exp_avg) of every bf16-true parameter:
-    stored flat in bf16 between steps, worked on flat in fp32 during the step."""
+    """One per-element optimizer state key (e.g. AdamW's exp_avg) of the bf16-true parameters that
+    have it: stored flat in bf16 between steps, worked on flat in fp32 during the step."""
 
-    def __init__(self, key: str, like: list[torch.Tensor], low: torch.dtype) -> None:
+    def __init__(self, key: str, shadows: list[nn.Parameter], like: list[torch.Tensor], low: torch.dtype) -> None:
         self.key = key
+        self.shadows = shadows
         self.store = _Flat(like, low)
         self.work = _Flat(like, torch.float32)
         self.work.free()
         self.active = False  # True while the optimizer's state points at the fp32 work buffer
 
-    def to_fp32(self, state: Any, shadows: list[nn.Parameter]) -> None:
+    def to_fp32(self, state: Any) -> None:
         self.active = True
         self.work.alloc()
         self.work.buffer.copy_(self.store.buffer)
-        for shadow, view in zip(shadows, self.work.views):
+        for shadow, view in zip(self.shadows, self.work.views):
             state[shadow][self.key] = view
 
-    def to_low(self, state: Any, shadows: list[nn.Parameter], copy: bool = True) -> None:
+    def to_low(self, state: Any, copy: bool = True) -> None:
         if copy:
-            for shadow, view in zip(shadows, self.work.views):
+            for shadow, view in zip(self.shadows, self.work.views):
                 value = state[shadow][self.key]
                 if value is not view:  # the optimizer replaced the tensor instead of updating it in place
                     view.copy_(value)
             self.store.buffer.copy_(self.work.buffer)
-        for shadow, view in zip(shadows, self.store.views):
+        for shadow, view in zip(self.shadows, self.store.views):
             state[shadow][self.key] = view
         self.work.free()
         self.active = False

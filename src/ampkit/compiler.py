@@ -1,0 +1,135 @@
+"""`Accelerator(compile=True)`: torch.compile of a prepared model, with the precision policy inside.
+
+The compiled function is the model's `forward` as ampkit prepared it (autocast and the fp32 output
+cast included), so the compiler sees the same dtypes the eager step runs and can fuse the casts
+into the kernels around them. The module object, its class, parameters, state_dict keys and hooks
+stay the user's.
+
+torch.compile is lazy: it traces and generates code on the first call. Two things can go wrong
+there, and neither should cost a user their run: the compiler may be unavailable (no C++ compiler
+for the CPU backend, an unsupported Python), or it may fail on this model. In both cases the model
+runs eagerly, with one warning that says why. The first call's time (tracing, code generation, the
+forward itself) and the first backward's are kept apart from the steady-state step
+(`CompileStats`), because a benchmark that averages them in reports nonsense.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class CompileStats:
+    """What compiling cost, in host seconds (tracing and code generation run on the host)."""
+
+    first_forward_s: float | None = None
+    """Wall time of the first compiled forward: tracing, code generation and the forward itself."""
+    first_backward_s: float | None = None
+    """Wall time of the first backward through the compiled graph (its backward is compiled there)."""
+    fallback: str | None = None
+    """Why the model runs eagerly after all (None while compiled)."""
+    models: list[str] = field(default_factory=list)
+    """Class names of the compiled models."""
+
+    @property
+    def first_step_extra_s(self) -> float:
+        """Seconds the first step spent in forward and backward (compile included); 0 if not yet run."""
+        return (self.first_forward_s or 0.0) + (self.first_backward_s or 0.0)
+
+
+def compile_options(value: bool | Mapping[str, Any]) -> dict[str, Any] | None:
+    """Normalise `Accelerator(compile=...)`: False → None, True → {}, a mapping → torch.compile kwargs."""
+    if value is False or value is None:
+        return None
+    if value is True:
+        return {}
+    if isinstance(value, Mapping):
+        allowed = {"backend", "mode", "fullgraph", "dynamic", "options"}
+        unknown = sorted(set(value) - allowed)
+        if unknown:
+            raise ValueError(
+                f"compile={dict(value)!r}: unknown key(s) {unknown}; expected True, False or a dict of "
+                f"torch.compile arguments ({', '.join(sorted(allowed))})"
+            )
+        return dict(value)
+    raise TypeError(f"compile={value!r}: expected True, False or a dict of torch.compile arguments")
+
+
+def unavailable_reason(device: torch.device, options: Mapping[str, Any]) -> str | None:
+    """Why torch.compile cannot run here, or None. Checked before the first step, so the warning
+    comes at prepare time rather than as a compiler traceback in the middle of training."""
+    if not torch._dynamo.is_dynamo_supported():
+        return "torch.compile does not support this Python version"
+    backend = options.get("backend", "inductor")
+    if backend == "inductor" and device.type == "cpu":
+        cxx = os.environ.get("CXX") or "g++"
+        if not any(shutil.which(c) for c in (cxx, "g++", "clang++", "c++")):
+            return f"the CPU backend (inductor) needs a C++ compiler and none was found (looked for {cxx}, g++, clang++, c++)"
+    return None
+
+
+class CompiledForward:
+    """A module's forward, compiled on first use; eager (with one warning) if compiling fails.
+
+    A class rather than a closure so a prepared model stays picklable (the compiled function is
+    rebuilt after unpickling).
+    """
+
+    def __init__(self, forward: Any, options: Mapping[str, Any], stats: CompileStats, label: str) -> None:
+        self.forward = forward
+        self.options = dict(options)
+        self.stats = stats
+        self.label = label
+        self._compiled: Any = None
+        self._first = True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.stats.fallback is not None:
+            return self.forward(*args, **kwargs)
+        if not self._first:
+            return self._compiled(*args, **kwargs)
+        return self._first_call(args, kwargs)
+
+    def _first_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        start = time.perf_counter()
+        try:
+            self._compiled = torch.compile(self.forward, **self.options)
+            out = self._compiled(*args, **kwargs)
+        except Exception as exc:  # the compiler's failure must not end the run: fall back, say why
+            out = self.forward(*args, **kwargs)  # a bug in the model itself raises here, as it would without compile
+            self.stats.fallback = f"compiling {self.label} failed: {_describe(exc)}"
+            warnings.warn(f"compile=True: {self.stats.fallback}; the model runs eagerly (same results, no compiler speed-up)", stacklevel=3)
+            return out
+        self._first = False
+        self.stats.first_forward_s = time.perf_counter() - start
+        return out
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_compiled"], state["_first"] = None, True
+        return state
+
+
+def _describe(exc: BaseException) -> str:
+    """`Type: first line` of an exception and of its root cause (the compiler wraps the real error)."""
+
+    def line(e: BaseException) -> str:
+        text = next((l.strip() for l in str(e).splitlines() if l.strip()), "")
+        return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
+
+    root, seen = exc, {id(exc)}
+    while True:
+        inner = getattr(root, "inner_exception", None) or root.__cause__ or root.__context__
+        if not isinstance(inner, BaseException) or id(inner) in seen:
+            break
+        root = inner
+        seen.add(id(root))
+    return line(exc) if root is exc else f"{line(exc)} (caused by {line(root)})"

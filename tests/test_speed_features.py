@@ -1,0 +1,271 @@
+"""Speed features are checked for correctness, not speed (benchmarks/peers.py measures speed):
+compile=True and channels_last=True train like the eager, default-layout run; the foreach/flat
+master and Kahan updates equal a per-parameter reference written out by hand; bf16-true keeps
+8 bytes per parameter between AdamW steps; cuda_graphs=True is refused off CUDA."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import ampkit
+from conftest import assert_bitwise_equal, make_loader, make_model
+
+STEPS = 8
+
+
+def losses_of(precision: str, steps: int = STEPS, **kwargs) -> tuple[list[float], ampkit.Accelerator, nn.Module]:
+    model = make_model(width=16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    acc = ampkit.Accelerator(precision, device="cpu", **kwargs)
+    model, opt, loader = acc.prepare(model, opt, make_loader(batch_size=32))
+    losses = []
+    for step, (x, y) in zip(range(steps), loader):
+        loss = F.cross_entropy(model(x), y)
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, acc, model
+
+
+# --- compile=True -------------------------------------------------------------------------------
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None, reason="inductor on CPU needs a C++ compiler")
+def test_compile_matches_eager_trajectory_and_reports_compile_time_apart():
+    eager, _, _ = losses_of("bf16-mixed")
+    compiled, acc, model = losses_of("bf16-mixed", compile=True)
+    assert acc.compile_stats.fallback is None
+    assert acc.compile_stats.first_forward_s is not None and acc.compile_stats.first_forward_s > 0
+    assert acc.compile_stats.first_backward_s is not None
+    assert acc.compile_stats.models == ["Sequential"]
+    # the user's module stays the user's: same class and state_dict keys
+    assert type(model) is nn.Sequential and list(model.state_dict()) == list(make_model().state_dict())
+    # the compiler may fuse the bf16 casts differently: equal within bf16 tolerance
+    torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
+
+
+def test_compile_options_reach_torch_compile_and_fp32_aot_eager_is_close():
+    eager, _, _ = losses_of("fp32")
+    compiled, acc, _ = losses_of("fp32", compile={"backend": "aot_eager"})
+    assert acc.compile_stats.fallback is None and acc.compile_stats.first_forward_s is not None
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
+def _failing_backend(gm, example_inputs):
+    raise RuntimeError("this backend always fails")
+
+
+def test_a_failing_compiler_falls_back_to_eager_with_one_warning_and_equal_results():
+    eager, _, eager_model = losses_of("fp32")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fallen, acc, model = losses_of("fp32", compile={"backend": _failing_backend})
+    messages = [str(w.message) for w in caught if "compile=True" in str(w.message)]
+    assert len(messages) == 1 and "this backend always fails" in messages[0] and "runs eagerly" in messages[0]
+    assert acc.compile_stats.fallback is not None
+    assert fallen == eager
+    assert_bitwise_equal([p.detach() for p in model.parameters()], [p.detach() for p in eager_model.parameters()])
+
+
+def test_no_cxx_compiler_warns_at_construction_and_runs_eagerly(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.warns(UserWarning, match=r"needs a C\+\+ compiler and none was found"):
+        acc = ampkit.Accelerator("fp32", device="cpu", compile=True)
+    model = acc.prepare(make_model())
+    assert acc.compile_stats.models == [] and acc._compile is None
+    model(torch.randn(2, 8))
+
+
+def test_a_model_bug_under_compile_raises_the_models_own_error():
+    model = nn.Linear(8, 4)
+    acc = ampkit.Accelerator("fp32", device="cpu", compile={"backend": "aot_eager"})
+    model = acc.prepare(model)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        model(torch.randn(2, 5))
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"mode": "fast", "turbo": True}, r"compile=\{.*'turbo'.*unknown key\(s\) \['turbo'\]"),
+    ("yes", r"compile='yes': expected True, False or a dict"),
+])
+def test_bad_compile_arguments_name_what_was_passed(bad, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        ampkit.Accelerator("fp32", device="cpu", compile=bad)
+
+
+# --- cuda_graphs=True ---------------------------------------------------------------------------
+def test_cuda_graphs_is_refused_off_cuda_with_a_clear_error():
+    with pytest.raises(ValueError, match=r"cuda_graphs=True needs a CUDA device .* runs on 'cpu'"):
+        ampkit.Accelerator("fp32", device="cpu", cuda_graphs=True)
+
+
+# --- channels_last=True -------------------------------------------------------------------------
+class TinyCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv1 = nn.Conv2d(2, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.conv2 = nn.Conv2d(4, 8, 3, padding=1)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn(self.conv1(x)))
+        x = F.relu(self.conv2(x))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def cnn_run(channels_last: bool) -> tuple[list[float], nn.Module, list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 2, 8, 8, generator=g)
+    y = torch.randint(0, 3, (64,), generator=g)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+    model = TinyCNN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    acc = ampkit.Accelerator("fp32", device="cpu", channels_last=channels_last)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    losses, batches = [], []
+    for _ in range(3):
+        for xb, yb in loader:
+            batches.append(xb)
+            loss = F.cross_entropy(model(xb), yb)
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return losses, model, batches
+
+
+def test_channels_last_trains_like_the_default_layout():
+    base, base_model, _ = cnn_run(False)
+    nhwc, model, batches = cnn_run(True)
+    assert model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    assert not base_model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    assert all(b.is_contiguous(memory_format=torch.channels_last) and not b.is_contiguous() for b in batches)
+    torch.testing.assert_close(nhwc, base, rtol=1e-5, atol=1e-5)
+    for a, b in zip(model.parameters(), base_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_channels_last_on_a_model_without_convolutions_warns():
+    acc = ampkit.Accelerator("fp32", device="cpu", channels_last=True)
+    with pytest.warns(UserWarning, match=r"channels_last=True: Sequential has no 4-D \(convolution\) weights"):
+        acc.prepare(make_model())
+
+
+# --- foreach/flat master and Kahan updates = the per-parameter reference ------------------------
+class WithUnused(nn.Module):
+    """An MLP with a LayerNorm and a layer the forward never uses (it never gets a gradient)."""
+
+    def __init__(self, unused: bool) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.a = nn.Linear(8, 16)
+        self.norm = nn.LayerNorm(16)
+        self.b = nn.Linear(16, 4)
+        if unused:
+            self.unused = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(F.gelu(self.norm(self.a(x))))
+
+
+def reference_run(precision: str, steps: int, unused: bool) -> list[torch.Tensor]:
+    """The low-precision-weight update written out per parameter, as a careful engineer would:
+    bf16 weights, fp32 stand-ins the (unchanged) AdamW steps, and either persistent fp32 masters
+    (bf16-master) or a bf16 Kahan buffer plus bf16 optimizer state (bf16-true)."""
+    model = WithUnused(unused)
+    keep_norm = precision == "bf16-master"
+    init = {p: p.detach().clone() for p in model.parameters()}
+    low = [p for m in model.modules() if not (keep_norm and isinstance(m, nn.LayerNorm)) for p in m.parameters(recurse=False)]
+    with torch.no_grad():
+        for p in low:
+            p.data = p.data.to(torch.bfloat16)
+    stand_in = {p: nn.Parameter(init[p].clone()) for p in low}
+    comp = {p: (init[p] - p.float()).to(torch.bfloat16) for p in low}
+    opt = torch.optim.AdamW([stand_in.get(p, p) for p in model.parameters()], lr=1e-3, weight_decay=0.01)
+    loader = make_loader(batch_size=32)
+    for _, (x, y) in zip(range(steps), loader):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        F.cross_entropy(out.float(), y).backward()
+        for p in low:
+            s = stand_in[p]
+            if p.grad is None:
+                continue
+            if precision == "bf16-true":
+                s.data = p.float() + comp[p].float()
+                for k, v in opt.state.get(s, {}).items():
+                    if k != "step":
+                        opt.state[s][k] = v.float()
+            s.grad = p.grad.float()
+        opt.step()
+        with torch.no_grad():
+            for p in low:
+                s = stand_in[p]
+                if s.grad is None:
+                    continue
+                p.copy_(s)
+                if precision == "bf16-true":
+                    comp[p] = (s - p.float()).to(torch.bfloat16)
+                    for k, v in opt.state[s].items():
+                        if k != "step":
+                            opt.state[s][k] = v.to(torch.bfloat16)
+                s.grad = None
+        opt.zero_grad()
+        model.zero_grad()
+    out = [p.detach().clone() for p in model.parameters()]
+    if precision == "bf16-true":
+        out += [comp[p] for p in low] + [v for p in low for k, v in sorted(opt.state.get(stand_in[p], {}).items()) if k != "step"]
+    return out
+
+
+def ampkit_run(precision: str, steps: int, unused: bool) -> list[torch.Tensor]:
+    model = WithUnused(unused)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    acc = ampkit.Accelerator(precision, device="cpu")
+    model, opt = acc.prepare(model, opt)
+    loader = make_loader(batch_size=32)
+    for _, (x, y) in zip(range(steps), loader):
+        acc.backward(F.cross_entropy(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    out = [p.detach().clone() for p in model.parameters()]
+    weights = opt._weights
+    if precision == "bf16-true":
+        shadows = [s for _, s in weights.pairs]
+        out += [c.clone() for c in weights.compensation]
+        out += [v.clone() for s in shadows for k, v in sorted(opt.state.get(s, {}).items()) if k != "step"]
+    return out
+
+
+@pytest.mark.parametrize("unused", [False, True], ids=["all-used", "one-layer-unused"])
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-master"])
+def test_fused_low_precision_updates_equal_the_per_parameter_reference(precision, unused):
+    assert_bitwise_equal(ampkit_run(precision, 6, unused), reference_run(precision, 6, unused))
+
+
+def test_bf16_true_holds_8_bytes_per_parameter_between_adamw_steps():
+    model = make_model(width=64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    acc = ampkit.Accelerator("bf16-true", device="cpu")
+    model, opt, loader = acc.prepare(model, opt, make_loader(batch_size=32))
+    for _, (x, y) in zip(range(3), loader):
+        acc.backward(F.cross_entropy(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    n = sum(p.numel() for p in model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    kahan = sum(c.numel() * c.element_size() for c in opt._weights.compensation)
+    state = sum(v.numel() * v.element_size() for st in opt.state.values() for k, v in st.items() if k != "step")
+    # weights 2 + Kahan 2 + exp_avg 2 + exp_avg_sq 2 bytes; fp32 AdamW would hold 4 + 4 + 4 = 12 (16 with fp32 grads)
+    assert weights / n == 2 and kahan / n == 2 and state / n == 4
+    assert (weights + kahan + state) / n == 8
+    # and no fp32 copy of anything lingers between steps
+    assert all(s.numel() == 0 and s.grad is None for _, s in opt._weights.pairs)
+    assert all(b.work.buffer.untyped_storage().nbytes() == 0 for b in opt._weights._state.values())
