@@ -59,6 +59,8 @@ def _doctor(args: argparse.Namespace) -> int:
     import traceback
 
     from ampkit.doctor import DoctorError, diagnose_script, diagnose_task, render_report
+    from ampkit.doctor.numerics import format_text as format_numerics
+    from ampkit.doctor.numerics import numerics_script, numerics_task
 
     if (args.script is None) == (args.task is None):
         print("ampkit doctor: give a script (ampkit doctor train.py [args...]) or --task NAME, not both"
@@ -69,17 +71,26 @@ def _doctor(args: argparse.Namespace) -> int:
         print("ampkit doctor: --precision, --device and --batch-size are for --task; a script chooses its own",
               file=sys.stderr)
         return 2
+    if args.numerics and args.gpu is not None:
+        print("ampkit doctor: --gpu is for the performance doctor; --numerics quotes no GPU costs", file=sys.stderr)
+        return 2
+    warmup = args.warmup if args.warmup is not None else (0 if args.numerics else 5)
+    gpu = args.gpu or "A100"
     # With --json, stdout carries only the JSON: the script's own prints go to stderr.
     quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
     try:
         with quiet:
-            if args.task is not None:
-                result = diagnose_task(args.task, steps=args.steps, warmup=args.warmup, gpu=args.gpu,
+            if args.numerics and args.task is not None:
+                result = numerics_task(args.task, steps=args.steps, warmup=warmup, precision=args.precision or "auto",
+                                       device=args.device or "auto", batch_size=args.batch_size, seed=args.seed)
+            elif args.numerics:
+                result = numerics_script(args.script, args.script_args, steps=args.steps, warmup=warmup)
+            elif args.task is not None:
+                result = diagnose_task(args.task, steps=args.steps, warmup=warmup, gpu=gpu,
                                        precision=args.precision or "auto", device=args.device or "auto",
                                        batch_size=args.batch_size, seed=args.seed)
             else:
-                result = diagnose_script(args.script, args.script_args, steps=args.steps, warmup=args.warmup,
-                                         gpu=args.gpu)
+                result = diagnose_script(args.script, args.script_args, steps=args.steps, warmup=warmup, gpu=gpu)
     except (FileNotFoundError, ValueError, DoctorError) as exc:
         print(f"ampkit doctor: {exc}", file=sys.stderr)
         return 2
@@ -92,6 +103,8 @@ def _doctor(args: argparse.Namespace) -> int:
         return 1
     if args.json:
         print(json.dumps(result, indent=2, allow_nan=False))
+    elif args.numerics:
+        print(format_numerics(result))
     else:
         render_report(result)
     return 0
@@ -147,15 +160,21 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("script", nargs="?", default=None, help="the training script (it must use ampkit.Accelerator)")
     doc.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     doc.add_argument("--task", default=None, help="diagnose a built-in task instead: iris-mlp, digits-cnn, tiny-lm")
+    doc.add_argument("--numerics", action="store_true",
+                     help="diagnose numerics instead of time: per-layer value ranges against fp16/bf16 limits and a "
+                          "suggested keep_fp32, the first layer to overflow (an exact replay of the first skipped "
+                          "step's batch), updates lost to rounding, and the loss-scale history")
     doc.add_argument("--steps", type=int, default=20,
-                     help="optimizer steps to measure after the warm-up (default: 20; a few are profiled)")
-    doc.add_argument("--warmup", type=int, default=5, help="steps to skip before measuring (default: 5)")
-    doc.add_argument("--gpu", default="A100",
+                     help="optimizer steps to measure after the warm-up (default: 20; a few are profiled); with "
+                          "--numerics, the steps watched")
+    doc.add_argument("--warmup", type=int, default=None,
+                     help="steps to skip before measuring (default: 5; 0 with --numerics)")
+    doc.add_argument("--gpu", default=None,
                      help="the GPU the advisor and the findings quote costs for: T4, L4, A100, RTX 4090, H100 "
                           "(default: A100)")
     doc.add_argument("--json", action="store_true",
-                     help="print the result as JSON (schema: ampkit.doctor.DOCTOR_SCHEMA); the script's output "
-                          "goes to stderr")
+                     help="print the result as JSON (schema: ampkit.doctor.DOCTOR_SCHEMA; with --numerics "
+                          "ampkit.doctor.NUMERICS_SCHEMA); the script's output goes to stderr")
     doc.add_argument("--precision", default=None, help="--task only: precision preset (default: auto)")
     doc.add_argument("--device", default=None, help="--task only: auto (default), cpu, cuda, cuda:N, mps")
     doc.add_argument("--batch-size", type=int, default=None, help="--task only: batch size (default: the task's)")

@@ -2,10 +2,12 @@
 
     ampkit doctor train.py --epochs 1          # run a script that uses ampkit, under the doctor
     ampkit doctor --task iris-mlp --gpu T4     # a built-in task
+    ampkit doctor --numerics --task iris-mlp   # numerics: overflows, underflows, lost updates
 
 From Python, on a loop you already have (training continues; the report prints when done):
 
     session = ampkit.doctor.profile(acc, steps=20)
+    session = ampkit.doctor.numerics(acc, steps=20)   # the numerics half (`numerics`)
 
 The performance half lives here: phase times (`phases`), kernel ops from `torch.profiler`
 (`ops`), host↔device syncs by file:line (`sync`), the device advisor (`advisor`), the ranked
@@ -16,6 +18,14 @@ from ampkit.doctor.advisor import GPUS, GPUSpec, estimate, find_gpu
 from ampkit.doctor.report import format_text, render_html_section, render_report
 from ampkit.doctor.run import diagnose_script, diagnose_task
 from ampkit.doctor.schema import DOCTOR_SCHEMA, validate_result
+from ampkit.doctor.numerics import (
+    NUMERICS_SCHEMA,
+    NumericsSession,
+    numerics,
+    numerics_script,
+    numerics_task,
+    validate_numerics,
+)
 from ampkit.doctor.session import DoctorError, DoctorSession, StopTraining, profile
 
 __all__ = [
@@ -24,14 +34,20 @@ __all__ = [
     "DoctorSession",
     "GPUS",
     "GPUSpec",
+    "NUMERICS_SCHEMA",
+    "NumericsSession",
     "StopTraining",
     "diagnose_script",
     "diagnose_task",
     "estimate",
     "find_gpu",
     "format_text",
+    "numerics",
+    "numerics_script",
+    "numerics_task",
     "profile",
     "render_html_section",
     "render_report",
+    "validate_numerics",
     "validate_result",
 ]

@@ -1,0 +1,274 @@
+"""The range census: how close each module's activations and gradients come to fp16's and bf16's limits.
+
+For a few steps, a forward hook on every module measures its inputs and outputs, and a tensor hook
+on each output measures the gradient that flows back into it. Per module and per kind the census
+keeps, *on the device*, the largest finite absolute value and the number of elements that
+
+* overflow fp16 (|x| > 65504, inf included; NaN is counted apart, so a NaN that merely flows
+  downstream is not mistaken for a new overflow),
+* fall below fp16's smallest normal (2**-14: precision starts to drain away) or below its smallest
+  subnormal (2**-24: the value flushes to zero),
+* overflow bf16 or fall below its smallest normal (bf16 has fp32's range: rare, but reported).
+
+Nothing is read back until `result()`: the hooks launch a handful of reductions and never wait.
+
+Under loss scaling the gradients a hook sees are multiplied by the loss scale of that step. The
+census measures them as seen *and* divided by that scale (the true gradients): the first says
+whether fp16 holds them with scaling, the second whether it would without.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+FP16_MAX = 65504.0
+FP16_MIN_NORMAL = 2.0**-14
+FP16_MIN_SUBNORMAL = 2.0**-24
+BF16_MAX = float(torch.finfo(torch.bfloat16).max)
+BF16_MIN_NORMAL = float(torch.finfo(torch.bfloat16).tiny)
+
+#: The counters kept per module and kind, in this order (see the module docstring).
+COUNTS = ("over_fp16", "under_fp16", "flush_fp16", "over_bf16", "under_bf16", "nan")
+KINDS = ("input", "output", "grad", "grad_unscaled")
+
+#: A module whose true gradients fall below fp16's smallest normal this often is "at risk" of
+#: underflow without loss scaling.
+UNDERFLOW_RISK_SHARE = 0.10
+
+
+def float_tensors(obj: Any) -> list[torch.Tensor]:
+    """Every floating-point tensor inside `obj` (tensors, lists, tuples, dicts, nested)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.is_floating_point() else []
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in float_tensors(item)]
+    if isinstance(obj, Mapping):
+        return [t for item in obj.values() for t in float_tensors(item)]
+    return []
+
+
+def measure(t: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `COUNTS` of `t` (int64, on its device) and its largest finite |value|; no sync.
+
+    Measured in fp32: comparing a bf16 tensor with 65504 would round the threshold to 65536. With
+    `scale` (a loss-scaled gradient, measured as its true size) an inf is not counted as an
+    overflow: the scaling may have made it, and its true size is unknown.
+    """
+    x = t.detach().float()
+    a = x.abs()
+    if scale is not None:
+        a = a / scale.to(x.device)
+    over = a > FP16_MAX if scale is None else (a > FP16_MAX) & torch.isfinite(a)
+    nonzero = a > 0  # False for NaN
+    counts = torch.stack([
+        over.sum(),
+        (nonzero & (a < FP16_MIN_NORMAL)).sum(),
+        (nonzero & (a < FP16_MIN_SUBNORMAL)).sum(),
+        (a > BF16_MAX).sum() if scale is None else ((a > BF16_MAX) & torch.isfinite(a)).sum(),
+        (nonzero & (a < BF16_MIN_NORMAL)).sum(),
+        torch.isnan(x).sum(),
+    ])
+    finite_max = torch.where(torch.isfinite(a), a, torch.zeros((), device=a.device)).amax() if a.numel() else a.new_zeros(())
+    return counts, finite_max
+
+
+@dataclass
+class _Tally:
+    """Device-side running totals for one (module, kind)."""
+
+    counts: torch.Tensor | None = None
+    absmax: torch.Tensor | None = None
+    elements: int = 0  # host-side: shapes are known without a sync
+
+    def add(self, t: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        counts, absmax = measure(t, scale)
+        self.counts = counts if self.counts is None else self.counts + counts
+        self.absmax = absmax if self.absmax is None else torch.maximum(self.absmax, absmax)
+        self.elements += t.numel()
+        return counts, absmax
+
+
+@dataclass
+class ModuleStats:
+    """What the census saw of one module."""
+
+    name: str
+    type: str
+    order: int  # position of its first forward in the watched steps (execution order)
+    calls: int = 0
+    dtype: str | None = None  # dtype of its (first) output, last seen
+    shape: list[int] | None = None
+    tallies: dict[str, _Tally] = field(default_factory=lambda: {k: _Tally() for k in KINDS})
+    created: torch.Tensor | None = None  # forwards whose output overflowed/NaN'd from a clean input
+
+
+class RangeCensus:
+    """Hooks every module of `models` and tallies value ranges until `remove()`.
+
+    Args:
+        models: the prepared models (DDP-unwrapped), in `acc._model_list` order.
+        device: where the tallies are read from (the Accelerator's device).
+        scale: a callable returning the current loss-scale tensor, or None without loss scaling.
+    """
+
+    def __init__(self, models: list[nn.Module], device: torch.device, scale: Any = None) -> None:
+        self._device = device
+        self._scale = scale
+        self.enabled = True  # off while the localizer replays a batch
+        self.modules: dict[str, ModuleStats] = {}
+        self._handles: list[Any] = []
+        self._order = 0
+        for index, model in enumerate(models):
+            named = [(n, m) for n, m in model.named_modules() if n or not list(m.children())]
+            for name, module in named:
+                full = name if len(models) == 1 else f"model{index}:{name}"
+                self._handles.append(module.register_forward_hook(self._forward_hook(full), with_kwargs=True))
+
+    def remove(self) -> None:
+        """Take every hook off (tensor hooks on gradients in flight check `enabled`)."""
+        self.enabled = False
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _forward_hook(self, name: str) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            if not self.enabled:
+                return
+            stats = self.modules.get(name)
+            if stats is None:
+                stats = self.modules[name] = ModuleStats(name, type(module).__name__, self._order)
+                self._order += 1
+            stats.calls += 1
+            bad_in = None
+            for t in float_tensors((args, kwargs)):
+                counts, _ = stats.tallies["input"].add(t)
+                bad = counts[0] + counts[5]
+                bad_in = bad if bad_in is None else bad_in + bad
+            bad_out = None
+            outputs = float_tensors(output)
+            for t in outputs:
+                counts, _ = stats.tallies["output"].add(t)
+                bad = counts[0] + counts[5]
+                bad_out = bad if bad_out is None else bad_out + bad
+                if t.requires_grad and torch.is_grad_enabled():
+                    t.register_hook(self._grad_hook(stats))
+            if outputs:
+                stats.dtype = str(outputs[0].dtype).removeprefix("torch.")
+                stats.shape = list(outputs[0].shape)
+            if bad_out is not None:
+                created = (bad_out > 0) if bad_in is None else (bad_out > 0) & (bad_in == 0)
+                created = created.to(torch.int64)
+                stats.created = created if stats.created is None else stats.created + created
+        return hook
+
+    def _grad_hook(self, stats: ModuleStats) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            if not self.enabled:
+                return
+            stats.tallies["grad"].add(grad)
+            scale = self._scale() if self._scale is not None else None
+            if scale is not None:
+                stats.tallies["grad_unscaled"].add(grad, scale)  # the true gradient: seen / this step's scale
+        return hook
+
+    # --- reading ------------------------------------------------------------------------------
+    def result(self, scaled: bool) -> dict[str, Any]:
+        """Per-module figures, the ranked layers at risk and a `keep_fp32` that would fix them.
+
+        One read of all device tallies (the doctor's own, after the watched steps)."""
+        stats = sorted(self.modules.values(), key=lambda s: s.order)
+        wide = torch.float32 if self._device.type == "mps" else torch.float64  # exact counts where the device has fp64
+        flat: list[torch.Tensor] = []
+        for s in stats:
+            for kind in KINDS:
+                t = s.tallies[kind]
+                if t.counts is not None:
+                    flat += [t.counts.to(wide), t.absmax.to(wide).reshape(1)]
+            created = s.created if s.created is not None else torch.zeros((), dtype=torch.int64)
+            flat.append(created.to(wide).reshape(1))
+        flat = [f.to(self._device) for f in flat]  # the zero placeholders are made on the CPU
+        values = iter(torch.cat(flat).tolist() if flat else [])  # sync: once, after the watched steps
+        modules = []
+        for s in stats:
+            entry: dict[str, Any] = {"name": s.name, "type": s.type, "calls": s.calls, "dtype": s.dtype, "shape": s.shape}
+            for kind in KINDS:
+                t = s.tallies[kind]
+                if t.counts is None:
+                    entry[kind] = None
+                    continue
+                counts = [next(values) for _ in COUNTS]
+                absmax = next(values)
+                entry[kind] = {"abs_max": absmax, "elements": t.elements,
+                               **{f"{c}_share": (n / t.elements if t.elements else 0.0) for c, n in zip(COUNTS, counts)}}
+            entry["created_nonfinite"] = int(next(values))
+            if not scaled:
+                entry["grad_unscaled"] = entry["grad"]  # without loss scaling the gradients seen are the true ones
+            modules.append(entry)
+        at_risk = _rank(modules)
+        return {"modules": modules, "at_risk": at_risk, "keep_fp32": _suggest(at_risk)}
+
+
+def _share(entry: dict[str, Any], kind: str, count: str) -> float:
+    tally = entry.get(kind)
+    return tally[f"{count}_share"] if tally else 0.0
+
+
+def _reasons(m: dict[str, Any]) -> list[str]:
+    reasons = []
+    if m["created_nonfinite"] or (_share(m, "output", "over_fp16") and not _share(m, "input", "over_fp16")):
+        out = m["output"]["abs_max"] if m["output"] else 0.0
+        reasons.append(f"its output overflows fp16 ({_share(m, 'output', 'over_fp16'):.1%} of values > 65504 or inf; "
+                       f"largest finite {out:.4g})")
+    if _share(m, "input", "over_fp16"):
+        reasons.append(f"it reads values that overflow fp16 ({_share(m, 'input', 'over_fp16'):.1%} of its input)")
+    if _share(m, "grad_unscaled", "over_fp16"):
+        reasons.append(f"its true gradient overflows fp16 ({_share(m, 'grad_unscaled', 'over_fp16'):.1%})")
+    under = _share(m, "grad_unscaled", "under_fp16")
+    if under >= UNDERFLOW_RISK_SHARE:
+        reasons.append(f"{under:.0%} of its gradient is below fp16's smallest normal (2**-14) without loss scaling"
+                       + (f" ({_share(m, 'grad', 'under_fp16'):.1%} with it)" if m["grad"] is not m["grad_unscaled"] else ""))
+    return reasons
+
+
+def _rank(modules: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Modules at risk, most severe first: the one that *creates* an overflow, then what reads it,
+    then gradient overflow, then gradient underflow. A container is dropped when a module inside
+    it is at risk (its figures are that module's)."""
+    risky = [(m, _reasons(m)) for m in modules if m["name"]]
+    risky = [(m, r) for m, r in risky if r]
+    names = [m["name"] for m, _ in risky]
+    risky = [(m, r) for m, r in risky if not any(n.startswith(m["name"] + ".") for n in names)]
+
+    def severity(item: tuple[dict[str, Any], list[str]]) -> tuple[float, ...]:
+        m, _ = item
+        return (m["created_nonfinite"] > 0, _share(m, "output", "over_fp16"), _share(m, "input", "over_fp16"),
+                _share(m, "grad_unscaled", "over_fp16"), _share(m, "grad_unscaled", "under_fp16"))
+
+    ranked = sorted(risky, key=severity, reverse=True)  # stable: ties stay in execution order
+    out = []
+    for m, reasons in ranked:
+        overflow = bool(m["created_nonfinite"] or _share(m, "output", "over_fp16") or _share(m, "input", "over_fp16")
+                        or _share(m, "grad_unscaled", "over_fp16"))
+        act = m["output"]["abs_max"] if m["output"] else None
+        grad = m["grad_unscaled"]["abs_max"] if m["grad_unscaled"] else None
+        out.append({"name": m["name"], "type": m["type"], "reasons": reasons, "overflow": overflow,
+                    "activation_abs_max": _finite(act), "grad_abs_max": _finite(grad)})
+    return out
+
+
+def _suggest(at_risk: list[dict[str, Any]]) -> list[str]:
+    """Module names to keep in fp32: those whose values (or true gradients) exceed fp16's range.
+
+    Underflow alone is not on the list: loss scaling (the fp16 presets) is its fix."""
+    return [m["name"] for m in at_risk if m["overflow"] and ":" not in m["name"]]
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None

@@ -1,0 +1,225 @@
+"""The overflow localizer: replay one batch exactly and name the first module that went inf/NaN.
+
+While the numerics doctor watches, `BatchKeeper` keeps, for each forward of the current optimizer
+step, references to the model's inputs, the random-number state before the forward (dropout) and
+the gradient that reached the model's output (dLoss/dOutput, already loss-scaled: captured by a
+tensor hook on the output). That is everything needed to rerun the step's forward and backward
+without knowing the user's loss function:
+
+    restore RNG → output = model(*args, **kwargs) with hooks on every module
+    → torch.autograd.grad(output, params, grad_outputs=saved dLoss/dOutput)
+
+`torch.autograd.grad` returns the gradients instead of accumulating them into `.grad`, and the
+replay puts back the RNG state and every buffer (BatchNorm running statistics) it touched, so the
+training run is bitwise unaffected. The replay is exact for a step that was skipped (its weights did
+not change); on demand it uses the current weights.
+
+"First" in the forward is execution order: a forward hook fires when its module returns, so an
+inner module fires before the container holding it. In the backward it is the order gradients are
+produced, from the output toward the input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampkit.doctor.census import float_tensors
+
+
+@dataclass
+class Capture:
+    """One forward of the model, kept for a replay."""
+
+    model: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    rng_cpu: torch.Tensor
+    rng_cuda: tuple[int, torch.Tensor] | None
+    output_grads: list[torch.Tensor | None] = field(default_factory=list)  # per output tensor that needs grad
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, tuple[int, torch.Tensor] | None]:
+    cuda = None
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        cuda = (index, torch.cuda.get_rng_state(index))  # the generator's seed and offset: no device sync
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(cpu: torch.Tensor, cuda: tuple[int, torch.Tensor] | None) -> None:
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda[1], cuda[0])
+
+
+class BatchKeeper:
+    """Keeps the forwards of the current optimizer step of each model (see the module docstring)."""
+
+    def __init__(self, models: list[nn.Module], device: torch.device) -> None:
+        self.device = device
+        self.enabled = True  # off during a replay
+        self.captures: list[Capture] = []  # the forwards of the step in progress
+        self.previous: list[Capture] = []  # those of the last finished step (for an on-demand replay)
+        self._handles: list[Any] = []
+        for model in models:
+            self._handles.append(model.register_forward_pre_hook(self._before, with_kwargs=True))
+            self._handles.append(model.register_forward_hook(self._after))
+
+    def remove(self) -> None:
+        self.enabled = False
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.captures = []
+        self.previous = []
+
+    def new_step(self) -> None:
+        """Start keeping a new step's forwards (called after each optimizer step); drop the older step's."""
+        self.previous, self.captures = self.captures, []
+
+    def _before(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not self.enabled or not torch.is_grad_enabled():
+            return  # an evaluation forward has no backward to replay
+        cpu, cuda = _rng_state(self.device)
+        self.captures.append(Capture(model, args, dict(kwargs), cpu, cuda))
+
+    def _after(self, model: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if not self.enabled or not self.captures or self.captures[-1].model is not model:
+            return
+        capture = self.captures[-1]
+        for t in float_tensors(output):
+            if not t.requires_grad:
+                continue
+            slot = len(capture.output_grads)
+            capture.output_grads.append(None)
+
+            def keep(grad: torch.Tensor, slot: int = slot) -> None:
+                capture.output_grads[slot] = grad  # a reference: the doctor copies nothing per step
+            t.register_hook(keep)
+
+
+@dataclass
+class _Event:
+    phase: str  # "forward" | "backward"
+    module: str
+    type: str
+    what: str  # "output" | "grad_output" | "grad_input" | "grad_weight"
+    shape: list[int]
+    dtype: str
+    counts: torch.Tensor  # [non-finite, nan, inf] on the device
+    absmax: torch.Tensor  # largest finite |value|
+    before: torch.Tensor | None = None  # forward: the largest finite |input|
+
+
+def _stats(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = t.detach().float()
+    finite = torch.isfinite(x)
+    counts = torch.stack([(~finite).sum(), torch.isnan(x).sum(), torch.isinf(x).sum()])
+    absmax = torch.where(finite, x.abs(), torch.zeros((), device=x.device)).amax() if x.numel() else x.new_zeros(())
+    return counts, absmax
+
+
+def replay(capture: Capture, names: dict[nn.Module, str], device: torch.device) -> dict[str, Any]:
+    """Rerun `capture`'s forward and backward with hooks; return where values first went inf/NaN.
+
+    `names` maps each module of the model to its name. Returns {"forward": culprit|None,
+    "backward": culprit|None, "note": str|None}; a culprit is {"module", "type", "what", "shape",
+    "dtype", "max_finite_before", "nonfinite", "nan", "inf", "elements"}.
+    """
+    model = capture.model
+    events: list[_Event] = []
+    handles: list[Any] = []
+
+    def on_grad(name: str, mtype: str, what: str) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            counts, absmax = _stats(grad)
+            events.append(_Event("backward", name, mtype, what, list(grad.shape), _dtype(grad), counts, absmax))
+        return hook
+
+    def on_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        name, mtype = names.get(module, "?"), type(module).__name__
+        inputs = float_tensors((args, kwargs))
+        before = None
+        for t in inputs:
+            _, m = _stats(t)
+            before = m if before is None else torch.maximum(before, m)
+            if t.requires_grad:
+                t.register_hook(on_grad(name, mtype, "grad_input"))
+        for t in float_tensors(output):
+            counts, absmax = _stats(t)
+            events.append(_Event("forward", name, mtype, "output", list(t.shape), _dtype(t), counts, absmax, before))
+            if t.requires_grad:
+                t.register_hook(on_grad(name, mtype, "grad_output"))
+
+    for module, name in names.items():
+        handles.append(module.register_forward_hook(on_forward, with_kwargs=True))
+        for pname, param in module.named_parameters(recurse=False):
+            if param.requires_grad:
+                handles.append(param.register_hook(on_grad(name, type(module).__name__, f"grad_{pname}")))
+    saved_rng = _rng_state(device)
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    note = None
+    try:
+        _set_rng_state(capture.rng_cpu, capture.rng_cuda)
+        with torch.enable_grad():
+            output = model(*capture.args, **capture.kwargs)
+        outs = [t for t in float_tensors(output) if t.requires_grad]
+        pairs = [(o, g) for o, g in zip(outs, capture.output_grads) if g is not None]
+        params = [p for p in model.parameters() if p.requires_grad]
+        if pairs and params:
+            torch.autograd.grad([o for o, _ in pairs], params, grad_outputs=[g for _, g in pairs], allow_unused=True)
+        elif not pairs:
+            note = "no gradient reached the model's output in that step: only the forward was replayed"
+    finally:
+        for handle in handles:
+            handle.remove()
+        with torch.no_grad():
+            for buf, value in buffers:
+                buf.copy_(value)
+        _set_rng_state(*saved_rng)
+    return _first_nonfinite(events, note)
+
+
+def _first_nonfinite(events: list[_Event], note: str | None) -> dict[str, Any]:
+    if not events:
+        return {"forward": None, "backward": None, "note": note or "the replay ran no hooked module"}
+    counts = torch.stack([e.counts for e in events]).tolist()  # sync: once, after the replay
+    maxes = torch.stack([e.absmax for e in events]).tolist()
+    befores = [e.before for e in events]
+    known = [b for b in befores if b is not None]
+    before_values = iter(torch.stack(known).tolist() if known else [])
+    before = [next(before_values) if b is not None else None for b in befores]
+    forward = backward = None
+    last_finite_grad: float | None = None
+    for e, c, m, b in zip(events, counts, maxes, before):
+        if e.phase == "forward":
+            if forward is None and c[0]:
+                forward = _culprit(e, c, b)
+        elif backward is None:
+            if c[0]:
+                backward = _culprit(e, c, last_finite_grad)
+            else:
+                last_finite_grad = m if last_finite_grad is None else max(last_finite_grad, m)
+    if forward is not None and backward is not None:
+        backward = None  # everything after a non-finite forward is non-finite: the forward is the cause
+    if forward is None and backward is None and note is None:
+        note = ("the replay stayed finite: the overflow was not reproduced (a nondeterministic kernel, or it came "
+                "from summing gradients across accumulation steps)")
+    return {"forward": forward, "backward": backward, "note": note}
+
+
+def _culprit(e: _Event, counts: list[int], before: float | None) -> dict[str, Any]:
+    elements = 1
+    for n in e.shape:
+        elements *= n
+    return {"module": e.module, "type": e.type, "what": e.what, "shape": e.shape, "dtype": e.dtype,
+            "max_finite_before": before, "nonfinite": int(counts[0]), "nan": int(counts[1]), "inf": int(counts[2]),
+            "elements": elements}
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")

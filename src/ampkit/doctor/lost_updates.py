@@ -1,0 +1,128 @@
+"""The lost-update detector: optimizer updates too small for the dtype the weights are stored in.
+
+A weight stored in bf16 has 8 significant bits: an update smaller than half the gap to the next
+bf16 value (half an *ulp*) rounds away, and with a small learning rate most updates can. Training
+then quietly stalls while the loss looks merely slow. Master weights (`*-master`) keep an fp32 copy
+that does not lose them; `bf16-true` keeps what rounding lost in a Kahan buffer.
+
+Per parameter group of the first prepared optimizer, around each applied optimizer step, the
+detector compares the *effective* weight before and after:
+
+* the parameter itself for fp32 and plain low-precision storage,
+* the fp32 master for the `-master` presets (the master is the truth; the model's copy is a view),
+* bf16 weight + Kahan compensation for `bf16-true`.
+
+Among the elements the optimizer wanted to move (nonzero gradient), it counts those whose effective
+weight did not change at all (**lost**), and those whose update is below half an ulp of the weight
+in the model's storage dtype (**below half an ulp**: lost without masters or compensation). Counts
+stay on the device until `result()`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampkit.optim import AmpOptimizer, CompensatedWeights, MasterWeights
+
+#: Lost share above which the doctor recommends master weights or compensation.
+LOST_SHARE_ALARM = 0.10
+
+_MANTISSA = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10, torch.float64: 52}
+
+
+def half_ulp(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Half the gap between `w` (fp32) and the next value of `dtype` away from zero, elementwise.
+
+    From the binary exponent: a normal value with exponent e (|w| in [2**(e-1), 2**e)) has an ulp
+    of 2**(e-1-mantissa bits); below the smallest normal the gap is the smallest subnormal.
+    """
+    info = torch.finfo(dtype)
+    bits = _MANTISSA[dtype]
+    _, exponent = torch.frexp(w.float())
+    min_exponent = math.frexp(info.tiny)[1]  # frexp's exponent of the smallest normal
+    exponent = torch.where(w == 0, min_exponent, exponent).clamp_(min=min_exponent)
+    ulp = torch.ldexp(torch.ones_like(w, dtype=torch.float32), exponent - 1 - bits)
+    return ulp * 0.5
+
+
+class LostUpdateDetector:
+    """Counts lost and below-half-ulp updates per parameter group of `optimizer`."""
+
+    def __init__(self, optimizer: AmpOptimizer) -> None:
+        self.optimizer = optimizer
+        weights = optimizer._weights
+        stand_in: dict[int, tuple[nn.Parameter, Any]] = {}  # optimizer param -> (model param, effective weight getter)
+        if isinstance(weights, MasterWeights):
+            for param, master in weights.pairs:
+                stand_in[id(master)] = (param, lambda m=master: m.detach())
+            self.effective = "master"
+        elif isinstance(weights, CompensatedWeights):
+            for (param, shadow), comp in zip(weights.pairs, weights.compensation):
+                stand_in[id(shadow)] = (param, lambda p=param, c=comp: p.detach().float() + c.float())
+            self.effective = "compensated"
+        else:
+            self.effective = "param"
+        # (group index, model param, getter) for every parameter the optimizer steps
+        self._params: list[tuple[int, nn.Parameter, Any]] = []
+        for index, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                param, get = stand_in.get(id(p), (p, lambda p=p: p.detach()))
+                self._params.append((index, param, get))
+        self._groups = len(optimizer.param_groups)
+        self._counts: list[torch.Tensor | None] = [None] * self._groups  # [wanted, lost, below half ulp]
+        self._snapshot: list[torch.Tensor] | None = None
+        self.steps = 0
+
+    @property
+    def has_snapshot(self) -> bool:
+        return self._snapshot is not None
+
+    def snapshot(self) -> None:
+        """Keep the effective weights before the optimizer step (one fp32 copy of the model)."""
+        self._snapshot = [get().float().clone() for _, _, get in self._params]
+
+    def measure(self, applied: bool) -> None:
+        """Compare with the snapshot after a step; a skipped step changed nothing and is not counted."""
+        snapshot, self._snapshot = self._snapshot, None
+        if snapshot is None or not applied:
+            return
+        self.steps += 1
+        with torch.no_grad():
+            for (index, param, get), before in zip(self._params, snapshot):
+                grad = param.grad
+                if grad is None or not param.is_floating_point():
+                    continue
+                update = get().float() - before
+                wanted = grad != 0
+                lost = wanted & (update == 0)
+                small = wanted & (update.abs() < half_ulp(before, param.dtype))
+                counts = torch.stack([wanted.sum(), lost.sum(), small.sum()])
+                self._counts[index] = counts if self._counts[index] is None else self._counts[index] + counts
+
+    def result(self) -> dict[str, Any]:
+        """Per-group shares and a recommendation (one read of the device counters)."""
+        present = [c for c in self._counts if c is not None]
+        values = iter(torch.stack(present).tolist() if present else [])  # sync: once, after the watched steps
+        groups = []
+        dtypes: list[set[str]] = [set() for _ in range(self._groups)]
+        sizes = [0] * self._groups
+        for index, param, _ in self._params:
+            dtypes[index].add(str(param.dtype).removeprefix("torch."))
+            sizes[index] += param.numel()
+        for index in range(self._groups):
+            wanted = lost = small = 0
+            if self._counts[index] is not None:
+                wanted, lost, small = next(values)
+            groups.append({
+                "index": index,
+                "elements": sizes[index],
+                "storage_dtype": ",".join(sorted(dtypes[index])),
+                "wanted": int(wanted),
+                "lost_share": lost / wanted if wanted else None,
+                "below_half_ulp_share": small / wanted if wanted else None,
+            })
+        return {"steps": self.steps, "effective": self.effective, "groups": groups}

@@ -1,0 +1,745 @@
+"""`ampkit doctor --numerics`: the layer that overflows, the gradients that underflow, the updates that are lost.
+
+    ampkit doctor --numerics --task iris-mlp --precision fp16-mixed
+    ampkit doctor --numerics train.py --epochs 1
+
+From Python, on a loop you already have (training goes on; the report prints when done):
+
+    session = ampkit.doctor.numerics(acc, steps=20)
+    ...                                   # the unchanged training loop
+    result = session.finish()             # or session.result after `steps` optimizer steps
+
+`NumericsSession` attaches to the Accelerator as its recorder (as `DoctorSession` does), watches
+`steps` optimizer steps with four instruments, then takes every hook off:
+
+* the range census (`census`): per-module value ranges against fp16's and bf16's limits;
+* the overflow localizer (`localizer`): on the first skipped step, an exact replay of its batch
+  that names the first module whose output or gradient became inf/NaN;
+* the lost-update detector (`lost_updates`): updates too small for the weights' storage dtype;
+* loss-scale health: the scale history, skipped steps and the steps since the last overflow.
+
+It changes no weight, buffer, gradient or random stream: a run with the doctor is bitwise the run
+without it. It does read each step's overflow flag as the step ends (one host<->device sync per
+watched step under loss scaling), so the batch of a skipped step is replayed before the next update
+changes the weights; that is why it watches a handful of steps, not a whole run.
+
+If the loss scale collapses while it watches, the `LossScaleCollapse` raised carries its diagnosis.
+"""
+
+from __future__ import annotations
+
+import functools
+import html
+import runpy
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import ampkit
+from ampkit.accelerator import Accelerator
+from ampkit.doctor.census import RangeCensus
+from ampkit.doctor.localizer import BatchKeeper, replay
+from ampkit.doctor.lost_updates import LOST_SHARE_ALARM, LostUpdateDetector
+from ampkit.doctor.session import DoctorError, StopTraining
+from ampkit.errors import LossScaleCollapse
+
+Result = dict[str, Any]
+
+_active: NumericsSession | None = None  # one numerics session hooks the process at a time
+
+
+class NumericsSession:
+    """Watches `steps` optimizer steps of `acc` for numerical trouble (see the module docstring).
+
+    Args:
+        acc: the Accelerator whose loop to watch; the session becomes its `_recorder` (an existing
+            recorder keeps receiving every call).
+        steps: optimizer steps to watch (skipped steps count).
+        warmup: steps to let pass before the hooks go on.
+        stop: raise `StopTraining` after the last watched step (`ampkit doctor --numerics` ends the script).
+        subject: what is being diagnosed, for the report: {"kind", "name", "argv"}.
+        on_done: called with the result when the session finishes by itself.
+    """
+
+    def __init__(self, acc: Accelerator, *, steps: int = 20, warmup: int = 0, stop: bool = False,
+                 subject: dict[str, Any] | None = None, on_done: Callable[[Result], None] | None = None) -> None:
+        if not isinstance(acc, Accelerator):
+            raise TypeError(f"the numerics doctor watches an ampkit.Accelerator; got {type(acc).__name__}")
+        _check_counts(steps, warmup)
+        if acc.strategy == "fsdp":
+            raise DoctorError("the numerics doctor does not watch strategy='fsdp' (sharded parameters have no "
+                              "per-module values on one rank); run it without FSDP on a smaller model")
+        self.acc = acc
+        self.steps, self.warmup, self.stop = steps, warmup, stop
+        self.subject = subject or {"kind": "loop", "name": "training loop", "argv": []}
+        self.on_done = on_done
+        self.result: Result | None = None
+        self.seen_steps = 0
+        self.watched_steps = 0
+        self._inner = acc._recorder
+        self._outcomes: list[Any] = []
+        self._outcome_start = 0
+        self._census: RangeCensus | None = None
+        self._keeper: BatchKeeper | None = None
+        self._lost: LostUpdateDetector | None = None
+        self._localized: Result | None = None
+        self._first_skip: int | None = None
+        self._attached = False
+        self._attach()
+
+    # --- attaching ----------------------------------------------------------------------------
+    def _attach(self) -> None:
+        global _active
+        if _active is not None:
+            raise DoctorError("another numerics doctor session is already watching this process; finish it first")
+        _active = self
+        self.acc._recorder = self  # type: ignore[assignment]
+        self._attached = True
+        if self.warmup == 0:
+            try:
+                self._open()
+            except BaseException:
+                self._detach()
+                raise
+
+    def _models(self) -> list[nn.Module]:
+        return [self.acc.unwrap(m) for m in self.acc._model_list]
+
+    def _open(self) -> None:
+        """Hooks on: the watched window starts at the next forward."""
+        models = self._models()
+        if not models:
+            raise DoctorError("the Accelerator has no prepared model: call acc.prepare(model, optimizer) before "
+                              "starting the numerics doctor")
+        self._reconcile()
+        self._outcome_start = len(self.outcomes)
+        scaler = self.acc.scaler
+        self._census = RangeCensus(models, self.acc.device, (lambda: scaler.scale_tensor) if scaler is not None else None)
+        self._keeper = BatchKeeper(models, self.acc.device)
+        if self.acc._optimizers:
+            self._lost = LostUpdateDetector(self.acc._optimizers[0])
+            for model in models:  # the weights before each step: taken at the step's first forward
+                self._keeper._handles.append(model.register_forward_pre_hook(self._snapshot))
+
+    def _snapshot(self, *_: Any) -> None:
+        if self._lost is not None and not self._lost.has_snapshot and torch.is_grad_enabled() and self._census is not None and self._census.enabled:
+            self._lost.snapshot()
+
+    def _remove_hooks(self) -> None:
+        if self._census is not None:
+            self._census.remove()
+        if self._keeper is not None:
+            self._keeper.remove()
+
+    def _detach(self) -> None:
+        global _active
+        self._remove_hooks()
+        if self._attached and self.acc._recorder is self:
+            self.acc._recorder = self._inner
+        self._attached = False
+        if _active is self:
+            _active = None
+
+    def _reconcile(self) -> None:
+        """Land every step outcome on the host now (a no-op without loss scaling)."""
+        for opt in self.acc._optimizers:
+            opt.reconcile(block=True)  # sync: the doctor's own, so a skipped step is known before the next update
+
+    # --- the recorder interface (called by the Accelerator) -----------------------------------
+    @property
+    def outcomes(self) -> list[Any]:
+        """Step outcomes (fp16): the optimizer appends here; kept with an inner recorder if any."""
+        return self._inner.outcomes if self._inner is not None else self._outcomes
+
+    def loss(self, loss: torch.Tensor) -> None:
+        if self._inner is not None:
+            self._inner.loss(loss)
+
+    def step(self) -> None:
+        """End of an optimizer step: count it, replay it if it was skipped, finish after the last one."""
+        self.seen_steps += 1
+        if self._census is not None and self.result is None:
+            self._watch_step()
+        elif self._census is None and self.result is None and self.seen_steps >= self.warmup:
+            self._open()
+        if self._inner is not None:
+            self._inner.step()
+
+    def _watch_step(self) -> None:
+        self.watched_steps += 1
+        try:
+            self._reconcile()
+        except LossScaleCollapse as exc:
+            self._on_collapse(exc)
+        opt = self.acc._optimizers[0] if self.acc._optimizers else None
+        skipped = opt is not None and opt.latest_outcome() is False
+        if self._lost is not None:
+            self._lost.measure(applied=not skipped)
+        if skipped and self._first_skip is None:
+            self._first_skip = self.watched_steps
+            self._localized = self._replay(f"step {self.watched_steps} of the watched steps was skipped (overflow)")
+        assert self._keeper is not None
+        self._keeper.new_step()
+        if self.watched_steps >= self.steps:
+            self._done()
+
+    def _done(self) -> None:
+        try:
+            result = self.finish()
+        except Exception as exc:
+            if self.stop:
+                raise
+            warnings.warn(f"ampkit doctor --numerics: the diagnosis failed ({type(exc).__name__}: {exc}); "
+                          f"training goes on", RuntimeWarning, stacklevel=3)
+            return
+        if self.on_done is not None:
+            self.on_done(result)
+        if self.stop:
+            raise StopTraining
+
+    def _on_collapse(self, exc: LossScaleCollapse) -> None:
+        """The scale collapsed while the doctor watched: raise the same error with the doctor's diagnosis."""
+        if self._localized is None and self._keeper is not None and self._keeper.captures:
+            self._first_skip = self._first_skip or self.watched_steps
+            self._localized = self._replay("the loss scale collapsed")
+        try:
+            result = self.finish()
+        except Exception:
+            raise exc from None
+        raise LossScaleCollapse(f"{exc}\n\nampkit doctor --numerics: {result['loss_scale']['diagnosis']}") from exc
+
+    # --- the localizer ------------------------------------------------------------------------
+    def _replay(self, trigger: str, on_demand: bool = False) -> Result | None:
+        keeper, census = self._keeper, self._census
+        if keeper is None:
+            return None
+        captures = keeper.captures
+        if on_demand and not captures:
+            captures = keeper.previous  # called between steps: the step that just ended
+        if not captures:
+            return None
+        models = self._models()
+        keeper.enabled = False
+        if census is not None:
+            census.enabled = False
+        try:
+            found: Result | None = None
+            for i, capture in enumerate(list(captures)):  # each micro-batch of the step, until one overflows
+                index = next(i for i, m in enumerate(models) if m is capture.model)
+                prefix = "" if len(models) == 1 else f"model{index}:"
+                names = {module: prefix + name for name, module in capture.model.named_modules()}
+                found = replay(capture, names, self.acc.device)
+                found.update({"trigger": trigger, "micro_batch": i})
+                if found["forward"] or found["backward"]:
+                    break
+            return found
+        finally:
+            keeper.enabled = True
+            if census is not None:
+                census.enabled = True
+
+    def localize(self) -> Result | None:
+        """Replay the latest step's batch now (on demand) and return where it first went inf/NaN.
+
+        Exact when that step was skipped (its weights did not change); otherwise it runs the same
+        inputs and random numbers through the current weights. None when no batch is held. The report
+        keeps the replay of a skipped step over an on-demand one (that one is exact)."""
+        found = self._replay("on demand", on_demand=True)
+        if found is not None and (self._localized is None or self._localized["trigger"] == "on demand"):
+            self._localized = found
+        return found
+
+    # --- finishing ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop watching and take every hook off, without a result (the loop failed)."""
+        self._detach()
+
+    def finish(self) -> Result:
+        """Stop watching, take every hook off, and return the result (idempotent).
+
+        Called by the session after its last watched step; call it yourself when the loop ends
+        earlier. Raises `DoctorError` when no step was watched."""
+        if self.result is not None:
+            return self.result
+        try:
+            if self._census is not None:
+                self._reconcile()
+        finally:
+            self._detach()
+        if self._census is None or self.watched_steps == 0:
+            raise DoctorError(f"no step was watched: the loop ran {self.seen_steps} optimizer step(s) and the numerics "
+                              f"doctor lets the first {self.warmup} pass; run more steps or lower warmup")
+        self.result = self._build()
+        return self.result
+
+    def __enter__(self) -> NumericsSession:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            if self.result is None and self.watched_steps:
+                self.finish()
+            else:
+                self.close()
+        elif self.result is None:
+            self.close()
+
+    def _build(self) -> Result:
+        acc = self.acc
+        assert self._census is not None
+        census = self._census.result(scaled=acc.scaler is not None)
+        lost = self._lost.result() if self._lost is not None else None
+        outcomes = self.outcomes[self._outcome_start:]
+        health = _loss_scale(outcomes, acc, self._localized, census) if acc.scaler is not None else None
+        result: Result = {
+            "schema_version": 1,
+            "kind": "numerics",
+            "ampkit_version": ampkit.__version__,
+            "torch": torch.__version__,
+            "subject": self.subject,
+            "device": {"device": str(acc.device), "precision": acc.policy.name,
+                       "param_dtype": _dtype(acc.policy.param_dtype), "compute_dtype": _dtype(acc.policy.compute_dtype)},
+            "steps": {"requested": self.steps, "warmup": self.warmup, "watched": self.watched_steps,
+                      "complete": self.watched_steps >= self.steps},
+            "census": census,
+            "localizer": self._localized,
+            "lost_updates": _with_recommendation(lost, acc) if lost is not None else None,
+            "loss_scale": health,
+            "findings": [],
+            "notes": [],
+        }
+        result["findings"] = _findings(result)
+        if acc.strategy == "ddp":
+            result["notes"].append("under DDP the doctor watches this rank's model; the replay runs the unwrapped module")
+        return result
+
+
+# --- loss-scale health and findings ------------------------------------------------------------
+def _loss_scale(outcomes: list[Any], acc: Accelerator, localized: Result | None, census: Result) -> Result:
+    history = [o.scale for o in outcomes]
+    skipped = [i for i, o in enumerate(outcomes) if o.skipped]
+    assert acc.scaler is not None
+    health: Result = {"history": history, "skipped": len(skipped), "applied": len(outcomes) - len(skipped),
+                      "halvings": sum(1 for a, b in zip(history, history[1:]) if b < a),
+                      "steps_since_overflow": len(outcomes) - 1 - skipped[-1] if skipped else None,
+                      "scale": history[-1] if history else acc.scaler.init_scale,
+                      "min_scale": acc.scaler.min_scale, "diagnosis": ""}
+    health["diagnosis"] = _diagnose_scale(health, localized, census)
+    return health
+
+
+def _diagnose_scale(h: Result, localized: Result | None, census: Result) -> str:
+    if not h["skipped"]:
+        return f"healthy: no overflow in {len(h['history'])} steps; the last step used scale {h['scale']:g}"
+    head = (f"{h['skipped']} of {len(h['history'])} steps skipped, the scale backed off {h['halvings']} time(s) "
+            f"({h['history'][0]:g} to {h['scale']:g})")
+    keep = census["keep_fp32"]
+    fix = f"keep_fp32={keep!r}" if keep else "keep_fp32=[the layer named above]"
+    if localized and localized.get("forward"):
+        f = localized["forward"]
+        return (f"{head}: layer {_name(f['module'])!r} ({f['type']}) overflows fp16 in the forward "
+                f"({f['inf']} inf, {f['nan']} NaN of {f['elements']} values; its largest finite input was "
+                f"{_num(f['max_finite_before'])}). No loss scale fixes a forward overflow: {fix}, or a bf16 preset")
+    if localized and localized.get("backward"):
+        b = localized["backward"]
+        where_ = (f"the gradient {b['what']} of {_name(b['module'])!r} ({b['type']}) overflows fp16 in the backward "
+                  f"(largest finite loss-scaled gradient before it {_num(b['max_finite_before'])})")
+        if not keep:
+            return (f"{head}: {where_}. The true (unscaled) gradients fit fp16: the scale was too large and backs off "
+                    f"until they fit, which is normal while the scaler finds its level"
+                    + ("" if h["steps_since_overflow"] is None or h["steps_since_overflow"] == 0
+                       else f" (no overflow in the last {h['steps_since_overflow']} step(s))"))
+        return f"{head}: {where_}, and the true gradients exceed fp16's range: {fix}, or a bf16 preset"
+    if h["steps_since_overflow"] is not None and h["steps_since_overflow"] >= max(3, len(h["history"]) // 2):
+        return f"{head} early on, then none for {h['steps_since_overflow']} steps: the scaler found its level (normal)"
+    note = localized.get("note") if localized else "no batch was held to replay"
+    return f"{head}; the replay did not name a layer ({note})" + (f"; the census suggests {fix}" if keep else "")
+
+
+def _with_recommendation(lost: Result, acc: Accelerator) -> Result:
+    worst = max((g["lost_share"] or 0.0 for g in lost["groups"]), default=0.0)
+    below = max((g["below_half_ulp_share"] or 0.0 for g in lost["groups"]), default=0.0)
+    lost["recommendation"] = None
+    if worst > LOST_SHARE_ALARM:
+        low = acc.policy.param_dtype != torch.float32
+        if low and acc.policy.param_dtype == torch.bfloat16:
+            options = "precision='bf16-master' (fp32 master weights) or 'bf16-true' (Kahan-compensated bf16)"
+        elif low:
+            options = "precision='fp16-master' (fp32 master weights)"
+        else:
+            options = "a larger learning rate: even fp32 storage cannot hold these updates"
+        lost["recommendation"] = (f"{worst:.0%} of the updates the optimizer made were rounded away by "
+                                  f"{_dtype(acc.policy.param_dtype)} storage: use {options}")
+    elif below > LOST_SHARE_ALARM and lost["effective"] in ("master", "compensated"):
+        lost["recommendation"] = None  # the masters / compensation are doing their job; said in the findings
+    return lost
+
+
+def _findings(r: Result) -> list[Result]:
+    out: list[Result] = []
+    census, loc, lost, scale = r["census"], r["localizer"], r["lost_updates"], r["loss_scale"]
+    keep = census["keep_fp32"]
+    if loc and (loc.get("forward") or loc.get("backward")):
+        c = loc["forward"] or loc["backward"]
+        phase = "forward" if loc["forward"] else "backward"
+        out.append({"id": f"{phase}-overflow",
+                    "title": f"{_name(c['module'])} ({c['type']}) is the first to overflow, in the {phase}",
+                    "evidence": (f"{c['what']} {c['shape']} {c['dtype']}: {c['inf']} inf and {c['nan']} NaN of "
+                                 f"{c['elements']}; largest finite value before it {_num(c['max_finite_before'])} "
+                                 f"(replay of the skipped step's batch: {loc['trigger']})"),
+                    "fix": (f"keep_fp32={keep!r}" if keep else
+                            "keep that layer in fp32 (keep_fp32=[...]) or use bf16" if phase == "forward" else
+                            "none while it stops: the true gradients fit fp16, so the scale backs off until it fits")})
+    overflow = [m for m in census["at_risk"] if m["overflow"]]
+    if overflow and not out:
+        m = overflow[0]
+        out.append({"id": "forward-overflow", "title": f"{_name(m['name'])} ({m['type']}) exceeds fp16's range",
+                    "evidence": "; ".join(m["reasons"]),
+                    "fix": f"keep_fp32={keep!r}, or a bf16 preset"})
+    under = [m for m in census["at_risk"] if not m["overflow"]]
+    if under:
+        scaled = r["device"]["precision"].startswith("fp16")
+        out.append({"id": "grad-underflow",
+                    "title": f"{len(under)} layer(s) have gradients below fp16's normal range",
+                    "evidence": f"{_name(under[0]['name'])}: " + "; ".join(under[0]["reasons"]),
+                    "fix": ("loss scaling is on and lifts them (compare the shares with and without it)" if scaled
+                            else "an fp16 preset needs loss scaling for these (fp16-mixed has it); bf16 has the range")})
+    if lost is not None:
+        worst = max((g["lost_share"] or 0.0 for g in lost["groups"]), default=0.0)
+        below = max((g["below_half_ulp_share"] or 0.0 for g in lost["groups"]), default=0.0)
+        if lost["recommendation"]:
+            out.append({"id": "lost-updates", "title": f"{worst:.0%} of weight updates are lost to rounding",
+                        "evidence": f"over {lost['steps']} applied steps, storage {r['device']['param_dtype']}",
+                        "fix": lost["recommendation"]})
+        elif below > LOST_SHARE_ALARM and lost["effective"] in ("master", "compensated"):
+            kind = "fp32 master weights" if lost["effective"] == "master" else "the Kahan compensation"
+            out.append({"id": "lost-updates", "title": f"{below:.0%} of updates are below half a {r['device']['param_dtype']} ulp",
+                        "evidence": f"{kind} keep them: {worst:.1%} are lost in the effective weights",
+                        "fix": "nothing to do: this is what the preset is for"})
+    if scale is not None and scale["skipped"]:
+        out.append({"id": "loss-scale", "title": f"the loss scale backed off {scale['halvings']} time(s)",
+                    "evidence": f"{scale['skipped']} skipped of {len(scale['history'])} watched steps",
+                    "fix": scale["diagnosis"]})
+    return out
+
+
+# --- running code under the numerics doctor ----------------------------------------------------
+def numerics(acc: Accelerator, steps: int = 20, *, warmup: int = 0, report: bool = True,
+             on_done: Callable[[Result], None] | None = None) -> NumericsSession:
+    """Watch the next `steps` optimizer steps of `acc` for numerical trouble, while training goes on.
+
+    The loop does not change. After the last watched step the session takes its hooks off, prints
+    the report (`report=True`) and leaves `session.result`; call `session.finish()` if the loop
+    may end first. Usable as a context manager (`with numerics(acc, 5) as s:`).
+    """
+    def done(result: Result) -> None:
+        if report:
+            print(format_text(result))
+        if on_done is not None:
+            on_done(result)
+
+    return NumericsSession(acc, steps=steps, warmup=warmup, on_done=done)
+
+
+def numerics_task(task: str = "iris-mlp", *, steps: int = 20, warmup: int = 0, precision: str = "auto",
+                  device: str = "auto", batch_size: int | None = None, seed: int = 0,
+                  keep_fp32: Sequence[str] = ()) -> Result:
+    """Train the built-in `task` for `warmup + steps` steps under the numerics doctor; return the result."""
+    from ampkit.tasks import get_task
+
+    _check_counts(steps, warmup)
+    spec = get_task(task)
+    data = spec.make_data(seed, batch_size or spec.default_batch_size)
+    torch.manual_seed(seed)
+    acc = Accelerator(precision=precision, device=device, keep_fp32=list(keep_fp32))
+    model = spec.make_model(seed)
+    optimizer = spec.make_optimizer(model.parameters(), spec.default_lr)
+    model, optimizer, loader = acc.prepare(model, optimizer, data.train_loader)
+    session = NumericsSession(acc, steps=steps, warmup=warmup, stop=True,
+                              subject={"kind": "task", "name": task, "argv": []})
+    try:
+        for _ in acc.epochs(sys.maxsize):  # until the doctor stops it
+            for x, y in loader:
+                loss = spec.loss_fn(model(x), y)
+                acc.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+    except StopTraining:
+        pass
+    except BaseException:
+        session.close()
+        raise
+    return session.finish()
+
+
+def numerics_script(script: str | Path, args: Sequence[str] = (), *, steps: int = 20, warmup: int = 0) -> Result:
+    """Run `script` with `args` under the numerics doctor (on the first Accelerator it creates).
+
+    As `diagnose_script`: FileNotFoundError for a missing script, `DoctorError` when it creates no
+    Accelerator or ends before a step was watched; whatever the script raises is re-raised."""
+    path = Path(script)
+    if not path.is_file():
+        raise FileNotFoundError(f"script {str(script)!r} not found (from {Path.cwd()})")
+    _check_counts(steps, warmup)
+    subject = {"kind": "script", "name": str(script), "argv": [str(a) for a in args]}
+    sessions: list[NumericsSession] = []
+    original_init = Accelerator.__init__
+    original_prepare = Accelerator.prepare
+
+    @functools.wraps(original_init)
+    def watched_init(self: Accelerator, *a: Any, **kw: Any) -> None:
+        original_init(self, *a, **kw)
+        if not sessions:  # the first Accelerator is the one training
+            sessions.append(_Pending(self))  # type: ignore[arg-type]
+
+    @functools.wraps(original_prepare)
+    def watched_prepare(self: Accelerator, *objs: Any) -> Any:
+        out = original_prepare(self, *objs)
+        # The session starts once the first Accelerator has a model and an optimizer.
+        if sessions and isinstance(sessions[0], _Pending) and sessions[0].acc is self and self._model_list and self._optimizers:
+            sessions[0] = NumericsSession(self, steps=steps, warmup=warmup, stop=True, subject=subject)
+        return out
+
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    Accelerator.__init__ = watched_init  # type: ignore[method-assign]
+    Accelerator.prepare = watched_prepare  # type: ignore[method-assign]
+    sys.argv = [str(path), *map(str, args)]
+    sys.path.insert(0, str(path.resolve().parent))
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except StopTraining:
+        pass
+    except SystemExit as exc:
+        if exc.code not in (None, 0) and not (sessions and getattr(sessions[0], "result", None) is not None):
+            _close(sessions)
+            raise DoctorError(f"{script} exited with status {exc.code!r} before the doctor had watched its steps") from exc
+    except BaseException:
+        _close(sessions)
+        raise
+    finally:
+        Accelerator.__init__ = original_init  # type: ignore[method-assign]
+        Accelerator.prepare = original_prepare  # type: ignore[method-assign]
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+    if not sessions or isinstance(sessions[0], _Pending):
+        raise DoctorError(f"{script} created no ampkit.Accelerator with a prepared model and optimizer: the numerics "
+                          f"doctor watches the first Accelerator a script creates (acc.prepare(model, optimizer))")
+    session = sessions[0]
+    try:
+        return session.finish()
+    except BaseException:
+        session.close()
+        raise
+
+
+class _Pending:
+    """The script's first Accelerator, before it has prepared a model and an optimizer."""
+
+    def __init__(self, acc: Accelerator) -> None:
+        self.acc = acc
+
+
+def _close(sessions: list[Any]) -> None:
+    if sessions and isinstance(sessions[0], NumericsSession) and sessions[0].result is None:
+        sessions[0].close()
+
+
+def _check_counts(steps: int, warmup: int) -> None:
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"steps={steps!r}: expected an integer >= 1 (the optimizer steps to watch)")
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+        raise ValueError(f"warmup={warmup!r}: expected an integer >= 0")
+
+
+# --- the schema ---------------------------------------------------------------------------------
+_NUM = {"type": "number", "minimum": 0}
+_NUM_OR_NULL = {"type": ["number", "null"], "minimum": 0}
+_SHARE = {"type": "number", "minimum": 0, "maximum": 1}
+_SHARE_OR_NULL = {"type": ["number", "null"], "minimum": 0, "maximum": 1}
+_INT = {"type": "integer", "minimum": 0}
+_STR = {"type": "string"}
+
+
+def _obj(required: dict[str, Any], **described: str) -> dict[str, Any]:
+    props = {k: (dict(v, description=described[k]) if k in described else v) for k, v in required.items()}
+    return {"type": "object", "additionalProperties": False, "required": list(required), "properties": props}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+_TALLY = _nullable(_obj({"abs_max": _NUM, "elements": _INT, "over_fp16_share": _SHARE, "under_fp16_share": _SHARE,
+                         "flush_fp16_share": _SHARE, "over_bf16_share": _SHARE, "under_bf16_share": _SHARE,
+                         "nan_share": _SHARE},
+                        abs_max="Largest finite |value| seen.",
+                        over_fp16_share="Share of values > 65504 or inf (NaN not included).",
+                        under_fp16_share="Share of nonzero values below fp16's smallest normal, 2**-14.",
+                        flush_fp16_share="Share of nonzero values below fp16's smallest subnormal, 2**-24 (flush to 0)."))
+_CULPRIT = _nullable(_obj({"module": _STR, "type": _STR, "what": _STR, "shape": {"type": "array", "items": _INT},
+                           "dtype": _STR, "max_finite_before": _NUM_OR_NULL, "nonfinite": _INT, "nan": _INT, "inf": _INT,
+                           "elements": _INT},
+                          module="Module name in the model ('' is the model itself).",
+                          what="output (forward), grad_output, grad_input or grad_<parameter> (backward).",
+                          max_finite_before="Forward: largest finite |input|; backward: largest finite gradient "
+                                            "produced before it."))
+
+NUMERICS_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "$id": "https://ampkit.invalid/schemas/doctor-numerics-v1.json",
+    "title": "ampkit doctor --numerics",
+    "description": "`ampkit doctor --numerics --json`: value ranges, overflows, lost updates and loss-scale health.",
+    **_obj({
+        "schema_version": {"const": 1},
+        "kind": {"const": "numerics"},
+        "ampkit_version": _STR,
+        "torch": _STR,
+        "subject": _obj({"kind": {"enum": ["script", "task", "loop"]}, "name": _STR,
+                         "argv": {"type": "array", "items": _STR}}),
+        "device": _obj({"device": _STR, "precision": _STR, "param_dtype": _STR, "compute_dtype": _STR}),
+        "steps": _obj({"requested": {"type": "integer", "minimum": 1}, "warmup": _INT, "watched": _INT,
+                       "complete": {"type": "boolean"}}),
+        "census": _obj({
+            "modules": {"type": "array", "items": _obj({
+                "name": _STR, "type": _STR, "calls": _INT, "dtype": {"type": ["string", "null"]},
+                "shape": {"type": ["array", "null"], "items": _INT}, "input": _TALLY, "output": _TALLY, "grad": _TALLY,
+                "grad_unscaled": _TALLY, "created_nonfinite": _INT},
+                grad="Gradients reaching the module's output, as seen (loss-scaled under fp16 presets).",
+                grad_unscaled="The same divided by that step's loss scale: the true gradients (an inf of the scaled "
+                              "gradient is not counted as an overflow here: its true size is unknown).",
+                created_nonfinite="Forwards whose output overflowed or went NaN while its inputs were clean.")},
+            "at_risk": {"type": "array", "description": "Ranked, most severe first.", "items": _obj({
+                "name": _STR, "type": _STR, "reasons": {"type": "array", "items": _STR, "minItems": 1},
+                "overflow": {"type": "boolean"}, "activation_abs_max": _NUM_OR_NULL, "grad_abs_max": _NUM_OR_NULL})},
+            "keep_fp32": {"type": "array", "items": _STR,
+                          "description": "Module names to pass as Accelerator(keep_fp32=...) against the overflows."},
+        }),
+        "localizer": _nullable(_obj({"forward": _CULPRIT, "backward": _CULPRIT, "note": {"type": ["string", "null"]},
+                                     "trigger": _STR, "micro_batch": _INT})),
+        "lost_updates": _nullable(_obj({
+            "steps": _INT, "effective": {"enum": ["param", "master", "compensated"]},
+            "groups": {"type": "array", "items": _obj({
+                "index": _INT, "elements": _INT, "storage_dtype": _STR, "wanted": _INT,
+                "lost_share": _SHARE_OR_NULL, "below_half_ulp_share": _SHARE_OR_NULL},
+                wanted="Element updates the optimizer wanted (nonzero gradient), over the applied steps.",
+                lost_share="Share of those the effective weight did not take at all.",
+                below_half_ulp_share="Share below half an ulp of the weight in its storage dtype.")},
+            "recommendation": {"type": ["string", "null"]},
+        }, effective="What counts as the weight: the parameter, its fp32 master, or bf16 + Kahan compensation.")),
+        "loss_scale": _nullable(_obj({
+            "history": {"type": "array", "items": _NUM}, "skipped": _INT, "applied": _INT, "halvings": _INT,
+            "steps_since_overflow": {"type": ["integer", "null"], "minimum": 0}, "scale": _NUM,
+            "min_scale": _NUM_OR_NULL, "diagnosis": {"type": "string", "minLength": 1}},
+            history="The scale each watched step used.", scale="The scale the last watched step used.")),
+        "findings": {"type": "array", "items": _obj({
+            "id": {"enum": ["forward-overflow", "backward-overflow", "grad-underflow", "lost-updates", "loss-scale"]},
+            "title": {"type": "string", "minLength": 1}, "evidence": {"type": "string", "minLength": 1},
+            "fix": {"type": "string", "minLength": 1}})},
+        "notes": {"type": "array", "items": _STR},
+    }),
+}
+
+
+def validate_numerics(result: Result) -> None:
+    """Raise `jsonschema.ValidationError` if `result` breaks `NUMERICS_SCHEMA` (needs jsonschema)."""
+    import jsonschema
+
+    jsonschema.validate(result, NUMERICS_SCHEMA, cls=jsonschema.Draft202012Validator)
+
+
+# --- the report ---------------------------------------------------------------------------------
+def _name(name: str) -> str:
+    return name or "(the model itself)"
+
+
+def _num(x: float | None) -> str:
+    return "unknown" if x is None else f"{x:.4g}"
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _share(x: float | None) -> str:
+    return "—" if x is None else (f"{x:.1%}" if x >= 0.001 or x == 0 else f"{x:.2e}")
+
+
+def _lines(r: Result) -> list[tuple[str, list[str]]]:
+    """(heading, lines) sections shared by the text and HTML forms."""
+    s, d = r["steps"], r["device"]
+    subject = r["subject"]["name"] + (" " + " ".join(r["subject"]["argv"]) if r["subject"]["argv"] else "")
+    head = [f"{s['watched']} steps watched on {d['device']}, {d['precision']} "
+            f"(params {d['param_dtype']}, compute {d['compute_dtype']})"
+            + ("" if s["complete"] else f" — the loop ended before the {s['requested']} asked for")]
+    sections: list[tuple[str, list[str]]] = [(f"ampkit doctor --numerics — {subject}", head)]
+    census = r["census"]
+    risk = [f"{i}. {_name(m['name'])} ({m['type']}): " + "; ".join(m["reasons"]) for i, m in enumerate(census["at_risk"], 1)]
+    risk = risk or ["none: every module's values fit fp16's range"]
+    if census["keep_fp32"]:
+        risk.append(f"suggested: Accelerator(..., keep_fp32={census['keep_fp32']!r})")
+    sections.append(("layers at risk", risk))
+    rows = []
+    for m in census["modules"]:
+        act, grad, true = m["output"], m["grad"], m["grad_unscaled"]
+        rows.append(f"{_name(m['name'])[:24]:<24} {m['type'][:12]:<12} act max {_num(act['abs_max'] if act else None):>9} "
+                    f"over {_share(act['over_fp16_share'] if act else None):>6} · grad max "
+                    f"{_num(true['abs_max'] if true else None):>9} under {_share(true['under_fp16_share'] if true else None):>6}"
+                    + (f" (scaled {_share(grad['under_fp16_share'])})" if grad is not None and grad is not true and true is not None
+                       and grad != true else ""))
+    sections.append(("census (fp16: over = > 65504 or inf; under = below 2**-14; grad = true, unscaled)", rows))
+    loc = r["localizer"]
+    if loc is not None:
+        lines = []
+        for phase in ("forward", "backward"):
+            c = loc[phase]
+            if c:
+                lines.append(f"{phase}: {_name(c['module'])} ({c['type']}) {c['what']} {c['shape']} {c['dtype']} — "
+                             f"{c['inf']} inf, {c['nan']} NaN of {c['elements']}; largest finite before it "
+                             f"{_num(c['max_finite_before'])}")
+        if loc["note"]:
+            lines.append(loc["note"])
+        sections.append((f"overflow localizer ({loc['trigger']})", lines))
+    lost = r["lost_updates"]
+    if lost is not None:
+        lines = [f"group {g['index']} ({g['elements']} weights, {g['storage_dtype']}): lost {_share(g['lost_share'])}, "
+                 f"below half an ulp {_share(g['below_half_ulp_share'])}" for g in lost["groups"]]
+        lines.insert(0, f"over {lost['steps']} applied steps; effective weight: {lost['effective']}")
+        if lost["recommendation"]:
+            lines.append(lost["recommendation"])
+        sections.append(("lost updates", lines))
+    scale = r["loss_scale"]
+    if scale is not None:
+        hist = ", ".join(f"{x:g}" for x in scale["history"][:12]) + (" ..." if len(scale["history"]) > 12 else "")
+        since = {None: "no overflow", 0: "the last watched step overflowed"}.get(
+            scale["steps_since_overflow"], f"{scale['steps_since_overflow']} step(s) since the last overflow")
+        sections.append(("loss scale", [f"history: {hist}", f"{scale['skipped']} skipped, {since}", scale["diagnosis"]]))
+    findings = [f"{i}. {f['title']}\n     evidence: {f['evidence']}\n     fix: {f['fix']}" for i, f in enumerate(r["findings"], 1)]
+    sections.append(("findings", findings or ["nothing numerically wrong in the watched steps"]))
+    if r["notes"]:
+        sections.append(("notes", r["notes"]))
+    return sections
+
+
+def format_text(r: Result) -> str:
+    """The report as plain text (what `ampkit doctor --numerics` prints)."""
+    out = []
+    for i, (heading, lines) in enumerate(_lines(r)):
+        out.append(heading if i == 0 else f"\n{heading}")
+        out.extend(("  " + line) for line in lines)
+    return "\n".join(out)
+
+
+def render_html_section(r: Result) -> str:
+    """The report as an HTML <section> (every string escaped) for a report page."""
+    parts = ['<section class="ampkit-numerics">']
+    for i, (heading, lines) in enumerate(_lines(r)):
+        parts.append(f"<h{2 if i == 0 else 3}>{html.escape(heading)}</h{2 if i == 0 else 3}>")
+        if lines:
+            parts.append("<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>")
+    parts.append("</section>")
+    return "\n".join(parts)
