@@ -20,9 +20,9 @@ import ampkit
 from ampkit.cli import main
 from ampkit.doctor import NUMERICS_SCHEMA, NumericsSession, numerics, validate_numerics
 from ampkit.doctor.lost_updates import half_ulp
-from ampkit.doctor.numerics import format_text, render_html_section
+from ampkit.doctor.numerics_report import format_text, render_html_section
 
-from conftest import assert_bitwise_equal, make_loader, make_model
+from conftest import assert_bitwise_equal, make_model
 
 PLANTED_SCRIPT = Path(__file__).parent / "numerics_scripts" / "planted_overflow.py"
 
@@ -120,7 +120,8 @@ def test_loss_scale_collapse_carries_the_diagnosis():
     scaler = ampkit.LossScaler(init_scale=4.0, min_scale=1.0, collapse_after=2)
     acc, model, optimizer = prepared("fp16-mixed", planted_model(), scaler=scaler)
     NumericsSession(acc, steps=20)
-    with pytest.raises(ampkit.LossScaleCollapse, match=r"(?s)loss scale collapsed.*doctor --numerics: .*'boom'.*keep_fp32"):
+    expected = r"(?s)loss scale collapsed.*doctor --numerics: .*'boom'.*keep_fp32"
+    with pytest.raises(ampkit.LossScaleCollapse, match=expected):
         train(acc, model, optimizer, batches(10))
     assert no_hooks_left(model) and acc._recorder is None
 
@@ -167,7 +168,8 @@ def test_bf16_without_compensation_loses_small_updates_and_bf16_true_keeps_them(
         assert group["lost_share"] < 0.02
         assert group["below_half_ulp_share"] > 0.5  # ... that bf16 storage alone would have lost
         assert lost["recommendation"] is None
-        assert any(f["id"] == "lost-updates" and f["fix"].startswith("nothing to do") for f in session.result["findings"])
+        findings = session.result["findings"]
+        assert any(f["id"] == "lost-updates" and f["fix"].startswith("nothing to do") for f in findings)
 
 
 def test_half_ulp_matches_the_dtype_spacing():
@@ -215,6 +217,7 @@ def test_numerics_api_prints_the_report_and_works_as_a_context_manager(capsys):
     assert session.result is not None and session.result["steps"] == {"requested": 10, "warmup": 0, "watched": 2,
                                                                      "complete": False}
     assert no_hooks_left(model) and acc._recorder is None
+    assert "ampkit doctor --numerics — training loop" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"steps=0: expected an integer >= 1"):
         numerics(acc, steps=0)
 

@@ -59,7 +59,7 @@ def _doctor(args: argparse.Namespace) -> int:
     import traceback
 
     from ampkit.doctor import DoctorError, diagnose_script, diagnose_task, render_report
-    from ampkit.doctor.numerics import format_text as format_numerics
+    from ampkit.doctor.numerics_report import format_text as format_numerics
     from ampkit.doctor.numerics import numerics_script, numerics_task
 
     if (args.script is None) == (args.task is None):

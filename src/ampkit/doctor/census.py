@@ -74,7 +74,8 @@ def measure(t: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.T
         (nonzero & (a < BF16_MIN_NORMAL)).sum(),
         torch.isnan(x).sum(),
     ])
-    finite_max = torch.where(torch.isfinite(a), a, torch.zeros((), device=a.device)).amax() if a.numel() else a.new_zeros(())
+    zero = torch.zeros((), device=a.device)
+    finite_max = torch.where(torch.isfinite(a), a, zero).amax() if a.numel() else zero
     return counts, finite_max
 
 
@@ -197,7 +198,8 @@ class RangeCensus:
         values = iter(torch.cat(flat).tolist() if flat else [])  # sync: once, after the watched steps
         modules = []
         for s in stats:
-            entry: dict[str, Any] = {"name": s.name, "type": s.type, "calls": s.calls, "dtype": s.dtype, "shape": s.shape}
+            entry: dict[str, Any] = {"name": s.name, "type": s.type, "calls": s.calls, "dtype": s.dtype,
+                                     "shape": s.shape}
             for kind in KINDS:
                 t = s.tallies[kind]
                 if t.counts is None:
@@ -205,8 +207,8 @@ class RangeCensus:
                     continue
                 counts = [next(values) for _ in COUNTS]
                 absmax = next(values)
-                entry[kind] = {"abs_max": absmax, "elements": t.elements,
-                               **{f"{c}_share": (n / t.elements if t.elements else 0.0) for c, n in zip(COUNTS, counts)}}
+                shares = {f"{c}_share": (n / t.elements if t.elements else 0.0) for c, n in zip(COUNTS, counts)}
+                entry[kind] = {"abs_max": absmax, "elements": t.elements, **shares}
             entry["created_nonfinite"] = int(next(values))
             if not scaled:
                 entry["grad_unscaled"] = entry["grad"]  # without loss scaling the gradients seen are the true ones
@@ -232,8 +234,9 @@ def _reasons(m: dict[str, Any]) -> list[str]:
         reasons.append(f"its true gradient overflows fp16 ({_share(m, 'grad_unscaled', 'over_fp16'):.1%})")
     under = _share(m, "grad_unscaled", "under_fp16")
     if under >= UNDERFLOW_RISK_SHARE:
+        scaled = f" ({_share(m, 'grad', 'under_fp16'):.1%} with it)" if m["grad"] != m["grad_unscaled"] else ""
         reasons.append(f"{under:.0%} of its gradient is below fp16's smallest normal (2**-14) without loss scaling"
-                       + (f" ({_share(m, 'grad', 'under_fp16'):.1%} with it)" if m["grad"] is not m["grad_unscaled"] else ""))
+                       + scaled)
     return reasons
 
 

@@ -1,0 +1,202 @@
+"""The numerics doctor's contract and report: `NUMERICS_SCHEMA`, plain text, an HTML section.
+
+Each takes the result dict (built by `ampkit.doctor.numerics`) and decides nothing. Module names
+come from the user's model and are never interpreted (escaped in HTML).
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+Result = dict[str, Any]
+
+
+# --- the schema ---------------------------------------------------------------------------------
+_NUM = {"type": "number", "minimum": 0}
+_NUM_OR_NULL = {"type": ["number", "null"], "minimum": 0}
+_SHARE = {"type": "number", "minimum": 0, "maximum": 1}
+_SHARE_OR_NULL = {"type": ["number", "null"], "minimum": 0, "maximum": 1}
+_INT = {"type": "integer", "minimum": 0}
+_STR = {"type": "string"}
+
+
+def _obj(required: dict[str, Any], **described: str) -> dict[str, Any]:
+    props = {k: (dict(v, description=described[k]) if k in described else v) for k, v in required.items()}
+    return {"type": "object", "additionalProperties": False, "required": list(required), "properties": props}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+_TALLY = _nullable(_obj({"abs_max": _NUM, "elements": _INT, "over_fp16_share": _SHARE, "under_fp16_share": _SHARE,
+                         "flush_fp16_share": _SHARE, "over_bf16_share": _SHARE, "under_bf16_share": _SHARE,
+                         "nan_share": _SHARE},
+                        abs_max="Largest finite |value| seen.",
+                        over_fp16_share="Share of values > 65504 or inf (NaN not included).",
+                        under_fp16_share="Share of nonzero values below fp16's smallest normal, 2**-14.",
+                        flush_fp16_share="Share of nonzero values below fp16's smallest subnormal, 2**-24 "
+                                         "(they flush to 0)."))
+_CULPRIT = _nullable(_obj({"module": _STR, "type": _STR, "what": _STR, "shape": {"type": "array", "items": _INT},
+                           "dtype": _STR, "max_finite_before": _NUM_OR_NULL, "nonfinite": _INT, "nan": _INT,
+                           "inf": _INT, "elements": _INT},
+                          module="Module name in the model ('' is the model itself).",
+                          what="output (forward), grad_output, grad_input or grad_<parameter> (backward).",
+                          max_finite_before="Forward: largest finite |input|; backward: largest finite gradient "
+                                            "produced before it."))
+
+NUMERICS_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "$id": "https://ampkit.invalid/schemas/doctor-numerics-v1.json",
+    "title": "ampkit doctor --numerics",
+    "description": "`ampkit doctor --numerics --json`: value ranges, overflows, lost updates and loss-scale health.",
+    **_obj({
+        "schema_version": {"const": 1},
+        "kind": {"const": "numerics"},
+        "ampkit_version": _STR,
+        "torch": _STR,
+        "subject": _obj({"kind": {"enum": ["script", "task", "loop"]}, "name": _STR,
+                         "argv": {"type": "array", "items": _STR}}),
+        "device": _obj({"device": _STR, "precision": _STR, "param_dtype": _STR, "compute_dtype": _STR}),
+        "steps": _obj({"requested": {"type": "integer", "minimum": 1}, "warmup": _INT, "watched": _INT,
+                       "complete": {"type": "boolean"}}),
+        "census": _obj({
+            "modules": {"type": "array", "items": _obj({
+                "name": _STR, "type": _STR, "calls": _INT, "dtype": {"type": ["string", "null"]},
+                "shape": {"type": ["array", "null"], "items": _INT}, "input": _TALLY, "output": _TALLY, "grad": _TALLY,
+                "grad_unscaled": _TALLY, "created_nonfinite": _INT},
+                grad="Gradients reaching the module's output, as seen (loss-scaled under fp16 presets).",
+                grad_unscaled="The same divided by that step's loss scale: the true gradients (an inf of the scaled "
+                              "gradient is not counted as an overflow here: its true size is unknown).",
+                created_nonfinite="Forwards whose output overflowed or went NaN while its inputs were clean.")},
+            "at_risk": {"type": "array", "description": "Ranked, most severe first.", "items": _obj({
+                "name": _STR, "type": _STR, "reasons": {"type": "array", "items": _STR, "minItems": 1},
+                "overflow": {"type": "boolean"}, "activation_abs_max": _NUM_OR_NULL, "grad_abs_max": _NUM_OR_NULL})},
+            "keep_fp32": {"type": "array", "items": _STR,
+                          "description": "Module names to pass as Accelerator(keep_fp32=...) against the overflows."},
+        }),
+        "localizer": _nullable(_obj({"forward": _CULPRIT, "backward": _CULPRIT, "note": {"type": ["string", "null"]},
+                                     "trigger": _STR, "micro_batch": _INT})),
+        "lost_updates": _nullable(_obj({
+            "steps": _INT, "effective": {"enum": ["param", "master", "compensated"]},
+            "groups": {"type": "array", "items": _obj({
+                "index": _INT, "elements": _INT, "storage_dtype": _STR, "wanted": _INT,
+                "lost_share": _SHARE_OR_NULL, "below_half_ulp_share": _SHARE_OR_NULL},
+                wanted="Element updates the optimizer wanted (nonzero gradient), over the applied steps.",
+                lost_share="Share of those the effective weight did not take at all.",
+                below_half_ulp_share="Share below half an ulp of the weight in its storage dtype.")},
+            "recommendation": {"type": ["string", "null"]},
+        }, effective="What counts as the weight: the parameter, its fp32 master, or bf16 + Kahan compensation.")),
+        "loss_scale": _nullable(_obj({
+            "history": {"type": "array", "items": _NUM}, "skipped": _INT, "applied": _INT, "halvings": _INT,
+            "steps_since_overflow": {"type": ["integer", "null"], "minimum": 0}, "scale": _NUM,
+            "min_scale": _NUM_OR_NULL, "diagnosis": {"type": "string", "minLength": 1}},
+            history="The scale each watched step used.", scale="The scale the last watched step used.")),
+        "findings": {"type": "array", "items": _obj({
+            "id": {"enum": ["forward-overflow", "backward-overflow", "grad-underflow", "lost-updates", "loss-scale"]},
+            "title": {"type": "string", "minLength": 1}, "evidence": {"type": "string", "minLength": 1},
+            "fix": {"type": "string", "minLength": 1}})},
+        "notes": {"type": "array", "items": _STR},
+    }),
+}
+
+
+def validate_numerics(result: Result) -> None:
+    """Raise `jsonschema.ValidationError` if `result` breaks `NUMERICS_SCHEMA` (needs jsonschema)."""
+    import jsonschema
+
+    jsonschema.validate(result, NUMERICS_SCHEMA, cls=jsonschema.Draft202012Validator)
+
+
+# --- the report ---------------------------------------------------------------------------------
+def _name(name: str) -> str:
+    return name or "(the model itself)"
+
+
+def _num(x: float | None) -> str:
+    return "unknown" if x is None else f"{x:.4g}"
+
+
+def _share(x: float | None) -> str:
+    return "—" if x is None else (f"{x:.1%}" if x >= 0.001 or x == 0 else f"{x:.2e}")
+
+
+def _lines(r: Result) -> list[tuple[str, list[str]]]:
+    """(heading, lines) sections shared by the text and HTML forms."""
+    s, d = r["steps"], r["device"]
+    subject = r["subject"]["name"] + (" " + " ".join(r["subject"]["argv"]) if r["subject"]["argv"] else "")
+    head = [f"{s['watched']} steps watched on {d['device']}, {d['precision']} "
+            f"(params {d['param_dtype']}, compute {d['compute_dtype']})"
+            + ("" if s["complete"] else f" — the loop ended before the {s['requested']} asked for")]
+    sections: list[tuple[str, list[str]]] = [(f"ampkit doctor --numerics — {subject}", head)]
+    census = r["census"]
+    risk = [f"{i}. {_name(m['name'])} ({m['type']}): " + "; ".join(m["reasons"])
+            for i, m in enumerate(census["at_risk"], 1)]
+    risk = risk or ["none: every module's values fit fp16's range"]
+    if census["keep_fp32"]:
+        risk.append(f"suggested: Accelerator(..., keep_fp32={census['keep_fp32']!r})")
+    sections.append(("layers at risk", risk))
+    rows = []
+    for m in census["modules"]:
+        act, grad, true = m["output"] or {}, m["grad"] or {}, m["grad_unscaled"] or {}
+        row = (f"{_name(m['name'])[:24]:<24} {m['type'][:12]:<12} act max {_num(act.get('abs_max')):>9} "
+               f"over {_share(act.get('over_fp16_share')):>6} · grad max {_num(true.get('abs_max')):>9} "
+               f"under {_share(true.get('under_fp16_share')):>6}")
+        if grad and grad != true:  # loss-scaled: also what fp16 holds with the scale
+            row += f" (scaled {_share(grad.get('under_fp16_share'))})"
+        rows.append(row)
+    sections.append(("census (fp16: over = > 65504 or inf; under = below 2**-14; grad = true, unscaled)", rows))
+    loc = r["localizer"]
+    if loc is not None:
+        lines = []
+        for phase in ("forward", "backward"):
+            c = loc[phase]
+            if c:
+                lines.append(f"{phase}: {_name(c['module'])} ({c['type']}) {c['what']} {c['shape']} {c['dtype']} — "
+                             f"{c['inf']} inf, {c['nan']} NaN of {c['elements']}; largest finite before it "
+                             f"{_num(c['max_finite_before'])}")
+        if loc["note"]:
+            lines.append(loc["note"])
+        sections.append((f"overflow localizer ({loc['trigger']})", lines))
+    lost = r["lost_updates"]
+    if lost is not None:
+        lines = [f"group {g['index']} ({g['elements']} weights, {g['storage_dtype']}): lost {_share(g['lost_share'])}, "
+                 f"below half an ulp {_share(g['below_half_ulp_share'])}" for g in lost["groups"]]
+        lines.insert(0, f"over {lost['steps']} applied steps; effective weight: {lost['effective']}")
+        if lost["recommendation"]:
+            lines.append(lost["recommendation"])
+        sections.append(("lost updates", lines))
+    scale = r["loss_scale"]
+    if scale is not None:
+        hist = ", ".join(f"{x:g}" for x in scale["history"][:12]) + (" ..." if len(scale["history"]) > 12 else "")
+        since = {None: "no overflow", 0: "the last watched step overflowed"}.get(
+            scale["steps_since_overflow"], f"{scale['steps_since_overflow']} step(s) since the last overflow")
+        sections.append(("loss scale", [f"history: {hist}", f"{scale['skipped']} skipped, {since}",
+                                        scale["diagnosis"]]))
+    findings = [f"{i}. {f['title']}\n     evidence: {f['evidence']}\n     fix: {f['fix']}"
+                for i, f in enumerate(r["findings"], 1)]
+    sections.append(("findings", findings or ["nothing numerically wrong in the watched steps"]))
+    if r["notes"]:
+        sections.append(("notes", r["notes"]))
+    return sections
+
+
+def format_text(r: Result) -> str:
+    """The report as plain text (what `ampkit doctor --numerics` prints)."""
+    out = []
+    for i, (heading, lines) in enumerate(_lines(r)):
+        out.append(heading if i == 0 else f"\n{heading}")
+        out.extend(("  " + line) for line in lines)
+    return "\n".join(out)
+
+
+def render_html_section(r: Result) -> str:
+    """The report as an HTML <section> (every string escaped) for a report page."""
+    parts = ['<section class="ampkit-numerics">']
+    for i, (heading, lines) in enumerate(_lines(r)):
+        parts.append(f"<h{2 if i == 0 else 3}>{html.escape(heading)}</h{2 if i == 0 else 3}>")
+        if lines:
+            parts.append("<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>")
+    parts.append("</section>")
+    return "\n".join(parts)
