@@ -138,6 +138,7 @@ class CompensatedWeights:
                 comp.copy_(initial - param.to(torch.float32))
         self._work = _Flat(self._params, torch.float32)  # fp32 weights during the step
         self._grad = _Flat(self._params, torch.float32)  # fp32 gradients during the step
+        self._round = _Flat(self._params, self._comp.buffer.dtype)  # the updated weights, rounded
         self._state: dict[str, _StateBuffers] = {}  # per-element optimizer state, by key
         self._state_count = -1  # len(optimizer.state) when the state buffers were last built
         self._kept: list[int] = []
@@ -157,11 +158,10 @@ class CompensatedWeights:
         work = self._work.views if every else [self._work.views[i] for i in kept]
         grad_views = self._grad.views if every else [self._grad.views[i] for i in kept]
         params = self._params if every else [self._params[i] for i in kept]
-        comp = self.compensation if every else [self.compensation[i] for i in kept]
         if grads:
             with torch.no_grad():
                 torch._foreach_copy_(work, params)
-                torch._foreach_add_(work, comp)
+                self._work.buffer.add_(self._comp.buffer)  # flat: unfilled entries are unused garbage
                 torch._foreach_copy_(grad_views, grads)
         for i in kept:
             shadow = self._shadows[i]
@@ -177,15 +177,19 @@ class CompensatedWeights:
         if not kept:
             return
         every = len(kept) == len(self._params)
-        work = self._work.views if every else [self._work.views[i] for i in kept]
-        params = self._params if every else [self._params[i] for i in kept]
+        self._round.alloc()
         with torch.no_grad():
-            torch._foreach_copy_(params, work)
-            torch._foreach_sub_(work, params)
+            # Round flat, copy same-dtype per tensor, and keep what rounding lost (flat again): the
+            # mixed-dtype arithmetic runs on whole buffers, never tensor by tensor.
+            self._round.buffer.copy_(self._work.buffer)
+            rounded = self._round.views if every else [self._round.views[i] for i in kept]
+            torch._foreach_copy_(self._params if every else [self._params[i] for i in kept], rounded)
+            self._work.buffer.sub_(self._round.buffer)
             if every:
                 self._comp.buffer.copy_(self._work.buffer)
             else:
-                torch._foreach_copy_([self.compensation[i] for i in kept], work)
+                torch._foreach_copy_([self.compensation[i] for i in kept], [self._work.views[i] for i in kept])
+        self._round.free()
         if len(self.optimizer.state) != self._state_count:
             self._build_state()  # the optimizer created state (its first step, or a new parameter's)
         else:
@@ -200,6 +204,7 @@ class CompensatedWeights:
         self._kept = []
         self._work.free()
         self._grad.free()
+        self._round.free()
         for buffers in self._state.values():
             if buffers.active:  # a step unscaled the gradients but did not run: the state is unchanged
                 buffers.to_low(self.optimizer.state, copy=False)
