@@ -17,9 +17,11 @@ from torch import nn
 from torch.nn import functional as F
 
 import ampkit
+import ampkit.doctor
 from ampkit.cli import main
 from ampkit.doctor import NUMERICS_SCHEMA, NumericsSession, numerics, validate_numerics
 from ampkit.doctor.lost_updates import half_ulp
+from ampkit.doctor.sync import SyncWatcher
 from ampkit.doctor.numerics_report import format_text, render_html_section
 
 from conftest import assert_bitwise_equal, make_model
@@ -209,6 +211,22 @@ def test_the_doctor_leaves_the_training_trajectory_bitwise_unchanged(precision):
     assert torch.equal(rng_without, rng_with)
 
 
+def test_the_hooks_read_no_tensor_inside_a_step(monkeypatch):
+    """Every tally stays on the device until the end: on a GPU the watched steps would not wait."""
+    monkeypatch.setattr("ampkit.doctor.sync._DOCTOR_DIR", "/nowhere/")  # the watcher normally skips the doctor's reads
+    acc, model, optimizer = prepared("fp16-mixed", make_model(), opt=lambda p, lr: torch.optim.AdamW(p, lr, fused=True))
+    session = NumericsSession(acc, steps=100)
+    watcher = SyncWatcher(torch.device("cpu"))
+    watcher.install()
+    try:
+        watcher.active = True
+        train(acc, model, optimizer, batches(3))
+    finally:
+        watcher.uninstall()
+    assert [s for s in watcher.sites if "doctor/" in (s.via or "")] == []
+    assert session.finish()["steps"]["watched"] == 3  # the reads happen here, once
+
+
 # ----- API and CLI ------------------------------------------------------------------------------
 def test_numerics_api_prints_the_report_and_works_as_a_context_manager(capsys):
     acc, model, optimizer = prepared("fp32", make_model())
@@ -220,6 +238,10 @@ def test_numerics_api_prints_the_report_and_works_as_a_context_manager(capsys):
     assert "ampkit doctor --numerics — training loop" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"steps=0: expected an integer >= 1"):
         numerics(acc, steps=0)
+    compiled = ampkit.Accelerator("fp32", device="cpu", compile=True)
+    with pytest.raises(ampkit.doctor.DoctorError, match=r"diagnose with Accelerator\(compile=False"):
+        numerics(compiled)
+    assert compiled._recorder is None
 
 
 def test_cli_numerics_task_json_validates(capsys):

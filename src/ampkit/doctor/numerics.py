@@ -74,6 +74,10 @@ class NumericsSession:
         if not isinstance(acc, Accelerator):
             raise TypeError(f"the numerics doctor watches an ampkit.Accelerator; got {type(acc).__name__}")
         _check_counts(steps, warmup)
+        if getattr(acc, "_compile", None) is not None:
+            raise DoctorError("the numerics doctor hooks every module, which a compiled forward would trace into its "
+                              "graph (recompiling it, with other kernels): diagnose with Accelerator(compile=False, "
+                              "cuda_graphs=False)")
         if acc.strategy == "fsdp":
             raise DoctorError("the numerics doctor does not watch strategy='fsdp' (sharded parameters have no "
                               "per-module values on one rank); run it without FSDP on a smaller model")
