@@ -172,12 +172,14 @@ class NumericsSession:
     def step(self) -> None:
         """End of an optimizer step: count it, replay it if it was skipped, finish after the last one."""
         self.seen_steps += 1
-        if self._census is not None and self.result is None:
-            self._watch_step()
-        elif self._census is None and self.result is None and self.seen_steps >= self.warmup:
-            self._open()
-        if self._inner is not None:
-            self._inner.step()
+        try:
+            if self._census is not None and self.result is None:
+                self._watch_step()
+            elif self._census is None and self.result is None and self.seen_steps >= self.warmup:
+                self._open()
+        finally:  # an inner recorder sees every step, the one that ends the watch (StopTraining) included
+            if self._inner is not None:
+                self._inner.step()
 
     def _watch_step(self) -> None:
         self.watched_steps += 1
@@ -242,7 +244,11 @@ class NumericsSession:
                 index = next(i for i, m in enumerate(models) if m is capture.model)
                 prefix = "" if len(models) == 1 else f"model{index}:"
                 names = {module: prefix + name for name, module in capture.model.named_modules()}
-                found = replay(capture, names, self.acc.device)
+                try:
+                    found = replay(capture, names, self.acc.device)
+                except Exception as exc:  # a diagnosis must not end the training it watches
+                    found = {"forward": None, "backward": None,
+                             "note": f"the replay failed ({type(exc).__name__}: {exc}); training was not affected"}
                 found.update({"trigger": trigger, "micro_batch": i})
                 if found["forward"] or found["backward"]:
                     break
