@@ -163,13 +163,13 @@ def instrument(clock: PhaseClock) -> Iterator[PhaseClock]:
             it = _TimedBatches(it, clock)
         return on_device(self, it)
 
-    def timed_move(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    def timed_move(obj: Any, device: torch.device, *args: Any, **kwargs: Any) -> Any:
         if clock._h2d_depth:  # the recursive calls for nested batches: timed by the outermost
-            return move(obj, device, non_blocking)
+            return move(obj, device, *args, **kwargs)
         clock._h2d_depth += 1
         start = time.perf_counter()
         try:
-            return move(obj, device, non_blocking)
+            return move(obj, device, *args, **kwargs)
         finally:
             clock._h2d_depth -= 1
             clock.add("h2d", time.perf_counter() - start)
