@@ -128,6 +128,45 @@ def test_loss_scale_collapse_carries_the_diagnosis():
     assert no_hooks_left(model) and acc._recorder is None
 
 
+# ----- a non-finite loss without loss scaling --------------------------------------------------
+class Blowup(nn.Module):
+    """Multiplies what exceeds 50 by 1e37: inf even in fp32 (whose largest value is 3.4e38)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.where(x.abs() > 50, 1e37, 1.0)  # not where(.., x * 1e37, x): the backward would be 0 * inf
+
+
+def spiked(data: list, at: int) -> list:
+    """Batch `at` scaled by 1000, so that fc1's outputs pass Blowup's threshold there (only there)."""
+    return [(x * 1000 if i == at else x, y) for i, (x, y) in enumerate(data)]
+
+
+def test_a_nonfinite_loss_without_loss_scaling_is_replayed_on_the_weights_before_its_step():
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("fc1", nn.Linear(8, 16))
+    model.add_module("blowup", Blowup())
+    model.add_module("norm", nn.LayerNorm(16))
+    model.add_module("fc2", nn.Linear(16, 4))
+    acc, model, optimizer = prepared("fp32", model)
+    session = NumericsSession(acc, steps=4)
+    losses = torch.stack(train(acc, model, optimizer, spiked(batches(4), at=2))).tolist()
+    assert math.isfinite(losses[1]) and math.isnan(losses[2])  # step 3 went NaN; its update made the weights NaN
+    assert math.isnan(model.fc1.weight.detach().sum().item())
+    result = session.result
+    validate_numerics(result)
+    localizer = result["localizer"]
+    assert localizer["trigger"] == "step 3 of the watched steps had an inf/NaN loss"
+    culprit = localizer["forward"]
+    # On the (NaN) weights after the step fc1 would be named; on the weights the step ran with, Blowup is.
+    assert culprit["module"] == "blowup" and culprit["dtype"] == "float32" and culprit["inf"] > 0
+    assert math.isfinite(culprit["max_finite_before"]) and culprit["max_finite_before"] > 50
+    assert result["loss_scale"] is None
+    finding = result["findings"][0]
+    assert finding["id"] == "forward-overflow" and finding["fix"].startswith("not the precision")
+    assert no_hooks_left(model) and acc._recorder is None
+
+
 # ----- gradient underflow ------------------------------------------------------------------------
 def test_tiny_gradients_underflow_without_loss_scaling_and_not_with_it():
     acc, model, optimizer = prepared("fp16-mixed", make_model(width=16))
@@ -182,10 +221,13 @@ def test_half_ulp_matches_the_dtype_spacing():
 
 
 # ----- side-effect free --------------------------------------------------------------------------
-def _trajectory(precision: str, doctor: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Ten steps of a model with BatchNorm and dropout (buffers and RNG a replay would disturb)."""
+def _trajectory(precision: str, doctor: bool, spike: int | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Ten steps of a model with BatchNorm and dropout (buffers and RNG a replay would disturb).
+
+    `spike`: the loss goes NaN at that step (Blowup), and with it every weight after it."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.3), nn.GELU(), nn.Linear(16, 4))
+    blowup = [Blowup()] if spike is not None else []
+    model = nn.Sequential(nn.Linear(8, 16), *blowup, nn.BatchNorm1d(16), nn.Dropout(0.3), nn.GELU(), nn.Linear(16, 4))
     kwargs = {"scaler": ampkit.LossScaler(init_scale=2.0**22, max_scale=None)} if precision == "fp16-mixed" else {}
     acc, model, optimizer = prepared(precision, model, **kwargs)
     session = NumericsSession(acc, steps=6, warmup=2) if doctor else None
@@ -194,19 +236,28 @@ def _trajectory(precision: str, doctor: bool) -> tuple[list[torch.Tensor], torch
         torch.rand(3)  # the loop draws random numbers of its own between steps: the replay must restore them
         if session is not None and i == 4:
             assert session.localize() is not None  # a replay in the middle of the run
-    train(acc, model, optimizer, batches(10), between=on_demand)
+    data = spiked(batches(10), spike) if spike is not None else batches(10)
+    train(acc, model, optimizer, data, between=on_demand)
     if session is not None:
         assert session.result is not None and no_hooks_left(model)
         if precision == "fp16-mixed":
             assert session.result["loss_scale"]["skipped"] > 0 and session.result["localizer"]["trigger"] != "on demand"
+        if spike is not None:  # replayed on the weights before the step, the current (NaN) ones put back
+            assert session.result["localizer"]["forward"]["module"] == "1"
     state = [*model.parameters(), *model.buffers()]
-    return [t.detach().clone() for t in state], torch.get_rng_state()
+    return [_bits(t.detach().clone()) for t in state], torch.get_rng_state()
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16-mixed"])
-def test_the_doctor_leaves_the_training_trajectory_bitwise_unchanged(precision):
-    without, rng_without = _trajectory(precision, doctor=False)
-    with_doctor, rng_with = _trajectory(precision, doctor=True)
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit pattern: NaN != NaN, but the same NaN has the same bits."""
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+@pytest.mark.parametrize(("precision", "spike"), [("fp32", None), ("fp16-mixed", None), ("fp32", 3)],
+                         ids=["fp32", "fp16-mixed", "fp32-nan-loss"])
+def test_the_doctor_leaves_the_training_trajectory_bitwise_unchanged(precision, spike):
+    without, rng_without = _trajectory(precision, doctor=False, spike=spike)
+    with_doctor, rng_with = _trajectory(precision, doctor=True, spike=spike)
     assert_bitwise_equal(without, with_doctor)
     assert torch.equal(rng_without, rng_with)
 

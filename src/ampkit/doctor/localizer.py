@@ -12,7 +12,10 @@ without knowing the user's loss function:
 `torch.autograd.grad` returns the gradients instead of accumulating them into `.grad`, and the
 replay puts back the RNG state and every buffer (BatchNorm running statistics) it touched, so the
 training run is bitwise unaffected. The replay is exact for a step that was skipped (its weights did
-not change); on demand it uses the current weights.
+not change). A step that was applied (a non-finite loss without loss scaling: nothing skips it) has
+already changed the weights when the doctor learns of it, so the keeper can also hold each step's
+weights as they were before it (`keep_weights`); the replay runs on those and puts the current ones
+back. On demand it uses the current weights.
 
 "First" in the forward is execution order: a forward hook fires when its module returns, so an
 inner module fires before the container holding it. In the backward it is the order gradients are
@@ -59,11 +62,15 @@ def _set_rng_state(cpu: torch.Tensor, cuda: tuple[int, torch.Tensor] | None) -> 
 class BatchKeeper:
     """Keeps the forwards of the current optimizer step of each model (see the module docstring)."""
 
-    def __init__(self, models: list[nn.Module], device: torch.device) -> None:
+    def __init__(self, models: list[nn.Module], device: torch.device, keep_weights: bool = False) -> None:
         self.device = device
         self.enabled = True  # off during a replay
         self.captures: list[Capture] = []  # the forwards of the step in progress
         self.previous: list[Capture] = []  # those of the last finished step (for an on-demand replay)
+        self.keep_weights = keep_weights
+        # Each model's parameters before the step in progress (`keep_weights`): one device-side copy of
+        # the model per watched step, taken at the model's first forward of the step.
+        self.weights: dict[nn.Module, list[tuple[nn.Parameter, torch.Tensor]]] = {}
         self._handles: list[Any] = []
         for model in models:
             self._handles.append(model.register_forward_pre_hook(self._before, with_kwargs=True))
@@ -76,16 +83,20 @@ class BatchKeeper:
         self._handles.clear()
         self.captures = []
         self.previous = []
+        self.weights = {}
 
     def new_step(self) -> None:
         """Start keeping a new step's forwards (called after each optimizer step); drop the older step's."""
         self.previous, self.captures = self.captures, []
+        self.weights = {}
 
     def _before(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not self.enabled or not torch.is_grad_enabled():
             return  # an evaluation forward has no backward to replay
         cpu, cuda = _rng_state(self.device)
         self.captures.append(Capture(model, args, dict(kwargs), cpu, cuda))
+        if self.keep_weights and model not in self.weights:  # micro-batches of a step share its weights
+            self.weights[model] = [(p, p.detach().clone()) for p in model.parameters()]
 
     def _after(self, model: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if not self.enabled or not self.captures or self.captures[-1].model is not model:
@@ -123,10 +134,13 @@ def _stats(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts, absmax
 
 
-def replay(capture: Capture, names: dict[nn.Module, str], device: torch.device) -> dict[str, Any]:
+def replay(capture: Capture, names: dict[nn.Module, str], device: torch.device,
+           weights: list[tuple[nn.Parameter, torch.Tensor]] | None = None) -> dict[str, Any]:
     """Rerun `capture`'s forward and backward with hooks; return where values first went inf/NaN.
 
-    `names` maps each module of the model to its name. Returns {"forward": culprit|None,
+    `names` maps each module of the model to its name; `weights` ((parameter, value before the
+    step) pairs, from `BatchKeeper.weights`) replays an applied step on the weights it ran with,
+    putting the current ones back afterwards. Returns {"forward": culprit|None,
     "backward": culprit|None, "note": str|None}; a culprit is {"module", "type", "what", "shape",
     "dtype", "max_finite_before", "nonfinite", "nan", "inf", "elements"}.
     """
@@ -162,8 +176,12 @@ def replay(capture: Capture, names: dict[nn.Module, str], device: torch.device) 
                 handles.append(param.register_hook(on_grad(name, type(module).__name__, f"grad_{pname}")))
     saved_rng = _rng_state(device)
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    current = [(p, p.detach().clone()) for p, _ in weights or ()]
     note = None
     try:
+        with torch.no_grad():
+            for param, before in weights or ():
+                param.copy_(before)
         _set_rng_state(capture.rng_cpu, capture.rng_cuda)
         with torch.enable_grad():
             output = model(*capture.args, **capture.kwargs)
@@ -178,8 +196,8 @@ def replay(capture: Capture, names: dict[nn.Module, str], device: torch.device) 
         for handle in handles:
             handle.remove()
         with torch.no_grad():
-            for buf, value in buffers:
-                buf.copy_(value)
+            for tensor, value in buffers + current:
+                tensor.copy_(value)
         _set_rng_state(*saved_rng)
     return _first_nonfinite(events, note)
 

@@ -13,15 +13,18 @@ From Python, on a loop you already have (training goes on; the report prints whe
 `steps` optimizer steps with four instruments, then takes every hook off:
 
 * the range census (`census`): per-module value ranges against fp16's and bf16's limits;
-* the overflow localizer (`localizer`): on the first skipped step, an exact replay of its batch
-  that names the first module whose output or gradient became inf/NaN;
+* the overflow localizer (`localizer`): on the first skipped step (or, without loss scaling, the
+  first step whose loss was inf/NaN), an exact replay of its batch that names the first module
+  whose output or gradient became inf/NaN;
 * the lost-update detector (`lost_updates`): updates too small for the weights' storage dtype;
 * loss-scale health: the scale history, skipped steps and the steps since the last overflow.
 
 It changes no weight, buffer, gradient or random stream: a run with the doctor is bitwise the run
-without it. It does read each step's overflow flag as the step ends (one host<->device sync per
-watched step under loss scaling), so the batch of a skipped step is replayed before the next update
-changes the weights; that is why it watches a handful of steps, not a whole run.
+without it. It does read one flag per watched step as the step ends (one host<->device sync): the
+scaler's overflow flag under loss scaling, else its own "the loss was inf/NaN" flag, kept on the
+device as `acc.backward` receives each loss. So the batch of a troubled step is replayed before the
+next update; that is why it watches a handful of steps, not a whole run. (Under loss scaling a
+non-finite loss makes every gradient non-finite and the step is skipped: the overflow flag covers it.)
 
 If the loss scale collapses while it watches, the `LossScaleCollapse` raised carries its diagnosis.
 """
@@ -95,7 +98,8 @@ class NumericsSession:
         self._keeper: BatchKeeper | None = None
         self._lost: LostUpdateDetector | None = None
         self._localized: Result | None = None
-        self._first_skip: int | None = None
+        self._replayed = False  # the first troubled step (skipped, or a non-finite loss) has been replayed
+        self._loss_bad: torch.Tensor | None = None  # the step's losses so far: any inf/NaN? (no loss scaling)
         self._attached = False
         self._attach()
 
@@ -128,7 +132,9 @@ class NumericsSession:
         scaler = self.acc.scaler
         current_scale = (lambda: scaler.scale_tensor) if scaler is not None else None
         self._census = RangeCensus(models, self.acc.device, current_scale)
-        self._keeper = BatchKeeper(models, self.acc.device)
+        # Without loss scaling nothing skips a step whose loss went inf/NaN: the update is applied
+        # before the doctor can know, so the replay needs the weights from before each step.
+        self._keeper = BatchKeeper(models, self.acc.device, keep_weights=scaler is None)
         if self.acc._optimizers:
             self._lost = LostUpdateDetector(self.acc._optimizers[0])
             for model in models:  # the weights before each step: taken at the step's first forward
@@ -166,6 +172,11 @@ class NumericsSession:
         return self._inner.outcomes if self._inner is not None else self._outcomes
 
     def loss(self, loss: torch.Tensor) -> None:
+        """Each loss passed to `acc.backward`: without loss scaling, flag an inf/NaN one (on the device)."""
+        keeper = self._keeper
+        if keeper is not None and keeper.keep_weights and keeper.enabled and self.result is None:
+            bad = torch.isfinite(loss.detach()).all().logical_not()
+            self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
         if self._inner is not None:
             self._inner.loss(loss)
 
@@ -189,11 +200,19 @@ class NumericsSession:
             self._on_collapse(exc)
         opt = self.acc._optimizers[0] if self.acc._optimizers else None
         skipped = opt is not None and opt.latest_outcome() is False
+        nonfinite_loss = False
+        if self._loss_bad is not None:
+            # sync: the doctor's own, once per watched step and only without loss scaling (where the
+            # overflow flag above is the read): an inf/NaN loss is replayed before the next update
+            nonfinite_loss = bool(self._loss_bad)
+            self._loss_bad = None
         if self._lost is not None:
             self._lost.measure(applied=not skipped)
-        if skipped and self._first_skip is None:
-            self._first_skip = self.watched_steps
-            self._localized = self._replay(f"step {self.watched_steps} of the watched steps was skipped (overflow)")
+        if not self._replayed and (skipped or nonfinite_loss):
+            self._replayed = True
+            what = "was skipped (overflow)" if skipped else "had an inf/NaN loss"
+            self._localized = self._replay(f"step {self.watched_steps} of the watched steps {what}",
+                                           applied=not skipped)
         assert self._keeper is not None
         self._keeper.new_step()
         if self.watched_steps >= self.steps:
@@ -216,7 +235,7 @@ class NumericsSession:
     def _on_collapse(self, exc: LossScaleCollapse) -> None:
         """The scale collapsed while the doctor watched: raise the same error with the doctor's diagnosis."""
         if self._localized is None and self._keeper is not None and self._keeper.captures:
-            self._first_skip = self._first_skip or self.watched_steps
+            self._replayed = True
             self._localized = self._replay("the loss scale collapsed")
         try:
             result = self.finish()
@@ -225,7 +244,8 @@ class NumericsSession:
         raise LossScaleCollapse(f"{exc}\n\nampkit doctor --numerics: {result['loss_scale']['diagnosis']}") from exc
 
     # --- the localizer ------------------------------------------------------------------------
-    def _replay(self, trigger: str, on_demand: bool = False) -> Result | None:
+    def _replay(self, trigger: str, on_demand: bool = False, applied: bool = False) -> Result | None:
+        """Replay the held batch of the step; `applied`: on the weights from before it (it changed them)."""
         keeper, census = self._keeper, self._census
         if keeper is None:
             return None
@@ -244,8 +264,9 @@ class NumericsSession:
                 index = next(i for i, m in enumerate(models) if m is capture.model)
                 prefix = "" if len(models) == 1 else f"model{index}:"
                 names = {module: prefix + name for name, module in capture.model.named_modules()}
+                weights = keeper.weights.get(capture.model) if applied else None
                 try:
-                    found = replay(capture, names, self.acc.device)
+                    found = replay(capture, names, self.acc.device, weights)
                 except Exception as exc:  # a diagnosis must not end the training it watches
                     found = {"forward": None, "backward": None,
                              "note": f"the replay failed ({type(exc).__name__}: {exc}); training was not affected"}
@@ -406,14 +427,22 @@ def _findings(r: Result) -> list[Result]:
     if loc and (loc.get("forward") or loc.get("backward")):
         c = loc["forward"] or loc["backward"]
         phase = "forward" if loc["forward"] else "backward"
+        if c["dtype"] == "float16":
+            fix = (f"keep_fp32={keep!r}" if keep else
+                   "keep that layer in fp32 (keep_fp32=[...]) or use bf16" if phase == "forward" else
+                   "none while it stops: the true gradients fit fp16, so the scale backs off until it fits")
+        else:  # bf16 and fp32 share fp32's range (3.4e38): no wider dtype holds what this layer made
+            fix = (f"not the precision: {c['dtype']} already has fp32's range, so the layer itself makes the inf/NaN "
+                   f"(a log, sqrt or division of a bad value, a huge constant, or weights that diverged); "
+                   f"fix the layer or lower the learning rate"
+                   + (" (keep_fp32 helps only where bf16's rounding made a 0 that the layer then divides by "
+                      "or takes the log of)" if c["dtype"] == "bfloat16" else ""))
         out.append({"id": f"{phase}-overflow",
-                    "title": f"{_name(c['module'])} ({c['type']}) is the first to overflow, in the {phase}",
+                    "title": f"{_name(c['module'])} ({c['type']}) is the first to go inf/NaN, in the {phase}",
                     "evidence": (f"{c['what']} {c['shape']} {c['dtype']}: {c['inf']} inf and {c['nan']} NaN of "
                                  f"{c['elements']}; largest finite value before it {_num(c['max_finite_before'])} "
-                                 f"(replay of the skipped step's batch: {loc['trigger']})"),
-                    "fix": (f"keep_fp32={keep!r}" if keep else
-                            "keep that layer in fp32 (keep_fp32=[...]) or use bf16" if phase == "forward" else
-                            "none while it stops: the true gradients fit fp16, so the scale backs off until it fits")})
+                                 f"(replay of that step's batch: {loc['trigger']})"),
+                    "fix": fix})
     overflow = [m for m in census["at_risk"] if m["overflow"]]
     if overflow and not out:
         m = overflow[0]
