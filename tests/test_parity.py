@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -92,3 +94,25 @@ def test_low_precision_presets_store_weights_as_their_table_says(precision, para
     norm_dtype = torch.float32 if precision.endswith("-master") else param_dtype
     assert model[1].weight.dtype == norm_dtype
     assert acc.unwrap(model) is model
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-master"])
+def test_low_precision_presets_train_a_transformer_fed_fp32_inputs(precision):
+    """A residual add outside autocast's op list used to meet LayerNorm's bf16 weights with fp32
+    data on a CPU ("mixed dtype"): fp32 inputs are now cast at the model's boundary."""
+    torch.manual_seed(0)
+    model = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    acc = ampkit.Accelerator(precision, device="cpu")
+    model, opt = acc.prepare(model, opt)
+    x = torch.randn(4, 6, 16)
+    losses = []
+    for _ in range(3):
+        out = model(x)
+        assert out.dtype == torch.float32  # outputs leave the model in fp32, as with every preset
+        loss = out.pow(2).mean()
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert all(map(math.isfinite, losses)) and losses[-1] < losses[0]

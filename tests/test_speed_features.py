@@ -72,6 +72,24 @@ def test_a_failing_compiler_falls_back_to_eager_with_one_warning_and_equal_resul
     assert_bitwise_equal([p.detach() for p in model.parameters()], [p.detach() for p in eager_model.parameters()])
 
 
+def test_every_model_compiled_in_one_process_gets_its_own_graph():
+    """Dynamo keeps at most 8 graphs per function; each prepared forward must be its own function,
+    or the ninth model would silently run eagerly (benchmarks compile many models in one process)."""
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    for i in range(11):
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+        acc = ampkit.Accelerator("fp32", device="cpu", compile={"backend": counting_backend})
+        model = acc.prepare(model)
+        for _ in range(2):
+            model(torch.randn(2, 4))
+    assert len(graphs) == 11
+
+
 def test_no_cxx_compiler_warns_at_construction_and_runs_eagerly(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.warns(UserWarning, match=r"needs a C\+\+ compiler and none was found"):

@@ -169,6 +169,7 @@ class Accelerator:
             )
         self.scaler = (scaler or LossScaler()).to(self.device) if self.policy.loss_scaling else None
         self._compile = self._compile_setup(compile, cuda_graphs)
+        self._cuda_graphs = cuda_graphs and self._compile is not None
         self.compile_stats = CompileStats()
         if not isinstance(channels_last, bool):
             raise TypeError(f"channels_last={channels_last!r}: expected True or False")

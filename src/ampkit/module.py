@@ -25,32 +25,48 @@ class PolicyForward:
     A class rather than a closure so a prepared model stays picklable and deep-copyable.
     """
 
-    def __init__(self, forward: Any, device_type: str, dtype: torch.dtype, fp32: bool) -> None:
+    def __init__(self, forward: Any, device_type: str, dtype: torch.dtype, fp32: bool, cast_inputs: bool = False) -> None:
         self.forward = forward
         self.device_type = device_type
         self.dtype = dtype
         self.fp32 = fp32  # True: a kept-fp32 layer inside an autocast model
+        # True for presets that store parameters in `dtype`: fp32 inputs are cast to it at the model's
+        # boundary (as apex O2 and Lightning's bf16-true do), so that ops autocast leaves alone (a
+        # residual add, then LayerNorm with bf16 weights on a CPU) never meet fp32 data and bf16 weights.
+        self.cast_inputs = cast_inputs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.fp32:
             with torch.autocast(self.device_type, enabled=False):
                 return self.forward(*_to_fp32(args), **_to_fp32(kwargs))
+        if self.cast_inputs:
+            args, kwargs = _cast_fp32(args, self.dtype), _cast_fp32(kwargs, self.dtype)
         with torch.autocast(self.device_type, dtype=self.dtype):
             out = self.forward(*args, **kwargs)
         return _to_fp32(out)
 
 
-def _to_fp32(obj: Any) -> Any:
-    """`obj` with every bf16/fp16 tensor inside it (tuples, lists, dicts) cast to fp32."""
+def _cast(obj: Any, sources: tuple[torch.dtype, ...], target: torch.dtype) -> Any:
+    """`obj` with every tensor of a `sources` dtype inside it (tuples, lists, dicts) cast to `target`."""
     if isinstance(obj, torch.Tensor):
-        return obj.float() if obj.dtype in (torch.float16, torch.bfloat16) else obj
+        return obj.to(target) if obj.dtype in sources else obj
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_to_fp32(v) for v in obj))
+        return type(obj)(*(_cast(v, sources, target) for v in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_fp32(v) for v in obj)
+        return type(obj)(_cast(v, sources, target) for v in obj)
     if isinstance(obj, Mapping):
-        return type(obj)({k: _to_fp32(v) for k, v in obj.items()})  # type: ignore[call-arg]
+        return type(obj)({k: _cast(v, sources, target) for k, v in obj.items()})  # type: ignore[call-arg]
     return obj
+
+
+def _to_fp32(obj: Any) -> Any:
+    """`obj` with every bf16/fp16 tensor inside it cast to fp32."""
+    return _cast(obj, (torch.float16, torch.bfloat16), torch.float32)
+
+
+def _cast_fp32(obj: Any, dtype: torch.dtype) -> Any:
+    """`obj` with every fp32 tensor inside it cast to `dtype`."""
+    return _cast(obj, (torch.float32,), dtype)
 
 
 def is_prepared(model: nn.Module) -> bool:
@@ -115,7 +131,8 @@ def prepare_module(
                     if buf.is_floating_point():
                         setattr(module, name, buf.to(policy.param_dtype))
     if policy.autocast:
-        model.forward = PolicyForward(model.forward, device.type, policy.compute_dtype, fp32=False)
+        model.forward = PolicyForward(model.forward, device.type, policy.compute_dtype, fp32=False,
+                                      cast_inputs=policy.low_precision_params)
         for root in roots:
             if root is not model:
                 root.forward = PolicyForward(root.forward, device.type, policy.compute_dtype, fp32=True)

@@ -389,6 +389,9 @@ class AmpOptimizer(torch.optim.Optimizer):
             self._weights.release()
         self._stage = Stage.STEPPED
         self.attempted_steps += 1
+        if self._acc._cuda_graphs:
+            # The step is over: the next forward may reuse the graphs' output memory (CUDA graph trees).
+            torch.compiler.cudagraph_mark_step_begin()
         recorder = self._acc._recorder
         if recorder is not None and self is self._acc._optimizers[0]:
             recorder.step()
