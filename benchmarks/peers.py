@@ -39,6 +39,7 @@ import fnmatch
 import inspect
 import json
 import math
+import os
 import re
 import statistics
 import subprocess
@@ -124,7 +125,7 @@ def models(scale: str) -> dict[str, Model]:
     d, h, b = SIZES[scale]["mlp"]
     dm, layers, seq, tb = SIZES[scale]["transformer"]
     ch, hw, cb, width = SIZES[scale]["cnn"]
-    rounds = 8 if scale == "full" else 12
+    rounds = 8 if scale == "full" else 16
     return {
         "iris": Model(
             "iris", "iris-size MLP 4→64→3, batch 16 (overhead-bound)",
@@ -753,7 +754,8 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"--models {args.models!r}: unknown {unknown}; choose from {', '.join(catalogue)}")
     variants = select(args)
-    command = " ".join(["python", "benchmarks/peers.py", *(argv if argv is not None else sys.argv[1:])])
+    env = [f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS",) if k in os.environ]
+    command = " ".join([*env, "python", "benchmarks/peers.py", *(argv if argv is not None else sys.argv[1:])])
     flags = cpu_flags()
     header = {
         "date": datetime.date.today().isoformat(),
