@@ -41,6 +41,7 @@ import json
 import math
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -755,7 +756,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--models {args.models!r}: unknown {unknown}; choose from {', '.join(catalogue)}")
     variants = select(args)
     env = [f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS",) if k in os.environ]
-    command = " ".join([*env, "python", "benchmarks/peers.py", *(argv if argv is not None else sys.argv[1:])])
+    shown = [a for a in (argv if argv is not None else sys.argv[1:])]
+    if "--note" in shown:  # the note is printed on its own line
+        i = shown.index("--note")
+        shown[i + 1 : i + 2] = ["..."]
+    command = " ".join([*env, "python", "benchmarks/peers.py", shlex.join(shown)])
     flags = cpu_flags()
     header = {
         "date": datetime.date.today().isoformat(),
