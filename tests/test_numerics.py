@@ -21,6 +21,7 @@ import ampkit.doctor
 from ampkit.cli import main
 from ampkit.doctor import NUMERICS_SCHEMA, NumericsSession, numerics, validate_numerics
 from ampkit.doctor.lost_updates import half_ulp
+from ampkit.doctor.numerics import summarize
 from ampkit.doctor.sync import SyncWatcher
 from ampkit.doctor.numerics_report import format_text, render_html_section
 
@@ -110,6 +111,7 @@ def test_planted_overflow_is_localized_ranked_first_and_keep_fp32_fixes_it():
     assert result["loss_scale"]["skipped"] == 3 and "'boom'" in result["loss_scale"]["diagnosis"]
     assert result["findings"][0]["id"] == "forward-overflow"
     assert "boom" in format_text(result) and "<section" in render_html_section(result)
+    assert summarize(result)["problem"] == "boom (Boom) is the first to go inf/NaN, in the forward: keep_fp32=['boom', 'norm']"
 
     # The suggested keep_fp32 makes the same run stable: no step skipped, the loss finite.
     acc2, model2, optimizer2 = prepared("fp16-mixed", planted_model(), keep_fp32=census["keep_fp32"])
@@ -164,6 +166,7 @@ def test_a_nonfinite_loss_without_loss_scaling_is_replayed_on_the_weights_before
     assert result["loss_scale"] is None
     finding = result["findings"][0]
     assert finding["id"] == "forward-overflow" and finding["fix"].startswith("not the precision")
+    assert summarize(result)["problem"] == "blowup (Blowup) is the first to go inf/NaN, in the forward"
     assert no_hooks_left(model) and acc._recorder is None
 
 
@@ -179,6 +182,7 @@ def test_tiny_gradients_underflow_without_loss_scaling_and_not_with_it():
     assert hidden["grad_unscaled"]["abs_max"] < 1e-4
     assert any(f["id"] == "grad-underflow" for f in session.result["findings"])
     assert session.result["census"]["keep_fp32"] == []  # loss scaling, not fp32, is the fix for underflow
+    assert summarize(session.result)["problem"] is None  # fp16-mixed scales them: not a problem of this run
 
 
 # ----- lost updates ------------------------------------------------------------------------------
@@ -196,6 +200,7 @@ def test_bf16_without_compensation_loses_small_updates_and_bf16_true_keeps_them(
     assert group["lost_share"] > 0.5 and group["below_half_ulp_share"] > 0.5
     assert "bf16-master" in lost["recommendation"] and "bf16-true" in lost["recommendation"]
     assert any(f["id"] == "lost-updates" and "bf16-true" in f["fix"] for f in session.result["findings"])
+    assert summarize(session.result)["problem"].endswith("lost to rounding: use bf16-master or bf16-true")
 
     for preset, effective in (("bf16-true", "compensated"), ("bf16-master", "master")):
         acc, model, optimizer = prepared(preset, make_model(width=16), lr=1e-4, opt=torch.optim.Adam)
@@ -211,6 +216,7 @@ def test_bf16_without_compensation_loses_small_updates_and_bf16_true_keeps_them(
         assert lost["recommendation"] is None
         findings = session.result["findings"]
         assert any(f["id"] == "lost-updates" and f["fix"].startswith("nothing to do") for f in findings)
+        assert summarize(session.result)["problem"] is None  # the preset does its job: nothing to change
 
 
 def test_half_ulp_matches_the_dtype_spacing():

@@ -48,13 +48,14 @@ from ampkit.doctor.census import RangeCensus
 from ampkit.doctor.localizer import BatchKeeper, replay
 from ampkit.doctor.lost_updates import LOST_SHARE_ALARM, LostUpdateDetector
 from ampkit.doctor.numerics_report import NUMERICS_SCHEMA, _name, _num, format_text, validate_numerics
+from ampkit.doctor.run import train_task_under
 from ampkit.doctor.session import DoctorError, StopTraining
 from ampkit.errors import LossScaleCollapse
 
 Result = dict[str, Any]
 
 __all__ = ["NUMERICS_SCHEMA", "NumericsSession", "format_text", "numerics", "numerics_script", "numerics_task",
-           "validate_numerics"]
+           "numerics_train_fn", "summarize", "validate_numerics"]
 
 _active: NumericsSession | None = None  # one numerics session hooks the process at a time
 
@@ -478,6 +479,49 @@ def _findings(r: Result) -> list[Result]:
     return out
 
 
+# --- the summary a comparison shows per run ----------------------------------------------------
+def summarize(r: Result) -> Result:
+    """The few figures `ampkit compare` shows of a result (report.json's `runs[i].numerics`).
+
+    `problem` is one line when something needs changing *in this run's precision*, else None: an
+    fp32 run whose activations would overflow fp16, or masters doing their job, are not problems
+    (the full result, kept as `detail`, still says them)."""
+    census, lost, scale = r["census"], r["lost_updates"], r["loss_scale"]
+    shares = [g["lost_share"] for g in lost["groups"] if g["lost_share"] is not None] if lost else []
+    return {"steps": r["steps"]["watched"],
+            "at_risk": [m["name"] for m in census["at_risk"]],
+            "keep_fp32": list(census["keep_fp32"]),
+            "lost_update_share": max(shares) if shares else None,
+            "loss_scale": scale["diagnosis"] if scale is not None else None,
+            "top_finding": r["findings"][0]["title"] if r["findings"] else None,
+            "problem": _problem(r),
+            "error": None,
+            "detail": r}
+
+
+def _problem(r: Result) -> str | None:
+    fp16 = r["device"]["compute_dtype"] == "float16"
+    keep = r["census"]["keep_fp32"]
+    scale, lost = r["loss_scale"], r["lost_updates"]
+    for f in r["findings"]:
+        if f["id"] in ("forward-overflow", "backward-overflow"):
+            loc = r["localizer"]
+            from_replay = loc is not None and (loc["forward"] or loc["backward"])
+            if f["id"] == "backward-overflow" and not keep:
+                continue  # the scaler finding its level: the true gradients fit fp16
+            if from_replay or fp16:  # the census alone only says fp16 *would* overflow
+                return f["title"] + (f": keep_fp32={keep!r}" if keep and fp16 else "")
+        elif f["id"] == "grad-underflow" and fp16 and scale is None:
+            return f"{f['title']}: use loss scaling (fp16-mixed)"
+        elif f["id"] == "lost-updates" and lost is not None and lost["recommendation"]:
+            dtype = r["device"]["param_dtype"]
+            fix = {"bfloat16": "bf16-master or bf16-true", "float16": "fp16-master"}.get(dtype)
+            return f"{f['title']}: " + (f"use {fix}" if fix else "a larger learning rate")
+        elif f["id"] == "loss-scale" and scale is not None and 2 * scale["skipped"] > len(scale["history"]):
+            return f"{scale['skipped']} of {len(scale['history'])} steps skipped on overflow"
+    return None
+
+
 # --- running code under the numerics doctor ----------------------------------------------------
 def numerics(acc: Accelerator, steps: int = 20, *, warmup: int = 0, report: bool = True,
              on_done: Callable[[Result], None] | None = None) -> NumericsSession:
@@ -500,31 +544,44 @@ def numerics_task(task: str = "iris-mlp", *, steps: int = 20, warmup: int = 0, p
                   device: str = "auto", batch_size: int | None = None, seed: int = 0,
                   keep_fp32: Sequence[str] = ()) -> Result:
     """Train the built-in `task` for `warmup + steps` steps under the numerics doctor; return the result."""
-    from ampkit.tasks import get_task
-
     _check_counts(steps, warmup)
-    spec = get_task(task)
-    data = spec.make_data(seed, batch_size or spec.default_batch_size)
-    torch.manual_seed(seed)
-    acc = Accelerator(precision=precision, device=device, keep_fp32=list(keep_fp32))
-    model = spec.make_model(seed)
-    optimizer = spec.make_optimizer(model.parameters(), spec.default_lr)
-    model, optimizer, loader = acc.prepare(model, optimizer, data.train_loader)
-    session = NumericsSession(acc, steps=steps, warmup=warmup, stop=True,
-                              subject={"kind": "task", "name": task, "argv": []})
+    subject = {"kind": "task", "name": task, "argv": []}
+    return train_task_under(task, lambda acc: NumericsSession(acc, steps=steps, warmup=warmup, stop=True,
+                                                              subject=subject),
+                            precision=precision, device=device, batch_size=batch_size, seed=seed, keep_fp32=keep_fp32)
+
+
+def numerics_train_fn(train_fn: Callable[[Accelerator], Any], *, steps: int = 20, precision: str = "auto",
+                      device: str | torch.device = "auto") -> Result:
+    """Run `train_fn(acc)` (a loop as `ampkit.compare` takes it) under the numerics doctor for `steps` steps.
+
+    The session starts at the `acc.prepare` that hands over a model and an optimizer, and ends the
+    loop (StopTraining) after its last watched step; a loop that ends first gives a partial result.
+    """
+    _check_counts(steps, 0)
+    acc = Accelerator(precision=precision, device=device)
+    subject = {"kind": "loop", "name": getattr(train_fn, "__name__", "train_fn"), "argv": []}
+    sessions: list[NumericsSession] = []
+    prepare = acc.prepare
+
+    def watched_prepare(*objs: Any) -> Any:
+        out = prepare(*objs)
+        if not sessions and acc._model_list and acc._optimizers:
+            sessions.append(NumericsSession(acc, steps=steps, stop=True, subject=subject))
+        return out
+
+    acc.prepare = watched_prepare  # type: ignore[method-assign]  # this Accelerator only
     try:
-        for _ in acc.epochs(sys.maxsize):  # until the doctor stops it
-            for x, y in loader:
-                loss = spec.loss_fn(model(x), y)
-                acc.backward(loss)
-                optimizer.step()
-                optimizer.zero_grad()
+        train_fn(acc)
     except StopTraining:
         pass
     except BaseException:
-        session.close()
+        _close(sessions)
         raise
-    return session.finish()
+    if not sessions:
+        raise DoctorError(f"{subject['name']} prepared no model and optimizer (acc.prepare(model, optimizer)): "
+                          f"the numerics doctor had nothing to watch")
+    return sessions[0].finish()
 
 
 def numerics_script(script: str | Path, args: Sequence[str] = (), *, steps: int = 20, warmup: int = 0) -> Result:

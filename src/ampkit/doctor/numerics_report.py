@@ -191,11 +191,12 @@ def format_text(r: Result) -> str:
     return "\n".join(out)
 
 
-def render_html_section(r: Result) -> str:
-    """The report as an HTML <section> (every string escaped) for a report page."""
+def render_html_section(r: Result, level: int = 2) -> str:
+    """The report as an HTML <section> (every string escaped) for a report page; its title an <h`level`>."""
     parts = ['<section class="ampkit-numerics">']
     for i, (heading, lines) in enumerate(_lines(r)):
-        parts.append(f"<h{2 if i == 0 else 3}>{html.escape(heading)}</h{2 if i == 0 else 3}>")
+        h = level if i == 0 else level + 1
+        parts.append(f"<h{h}>{html.escape(heading)}</h{h}>")
         if lines:
             parts.append("<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>")
     parts.append("</section>")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import runpy
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,20 +83,34 @@ def diagnose_task(task: str = "iris-mlp", *, steps: int = 20, warmup: int = 5, g
                   precision: str = "auto", device: str = "auto", batch_size: int | None = None, seed: int = 0,
                   bench: bool = True) -> dict[str, Any]:
     """Train the built-in `task` for `warmup + steps` steps under the doctor; return the result."""
+    _validate(steps, warmup, gpu)
+    subject = {"kind": "task", "name": task, "argv": []}
+    return train_task_under(
+        task, lambda acc: DoctorSession(acc, steps=steps, warmup=warmup, gpu=gpu, stop=True, subject=subject,
+                                        bench=bench),
+        precision=precision, device=device, batch_size=batch_size, seed=seed)
+
+
+def train_task_under(task: str, start: Callable[[Accelerator], Any], *, precision: str = "auto",
+                     device: str = "auto", batch_size: int | None = None, seed: int = 0,
+                     keep_fp32: Sequence[str] = ()) -> dict[str, Any]:
+    """Train the built-in `task` under the session `start(acc)` returns until it raises StopTraining.
+
+    The session (`DoctorSession` or `NumericsSession`, made with `stop=True`) attaches once the
+    model and optimizer are prepared; returns `session.finish()`, or closes it if the loop fails.
+    """
     from ampkit.tasks import get_task
 
-    _validate(steps, warmup, gpu)
     spec = get_task(task)
     data = spec.make_data(seed, batch_size or spec.default_batch_size)
     torch.manual_seed(seed)
-    acc = Accelerator(precision=precision, device=device)
+    acc = Accelerator(precision=precision, device=device, keep_fp32=list(keep_fp32))
     model = spec.make_model(seed)
     optimizer = spec.make_optimizer(model.parameters(), spec.default_lr)
     model, optimizer, loader = acc.prepare(model, optimizer, data.train_loader)
-    subject = {"kind": "task", "name": task, "argv": []}
-    session = DoctorSession(acc, steps=steps, warmup=warmup, gpu=gpu, stop=True, subject=subject, bench=bench)
+    session = start(acc)
     try:
-        for _ in acc.epochs(sys.maxsize):  # until the doctor stops it
+        for _ in acc.epochs(sys.maxsize):  # until the session stops it
             for x, y in loader:
                 loss = spec.loss_fn(model(x), y)
                 acc.backward(loss)
