@@ -58,6 +58,8 @@ def test_user_train_fn_in_separate_processes():
     assert fp32["peak_memory_bytes"] > 0 and fp32["memory_kind"] == "cpu_peak_rss_delta"
     assert bf16["samples_per_s"] > 0 and bf16["metric_delta_vs_baseline"] is not None
     assert report["machine"]["torch"] == torch.__version__
+    # the numerics pass ran the user's loop again under the doctor, stopped after its steps
+    assert fp32["numerics"]["detail"]["subject"]["name"] == "user_train_fn" and bf16["numerics"]["steps"] == 5
 
 
 def test_same_seed_gives_the_same_fp32_loss_curve():
@@ -117,6 +119,7 @@ def test_default_precisions_follow_the_hardware(monkeypatch):
 def test_report_files_from_a_real_comparison(tmp_path, capsys):
     import json
 
+    from ampkit.doctor import validate_numerics
     from ampkit.report import validate_report
 
     out = tmp_path / "report"
@@ -133,13 +136,24 @@ def test_report_files_from_a_real_comparison(tmp_path, capsys):
     assert html.count("data:image/png;base64,") == 3
     printed = capsys.readouterr().out
     assert "fp16-mixed" in printed and "baseline" in printed
+    # each run has a numerics block (a separate pass: the figures above are the plain run's)
+    for run in report["runs"]:
+        numerics = run["numerics"]
+        assert numerics["steps"] == 5 and numerics["error"] is None and numerics["problem"] is None
+        validate_numerics(numerics["detail"])
+        assert numerics["detail"]["device"]["precision"] == run["precision"]
+    assert fp16["numerics"]["loss_scale"].startswith("healthy: no overflow in 5 steps")
+    assert report["runs"][0]["numerics"]["loss_scale"] is None  # fp32: no loss scale
+    assert html.count('<section class="ampkit-numerics">') == 2
 
 
 def test_cli_compare(tmp_path, capsys):
     from ampkit.cli import main
 
-    assert main(["compare", "--task", "iris-mlp", "--steps", "5", "--precisions", "fp32", "--out", str(tmp_path / "r"), "--device", "cpu"]) == 0
+    assert main(["compare", "--task", "iris-mlp", "--steps", "5", "--precisions", "fp32", "--out", str(tmp_path / "r"), "--device", "cpu",
+                 "--no-numerics"]) == 0
     assert (tmp_path / "r" / "report.html").exists()
+    assert json.loads((tmp_path / "r" / "report.json").read_text())["runs"][0]["numerics"] is None
     assert main(["compare", "--task", "nope"]) == 2
     err = capsys.readouterr().err
     assert err.strip() == "ampkit compare: unknown task 'nope'; choose one of: digits-cnn, iris-mlp, tiny-lm"

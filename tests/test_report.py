@@ -52,6 +52,27 @@ def without_scale_history(report: dict) -> dict:
 # --------------------------------------------------------------------------------------------------
 
 
+def test_a_numerics_block_validates_and_its_line_shows_only_when_something_is_wrong(sample, tmp_path):
+    from ampkit.doctor.numerics import numerics_task, summarize
+
+    block = summarize(numerics_task("iris-mlp", steps=2, precision="fp32", device="cpu"))
+    report = copy.deepcopy(sample)
+    run_of(report, "fp32")["numerics"] = block
+    problem = "boom (Boom) is the first to go inf/NaN, in the forward: keep_fp32=['boom']"
+    run_of(report, "fp16-mixed")["numerics"] = dict(block, problem=problem)
+    validate_report(report)
+    validate_report(sample)  # a report from before the numerics pass (no such field) still validates
+    text = format_text(report)
+    assert text.count("numerics:") == 1 and f"      numerics: {problem}\n" in text
+    page = write_report(report, tmp_path)["html"].read_text(encoding="utf-8")
+    assert "<h2>Numerics</h2>" in page and page.count('<section class="ampkit-numerics">') == 2
+    assert html.escape(f"numerics: {problem}") in page
+    index = report["runs"].index(run_of(report, "fp32"))
+    run_of(report, "fp32")["numerics"]["lost_update_share"] = 1.5
+    with pytest.raises(ValueError, match=rf"runs\[{index}\]\.numerics\.lost_update_share"):
+        validate_report(report)
+
+
 def test_schema_is_a_valid_draft_2020_12_schema():
     jsonschema = pytest.importorskip("jsonschema")
     jsonschema.Draft202012Validator.check_schema(REPORT_SCHEMA)

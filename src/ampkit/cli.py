@@ -18,7 +18,7 @@ def _compare(args: argparse.Namespace) -> int:
     try:
         compare(task=args.task, precisions=precisions, steps=args.steps, batch_size=args.batch_size,
                 seed=args.seed, device=args.device, out=args.out, command=command, resume=args.resume,
-                nproc=args.nproc)
+                nproc=args.nproc, numerics=not args.no_numerics)
     except (PrecisionError, ValueError) as exc:
         print(f"ampkit compare: {exc}", file=sys.stderr)
         return 2
@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--resume", action="store_true",
                      help="continue an interrupted comparison in --out: finished runs are kept, the unfinished one "
                           "resumes from its last checkpoint")
+    cmp.add_argument("--no-numerics", action="store_true",
+                     help="skip the numerics pass: by default, after each run, a few more steps of the same training "
+                          "run under `ampkit doctor --numerics` (not timed) for the report's numerics section")
     cmp.set_defaults(func=_compare)
     info = sub.add_parser(
         "info", help="what this machine runs fast in low precision, and what precision='auto' picks here",

@@ -46,6 +46,9 @@ TrainFn = Callable[[Accelerator], dict[str, float]]
 #: Steps a "probe" run times a preset this hardware runs slowly (no accuracy: it would take too long).
 PROBE_STEPS = 8
 
+#: Steps each run's numerics pass watches (`ampkit doctor --numerics` on the same task and seed).
+NUMERICS_STEPS = 5
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunSpec:
@@ -62,6 +65,7 @@ class RunSpec:
     samples_per_step: int | None = None
     checkpoints: str | None = None  # folder to checkpoint into and resume from (built-in tasks)
     nproc: int = 1  # > 1: run under torchrun with this many processes (data parallel)
+    numerics_steps: int = 0  # > 0: after the timed run, a pass of this many steps under the numerics doctor
 
 
 def default_precisions(device: torch.device) -> tuple[list[str], list[str]]:
@@ -206,6 +210,8 @@ def run_one(spec: RunSpec, progress: Callable[[int], None] | None = None) -> dic
     warmup = 2 if spec.probe else min(10, recorder.steps // 10)
     summary = recorder.summary(warmup)
     peak, raw, kind = memory.read()
+    # After every figure above is taken: the pass's hooks, copies and reads are in none of them.
+    numerics = _numerics_pass(spec, device) if spec.numerics_steps and spec.nproc == 1 else None
     resumed_at = acc._optimizers[0].attempted_steps - recorder.steps if acc._optimizers else 0
     if resumed_at > 0:
         notes.append(f"resumed from a checkpoint at step {resumed_at}: the loss curve and timings cover the steps after it")
@@ -233,7 +239,33 @@ def run_one(spec: RunSpec, progress: Callable[[int], None] | None = None) -> dic
         "peak_rss_bytes": raw,
         "eval": {k: float(v) for k, v in metrics.items()},
         "wall_time_s": wall,
+        "numerics": numerics,
     }
+
+
+def _numerics_pass(spec: RunSpec, device: torch.device) -> dict[str, Any]:
+    """`spec.numerics_steps` steps of the same training under the numerics doctor, on a fresh model.
+
+    A pass of its own after the timed run, so that the run's step times, peak memory and wall time
+    stay those of plain training; the same seed, so it watches the run's first batches. Returns
+    `numerics.summarize`'s dict; a failed diagnosis is its `error`, never a failed run.
+    """
+    from ampkit.doctor.numerics import numerics_task, numerics_train_fn, summarize
+
+    _seed_everything(spec.seed)
+    steps = spec.numerics_steps
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the run has recorded the Accelerator's warnings already
+            if spec.train_fn is not None:
+                result = numerics_train_fn(spec.train_fn, steps=steps, precision=spec.precision, device=device)
+            else:
+                result = numerics_task(spec.task or "", steps=steps, precision=spec.precision, device=str(device),
+                                       batch_size=spec.batch_size, seed=spec.seed)
+    except Exception as exc:  # noqa: BLE001 - a failed diagnosis is reported beside the run
+        return {"steps": 0, "at_risk": [], "keep_fp32": [], "lost_update_share": None, "loss_scale": None,
+                "top_finding": None, "problem": None, "error": f"{type(exc).__name__}: {exc}", "detail": None}
+    return summarize(result)
 
 
 def _child(spec: RunSpec, conn: Any) -> None:
@@ -390,6 +422,7 @@ def compare(
     command: str | None = None,
     resume: bool = False,
     nproc: int = 1,
+    numerics: bool = True,
 ) -> dict[str, Any]:
     """Run `train_fn` (or a built-in `task`) once per precision and return the report dict.
 
@@ -410,6 +443,10 @@ def compare(
             built-in-task run resumes from its last checkpoint (they are written to `out` as it trains).
         nproc: run each precision data-parallel under `torchrun --nproc-per-node=nproc` (batch_size
             is per process); figures are rank 0's.
+        numerics: after each run (not probes, not with nproc > 1), watch `NUMERICS_STEPS` steps of the
+            same training, on a fresh model with the same seed, under the numerics doctor (layers at
+            risk, lost updates, loss-scale health): `runs[i].numerics`. A separate pass: the run's
+            time and memory figures do not include it.
     """
     if (train_fn is None) == (task is None):
         raise ValueError("compare() needs exactly one of train_fn=... or task='...'")
@@ -466,7 +503,8 @@ def compare(
     }
     plan = [(p, False) for p in precisions] + [(p, True) for p in probes if p not in precisions]
     base = RunSpec(precision="", device=str(dev), seed=seed, task=task, steps=steps, batch_size=batch_size,
-                   train_fn=train_fn, samples_per_step=samples_per_step, nproc=nproc)
+                   train_fn=train_fn, samples_per_step=samples_per_step, nproc=nproc,
+                   numerics_steps=NUMERICS_STEPS if numerics else 0)
     progress = _Progress(show)
     try:
         for name, probe in plan:
@@ -475,7 +513,8 @@ def compare(
                 report["runs"].append(json.loads(finished.read_text()))
                 continue
             ckpt = str(state_dir / f"{name}.ckpt") if state_dir is not None and task is not None and not probe else None
-            spec = dataclasses.replace(base, precision=name, probe=probe, checkpoints=ckpt)
+            spec = dataclasses.replace(base, precision=name, probe=probe, checkpoints=ckpt,
+                                       numerics_steps=0 if probe else base.numerics_steps)
             total = PROBE_STEPS if probe else (task_info["steps"] if task_info else None)
             run = _run_planned(spec, dev, isolate, progress, total)
             _finish_run(run, metric)

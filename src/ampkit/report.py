@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ampkit.doctor.numerics_report import NUMERICS_SCHEMA, render_html_section
+
 Report = dict[str, Any]
 Run = dict[str, Any]
 
@@ -101,6 +103,32 @@ _RUN_SCHEMA: dict[str, Any] = {
     },
 }
 _RUN_SCHEMA["required"] = list(_RUN_SCHEMA["properties"])
+
+_NUMERICS_DETAIL = {k: v for k, v in NUMERICS_SCHEMA.items() if k not in ("$schema", "$id")}
+
+# Optional (after "required" is taken): reports written before the numerics pass still validate.
+_RUN_SCHEMA["properties"]["numerics"] = {
+    "type": ["object", "null"],
+    "description": "A short pass of the same training under `ampkit doctor --numerics`, after the timed run "
+                   "(its time and memory are in no other figure); null or absent: not run (--no-numerics, "
+                   "probes, --nproc > 1).",
+    "additionalProperties": False,
+    "required": ["steps", "at_risk", "keep_fp32", "lost_update_share", "loss_scale", "top_finding", "problem",
+                 "error", "detail"],
+    "properties": {
+        "steps": {"type": "integer", "minimum": 0, "description": "Optimizer steps watched."},
+        "at_risk": {"type": "array", "items": {"type": "string"}, "description": "Layers at risk, worst first."},
+        "keep_fp32": {"type": "array", "items": {"type": "string"}, "description": "The suggested keep_fp32."},
+        "lost_update_share": _nullable("number", "Largest share of updates lost to rounding, over the "
+                                       "parameter groups.", minimum=0, maximum=1),
+        "loss_scale": _nullable("string", "Loss-scale health in one line (loss-scaled presets only)."),
+        "top_finding": _nullable("string", "The first finding's title."),
+        "problem": _nullable("string", "One line when something needs changing in this run's precision."),
+        "error": _nullable("string", "Why the numerics pass failed (the run itself is unaffected)."),
+        "detail": {"anyOf": [_NUMERICS_DETAIL, {"type": "null"}],
+                   "description": "The whole `ampkit doctor --numerics --json` result."},
+    },
+}
 
 REPORT_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -381,6 +409,16 @@ def verdict(run: Run, baseline_run: Run | None, task: dict[str, Any] | None) -> 
     return f"{name}: {', '.join(parts) or 'no baseline to compare with'}"
 
 
+def _numerics_line(run: Run) -> str | None:
+    """The numerics pass's one line under a verdict, only when something is wrong (or it failed)."""
+    numerics = run.get("numerics")
+    if not numerics:
+        return None
+    if numerics["error"]:
+        return f"numerics: the diagnosis failed ({_first_line(numerics['error'])})"
+    return f"numerics: {numerics['problem']}" if numerics["problem"] else None
+
+
 def _first_line(reason: str) -> str:
     """A failed run's reason may carry a traceback; the verdict is one line, the rest is detail."""
     return reason.strip().split("\n", 1)[0]
@@ -509,6 +547,8 @@ def format_text(report: Report) -> str:
     for run, line in zip(report["runs"], _verdicts(report)):
         out.append(f"  {line}")
         out += [f"      {detail}" for detail in (_details(run) or "").splitlines()]
+        if _numerics_line(run):
+            out.append(f"      {_numerics_line(run)}")
     policies = [p for p in map(_policy_line, report["runs"]) if p]
     if policies:
         out += ["", "Precision policies:", *(f"  {p}" for p in policies)]
@@ -557,6 +597,8 @@ def render_table(report: Report, console: Any = None) -> None:
         console.print(Padding(Text(line), (0, 0, 0, 2), expand=False))  # wrapped lines keep the indent
         if _details(run):
             console.print(Padding(Text(_details(run), style="dim"), (0, 0, 0, 6), expand=False))
+        if _numerics_line(run):
+            console.print(Padding(Text(_numerics_line(run), style="yellow"), (0, 0, 0, 6), expand=False))
     policies = [p for p in map(_policy_line, report["runs"]) if p]
     if policies:
         console.print(Text("Precision policies:", style="bold"))
@@ -760,6 +802,10 @@ tr.baseline td { font-weight: 600; }
 .notes { color: #57606a; font-size: 13px; margin: 6px 0 0; padding-left: 18px; }
 figure { margin: 16px 0; } figure img { max-width: 100%; height: auto; border: 1px solid #d0d7de; }
 figcaption { color: #57606a; font-size: 13px; }
+.numerics { color: #7d4e00; font-size: 13px; }
+section.ampkit-numerics h3 { font-size: 16px; margin: 20px 0 4px; }
+section.ampkit-numerics h4 { font-size: 14px; margin: 10px 0 2px; color: #57606a; }
+section.ampkit-numerics ul { margin: 0; padding-left: 20px; font-size: 13px; }
 footer { color: #57606a; font-size: 13px; margin-top: 40px; }
 """
 
@@ -853,11 +899,29 @@ def _html_figures(plots: dict[str, Path], missing_reason: str | None) -> str:
     return "".join(parts)
 
 
+def _html_numerics(report: Report) -> str:
+    """One numerics section per run that had the pass (`ampkit doctor --numerics`'s HTML form)."""
+    runs = [r for r in report["runs"] if r.get("numerics")]
+    if not runs:
+        return ""
+    parts = ["<h2>Numerics</h2>",
+             '<p class="sub">A few steps of each run again, on a fresh model with the same seed, under '
+             "<code>ampkit doctor --numerics</code>; the figures above do not include them.</p>"]
+    for run in runs:
+        numerics = run["numerics"]
+        if numerics["detail"] is not None:
+            parts.append(render_html_section(numerics["detail"], level=3))
+        else:
+            parts.append(f"<h3>{_e(run['precision'])}</h3><p>the numerics pass failed: {_e(numerics['error'])}</p>")
+    return "\n".join(parts)
+
+
 def _html(report: Report, plots: dict[str, Path], missing_reason: str | None) -> str:
     """The whole report as one self-contained page: works offline, from a file, in any browser."""
     baseline = _baseline_run(report)
     verdicts = "".join(
-        f'<li class="s-{_e(run["status"])}">{_e(verdict(run, baseline, report["task"]))}{_html_details(run)}</li>'
+        f'<li class="s-{_e(run["status"])}">{_e(verdict(run, baseline, report["task"]))}{_html_details(run)}'
+        + (f'<br><span class="numerics">{_e(_numerics_line(run))}</span>' if _numerics_line(run) else "") + "</li>"
         for run in report["runs"]
     )
     policies = [p for p in map(_policy_line, report["runs"]) if p]
@@ -891,6 +955,7 @@ def _html(report: Report, plots: dict[str, Path], missing_reason: str | None) ->
 <ul class="notes">{notes}</ul>
 <h2>Plots</h2>
 {_html_figures(plots, missing_reason)}
+{_html_numerics(report)}
 <h2>Precision policies</h2>
 {"<ul>" + "".join(f"<li>{_e(p)}</li>" for p in policies) + "</ul>" if policies else "<p>No run resolved a policy.</p>"}
 <h2>Machine</h2>
