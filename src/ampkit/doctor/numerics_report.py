@@ -9,21 +9,16 @@ from __future__ import annotations
 import html
 from typing import Any
 
+from ampkit.doctor.schema import _NUM, _NUM_OR_NULL, _obj
+
 Result = dict[str, Any]
 
 
-# --- the schema ---------------------------------------------------------------------------------
-_NUM = {"type": "number", "minimum": 0}
-_NUM_OR_NULL = {"type": ["number", "null"], "minimum": 0}
+# --- the schema (built with the performance doctor's schema parts) -----------------------------
 _SHARE = {"type": "number", "minimum": 0, "maximum": 1}
 _SHARE_OR_NULL = {"type": ["number", "null"], "minimum": 0, "maximum": 1}
 _INT = {"type": "integer", "minimum": 0}
 _STR = {"type": "string"}
-
-
-def _obj(required: dict[str, Any], **described: str) -> dict[str, Any]:
-    props = {k: (dict(v, description=described[k]) if k in described else v) for k, v in required.items()}
-    return {"type": "object", "additionalProperties": False, "required": list(required), "properties": props}
 
 
 def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
