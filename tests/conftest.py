@@ -47,3 +47,13 @@ def _quiet_slow_dtype_warning():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*runs far slower than fp32.*")
         yield
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread: two cores are shared with other processes, and one thread keeps the tiny
+    matmuls steady where a test measures (the doctors' timing and classification tests)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

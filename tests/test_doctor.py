@@ -49,12 +49,7 @@ ITEM_SCRIPT = SCRIPTS / "item_per_step.py"
 SLOW_LOADER_SCRIPT = SCRIPTS / "slow_loader.py"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _line_of(path: Path, marker: str) -> int:

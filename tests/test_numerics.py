@@ -30,13 +30,7 @@ from conftest import assert_bitwise_equal, make_model
 PLANTED_SCRIPT = Path(__file__).parent / "numerics_scripts" / "planted_overflow.py"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Two cores are shared with other processes; one thread keeps the tiny matmuls steady."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Boom(nn.Module):
