@@ -65,6 +65,17 @@ def paired_ratio(a: list[float], b: list[float]) -> float:
     return statistics.median(x / y for x, y in zip(a, b))
 
 
+def median_ci(values: list[float], z: float = 1.96) -> tuple[float, float] | None:
+    """A distribution-free ~95% confidence interval of the median: the order statistics k and n+1-k
+    with k = (n - z*sqrt(n)) / 2 (the binomial sign-test interval). None for fewer than 6 values."""
+    n = len(values)
+    k = int((n - z * n**0.5) / 2)
+    if n < 6 or k < 1:
+        return None
+    s = sorted(values)
+    return s[k - 1], s[n - k]
+
+
 def spread(ts: list[float]) -> float:
     """Interquartile range over the median: how much one round's figure moves (0.05 = ±2.5%)."""
     if len(ts) < 4:
