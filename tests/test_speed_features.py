@@ -243,10 +243,10 @@ def reference_run(precision: str, steps: int, unused: bool) -> list[torch.Tensor
     return out
 
 
-def ampkit_run(precision: str, steps: int, unused: bool) -> list[torch.Tensor]:
+def ampkit_run(precision: str, steps: int, unused: bool, free: bool) -> list[torch.Tensor]:
     model = WithUnused(unused)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    acc = ampkit.Accelerator(precision, device="cpu")
+    acc = ampkit.Accelerator(precision, device="cpu", free_step_buffers=free)
     model, opt = acc.prepare(model, opt)
     loader = make_loader(batch_size=32)
     for _, (x, y) in zip(range(steps), loader):
@@ -262,16 +262,18 @@ def ampkit_run(precision: str, steps: int, unused: bool) -> list[torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("free", [False, True], ids=["keep-buffers", "free-buffers"])
 @pytest.mark.parametrize("unused", [False, True], ids=["all-used", "one-layer-unused"])
 @pytest.mark.parametrize("precision", ["bf16-true", "bf16-master"])
-def test_fused_low_precision_updates_equal_the_per_parameter_reference(precision, unused):
-    assert_bitwise_equal(ampkit_run(precision, 6, unused), reference_run(precision, 6, unused))
+def test_fused_low_precision_updates_equal_the_per_parameter_reference(precision, unused, free):
+    assert_bitwise_equal(ampkit_run(precision, 6, unused, free), reference_run(precision, 6, unused))
 
 
-def test_bf16_true_holds_8_bytes_per_parameter_between_adamw_steps():
+@pytest.mark.parametrize("free", [True, False], ids=["free-step-buffers", "keep-step-buffers"])
+def test_bf16_true_holds_8_bytes_per_parameter_between_adamw_steps(free):
     model = make_model(width=64)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    acc = ampkit.Accelerator("bf16-true", device="cpu")
+    acc = ampkit.Accelerator("bf16-true", device="cpu", free_step_buffers=free)
     model, opt, loader = acc.prepare(model, opt, make_loader(batch_size=32))
     for _, (x, y) in zip(range(3), loader):
         acc.backward(F.cross_entropy(model(x), y))
@@ -284,6 +286,18 @@ def test_bf16_true_holds_8_bytes_per_parameter_between_adamw_steps():
     # weights 2 + Kahan 2 + exp_avg 2 + exp_avg_sq 2 bytes; fp32 AdamW would hold 4 + 4 + 4 = 12 (16 with fp32 grads)
     assert weights / n == 2 and kahan / n == 2 and state / n == 4
     assert (weights + kahan + state) / n == 8
-    # and no fp32 copy of anything lingers between steps
+    # no fp32 copy of the weights outlives prepare, and the optimizer sees none between steps
+    assert all(not m.originals for m in acc._models.values())
     assert all(s.numel() == 0 and s.grad is None for _, s in opt._weights.pairs)
-    assert all(b.work.buffer.untyped_storage().nbytes() == 0 for b in opt._weights._state.values())
+    # the fp32 buffers the update works in: freed between steps, or kept (16 bytes/param) for speed
+    weights = opt._weights
+    scratch = [weights._work, weights._grad, weights._round] + [b.work for b in weights._state.values()]
+    held = sum(f.buffer.untyped_storage().nbytes() for f in scratch)
+    assert held == (0 if free else n * (4 + 4 + 2 + 4 + 4))
+    assert acc.free_step_buffers is free
+
+
+def test_free_step_buffers_defaults_by_device_and_rejects_non_bools():
+    assert ampkit.Accelerator("fp32", device="cpu").free_step_buffers is False
+    with pytest.raises(TypeError, match=r"free_step_buffers='yes': expected True, False or None"):
+        ampkit.Accelerator("fp32", device="cpu", free_step_buffers="yes")

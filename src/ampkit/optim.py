@@ -49,12 +49,13 @@ class _Flat:
     inside a step).
     """
 
-    def __init__(self, like: list[torch.Tensor], dtype: torch.dtype) -> None:
+    def __init__(self, like: list[torch.Tensor], dtype: torch.dtype, releasable: bool = True) -> None:
         device = like[0].device if like else torch.device("cpu")
         sizes = [t.numel() for t in like]
         self.buffer = torch.zeros(sum(sizes), dtype=dtype, device=device)
         self.views = [v.view(t.shape) for v, t in zip(self.buffer.split(sizes), like)]
         self._nbytes = self.buffer.untyped_storage().nbytes()
+        self.releasable = releasable  # False: free() keeps the memory (see Accelerator(free_step_buffers=))
 
     def alloc(self) -> None:
         storage = self.buffer.untyped_storage()
@@ -62,7 +63,8 @@ class _Flat:
             storage.resize_(self._nbytes)
 
     def free(self) -> None:
-        self.buffer.untyped_storage().resize_(0)
+        if self.releasable:
+            self.buffer.untyped_storage().resize_(0)
 
 
 def _grads(params: list[nn.Parameter]) -> tuple[list[int], list[torch.Tensor]]:
@@ -81,11 +83,11 @@ class MasterWeights:
     step; copying gradients in and weights out are single foreach kernels.
     """
 
-    def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
+    def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]], free_step_buffers: bool = True) -> None:
         self.pairs = pairs  # (model parameter in bf16/fp16, its fp32 master)
         self._params = [p for p, _ in pairs]
         self._masters = [m for _, m in pairs]
-        self._grad = _Flat(self._masters, torch.float32)
+        self._grad = _Flat(self._masters, torch.float32, free_step_buffers)
         self._grad.free()
 
     @property
@@ -126,9 +128,11 @@ class CompensatedWeights:
     all), the user's optimizer steps them, and the results are rounded back.
     """
 
-    def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]], optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]], optimizer: torch.optim.Optimizer,
+                 free_step_buffers: bool = True) -> None:
         self.pairs = pairs  # (model parameter in bf16, fp32 stand-in the optimizer steps; empty between steps)
         self.optimizer = optimizer
+        self._free = free_step_buffers
         self._params = [p for p, _ in pairs]
         self._shadows = [s for _, s in pairs]
         self._comp = _Flat(self._params, self._params[0].dtype if pairs else torch.bfloat16)
@@ -136,9 +140,9 @@ class CompensatedWeights:
         with torch.no_grad():
             for (param, initial), comp in zip(pairs, self.compensation):
                 comp.copy_(initial - param.to(torch.float32))
-        self._work = _Flat(self._params, torch.float32)  # fp32 weights during the step
-        self._grad = _Flat(self._params, torch.float32)  # fp32 gradients during the step
-        self._round = _Flat(self._params, self._comp.buffer.dtype)  # the updated weights, rounded
+        self._work = _Flat(self._params, torch.float32, self._free)  # fp32 weights during the step
+        self._grad = _Flat(self._params, torch.float32, self._free)  # fp32 gradients during the step
+        self._round = _Flat(self._params, self._comp.buffer.dtype, self._free)  # the updated weights, rounded
         self._state: dict[str, _StateBuffers] = {}  # per-element optimizer state, by key
         self._state_count = -1  # len(optimizer.state) when the state buffers were last built
         self._kept: list[int] = []
@@ -226,7 +230,7 @@ class CompensatedWeights:
         self._state = {}
         for key, indices in holders.items():
             shadows = [self._shadows[i] for i in indices]
-            buffers = _StateBuffers(key, shadows, [self._params[i] for i in indices], low)
+            buffers = _StateBuffers(key, shadows, [self._params[i] for i in indices], low, self._free)
             with torch.no_grad():
                 torch._foreach_copy_(buffers.store.views, [state[s][key] for s in shadows])
             buffers.to_low(state, copy=False)
@@ -243,11 +247,12 @@ class _StateBuffers:
     """One per-element optimizer state key (e.g. AdamW's exp_avg) of the bf16-true parameters that
     have it: stored flat in bf16 between steps, worked on flat in fp32 during the step."""
 
-    def __init__(self, key: str, shadows: list[nn.Parameter], like: list[torch.Tensor], low: torch.dtype) -> None:
+    def __init__(self, key: str, shadows: list[nn.Parameter], like: list[torch.Tensor], low: torch.dtype,
+                 free_step_buffers: bool) -> None:
         self.key = key
         self.shadows = shadows
         self.store = _Flat(like, low)
-        self.work = _Flat(like, torch.float32)
+        self.work = _Flat(like, torch.float32, free_step_buffers)
         self.work.free()
         self.active = False  # True while the optimizer's state points at the fp32 work buffer
 
