@@ -189,6 +189,8 @@ VARIANTS: list[Variant] = [
     Variant("hand-written fp32 + torch.compile", "hand-written", "fp32", "fp32", compiled=True),
     *(Variant(f"ampkit {p} compile", "ampkit", p, _precision_of(p), (("compile", True),), compiled=True) for p in AMPKIT_PRESETS),
     Variant("ampkit fp32 channels_last", "ampkit", "fp32", "fp32", (("channels_last", True),), only=("cnn",)),
+    # bf16-true's fp32 step buffers are kept between steps on a CPU (faster); freeing them is the low-memory choice
+    Variant("ampkit bf16-true free_step_buffers", "ampkit", "bf16-true", "bf16", (("free_step_buffers", True),)),
 ]
 
 #: The hand-written loop each precision is compared with ("vs matching hand-written").
