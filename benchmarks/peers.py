@@ -189,8 +189,8 @@ VARIANTS: list[Variant] = [
     Variant("hand-written fp32 + torch.compile", "hand-written", "fp32", "fp32", compiled=True),
     *(Variant(f"ampkit {p} compile", "ampkit", p, _precision_of(p), (("compile", True),), compiled=True) for p in AMPKIT_PRESETS),
     Variant("ampkit fp32 channels_last", "ampkit", "fp32", "fp32", (("channels_last", True),), only=("cnn",)),
-    # bf16-true's fp32 step buffers are kept between steps on a CPU (faster); freeing them is the low-memory choice
-    Variant("ampkit bf16-true free_step_buffers", "ampkit", "bf16-true", "bf16", (("free_step_buffers", True),)),
+    # bf16-true frees its fp32 step buffers between steps (8 B/param); keeping them trades memory for CPU speed
+    Variant("ampkit bf16-true keep_step_buffers", "ampkit", "bf16-true", "bf16", (("free_step_buffers", False),)),
 ]
 
 #: The hand-written loop each precision is compared with ("vs matching hand-written").
@@ -689,24 +689,31 @@ def targets(results: dict[str, list[Row]], header: dict[str, Any]) -> list[str]:
             va = _ratio(rows, best.variant, "hand-written autocast bf16")
             vf = _ratio(rows, best.variant, "hand-written fp32")
             why = " (fp32: this device has no fast bf16, so no low-precision mode can win)" if best.precision == "fp32" else ""
+            # Beating a slow autocast loop with fp32 is not what the target means: on a device without
+            # fast bf16 the target does not apply, and the line says so instead of "met".
+            autocast_verdict = ("n/a (no fast bf16 here: beating the slow autocast loop with fp32 proves nothing)"
+                                if best.precision == "fp32" else verdict(None if not va else 1 / va >= 1.1))
             out.append(
                 f"- best ampkit mode on the transformer, {best.variant}{why}, ≥ 1.1× faster than the autocast loop: "
-                f"{_fmt(None if not va else 1 / va, '.2f', '×')} — {verdict(None if not va else 1 / va >= 1.1)}; "
+                f"{_fmt(None if not va else 1 / va, '.2f', '×')} — {autocast_verdict}; "
                 f"≥ 1.9× faster than fp32: {_fmt(None if not vf else 1 / vf, '.2f', '×')} — {verdict(None if not vf else 1 / vf >= 1.9)}"
             )
     if "iris" in by and by["iris"].get("hand-written autocast bf16") and by["iris"]["hand-written autocast bf16"].vs_fp32:
         r = by["iris"]["hand-written autocast bf16"].vs_fp32
         out.append(f"- honest regime, iris MLP: bf16 runs at {1 / r:.2f}× the speed of fp32 here (the table shows it)")
     for m, rows in by.items():
-        x = rows.get("ampkit bf16-true")
-        if x and x.memory:
+        for name in ("ampkit bf16-true", "ampkit bf16-true keep_step_buffers"):
+            x = rows.get(name)
+            if not (x and x.memory):
+                continue
             mem = x.memory
             s, tot, g = mem["optimizer_state_bytes_per_param"], mem["total_bytes_per_param"], mem["grads_bytes_per_param"]
             parts = "; ".join(f"`{k}` {v:.1f}" for k, v in mem["optimizer_state_breakdown"].items() if v >= 0.05)
+            kept = " (free_step_buffers=False: the fp32 step buffers stay between steps, for speed)" if "keep" in name else ""
             out.append(
-                f"- {m}: ampkit bf16-true holds weights + optimizer-side state {tot - g:.1f} B/param "
+                f"- {m}: {name}{kept} holds weights + optimizer-side state {tot - g:.1f} B/param "
                 f"(weights {mem['weights_bytes_per_param']:.1f}; {parts}), {tot:.1f} with gradients "
-                f"(fp32 AdamW: {_fp32_total(rows)}); ≤ 8 B/param for weights + state: {verdict(tot - g <= 8.0 + 1e-6)}"
+                f"(fp32 AdamW: {_fp32_total(rows)}); ≤ 8 B/param for weights + state (per-tensor step counters aside): {verdict(tot - g <= 8.0 + 0.05)}"
             )
     return out
 

@@ -297,7 +297,7 @@ def test_bf16_true_holds_8_bytes_per_parameter_between_adamw_steps(free):
     assert acc.free_step_buffers is free
 
 
-def test_free_step_buffers_defaults_by_device_and_rejects_non_bools():
-    assert ampkit.Accelerator("fp32", device="cpu").free_step_buffers is False
-    with pytest.raises(TypeError, match=r"free_step_buffers='yes': expected True, False or None"):
+def test_free_step_buffers_is_on_by_default_and_rejects_non_bools():
+    assert ampkit.Accelerator("fp32", device="cpu").free_step_buffers is True
+    with pytest.raises(TypeError, match=r"free_step_buffers='yes': expected True or False"):
         ampkit.Accelerator("fp32", device="cpu", free_step_buffers="yes")
