@@ -680,6 +680,10 @@ def targets(results: dict[str, list[Row]], header: dict[str, Any]) -> list[str]:
                     continue
                 same = rows[ours].dtype_seen == rows[peer].dtype_seen
                 note = "" if same else f" (not comparable: {peer} computes in {rows[peer].dtype_seen}, {ours} in {rows[ours].dtype_seen})"
+                if same and ours == "ampkit bf16-true" and peer == "fabric bf16-true":
+                    note = (" (same compute dtype, different update: ampkit's is exact, in fp32 with Kahan compensation; "
+                            "Fabric steps AdamW on the bf16 weights, where updates below half an ulp round away: "
+                            "92% of them at lr 1e-4 in tests/test_numerics.py's measurement)")
                 out.append(f"- {m}: {ours} / {peer} = {r:.3f}× — {_judge(r, 1.0, _ci(rows, ours, peer)) if same else 'n/a'}{note}")
     if "transformer" in by:
         rows = by["transformer"]
