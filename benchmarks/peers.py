@@ -58,6 +58,7 @@ from torch import nn
 
 import ampkit
 from _timing import cpu_model, interleaved, machine, median_ci, paired_ratio, spread, write_section
+from ampkit.compare import _proc_status, _reset_peak_rss  # the same /proc readings ampkit compare uses
 from ampkit.hardware import capability, cpu_flags, resolve_device
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
@@ -427,24 +428,6 @@ class StepPeak:
             self.mib = (peak - self._before) / 2**20 if self._ok and peak else None
 
 
-def _proc_status(key: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
-    except (OSError, StopIteration):
-        return None
-
-
-def _reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0), as ampkit.compare does."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def record_compute_dtypes(module: nn.Module) -> tuple[list[tuple[str, torch.dtype]], Callable[[], None]]:
     """Record (name, output dtype) of every Linear/Conv that runs, in the order they run, until the
     returned function removes the hooks."""
@@ -711,7 +694,7 @@ def targets(results: dict[str, list[Row]], header: dict[str, Any]) -> list[str]:
             if not (x and x.memory):
                 continue
             mem = x.memory
-            s, tot, g = mem["optimizer_state_bytes_per_param"], mem["total_bytes_per_param"], mem["grads_bytes_per_param"]
+            tot, g = mem["total_bytes_per_param"], mem["grads_bytes_per_param"]
             parts = "; ".join(f"`{k}` {v:.1f}" for k, v in mem["optimizer_state_breakdown"].items() if v >= 0.05)
             kept = " (free_step_buffers=False: the fp32 step buffers stay between steps, for speed)" if "keep" in name else ""
             out.append(

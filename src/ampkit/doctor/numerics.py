@@ -32,8 +32,6 @@ If the loss scale collapses while it watches, the `LossScaleCollapse` raised car
 from __future__ import annotations
 
 import functools
-import runpy
-import sys
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -48,7 +46,7 @@ from ampkit.doctor.census import RangeCensus
 from ampkit.doctor.localizer import BatchKeeper, replay
 from ampkit.doctor.lost_updates import LOST_SHARE_ALARM, LostUpdateDetector
 from ampkit.doctor.numerics_report import NUMERICS_SCHEMA, _name, _num, format_text, validate_numerics
-from ampkit.doctor.run import train_task_under
+from ampkit.doctor.run import check_script, run_script, train_task_under
 from ampkit.doctor.session import DoctorError, StopTraining
 from ampkit.errors import LossScaleCollapse
 
@@ -589,9 +587,7 @@ def numerics_script(script: str | Path, args: Sequence[str] = (), *, steps: int 
 
     As `diagnose_script`: FileNotFoundError for a missing script, `DoctorError` when it creates no
     Accelerator or ends before a step was watched; whatever the script raises is re-raised."""
-    path = Path(script)
-    if not path.is_file():
-        raise FileNotFoundError(f"script {str(script)!r} not found (from {Path.cwd()})")
+    check_script(script)
     _check_counts(steps, warmup)
     subject = {"kind": "script", "name": str(script), "argv": [str(a) for a in args]}
     sessions: list[NumericsSession] = []
@@ -613,28 +609,9 @@ def numerics_script(script: str | Path, args: Sequence[str] = (), *, steps: int 
             sessions[0] = NumericsSession(self, steps=steps, warmup=warmup, stop=True, subject=subject)
         return out
 
-    saved_argv, saved_path = sys.argv, list(sys.path)
-    Accelerator.__init__ = watched_init  # type: ignore[method-assign]
-    Accelerator.prepare = watched_prepare  # type: ignore[method-assign]
-    sys.argv = [str(path), *map(str, args)]
-    sys.path.insert(0, str(path.resolve().parent))
-    try:
-        runpy.run_path(str(path), run_name="__main__")
-    except StopTraining:
-        pass
-    except SystemExit as exc:
-        if exc.code not in (None, 0) and not (sessions and getattr(sessions[0], "result", None) is not None):
-            _close(sessions)
-            raise DoctorError(f"{script} exited with status {exc.code!r} before the doctor had watched its "
-                              f"steps") from exc
-    except BaseException:
-        _close(sessions)
-        raise
-    finally:
-        Accelerator.__init__ = original_init  # type: ignore[method-assign]
-        Accelerator.prepare = original_prepare  # type: ignore[method-assign]
-        sys.argv = saved_argv
-        sys.path[:] = saved_path
+    run_script(script, args, {"__init__": watched_init, "prepare": watched_prepare},
+               done=lambda: bool(sessions) and getattr(sessions[0], "result", None) is not None,
+               close=lambda: _close(sessions))
     if not sessions or isinstance(sessions[0], _Pending):
         raise DoctorError(f"{script} created no ampkit.Accelerator with a prepared model and optimizer: the numerics "
                           f"doctor watches the first Accelerator a script creates (acc.prepare(model, optimizer))")

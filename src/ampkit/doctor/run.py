@@ -29,9 +29,6 @@ def diagnose_script(script: str | Path, args: Sequence[str] = (), *, steps: int 
     `DoctorError` when the script creates no Accelerator or ends before a step was measured, and
     re-raises whatever the script itself raised.
     """
-    path = Path(script)
-    if not path.is_file():
-        raise FileNotFoundError(f"script {str(script)!r} not found (from {Path.cwd()})")
     subject = {"kind": "script", "name": str(script), "argv": [str(a) for a in args]}
     sessions: list[DoctorSession] = []
     original_init = Accelerator.__init__
@@ -44,26 +41,8 @@ def diagnose_script(script: str | Path, args: Sequence[str] = (), *, steps: int 
                                           bench=bench))
 
     _validate(steps, warmup, gpu)  # before running anything
-    saved_argv, saved_path = sys.argv, list(sys.path)
-    Accelerator.__init__ = watched_init  # type: ignore[method-assign]
-    sys.argv = [str(path), *map(str, args)]
-    sys.path.insert(0, str(path.resolve().parent))
-    try:
-        runpy.run_path(str(path), run_name="__main__")
-    except StopTraining:
-        pass
-    except SystemExit as exc:
-        if exc.code not in (None, 0) and not (sessions and sessions[0].result is not None):
-            _close(sessions)
-            raise DoctorError(f"{script} exited with status {exc.code!r} before the doctor had measured "
-                              f"its steps") from exc
-    except BaseException:
-        _close(sessions)
-        raise
-    finally:
-        Accelerator.__init__ = original_init  # type: ignore[method-assign]
-        sys.argv = saved_argv
-        sys.path[:] = saved_path
+    run_script(script, args, {"__init__": watched_init},
+               done=lambda: bool(sessions) and sessions[0].result is not None, close=lambda: _close(sessions))
     if not sessions:
         raise DoctorError(f"{script} finished without creating an ampkit.Accelerator: the doctor watches the "
                           f"first Accelerator a script creates (see the README's four-line conversion)")
@@ -77,6 +56,46 @@ def diagnose_script(script: str | Path, args: Sequence[str] = (), *, steps: int 
     except BaseException:
         session.close()
         raise
+
+
+def check_script(script: str | Path) -> None:
+    """FileNotFoundError, before anything runs, for a script that is not there."""
+    if not Path(script).is_file():
+        raise FileNotFoundError(f"script {str(script)!r} not found (from {Path.cwd()})")
+
+
+def run_script(script: str | Path, args: Sequence[str], patch: dict[str, Callable[..., Any]], *,
+               done: Callable[[], bool], close: Callable[[], None]) -> None:
+    """Execute `script` as `python script args...` would, with `Accelerator` methods replaced by `patch`.
+
+    The doctors attach through those patches. `StopTraining` (a session that has seen enough) ends
+    the script quietly; a non-zero exit before `done()` is a `DoctorError`; anything else the script
+    raises is re-raised after `close()`. The patches, `sys.argv` and `sys.path` are restored whatever happens.
+    """
+    check_script(script)
+    path = Path(script)
+    originals = {name: getattr(Accelerator, name) for name in patch}
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    for name, method in patch.items():
+        setattr(Accelerator, name, method)
+    sys.argv = [str(path), *map(str, args)]
+    sys.path.insert(0, str(path.resolve().parent))
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except StopTraining:
+        pass
+    except SystemExit as exc:
+        if exc.code not in (None, 0) and not done():
+            close()
+            raise DoctorError(f"{script} exited with status {exc.code!r} before the doctor had seen its steps") from exc
+    except BaseException:
+        close()
+        raise
+    finally:
+        for name, method in originals.items():
+            setattr(Accelerator, name, method)
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
 
 
 def diagnose_task(task: str = "iris-mlp", *, steps: int = 20, warmup: int = 5, gpu: str = "A100",
