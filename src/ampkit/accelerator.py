@@ -336,6 +336,12 @@ class Accelerator:
                 f"precision {self.policy.name!r}: the optimizer already has state; prepare it before its first step "
                 f"(load its state_dict after prepare)"
             )
+        devices = sorted({str(p.device) for p in low})
+        if len(devices) > 1:  # the update's flat fp32 buffers live on one device
+            raise PrecisionError(
+                f"precision {self.policy.name!r} keeps its fp32 update buffers on one device, but this optimizer's "
+                f"parameters are on {', '.join(devices)}: use one optimizer per device, or precision='bf16-mixed'"
+            )
         pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
         stand_in: dict[int, nn.Parameter] = {}
         for p in low:
