@@ -205,11 +205,12 @@ def replay(capture: Capture, names: dict[nn.Module, str], device: torch.device,
 def _first_nonfinite(events: list[_Event], note: str | None) -> dict[str, Any]:
     if not events:
         return {"forward": None, "backward": None, "note": note or "the replay ran no hooked module"}
-    counts = torch.stack([e.counts for e in events]).tolist()  # sync: once, after the replay
-    maxes = torch.stack([e.absmax for e in events]).tolist()
+    # sync: the replay's three reads, once it is over (the doctor's own, never inside a training step)
+    counts = torch.stack([e.counts for e in events]).tolist()
+    maxes = torch.stack([e.absmax for e in events]).tolist()  # sync: see above
     befores = [e.before for e in events]
     known = [b for b in befores if b is not None]
-    before_values = iter(torch.stack(known).tolist() if known else [])
+    before_values = iter(torch.stack(known).tolist() if known else [])  # sync: see above
     before = [next(before_values) if b is not None else None for b in befores]
     forward = backward = None
     last_finite_grad: float | None = None
