@@ -253,8 +253,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32) if t.dtype == torch.float32 else t
 
 
-@pytest.mark.parametrize(("precision", "spike"), [("fp32", None), ("fp16-mixed", None), ("fp32", 3)],
-                         ids=["fp32", "fp16-mixed", "fp32-nan-loss"])
+@pytest.mark.parametrize(("precision", "spike"),
+                         [("fp32", None), ("fp16-mixed", None), ("fp32", 3), ("bf16-true", None), ("bf16-master", None)],
+                         ids=["fp32", "fp16-mixed", "fp32-nan-loss", "bf16-true", "bf16-master"])
 def test_the_doctor_leaves_the_training_trajectory_bitwise_unchanged(precision, spike):
     without, rng_without = _trajectory(precision, doctor=False, spike=spike)
     with_doctor, rng_with = _trajectory(precision, doctor=True, spike=spike)

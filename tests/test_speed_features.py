@@ -90,6 +90,31 @@ def test_every_model_compiled_in_one_process_gets_its_own_graph():
     assert len(graphs) == 11
 
 
+def test_one_model_failing_to_compile_leaves_the_others_compiled():
+    graphs = []
+
+    def no_relu_backend(gm, example_inputs):
+        if any("relu" in str(node.target) for node in gm.graph.nodes):
+            raise RuntimeError("this backend refuses relu")
+        graphs.append(gm)
+        return gm.forward
+
+    acc = ampkit.Accelerator("fp32", device="cpu", compile={"backend": no_relu_backend})
+    with pytest.warns(UserWarning, match=r"compiling Sequential failed: .*refuses relu.*this model runs eagerly"):
+        relu_model = acc.prepare(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+        relu_model(torch.randn(2, 4))
+    tanh_model = acc.prepare(nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
+    tanh_model(torch.randn(2, 4))
+    assert len(graphs) == 1 and "refuses relu" in acc.compile_stats.fallback
+
+
+def test_a_compiled_model_cannot_be_prepared_twice():
+    acc = ampkit.Accelerator("bf16-mixed", device="cpu", compile={"backend": "eager"})
+    model = acc.prepare(make_model())
+    with pytest.raises(ValueError, match="Sequential was already prepared; prepare each model once"):
+        ampkit.Accelerator("bf16-mixed", device="cpu").prepare(model)
+
+
 def test_no_cxx_compiler_warns_at_construction_and_runs_eagerly(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.warns(UserWarning, match=r"needs a C\+\+ compiler and none was found"):
@@ -301,3 +326,51 @@ def test_free_step_buffers_is_on_by_default_and_rejects_non_bools():
     assert ampkit.Accelerator("fp32", device="cpu").free_step_buffers is True
     with pytest.raises(TypeError, match=r"free_step_buffers='yes': expected True or False"):
         ampkit.Accelerator("fp32", device="cpu", free_step_buffers="yes")
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-master"])
+def test_gradients_held_across_the_step_keep_their_values(precision):
+    """A gradient the loop keeps (for logging) after optimizer.step() must stay readable: the step's
+    fp32 buffers are dropped, not freed under it."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    acc = ampkit.Accelerator(precision, device="cpu")
+    model, opt, loader = acc.prepare(model, opt, make_loader(batch_size=32))
+    for _, (x, y) in zip(range(3), loader):
+        acc.backward(F.cross_entropy(model(x), y))
+        acc.clip_grad_norm_(1e9)  # unscales: the optimizer's fp32 gradients exist from here
+        held = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        before = [g.clone() for g in held]
+        opt.step()
+        opt.zero_grad()
+        assert_bitwise_equal(held, before)
+
+
+def test_bf16_true_optimizer_load_state_dict_restores_the_moments():
+    """opt.load_state_dict (a rollback, or a checkpoint of one's own) must replace bf16-true's
+    stored optimizer state, not be overwritten by it at the next step."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    acc = ampkit.Accelerator("bf16-true", device="cpu")
+    model, opt, loader = acc.prepare(model, opt, make_loader(batch_size=32))
+    batches = [b for _, b in zip(range(8), loader)]
+
+    def step(x, y, clip_only=False):
+        acc.backward(F.cross_entropy(model(x), y))
+        acc.clip_grad_norm_(1e9)
+        if not clip_only:
+            opt.step()
+            opt.zero_grad()
+
+    for x, y in batches[:4]:
+        step(x, y)
+    import copy
+    saved = copy.deepcopy(opt.state_dict())
+    for x, y in batches[4:7]:
+        step(x, y)
+    opt.load_state_dict(saved)
+    step(*batches[7], clip_only=True)  # the state is now in the fp32 working buffers the step will use
+    shadows = [s for _, s in opt._weights.pairs]
+    for i, shadow in enumerate(shadows):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[shadow][key], saved["state"][i][key].float()), (i, key)

@@ -124,8 +124,8 @@ class Accelerator:
             update works in (gradients, and for bf16-true weights and optimizer state) between
             steps, so that bf16-true holds 8 bytes per parameter with AdamW. On a GPU this costs
             nothing (the caching allocator keeps the memory); on a CPU the memory goes back to the
-            OS and faulting it in again made bf16-true's step up to 15% slower in
-            benchmarks/peers.py: False keeps them (16 bytes per parameter more) for that speed.
+            OS, and faulting it in again made bf16-true's step ~10% slower on the GEMM-bound MLP of
+            benchmarks/peers.py: False keeps them (18 bytes per parameter more) for that speed.
     """
 
     def __init__(
@@ -221,7 +221,9 @@ class Accelerator:
             return None
         reason = unavailable_reason(self.device, options)
         if reason is not None:
-            warnings.warn(f"compile=True: {reason}; the model runs eagerly (same results, no compiler speed-up)", stacklevel=3)
+            asked = "cuda_graphs=True" if cuda_graphs else "compile=True"
+            effect = "no CUDA graphs" if cuda_graphs else "no compiler speed-up"
+            warnings.warn(f"{asked}: {reason}; the model runs eagerly (same results, {effect})", stacklevel=3)
             return None
         return options
 

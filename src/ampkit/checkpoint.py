@@ -365,9 +365,7 @@ def apply(acc: Accelerator, payload: dict[str, Any], path: Path) -> None:
         _restore_weights(acc, payload)
     for i, (opt, info) in enumerate(zip(acc._optimizers, meta["optimizers"])):
         if not sharded:
-            opt.optimizer.load_state_dict(payload["optimizers"][i])
-        if isinstance(opt._weights, CompensatedWeights):
-            opt._weights.store_state_low()
+            opt.load_state_dict(payload["optimizers"][i])
         opt.attempted_steps, opt.applied_steps, opt.skipped_steps = info["attempted"], info["applied"], info["skipped"]
         opt._overflows_at_min = info["overflows_at_min"]
         opt._stage = Stage(info["stage"])

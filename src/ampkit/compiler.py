@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import types
 import time
+import types
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -40,7 +40,7 @@ class CompileStats:
     first_backward_s: float | None = None
     """Wall time of the first backward through the compiled graph (its backward is compiled there)."""
     fallback: str | None = None
-    """Why the model runs eagerly after all (None while compiled)."""
+    """Why a model runs eagerly after all (None while every model is compiled)."""
     models: list[str] = field(default_factory=list)
     """Class names of the compiled models."""
 
@@ -95,9 +95,10 @@ class CompiledForward:
         self.label = label
         self._compiled: Any = None
         self._first = True
+        self._eager = False  # this model's compile failed (others may still compile)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.stats.fallback is not None:
+        if self._eager:
             return self.forward(*args, **kwargs)
         if not self._first:
             return self._compiled(*args, **kwargs)
@@ -110,8 +111,10 @@ class CompiledForward:
             out = self._compiled(*args, **kwargs)
         except Exception as exc:  # the compiler's failure must not end the run: fall back, say why
             out = self.forward(*args, **kwargs)  # a bug in the model itself raises here, as it would without compile
-            self.stats.fallback = f"compiling {self.label} failed: {_describe(exc)}"
-            warnings.warn(f"compile=True: {self.stats.fallback}; the model runs eagerly (same results, no compiler speed-up)", stacklevel=3)
+            self._eager = True
+            reason = f"compiling {self.label} failed: {_describe(exc)}"
+            self.stats.fallback = reason if self.stats.fallback is None else f"{self.stats.fallback}; {reason}"
+            warnings.warn(f"compile=True: {reason}; this model runs eagerly (same results, no compiler speed-up)", stacklevel=3)
             return out
         self._first = False
         self.stats.first_forward_s = time.perf_counter() - start
@@ -121,6 +124,11 @@ class CompiledForward:
         state = self.__dict__.copy()
         state["_compiled"], state["_first"] = None, True
         return state
+
+
+def uncompiled(forward: Any) -> Any:
+    """The forward under a `CompiledForward` (or `forward` itself)."""
+    return forward.forward if isinstance(forward, CompiledForward) else forward
 
 
 def _call(*args: Any, **kwargs: Any) -> Any:

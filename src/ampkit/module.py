@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampkit.compiler import uncompiled
 from ampkit.precision import NORM_TYPES, Precision
 
 KeepSpec = Sequence["type[nn.Module] | str"]
@@ -70,7 +71,7 @@ def _cast_fp32(obj: Any, dtype: torch.dtype) -> Any:
 
 
 def is_prepared(model: nn.Module) -> bool:
-    return isinstance(model.__dict__.get("forward"), PolicyForward)
+    return isinstance(uncompiled(model.__dict__.get("forward")), PolicyForward)  # compile=True wraps it
 
 
 def kept_fp32_roots(model: nn.Module, keep_fp32: KeepSpec) -> list[nn.Module]:

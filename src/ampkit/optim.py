@@ -16,6 +16,7 @@ parameters that ampkit keeps in step with the model:
 from __future__ import annotations
 
 import enum
+import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -43,28 +44,53 @@ class _Flat:
     """One contiguous buffer and, for each tensor in `like`, a view of it with that tensor's shape.
 
     ampkit's per-step fp32 buffers (gradients for masters, working weights and optimizer state for
-    `bf16-true`) are flat so that filling, rounding and freeing them is one kernel, not one per
-    parameter. `free()` releases the memory between steps; the views are then invalid and must not
-    be handed out until `alloc()` (ampkit keeps them private and re-points its tensors at them only
-    inside a step).
+    `bf16-true`) are flat so that filling, rounding and compensating them is one kernel, not one
+    per parameter. A `releasable` buffer's memory is released by `free()` between steps and taken
+    back by `alloc()`, the views kept (making views costs microseconds per tensor, every step).
+    Releasing memory under a tensor someone still holds would leave it reading freed memory, so
+    `free()` first checks that nothing outside holds the buffer (a gradient kept for logging, a
+    view of it): if something does, the buffer is left to its holder and the next step makes a new one.
     """
 
     def __init__(self, like: list[torch.Tensor], dtype: torch.dtype, releasable: bool = True) -> None:
-        device = like[0].device if like else torch.device("cpu")
-        sizes = [t.numel() for t in like]
-        self.buffer = torch.zeros(sum(sizes), dtype=dtype, device=device)
-        self.views = [v.view(t.shape) for v, t in zip(self.buffer.split(sizes), like)]
-        self._nbytes = self.buffer.untyped_storage().nbytes()
-        self.releasable = releasable  # False: free() keeps the memory (see Accelerator(free_step_buffers=))
+        self.device = like[0].device if like else torch.device("cpu")
+        self.dtype = dtype
+        self.shapes = [t.shape for t in like]
+        self.sizes = [t.numel() for t in like]
+        self.releasable = releasable  # False: kept between steps (see Accelerator(free_step_buffers=))
+        self.buffer: torch.Tensor = _EMPTY_FP32
+        self.views: list[torch.Tensor] = []
+        self._nbytes = 0
+        self._holders = (0, 0)  # (storage users, Python references per view) when only ampkit holds it
+        self.alloc()
 
     def alloc(self) -> None:
-        storage = self.buffer.untyped_storage()
-        if storage.nbytes() != self._nbytes:
-            storage.resize_(self._nbytes)
+        if not self.views:
+            self.buffer = torch.empty(sum(self.sizes), dtype=self.dtype, device=self.device)
+            self.views = [v.view(shape) for v, shape in zip(self.buffer.split(self.sizes), self.shapes)]
+            self._nbytes = self.buffer.untyped_storage().nbytes()
+            self._holders = self._count_holders()
+        elif self.buffer.untyped_storage().nbytes() != self._nbytes:
+            self.buffer.untyped_storage().resize_(self._nbytes)
 
     def free(self) -> None:
-        if self.releasable:
+        if not self.releasable or not self.views:
+            return
+        if _storage_users is None or self._count_holders() != self._holders:
+            self.buffer, self.views = _EMPTY_FP32, []  # held outside (or cannot tell): theirs now
+        else:
             self.buffer.untyped_storage().resize_(0)
+
+    def _count_holders(self) -> tuple[int, int]:
+        if _storage_users is None:
+            return (0, 0)
+        storage = _storage_users(self.buffer.untyped_storage()._cdata)  # a new view of it adds one
+        refs = max((sys.getrefcount(v) for v in self.views), default=0)  # holding one of ours adds one
+        return storage, refs
+
+
+#: Users of a storage (torch-internal; without it `_Flat` makes a new buffer every step, which is safe).
+_storage_users = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _grads(params: list[nn.Parameter]) -> tuple[list[int], list[torch.Tensor]]:
@@ -135,7 +161,7 @@ class CompensatedWeights:
         self._free = free_step_buffers
         self._params = [p for p, _ in pairs]
         self._shadows = [s for _, s in pairs]
-        self._comp = _Flat(self._params, self._params[0].dtype if pairs else torch.bfloat16)
+        self._comp = _Flat(self._params, self._params[0].dtype if pairs else torch.bfloat16, releasable=False)
         self.compensation = self._comp.views  # what rounding each weight lost, in its own dtype
         with torch.no_grad():
             for (param, initial), comp in zip(pairs, self.compensation):
@@ -193,6 +219,7 @@ class CompensatedWeights:
                 self._comp.buffer.copy_(self._work.buffer)
             else:
                 torch._foreach_copy_([self.compensation[i] for i in kept], [self._work.views[i] for i in kept])
+        del rounded  # a list of the round buffer's views: it must not count as a holder in free()
         self._round.free()
         if len(self.optimizer.state) != self._state_count:
             self._build_state()  # the optimizer created state (its first step, or a new parameter's)
@@ -251,9 +278,8 @@ class _StateBuffers:
                  free_step_buffers: bool) -> None:
         self.key = key
         self.shadows = shadows
-        self.store = _Flat(like, low)
+        self.store = _Flat(like, low, releasable=False)
         self.work = _Flat(like, torch.float32, free_step_buffers)
-        self.work.free()
         self.active = False  # True while the optimizer's state points at the fp32 work buffer
 
     def to_fp32(self, state: Any) -> None:
@@ -266,12 +292,12 @@ class _StateBuffers:
     def to_low(self, state: Any, copy: bool = True) -> None:
         if copy:
             for shadow, view in zip(self.shadows, self.work.views):
-                value = state[shadow][self.key]
-                if value is not view:  # the optimizer replaced the tensor instead of updating it in place
-                    view.copy_(value)
+                if state[shadow][self.key] is not view:  # the optimizer replaced the tensor, not updated it
+                    view.copy_(state[shadow][self.key])
             self.store.buffer.copy_(self.work.buffer)
         for shadow, view in zip(self.shadows, self.store.views):
             state[shadow][self.key] = view
+        del view  # the loop variable must not count as a holder of the work buffer in free()
         self.work.free()
         self.active = False
 
@@ -329,6 +355,8 @@ class AmpOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict)
+        if isinstance(self._weights, CompensatedWeights):
+            self._weights.store_state_low()  # the loaded (fp32) state becomes bf16-true's stored state
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self._weights is not None:
