@@ -205,8 +205,8 @@ def replay(capture: Capture, names: dict[nn.Module, str], device: torch.device,
 def _first_nonfinite(events: list[_Event], note: str | None) -> dict[str, Any]:
     if not events:
         return {"forward": None, "backward": None, "note": note or "the replay ran no hooked module"}
-    # sync: the replay's three reads, once it is over (the doctor's own, never inside a training step)
-    counts = torch.stack([e.counts for e in events]).tolist()
+    # The replay's three reads, once it is over: the doctor's own, never inside a training step.
+    counts = torch.stack([e.counts for e in events]).tolist()  # sync: after the replay
     maxes = torch.stack([e.absmax for e in events]).tolist()  # sync: see above
     befores = [e.before for e in events]
     known = [b for b in befores if b is not None]
