@@ -46,7 +46,7 @@ def train(precision: str, accum: int = 1, ckpt: str | None = None, stop_after: i
     acc, model, opt, loader, sched = build(precision, accum)
     if ckpt is not None:
         acc.resume(ckpt)
-    micro = opt.attempted_steps * accum + acc._cycle_pos % accum  # micro-steps already trained (resumed runs)
+    micro = opt.attempted_steps * accum + acc.cycle.position % accum  # micro-steps already trained (resumed runs)
     losses: list[float] = []
     for _ in acc.epochs(EPOCHS):
         for x, y in loader:

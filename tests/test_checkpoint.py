@@ -235,7 +235,7 @@ def test_loading_into_another_precision_converts_from_the_fp32_truth(tmp_path, s
     acc2.load(path)
     for name, p in model2.named_parameters():
         assert torch.equal(p.float(), expected[name].to(p.dtype).float()), name
-    weights = opt2._weights
+    weights = opt2.weights
     if target.endswith("-master"):
         for p, master in weights.pairs:
             name = next(n for n, q in model2.named_parameters() if q is p)

@@ -113,7 +113,7 @@ def test_fused_low_precision_updates_on_cuda_match_cpu(precision):
 
 def _fp32_truth(opt) -> list[torch.Tensor]:
     """What each low-precision weight stands for: its fp32 master, or bf16 weight + Kahan buffer."""
-    weights = opt._weights
+    weights = opt.weights
     if hasattr(weights, "compensation"):
         return [p.detach().float() + c.float() for (p, _), c in zip(weights.pairs, weights.compensation)]
     return [m.detach().clone() for _, m in weights.pairs]

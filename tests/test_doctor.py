@@ -275,7 +275,7 @@ def test_profile_watches_a_running_loop_without_stopping_it():
     assert steps == 32  # the doctor did not stop the loop
     assert len(results) == 1 and session.result is results[0]
     validate_result(session.result)
-    assert acc._recorder is None  # detached once done
+    assert not acc.events  # detached once done
 
 
 # ----- the parts -------------------------------------------------------------------------------------

@@ -91,7 +91,7 @@ def test_planted_overflow_is_localized_ranked_first_and_keep_fp32_fixes_it():
     result = session.result
     assert result is not None and result["steps"]["complete"]
     validate_numerics(result)
-    assert no_hooks_left(model) and acc._recorder is None  # hooks on, then off
+    assert no_hooks_left(model) and not acc.events  # hooks on, then off
 
     culprit = result["localizer"]["forward"]
     assert culprit["module"] == "boom" and culprit["what"] == "output"
@@ -121,7 +121,7 @@ def test_loss_scale_collapse_carries_the_diagnosis():
     expected = r"(?s)loss scale collapsed.*doctor --numerics: .*'boom'.*keep_fp32"
     with pytest.raises(ampkit.LossScaleCollapse, match=expected):
         train(acc, model, optimizer, batches(10))
-    assert no_hooks_left(model) and acc._recorder is None
+    assert no_hooks_left(model) and not acc.events
 
 
 # ----- a non-finite loss without loss scaling --------------------------------------------------
@@ -161,7 +161,7 @@ def test_a_nonfinite_loss_without_loss_scaling_is_replayed_on_the_weights_before
     finding = result["findings"][0]
     assert finding["id"] == "forward-overflow" and finding["fix"].startswith("not the precision")
     assert summarize(result)["problem"] == "blowup (Blowup) is the first to go inf/NaN, in the forward"
-    assert no_hooks_left(model) and acc._recorder is None
+    assert no_hooks_left(model) and not acc.events
 
 
 # ----- gradient underflow ------------------------------------------------------------------------
@@ -286,14 +286,14 @@ def test_numerics_api_prints_the_report_and_works_as_a_context_manager(capsys):
         train(acc, model, optimizer, batches(2))  # ends before the 10 steps asked for
     assert session.result is not None and session.result["steps"] == {"requested": 10, "warmup": 0, "watched": 2,
                                                                      "complete": False}
-    assert no_hooks_left(model) and acc._recorder is None
+    assert no_hooks_left(model) and not acc.events
     assert "ampkit doctor --numerics — training loop" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"steps=0: expected an integer >= 1"):
         numerics(acc, steps=0)
     compiled = ampkit.Accelerator("fp32", device="cpu", compile=True)
     with pytest.raises(ampkit.doctor.DoctorError, match=r"diagnose with Accelerator\(compile=False"):
         numerics(compiled)
-    assert compiled._recorder is None
+    assert not compiled.events
 
 
 def test_cli_numerics_task_json_validates(capsys):

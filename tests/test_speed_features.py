@@ -279,7 +279,7 @@ def ampkit_run(precision: str, steps: int, unused: bool, free: bool) -> list[tor
         opt.step()
         opt.zero_grad()
     out = [p.detach().clone() for p in model.parameters()]
-    weights = opt._weights
+    weights = opt.weights
     if precision == "bf16-true":
         shadows = [s for _, s in weights.pairs]
         out += [c.clone() for c in weights.compensation]
@@ -306,16 +306,16 @@ def test_bf16_true_holds_8_bytes_per_parameter_between_adamw_steps(free):
         opt.zero_grad()
     n = sum(p.numel() for p in model.parameters())
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    kahan = sum(c.numel() * c.element_size() for c in opt._weights.compensation)
+    kahan = sum(c.numel() * c.element_size() for c in opt.weights.compensation)
     state = sum(v.numel() * v.element_size() for st in opt.state.values() for k, v in st.items() if k != "step")
     # weights 2 + Kahan 2 + exp_avg 2 + exp_avg_sq 2 bytes; fp32 AdamW would hold 4 + 4 + 4 = 12 (16 with fp32 grads)
     assert weights / n == 2 and kahan / n == 2 and state / n == 4
     assert (weights + kahan + state) / n == 8
     # no fp32 copy of the weights outlives prepare, and the optimizer sees none between steps
     assert all(not m.originals for m in acc._models.values())
-    assert all(s.numel() == 0 and s.grad is None for _, s in opt._weights.pairs)
+    assert all(s.numel() == 0 and s.grad is None for _, s in opt.weights.pairs)
     # the fp32 buffers the update works in: freed between steps, or kept (16 bytes/param) for speed
-    weights = opt._weights
+    weights = opt.weights
     scratch = [weights._work, weights._grad, weights._round] + [b.work for b in weights._state.values()]
     held = sum(f.buffer.untyped_storage().nbytes() for f in scratch)
     assert held == (0 if free else n * (4 + 4 + 2 + 4 + 4))
@@ -370,7 +370,7 @@ def test_bf16_true_optimizer_load_state_dict_restores_the_moments():
         step(x, y)
     opt.load_state_dict(saved)
     step(*batches[7], clip_only=True)  # the state is now in the fp32 working buffers the step will use
-    shadows = [s for _, s in opt._weights.pairs]
+    shadows = [s for _, s in opt.weights.pairs]
     for i, shadow in enumerate(shadows):
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(opt.state[shadow][key], saved["state"][i][key].float()), (i, key)

@@ -33,14 +33,16 @@ from ampkit import checkpoint
 from ampkit.compiler import CompiledForward, CompileStats, compile_options, unavailable_reason
 from ampkit.data import DeviceLoader
 from ampkit.distributed import FSDP_PRESETS, DistributedContext, barrier, shard_loader, sum_across_ranks, wrap_ddp, wrap_fsdp
+from ampkit.cycle import AccumulationCycle, check_steps
 from ampkit.errors import PrecisionError, StepOrderError
+from ampkit.events import Events, Listener, created
 from ampkit.hardware import capability, resolve_device
 from ampkit.metrics import MetricTracker
 from ampkit.module import KeepSpec, prepare_module
-from ampkit.optim import AmpOptimizer, CompensatedWeights, MasterWeights
+from ampkit.lowp_weights import LowPrecisionWeights, stand_in_weights
+from ampkit.optim import AmpOptimizer
 from ampkit.precision import Precision, resolve_precision
 from ampkit.scaler import LossScaler
-from ampkit.recorder import Recorder
 from ampkit.scheduler import AmpScheduler
 
 _Scheduler = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
@@ -53,7 +55,7 @@ class TrainingState:
         self._acc = acc
 
     def _optimizer(self) -> AmpOptimizer | None:
-        opts = self._acc._optimizers
+        opts = self._acc.optimizers
         if opts:
             opts[0].reconcile(block=True)
             return opts[0]
@@ -77,7 +79,7 @@ class TrainingState:
         scaler = self._acc.scaler
         if scaler is None:
             return None
-        self._acc._flush_scale_update()
+        self._acc.cycle.flush_scale_update()
         return scaler.get_scale()
 
     def __repr__(self) -> str:
@@ -144,8 +146,7 @@ class Accelerator:
         cuda_graphs: bool = False,
         free_step_buffers: bool = True,
     ) -> None:
-        if not isinstance(grad_accum_steps, int) or isinstance(grad_accum_steps, bool) or grad_accum_steps < 1:
-            raise ValueError(f"grad_accum_steps={grad_accum_steps!r}: expected an integer >= 1")
+        check_steps(grad_accum_steps)
         if isinstance(keep_fp32, (str, type)):
             keep_fp32 = [keep_fp32]  # type: ignore[list-item]
         if strategy not in ("auto", "ddp", "fsdp", "none"):
@@ -175,8 +176,10 @@ class Accelerator:
                 f"loss scaling is for fp16: use precision='fp16-mixed' or 'fp16-master', or drop scaler="
             )
         self.scaler = (scaler or LossScaler()).to(self.device) if self.policy.loss_scaling else None
+        self.cycle = AccumulationCycle(grad_accum_steps, self.scaler)
+        self.events = Events()  # listeners: ampkit.events.Listener
         self._compile = self._compile_setup(compile, cuda_graphs)
-        self._cuda_graphs = cuda_graphs and self._compile is not None
+        self.cuda_graphs = cuda_graphs and self._compile is not None
         self.compile_stats = CompileStats()
         if not isinstance(channels_last, bool):
             raise TypeError(f"channels_last={channels_last!r}: expected True or False")
@@ -195,9 +198,7 @@ class Accelerator:
         self._loaders: list[DeviceLoader] = []
         self._epoch = 0  # the epoch acc.epochs() is in (saved with checkpoints)
         self._metrics = MetricTracker()
-        self._cycle_pos = 0  # backward calls in the current accumulation cycle, 1..k after the first
-        self._pending_found_infs: list[torch.Tensor] = []
-        self._recorder: Recorder | None = None  # set by ampkit.compare to gather per-step figures
+        created(self)
 
     def _compile_setup(self, compile: bool | Mapping[str, Any], cuda_graphs: bool) -> dict[str, Any] | None:
         """torch.compile arguments for the models, or None; `cuda_graphs` is compile's reduce-overhead mode."""
@@ -277,6 +278,16 @@ class Accelerator:
         )
 
     def _prepare_model(self, model: nn.Module, *_: Any) -> nn.Module:
+        if any(model is m or model is self.unwrap(m) for m in self._model_list):
+            raise ValueError(f"{type(model).__name__} was already prepared; prepare each model once")
+        if self.policy.master_weights or self.policy.compensated:
+            mine = {id(p) for p in model.parameters()}
+            if any(id(p) in mine for opt in self._optimizers for g in opt.param_groups for p in g["params"]):
+                raise StepOrderError(
+                    f"precision {self.policy.name!r}: the optimizer of {type(model).__name__} was prepared before the "
+                    f"model, so it would step the low-precision weights directly (no master weights or compensation): "
+                    f"prepare the model first, e.g. model, optimizer = acc.prepare(model, optimizer)"
+                )
         if self.strategy == "fsdp":
             model.to(self.device)
             self._to_channels_last(model)
@@ -301,7 +312,7 @@ class Accelerator:
         return model
 
     def _set_grad_sync(self, model: nn.Module, _inputs: Any) -> None:
-        sync = self._cycle_pos % self.grad_accum_steps + 1 == self.grad_accum_steps
+        sync = self.cycle.next_is_last
         if self.strategy == "fsdp":
             model.set_requires_gradient_sync(sync)  # type: ignore[operator]
         else:
@@ -323,47 +334,23 @@ class Accelerator:
         self._optimizers.append(wrapped)
         return wrapped
 
-    def _low_precision_weights(self, optimizer: torch.optim.Optimizer) -> MasterWeights | CompensatedWeights | None:
+    def _low_precision_weights(self, optimizer: torch.optim.Optimizer) -> LowPrecisionWeights | None:
         """Point `optimizer` at fp32 parameters standing in for the model's low-precision ones."""
-        prepared_params = {id(p) for model in self._model_list for p in model.parameters()}
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        low = [p for p in params if p.is_floating_point() and p.dtype != torch.float32]
-        if any(id(p) not in prepared_params for p in low):
-            raise StepOrderError(
-                f"precision {self.policy.name!r}: prepare the model together with (or before) its optimizer, "
-                f"e.g. model, optimizer = acc.prepare(model, optimizer)"
-            )
-        if optimizer.state:
-            raise StepOrderError(
-                f"precision {self.policy.name!r}: the optimizer already has state; prepare it before its first step "
-                f"(load its state_dict after prepare)"
-            )
-        devices = sorted({str(p.device) for p in low})
-        if len(devices) > 1:  # the update's flat fp32 buffers live on one device
-            raise PrecisionError(
-                f"precision {self.policy.name!r} keeps its fp32 update buffers on one device, but this optimizer's "
-                f"parameters are on {', '.join(devices)}: use one optimizer per device, or precision='bf16-mixed'"
-            )
-        pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
-        stand_in: dict[int, nn.Parameter] = {}
-        for p in low:
-            # The exact fp32 initial value, handed over (not copied) so no fp32 copy outlives prepare.
-            init = next((m.originals.pop(p) for m in self._models.values() if p in m.originals), None)
-            if init is None:  # a weight already low-precision before prepare: its value is all there is
-                init = p.detach().to(torch.float32)
-            fp32 = nn.Parameter(init, requires_grad=p.requires_grad)
-            pairs.append((p, fp32))
-            stand_in[id(p)] = fp32
-        for group in optimizer.param_groups:
-            group["params"] = [stand_in.get(id(p), p) for p in group["params"]]
-        if self.policy.master_weights:
-            return MasterWeights(pairs, self.free_step_buffers)
-        return CompensatedWeights(pairs, optimizer, self.free_step_buffers)
+        prepared = {id(p) for model in self._model_list for p in model.parameters()}
+        # The exact fp32 initial values, handed over (not copied) so no fp32 copy outlives prepare.
+        originals: dict[nn.Parameter, torch.Tensor] = {}
+        for m in self._models.values():
+            originals.update(m.originals)
+        weights, taken = stand_in_weights(optimizer, self.policy, prepared, originals, self.free_step_buffers)
+        for m in self._models.values():
+            for p in taken:
+                m.originals.pop(p, None)
+        return weights
 
     def _prepare_loader(self, loader: DataLoader, *_: Any) -> DeviceLoader:
         if self.strategy != "none":
             loader = shard_loader(loader, self.distributed)
-        wrapped = DeviceLoader(loader, self.device, torch.channels_last if self.channels_last else None)
+        wrapped = DeviceLoader(loader, self.device, torch.channels_last if self.channels_last else None, self.events)
         self._loaders.append(wrapped)
         return wrapped
 
@@ -381,45 +368,39 @@ class Accelerator:
 
     # --- the step -----------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """`loss.backward()` with loss scaling and gradient accumulation (the loop's one changed line)."""
-        self._cycle_pos = self._cycle_pos % self.grad_accum_steps + 1
+        """`loss.backward()` with loss scaling and gradient accumulation (the loop's one changed line).
+
+        A backward that raises (a loss without grad, say) leaves the step as it was: it does not
+        count as a micro-step."""
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"acc.backward(loss) expects the loss tensor the model's output produced; got a {type(loss).__name__} ({loss!r})")
         for opt in self._optimizers:
-            opt._on_backward()
-        if self._recorder is not None:
-            self._recorder.loss(loss)
+            opt.check_backward()
+        if self.events:
+            self.events.emit(Listener.on_backward_start, self, loss)
+        finite = None
         if self.grad_accum_steps > 1:
             loss = loss / self.grad_accum_steps
         if self.scaler is not None:
-            self._flush_scale_update()
+            finite = torch.isfinite(loss.detach()).all()  # a device flag, read only to explain a collapse
+            self.cycle.flush_scale_update()
             loss = self.scaler.scale(loss)
         stats = self.compile_stats
-        if stats.first_forward_s is not None and stats.first_backward_s is None:
-            start = time.perf_counter()  # the compiled graph's backward is generated in this call
-            loss.backward(**kwargs)
-            stats.first_backward_s = time.perf_counter() - start
-            return
+        timed = stats.first_forward_s is not None and stats.first_backward_s is None
+        start = time.perf_counter()  # the compiled graph's backward is generated in the first call
         loss.backward(**kwargs)
-
-    def _flush_scale_update(self) -> None:
-        """Apply the scale update owed by the optimizer steps since the last backward (on the device)."""
-        if not self._pending_found_infs or self.scaler is None:
-            return
-        found = self._pending_found_infs[0]
-        for other in self._pending_found_infs[1:]:
-            found = found + other
-        self._pending_found_infs.clear()
-        self.scaler.update(found)
-
-    def _cycle_start(self) -> bool:
-        return self._cycle_pos in (0, self.grad_accum_steps)
-
-    def _cycle_end(self) -> bool:
-        return self._cycle_pos == self.grad_accum_steps
+        if timed:
+            stats.first_backward_s = time.perf_counter() - start
+        self.cycle.advance()
+        for opt in self._optimizers:
+            opt.on_backward(finite)
+        if self.events:
+            self.events.emit(Listener.on_backward_end, self)
 
     @property
     def sync_gradients(self) -> bool:
         """Whether the latest backward completed an accumulation cycle (the optimizer will step)."""
-        return self._cycle_end()
+        return self.cycle.at_end
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
         """Clip the unscaled gradients of every prepared optimizer; return the total norm.
@@ -431,9 +412,9 @@ class Accelerator:
         """
         if not self._optimizers:
             raise StepOrderError("acc.clip_grad_norm_() needs a prepared optimizer: acc.prepare(model, optimizer)")
-        if self._cycle_pos == 0:
+        if not self.cycle.started:
             raise StepOrderError("acc.clip_grad_norm_() was called before acc.backward(loss)")
-        if not self._cycle_end():
+        if not self.cycle.at_end:
             return None
         params: list[torch.Tensor] = []
         for opt in self._optimizers:
@@ -483,15 +464,55 @@ class Accelerator:
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"epochs({n!r}): expected an integer >= 0")
         start = self._epoch
-        if self._loaders and all(l._started and l._finished and l.epoch == start for l in self._loaders):
+        if self._loaders and all(l.epoch_done and l.epoch == start for l in self._loaders):
             start += 1  # the checkpoint was taken after the saved epoch's last batch
         for epoch in range(start, n):
             self._epoch = epoch
             for loader in self._loaders:
-                if loader._resume is None or loader.epoch != epoch:
+                if not loader.resuming or loader.epoch != epoch:
                     loader.set_epoch(epoch)
             yield epoch
         self._epoch = max(n, start)
+
+    # --- what was prepared, and the Accelerator's own state -------------------------------------
+    @property
+    def models(self) -> tuple[nn.Module, ...]:
+        """The prepared models, in the order prepared (the user's modules, without DDP)."""
+        return tuple(self._model_list)
+
+    @property
+    def optimizers(self) -> tuple[AmpOptimizer, ...]:
+        return tuple(self._optimizers)
+
+    @property
+    def schedulers(self) -> tuple[AmpScheduler, ...]:
+        return tuple(self._schedulers)
+
+    @property
+    def loaders(self) -> tuple[DeviceLoader, ...]:
+        return tuple(self._loaders)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch `acc.epochs()` is in."""
+        return self._epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The Accelerator's own state: epoch, accumulation position, loss scaler (not what it prepared)."""
+        return {"epoch": self._epoch, "cycle": self.cycle.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+
+    def check_state_dict(self, state: dict[str, Any]) -> list[str]:
+        """Every reason `state` cannot be loaded here (empty: it fits). Changes nothing."""
+        problem = self.cycle.check_state_dict(state["cycle"])
+        return [problem] if problem else []
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.cycle.load_state_dict(state["cycle"])
+        if self.scaler is not None and state["scaler"] is not None:
+            self.scaler.load_state_dict(state["scaler"])
+            self.scaler.to(self.device)
+        self._epoch = int(state["epoch"])
 
     def _require_prepared(self, what: str) -> None:
         if not (self._model_list or self._optimizers):
@@ -548,7 +569,9 @@ class Accelerator:
         """The user's module without DDP (ampkit's own changes are made in place, on the module)."""
         return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
-    def _bf16_runs(self) -> bool:
+    @property
+    def bf16_runs(self) -> bool:
+        """This device runs bf16 at a useful speed."""
         return capability(self.device).bf16_runs
 
     def __repr__(self) -> str:

@@ -32,7 +32,7 @@ import torch
 
 from ampkit.distributed import barrier, gather_objects, local_tensor
 from ampkit.errors import CheckpointError
-from ampkit.optim import CompensatedWeights, MasterWeights, Stage
+from ampkit.optim import Stage
 
 if TYPE_CHECKING:
     from ampkit.accelerator import Accelerator
@@ -148,22 +148,15 @@ def _cpu(obj: Any) -> Any:
 
 def _param_names(acc: Accelerator) -> dict[int, tuple[int, str]]:
     """id(parameter) -> (model index, parameter name), to key per-parameter state by name."""
-    return {id(p): (i, n) for i, m in enumerate(acc._model_list) for n, p in m.named_parameters()}
+    return {id(p): (i, n) for i, m in enumerate(acc.models) for n, p in m.named_parameters()}
 
 
 def _fp32_truth(acc: Accelerator) -> dict[str, torch.Tensor]:
     """The fp32 value each low-precision weight stands for (its master, or weight + Kahan buffer)."""
     names = _param_names(acc)
     truth: dict[str, torch.Tensor] = {}
-    for opt in acc._optimizers:
-        weights = opt._weights
-        if isinstance(weights, MasterWeights):
-            values = [(p, m.detach()) for p, m in weights.pairs]
-        elif isinstance(weights, CompensatedWeights):
-            values = [(p, p.detach().float() + c.float()) for (p, _), c in zip(weights.pairs, weights.compensation)]
-        else:
-            continue
-        for p, value in values:
+    for opt in acc.optimizers:
+        for p, value in opt.fp32_values():
             if id(p) in names:
                 i, n = names[id(p)]
                 truth[f"{i}/{n}"] = value
@@ -172,11 +165,11 @@ def _fp32_truth(acc: Accelerator) -> dict[str, torch.Tensor]:
 
 def _check_finite(acc: Accelerator) -> None:
     bad = []
-    for i, model in enumerate(acc._model_list):
+    for i, model in enumerate(acc.models):
         for name, p in model.named_parameters():
             shard = local_tensor(p.detach())
             if shard.is_floating_point() and not bool(torch.isfinite(shard).all()):  # sync: once per save, outside the step
-                bad.append(f"model {i}: {name}" if len(acc._model_list) > 1 else name)
+                bad.append(f"model {i}: {name}" if len(acc.models) > 1 else name)
     bad = sorted({name for names in gather_objects(bad) for name in names})  # every rank refuses together
     if bad:
         raise CheckpointError(
@@ -194,15 +187,15 @@ def collect(acc: Accelerator, weights: bool = True) -> dict[str, Any]:
     from ampkit import __version__
 
     _check_finite(acc)
-    if any(o._stage is Stage.UNSCALED for o in acc._optimizers):
+    if any(o.stage is Stage.UNSCALED for o in acc.optimizers):
         raise CheckpointError(
             "cannot save between acc.clip_grad_norm_() and optimizer.step(): the gradients are half-way through "
             "the update; save after optimizer.step()"
         )
-    pending = any(o._stage is Stage.BACKWARD for o in acc._optimizers)  # mid-accumulation: keep the gradients
-    for opt in acc._optimizers:
+    pending = any(o.stage is Stage.BACKWARD for o in acc.optimizers)  # mid-accumulation: keep the gradients
+    for opt in acc.optimizers:
         opt.reconcile(block=True)
-    acc._flush_scale_update()
+    acc.cycle.flush_scale_update()
     policy = acc.policy
     meta = {
         "ampkit_version": __version__,
@@ -211,27 +204,27 @@ def collect(acc: Accelerator, weights: bool = True) -> dict[str, Any]:
                       "param_dtype": str(policy.param_dtype), "master_weights": policy.master_weights,
                       "compensated": policy.compensated, "loss_scaling": policy.loss_scaling},
         "grad_accum_steps": acc.grad_accum_steps,
-        "cycle_pos": acc._cycle_pos,
-        "epoch": acc._epoch,
+        "cycle_pos": acc.cycle.position,
+        "epoch": acc.epoch,
         "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
         "optimizers": [
             {"attempted": o.attempted_steps, "applied": o.applied_steps, "skipped": o.skipped_steps,
-             "stage": o._stage.value, "overflows_at_min": o._overflows_at_min}
-            for o in acc._optimizers
+             "stage": o.stage.value, "overflows_at_min": 0}
+            for o in acc.optimizers
         ],
-        "schedulers": [{"seen": s._seen_attempts, "owed": s._owed} for s in acc._schedulers],
+        "schedulers": [s.state_dict()["ampkit"] for s in acc.schedulers],
     }
     return {
         "format": FORMAT,
         "version": VERSION,
         "meta": json.dumps(meta, sort_keys=True),
-        "models": [_cpu(m.state_dict()) for m in acc._model_list] if weights else [],
-        "optimizers": [_cpu(o.optimizer.state_dict()) for o in acc._optimizers] if weights else [],
+        "models": [_cpu(m.state_dict()) for m in acc.models] if weights else [],
+        "optimizers": [_cpu(o.optimizer.state_dict()) for o in acc.optimizers] if weights else [],
         "fp32_weights": _cpu(_fp32_truth(acc)) if weights else {},
-        "grads": [_cpu([p.grad for p in m.parameters()]) for m in acc._model_list] if pending and weights else [],
-        "schedulers": [_cpu(s.scheduler.state_dict()) for s in acc._schedulers],
+        "grads": [_cpu([p.grad for p in m.parameters()]) for m in acc.models] if pending and weights else [],
+        "schedulers": [_cpu(s.scheduler.state_dict()) for s in acc.schedulers],
         # Random state and data position differ per rank: keep every rank's (rank order).
-        "ranks": gather_objects(_cpu({"rng": _rng_state(), "loaders": [l.state_dict() for l in acc._loaders]})),
+        "ranks": gather_objects(_cpu({"rng": _rng_state(), "loaders": [l.state_dict() for l in acc.loaders]})),
     }
 
 
@@ -261,11 +254,11 @@ def _save_sharded(acc: Accelerator, path: Path) -> Path:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    if len(acc._model_list) != 1:
-        raise CheckpointError(f"strategy='fsdp' checkpoints one model; this Accelerator prepared {len(acc._model_list)}")
+    if len(acc.models) != 1:
+        raise CheckpointError(f"strategy='fsdp' checkpoints one model; this Accelerator prepared {len(acc.models)}")
     payload = collect(acc, weights=False)
     payload["sharded"] = True
-    model_sd, optim_sd = get_state_dict(acc._model_list[0], [o.optimizer for o in acc._optimizers])
+    model_sd, optim_sd = get_state_dict(acc.models[0], [o.optimizer for o in acc.optimizers])
     tmp = path.with_name(f".{path.name}.tmp")
     if acc.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -295,9 +288,9 @@ def _load_sharded(acc: Accelerator, path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    if len(acc._model_list) != 1:
-        raise CheckpointError(f"checkpoint {path} is sharded (one model); this Accelerator prepared {len(acc._model_list)}")
-    model, optimizers = acc._model_list[0], [o.optimizer for o in acc._optimizers]
+    if len(acc.models) != 1:
+        raise CheckpointError(f"checkpoint {path} is sharded (one model); this Accelerator prepared {len(acc.models)}")
+    model, optimizers = acc.models[0], [o.optimizer for o in acc.optimizers]
     model_sd, optim_sd = get_state_dict(model, optimizers)
     try:
         dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
@@ -346,9 +339,9 @@ def apply(acc: Accelerator, payload: dict[str, Any], path: Path) -> None:
             raise CheckpointError(f"checkpoint {path} is the metadata of a sharded checkpoint: load its folder")
     else:
         _check_shapes(acc, payload, path)
-    counts = [(len(acc._model_list), len(payload["models"]), "models"), (len(acc._optimizers), len(payload["optimizers"]), "optimizers"),
-              (len(acc._schedulers), len(payload["schedulers"]), "schedulers"),
-              (len(acc._loaders), len(payload["ranks"][0]["loaders"]), "data loaders")]
+    counts = [(len(acc.models), len(payload["models"]), "models"), (len(acc.optimizers), len(payload["optimizers"]), "optimizers"),
+              (len(acc.schedulers), len(payload["schedulers"]), "schedulers"),
+              (len(acc.loaders), len(payload["ranks"][0]["loaders"]), "data loaders")]
     for have, saved, what in counts:
         if have != saved and not (sharded and what in ("models", "optimizers")):
             raise CheckpointError(f"checkpoint {path} holds {saved} {what} but this Accelerator prepared {have}; prepare the same objects before loading")
@@ -357,25 +350,23 @@ def apply(acc: Accelerator, payload: dict[str, Any], path: Path) -> None:
             f"checkpoint {path} was saved mid-way through an accumulation cycle of {meta['grad_accum_steps']} micro-steps; "
             f"resume it with grad_accum_steps={meta['grad_accum_steps']} (now {acc.grad_accum_steps})"
         )
-    for model, state in zip(acc._model_list, payload["models"]):
+    for model, state in zip(acc.models, payload["models"]):
         model.load_state_dict(state)
     if sharded:
         _load_sharded(acc, Path(payload["dcp_path"]))
     else:
         _restore_weights(acc, payload)
-    for i, (opt, info) in enumerate(zip(acc._optimizers, meta["optimizers"])):
-        if not sharded:
-            opt.load_state_dict(payload["optimizers"][i])
-        opt.attempted_steps, opt.applied_steps, opt.skipped_steps = info["attempted"], info["applied"], info["skipped"]
-        opt._overflows_at_min = info["overflows_at_min"]
-        opt._stage = Stage(info["stage"])
-    saved_grads = payload["grads"] or [[None] * len(list(m.parameters())) for m in acc._model_list]
-    for model, grads in zip(acc._model_list, saved_grads):
+    for i, (opt, info) in enumerate(zip(acc.optimizers, meta["optimizers"])):
+        sd = opt.optimizer.state_dict() if sharded else payload["optimizers"][i]
+        sd = dict(sd, ampkit={"optimizer": type(opt.optimizer).__name__, "attempted": info["attempted"], "applied": info["applied"],
+                              "skipped": info["skipped"], "stage": info["stage"], "overflows_at_min": info["overflows_at_min"], "weights": None})
+        opt.load_state_dict(sd)
+    saved_grads = payload["grads"] or [[None] * len(list(m.parameters())) for m in acc.models]
+    for model, grads in zip(acc.models, saved_grads):
         for p, g in zip(model.parameters(), grads):
             p.grad = None if g is None else g.to(p.device, p.dtype)
-    for sched, state, info in zip(acc._schedulers, payload["schedulers"], meta["schedulers"]):
-        sched.scheduler.load_state_dict(state)
-        sched._seen_attempts, sched._owed = info["seen"], info["owed"]
+    for sched, state, info in zip(acc.schedulers, payload["schedulers"], meta["schedulers"]):
+        sched.load_state_dict(dict(state, ampkit=dict(info, scheduler=type(sched.scheduler).__name__)))
     ranks = payload["ranks"]
     if len(ranks) != acc.world_size:
         warnings.warn(
@@ -384,14 +375,10 @@ def apply(acc: Accelerator, payload: dict[str, Any], path: Path) -> None:
             stacklevel=3,
         )
     mine = ranks[acc.rank % len(ranks)]
-    for loader, state in zip(acc._loaders, mine["loaders"]):
+    for loader, state in zip(acc.loaders, mine["loaders"]):
         loader.load_state_dict(state)
-    if acc.scaler is not None and meta["scaler"] is not None:
-        acc.scaler.load_state_dict(meta["scaler"])
-        acc.scaler.to(acc.device)
-    acc._cycle_pos = meta["cycle_pos"] if meta["grad_accum_steps"] == acc.grad_accum_steps else 0
-    acc._epoch = meta["epoch"]
-    acc._pending_found_infs.clear()
+    acc.load_state_dict({"epoch": meta["epoch"], "scaler": meta["scaler"],
+                         "cycle": {"steps": meta["grad_accum_steps"], "position": meta["cycle_pos"]}})
     _set_rng_state(mine["rng"])
 
 
@@ -408,27 +395,22 @@ def _restore_weights(acc: Accelerator, payload: dict[str, Any]) -> None:
         return value.to(p.device, torch.float32)
 
     with torch.no_grad():
-        for model in acc._model_list:
+        for model in acc.models:
             for p in model.parameters():
                 i, n = names[id(p)]
                 if f"{i}/{n}" in truth:
                     p.copy_(best(p))
-        for opt in acc._optimizers:
-            weights = opt._weights
-            if isinstance(weights, MasterWeights):
-                for p, master in weights.pairs:
-                    master.data = best(p).clone()
-            elif isinstance(weights, CompensatedWeights):
-                for (p, _), comp in zip(weights.pairs, weights.compensation):
-                    comp.copy_(best(p) - p.float())
+        for opt in acc.optimizers:
+            if opt.weights is not None:
+                opt.weights.set_fp32_values({p: best(p) for p, _ in opt.fp32_values()})
 
 
 def _check_shapes(acc: Accelerator, payload: dict[str, Any], path: Path) -> None:
     """One error listing every missing / unexpected key and shape mismatch, for every model."""
     problems = []
-    for i, (model, saved) in enumerate(zip(acc._model_list, payload["models"])):
+    for i, (model, saved) in enumerate(zip(acc.models, payload["models"])):
         mine = model.state_dict()
-        prefix = f"model {i}: " if len(acc._model_list) > 1 else ""
+        prefix = f"model {i}: " if len(acc.models) > 1 else ""
         missing = [k for k in mine if k not in saved]
         unexpected = [k for k in saved if k not in mine]
         shapes = [f"{k} {tuple(saved[k].shape)} in the checkpoint vs {tuple(v.shape)} in the model"

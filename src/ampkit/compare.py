@@ -39,7 +39,7 @@ from ampkit.checkpoint import atomic_write
 from ampkit.errors import PrecisionError
 from ampkit.hardware import auto_precision, capability, describe, resolve_device
 from ampkit.precision import PRESETS, resolve_precision
-from ampkit.recorder import Recorder
+from ampkit.recorder import Recorder, StepListener
 
 TrainFn = Callable[[Accelerator], dict[str, float]]
 
@@ -191,7 +191,7 @@ def run_one(spec: RunSpec, progress: Callable[[int], None] | None = None) -> dic
         acc = Accelerator(precision=spec.precision, device=device)
     notes = [str(w.message) for w in caught]
     recorder = Recorder(device, on_step=progress)
-    acc._recorder = recorder
+    acc.events.add(StepListener(acc, recorder))
     steps = spec.steps or 0
     if spec.task is not None and not spec.steps:
         from ampkit.tasks import get_task

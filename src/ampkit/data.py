@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from ampkit.events import Events, Listener
+
 
 def move_to_device(obj: Any, device: torch.device, non_blocking: bool = False,
                    memory_format: torch.memory_format | None = None) -> Any:
@@ -51,8 +53,10 @@ class DeviceLoader:
     epoch's shuffle started from — so a checkpoint can resume mid-epoch at the exact next batch.
     """
 
-    def __init__(self, loader: DataLoader, device: torch.device, memory_format: torch.memory_format | None = None) -> None:
+    def __init__(self, loader: DataLoader, device: torch.device, memory_format: torch.memory_format | None = None,
+                 events: Events | None = None) -> None:
         self.loader = loader
+        self.events = events if events is not None else Events()
         self.device = device
         self.memory_format = memory_format  # channels_last for image batches, or None
         self._cuda = device.type == "cuda"
@@ -89,43 +93,66 @@ class DeviceLoader:
 
     # --- iteration ----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
-        skip = 0
         if self._resume is not None:
             skip, epoch_rng = self._resume
             self._resume = None
             now = torch.get_rng_state()
-            self._restore_rng(epoch_rng)  # replay the shuffle of the interrupted pass ...
+            # Replay the interrupted pass from its starting random state, pulling the batches it had
+            # already handed out while that state is active: a sampler without its own generator
+            # draws its seed at the first batch, and the pass's generators must end where they did.
+            self._restore_rng(epoch_rng)
             self._epoch_rng = epoch_rng
             self._set_sampler_epoch()
-            it = iter(self.loader) if skip < len(self) else iter(())
-            torch.set_rng_state(now)  # ... but continue everything else from the checkpoint's state
+            it = iter(self.loader)
+            self._started, self._finished, self.batch_index = True, False, 0
+            for _ in range(skip):
+                if next(it, _END) is _END:
+                    break
+                self.batch_index += 1
+            torch.set_rng_state(now)  # everything after the skipped batches continues from the checkpoint's state
         else:
             if self._started:
                 self.epoch += 1
             self._epoch_rng = self._capture_rng()
             self._set_sampler_epoch()
             it = iter(self.loader)
-        self._started, self._finished, self.batch_index = True, False, 0
-        for _ in range(skip):  # the batches the interrupted run had already trained on
-            if next(it, _END) is _END:
-                break
-            self.batch_index += 1
+            self._started, self._finished, self.batch_index = True, False, 0
         yield from self._on_device(it)
         self._finished = True
 
+    def _next(self, it: Iterator[Any]) -> Any:
+        """The user's loader's next batch (`_END` at the end of the pass), with the batch-wait events."""
+        events = self.events
+        if not events:
+            return next(it, _END)
+        events.emit(Listener.on_batch_wait_start, self)
+        batch = next(it, _END)
+        if batch is not _END:
+            events.emit(Listener.on_batch_wait_end, self, batch)
+        return batch
+
+    def _move(self, batch: Any, non_blocking: bool) -> Any:
+        events = self.events
+        if not events:
+            return move_to_device(batch, self.device, non_blocking, self.memory_format)
+        events.emit(Listener.on_h2d_start, self, batch)
+        moved = move_to_device(batch, self.device, non_blocking, self.memory_format)
+        events.emit(Listener.on_h2d_end, self, moved)
+        return moved
+
     def _on_device(self, it: Iterator[Any]) -> Iterator[Any]:
         if not self._cuda:
-            for batch in it:
+            while (batch := self._next(it)) is not _END:
                 self.batch_index += 1
-                yield move_to_device(batch, self.device, memory_format=self.memory_format)
+                yield self._move(batch, False)
             return
         # One batch ahead: its copy overlaps the current step's compute.
-        try:
-            ahead = move_to_device(next(it), self.device, True, self.memory_format)
-        except StopIteration:
+        batch = self._next(it)
+        if batch is _END:
             return
-        for batch in it:
-            current, ahead = ahead, move_to_device(batch, self.device, True, self.memory_format)
+        ahead = self._move(batch, True)
+        while (batch := self._next(it)) is not _END:
+            current, ahead = ahead, self._move(batch, True)
             self.batch_index += 1
             yield current
         self.batch_index += 1
@@ -136,6 +163,16 @@ class DeviceLoader:
         self.epoch = epoch
         self._started = False
         self._set_sampler_epoch()
+
+    @property
+    def epoch_done(self) -> bool:
+        """The current pass ran to its end."""
+        return self._started and self._finished
+
+    @property
+    def resuming(self) -> bool:
+        """The next pass continues an interrupted one (a checkpoint was loaded)."""
+        return self._resume is not None
 
     def _set_sampler_epoch(self) -> None:
         sampler = getattr(self.loader, "sampler", None)

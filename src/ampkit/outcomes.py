@@ -37,14 +37,16 @@ class StepOutcomes:
         self._view = self._host.numpy()  # reads of landed slots: plain memory, no tensor op
         self._pending: deque[tuple[int, torch.cuda.Event | None]] = deque()
         self._next = 0
+        self._landed: list[Outcome] = []  # read out of slots that had to be reused before a poll
 
     def record(self, found_inf: torch.Tensor, scale: torch.Tensor) -> None:
         """Queue the outcome of the step that just ran (both 0-dim device tensors); never blocks
         unless `_RING` outcomes are already in flight."""
-        if len(self._pending) == _RING:
-            slot, event = self._pending[0]
+        if len(self._pending) == _RING:  # the oldest slot is reused: read it first, never lose an outcome
+            slot, event = self._pending.popleft()
             if event is not None:
                 event.synchronize()  # sync: only when the host runs _RING steps ahead of the device
+            self._landed.append(self._read(slot))
         slot = self._next
         self._next = (self._next + 1) % _RING
         pair = torch.stack((found_inf.float(), scale.float()))
@@ -57,7 +59,7 @@ class StepOutcomes:
 
     def poll(self, block: bool = False) -> list[Outcome]:
         """Outcomes that have landed since the last poll, oldest first; all of them if `block`."""
-        landed: list[Outcome] = []
+        landed, self._landed = self._landed, []
         while self._pending:
             slot, event = self._pending[0]
             if event is not None:
@@ -65,7 +67,15 @@ class StepOutcomes:
                     event.synchronize()  # sync: the caller asked for exact figures, outside the step
                 elif not event.query():
                     break
-            found, scale = self._view[slot]
-            landed.append(Outcome(skipped=bool(found > 0), scale=float(scale)))
+            landed.append(self._read(slot))
             self._pending.popleft()
         return landed
+
+    def _read(self, slot: int) -> Outcome:
+        found, scale = self._view[slot]
+        return Outcome(skipped=bool(found > 0), scale=float(scale))
+
+    def clear(self) -> None:
+        """Forget the outcomes in flight (a checkpoint was loaded: its counters are the truth)."""
+        self._pending.clear()
+        self._landed = []

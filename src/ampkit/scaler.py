@@ -26,7 +26,7 @@ class LossScaler:
         growth_factor: multiply the scale by this after `growth_interval` clean steps.
         backoff_factor: multiply the scale by this on an overflow.
         growth_interval: clean steps in a row before the scale grows.
-        min_scale: the scale never drops below this (None: no bound). At the bound, continued
+        min_scale: the scale never drops below this (None: only below the smallest normal fp32, 2**-126). At the bound, continued
             overflows mean fp16 cannot represent the gradients: see `collapse_after`.
         max_scale: the scale never grows above this (None: no bound).
         hysteresis: overflows tolerated before backing off (1: back off on every overflow, as torch).
@@ -93,6 +93,11 @@ class LossScaler:
         return self.scale_tensor.item()  # sync: an explicit read the caller asked for
 
     # --- the step -----------------------------------------------------------------------------
+    @property
+    def floor(self) -> float:
+        """The smallest scale this scaler reaches: `min_scale`, or the smallest normal fp32 without one."""
+        return self.min_scale if self.min_scale is not None else _SMALLEST_NORMAL
+
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """`loss * scale`, computed on the device."""
         return loss * self.scale_tensor.to(device=loss.device, non_blocking=True)
@@ -125,8 +130,8 @@ class LossScaler:
             )
         else:
             self._update_with_hysteresis(found_inf)
-        if self.min_scale is not None or self.max_scale is not None:
-            scale.clamp_(min=self.min_scale, max=self.max_scale)
+        # Never 0 (a zero scale could never grow again, and unscaling by it makes NaN of every gradient).
+        scale.clamp_(min=self.floor, max=self.max_scale)
 
     def _update_with_hysteresis(self, found_inf: torch.Tensor) -> None:
         """The same rule as `_amp_update_scale_`, but backing off only after `hysteresis` overflows."""
@@ -179,6 +184,9 @@ class LossScaler:
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"
         return f"LossScaler({kind}, init_scale={self.init_scale}, growth_interval={self.growth_interval}, hysteresis={self.hysteresis})"
+
+
+_SMALLEST_NORMAL = 2.0**-126
 
 
 def _require(ok: bool, name: str, value: object, expected: str) -> None:

@@ -25,7 +25,7 @@ class AmpScheduler:
         self._seen_attempts = 0
         self._optimistic: set[int] = set()  # step indices advanced for before their outcome landed
         self._owed = 0  # advances taken for steps that turned out skipped
-        optimizer._schedulers.append(self)
+        optimizer.watch_outcomes(self._on_outcome)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         """Advance if an optimizer step was applied since the last call (always, if not per-step)."""
@@ -55,10 +55,27 @@ class AmpScheduler:
                 self._owed += 1
 
     def state_dict(self) -> dict[str, Any]:
-        return self.scheduler.state_dict()
+        """The wrapped scheduler's state_dict plus ampkit's bookkeeping under "ampkit"."""
+        state = dict(self.scheduler.state_dict())
+        state["ampkit"] = {"scheduler": type(self.scheduler).__name__, "seen": self._seen_attempts, "owed": self._owed}
+        return state
+
+    def check_state_dict(self, state: dict[str, Any]) -> list[str]:
+        """Every reason `state` cannot be loaded here (empty: it fits). Changes nothing."""
+        amp = state.get("ampkit") if isinstance(state, dict) else None
+        if not isinstance(state, dict):
+            return ["it is not a scheduler state_dict"]
+        if amp is not None and amp.get("scheduler") != type(self.scheduler).__name__:
+            return [f"it was saved from a {amp.get('scheduler')} scheduler, this one is a {type(self.scheduler).__name__}"]
+        return []
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state_dict)
+        """Load a state_dict from `state_dict()` (or a plain torch scheduler's)."""
+        amp = state_dict.get("ampkit")
+        self.scheduler.load_state_dict({k: v for k, v in state_dict.items() if k != "ampkit"})
+        if amp is not None:
+            self._seen_attempts, self._owed = int(amp["seen"]), int(amp["owed"])
+            self._optimistic.clear()
 
     def __getattr__(self, name: str) -> Any:
         if name == "scheduler":

@@ -20,13 +20,15 @@ stay on the device until `result()`.
 
 from __future__ import annotations
 
+import functools
+
 import math
 from typing import Any
 
 import torch
 from torch import nn
 
-from ampkit.optim import AmpOptimizer, CompensatedWeights, MasterWeights
+from ampkit.optim import AmpOptimizer
 
 #: Lost share above which the doctor recommends master weights or compensation.
 LOST_SHARE_ALARM = 0.10
@@ -54,18 +56,11 @@ class LostUpdateDetector:
 
     def __init__(self, optimizer: AmpOptimizer) -> None:
         self.optimizer = optimizer
-        weights = optimizer._weights
+        weights = optimizer.weights
         stand_in: dict[int, tuple[nn.Parameter, Any]] = {}  # optimizer param -> (model param, effective weight getter)
-        if isinstance(weights, MasterWeights):
-            for param, master in weights.pairs:
-                stand_in[id(master)] = (param, lambda m=master: m.detach())
-            self.effective = "master"
-        elif isinstance(weights, CompensatedWeights):
-            for (param, shadow), comp in zip(weights.pairs, weights.compensation):
-                stand_in[id(shadow)] = (param, lambda p=param, c=comp: p.detach().float() + c.float())
-            self.effective = "compensated"
-        else:
-            self.effective = "param"
+        self.effective = weights.kind if weights is not None else "param"
+        for i, (param, stand) in enumerate(weights.pairs if weights is not None else []):
+            stand_in[id(stand)] = (param, functools.partial(weights.fp32_value, i))
         # (group index, model param, getter) for every parameter the optimizer steps
         self._params: list[tuple[int, nn.Parameter, Any]] = []
         for index, group in enumerate(optimizer.param_groups):

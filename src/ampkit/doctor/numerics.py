@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from ampkit.recorder import StepListener
 from torch import nn
 
 import ampkit
@@ -90,7 +92,8 @@ class NumericsSession:
         self.result: Result | None = None
         self.seen_steps = 0
         self.watched_steps = 0
-        self._inner = acc._recorder
+        self._inner = None
+        self._listener = StepListener(acc, self)
         self._outcomes: list[Any] = []
         self._outcome_start = 0
         self._census: RangeCensus | None = None
@@ -108,7 +111,7 @@ class NumericsSession:
         if _active is not None:
             raise DoctorError("another numerics doctor session is already watching this process; finish it first")
         _active = self
-        self.acc._recorder = self  # type: ignore[assignment]
+        self.acc.events.add(self._listener)
         self._attached = True
         if self.warmup == 0:
             try:
@@ -153,8 +156,8 @@ class NumericsSession:
     def _detach(self) -> None:
         global _active
         self._remove_hooks()
-        if self._attached and self.acc._recorder is self:
-            self.acc._recorder = self._inner
+        if self._attached:
+            self.acc.events.remove(self._listener)
         self._attached = False
         if _active is self:
             _active = None

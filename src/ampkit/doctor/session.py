@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from ampkit.recorder import StepListener
+
 from ampkit.accelerator import Accelerator
 from ampkit.doctor import advisor
 from ampkit.doctor.analysis import Analysis
@@ -89,7 +91,8 @@ class DoctorSession:
         self.bench = bench
         self.result: dict[str, Any] | None = None
         self.seen_steps = 0  # optimizer steps since attach (warm-up included)
-        self._inner = acc._recorder
+        self._inner = None
+        self._listener = StepListener(acc, self)
         self._outcomes: list[Any] = []
         self._clock = PhaseClock(acc)
         self._syncs = SyncWatcher(acc.device, ignore=lambda: self._clock.in_data)
@@ -117,14 +120,13 @@ class DoctorSession:
             self._stack.close()
             _active = None
             raise
-        self.acc._recorder = self  # type: ignore[assignment]
+        self.acc.events.add(self._listener)
         if self.warmup == 0:
             self._open("profiled")
 
     def _detach_recorder(self) -> None:
         global _active
-        if self.acc._recorder is self:
-            self.acc._recorder = self._inner
+        self.acc.events.remove(self._listener)
         _active = None
 
     # --- the recorder interface (called by the Accelerator) -----------------------------------

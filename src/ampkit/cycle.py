@@ -1,0 +1,101 @@
+"""Where the loop is inside one gradient-accumulation cycle, and the loss-scale updates it owes.
+
+One `AccumulationCycle` is shared by an Accelerator and everything it prepares: `acc.backward`
+advances it, the prepared optimizer steps and zeroes only at its boundaries, and DDP's gradient
+sync is switched on for the cycle's last micro-step. It also holds the overflow flags of the
+optimizer steps whose loss-scale update has not run yet: the update is applied on the device at
+the next backward (so several optimizers stepping on one scale agree), or when a checkpoint or a
+reader of `acc.state.scale` needs the current scale.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ampkit.scaler import LossScaler
+
+
+def check_steps(steps: Any) -> None:
+    """ValueError unless `steps` (Accelerator's grad_accum_steps) is an integer >= 1."""
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"grad_accum_steps={steps!r}: expected an integer >= 1")
+
+
+class AccumulationCycle:
+    """The position in a cycle of `steps` micro-steps (0 before the first backward, then 1..steps)."""
+
+    def __init__(self, steps: int, scaler: LossScaler | None) -> None:
+        check_steps(steps)
+        self.steps = steps
+        self.scaler = scaler
+        self.position = 0
+        self._owed: list[torch.Tensor] = []  # found_inf flags of steps whose scale update is owed
+
+    # --- the position ---------------------------------------------------------------------------
+    def advance(self) -> int:
+        """One more backward: return the previous position (to `restore` if the backward fails)."""
+        previous = self.position
+        self.position = self.position % self.steps + 1
+        return previous
+
+    def restore(self, position: int) -> None:
+        """Undo an `advance` whose backward raised: the failed micro-step did not count."""
+        self.position = position
+
+    @property
+    def started(self) -> bool:
+        """A backward has run since the Accelerator was made (or the checkpoint it loaded)."""
+        return self.position != 0
+
+    @property
+    def at_start(self) -> bool:
+        """No micro-step of a new cycle has run yet: gradients may be zeroed."""
+        return self.position in (0, self.steps)
+
+    @property
+    def at_end(self) -> bool:
+        """The latest backward completed the cycle: the optimizer steps now."""
+        return self.position == self.steps
+
+    @property
+    def next_is_last(self) -> bool:
+        """The next backward will complete the cycle (DDP all-reduces in that one only)."""
+        return self.position % self.steps + 1 == self.steps
+
+    # --- owed loss-scale updates ------------------------------------------------------------------
+    def owe_scale_update(self, found_inf: torch.Tensor) -> None:
+        """An optimizer step with this overflow flag ran; the scale update follows later."""
+        self._owed.append(found_inf)
+
+    def flush_scale_update(self) -> None:
+        """Apply the owed scale update now (on the device: no sync)."""
+        if not self._owed or self.scaler is None:
+            self._owed.clear()
+            return
+        found = self._owed[0]
+        for other in self._owed[1:]:
+            found = found + other
+        self._owed.clear()
+        self.scaler.update(found)
+
+    # --- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The position (owed updates are flushed first: the scaler's state then holds them)."""
+        self.flush_scale_update()
+        return {"steps": self.steps, "position": self.position}
+
+    def check_state_dict(self, state: dict[str, Any]) -> str | None:
+        """Why `state` cannot be loaded into this cycle, or None."""
+        if state["steps"] != self.steps and state["position"] not in (0, state["steps"]):
+            return (f"it was saved mid-way through an accumulation cycle of {state['steps']} micro-steps; "
+                    f"resume it with grad_accum_steps={state['steps']} (now {self.steps})")
+        return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        problem = self.check_state_dict(state)
+        if problem is not None:
+            raise ValueError(problem)
+        self.position = int(state["position"]) if state["steps"] == self.steps else 0
+        self._owed.clear()

@@ -1,0 +1,136 @@
+"""What the engine tells observers: typed events, delivered to registered listeners.
+
+The engine (Accelerator, the prepared optimizer, the prepared DataLoader) emits; tools listen
+(`ampkit compare`'s recorder, the performance and numerics doctors). Calls go one way: a listener
+reads the public API of what it is handed and never patches the engine.
+
+```python
+class Losses(ampkit.events.Listener):
+    def on_backward_start(self, acc, loss):
+        ...                                   # `loss` as passed to acc.backward, on the device
+
+with acc.events.listening(Losses()):          # or acc.events.add(l) / acc.events.remove(l)
+    ...                                       # the training loop, unchanged
+```
+
+Every emit site costs one empty-list check when nothing listens. Events arrive in the training
+thread, in the order the loop runs; an exception a listener raises propagates into the loop (a
+doctor that has measured enough ends a script's training that way). Listeners must not wait for
+the device unless they say so (`# sync:`): they run inside the step.
+
+`on_created` is process-wide: `watch_created(callback)` sees every Accelerator made while it is
+active — how `ampkit doctor script.py` finds the Accelerator a script creates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from ampkit.accelerator import Accelerator
+    from ampkit.data import DeviceLoader
+    from ampkit.optim import AmpOptimizer
+    from ampkit.outcomes import Outcome
+
+
+class Listener:
+    """Base class for observers: override the events you need; the rest do nothing."""
+
+    def on_backward_start(self, acc: Accelerator, loss: torch.Tensor) -> None:
+        """`acc.backward(loss)` was called (`loss` before accumulation division and scaling)."""
+
+    def on_backward_end(self, acc: Accelerator) -> None:
+        """The backward pass of `acc.backward` returned."""
+
+    def on_step_start(self, optimizer: AmpOptimizer) -> None:
+        """`optimizer.step()` was called on a prepared optimizer (every call, micro-steps too)."""
+
+    def on_step_end(self, optimizer: AmpOptimizer, stepped: bool) -> None:
+        """`optimizer.step()` is about to return; `stepped` is False on a non-boundary micro-step.
+
+        On a stepped call the update ran (or was skipped on the device for an overflow: the
+        outcome follows as `on_outcome`)."""
+
+    def on_outcome(self, optimizer: AmpOptimizer, outcome: Outcome) -> None:
+        """A loss-scaled step's outcome (applied or skipped, and its scale) reached the host."""
+
+    def on_zero_grad_start(self, optimizer: AmpOptimizer) -> None:
+        """`optimizer.zero_grad()` was called on a prepared optimizer."""
+
+    def on_zero_grad_end(self, optimizer: AmpOptimizer) -> None:
+        """`optimizer.zero_grad()` is about to return."""
+
+    def on_batch_wait_start(self, loader: DeviceLoader) -> None:
+        """A prepared loader asks the user's DataLoader for its next batch."""
+
+    def on_batch_wait_end(self, loader: DeviceLoader, batch: Any) -> None:
+        """The user's DataLoader handed over `batch` (still on the host); not called at the end of a pass."""
+
+    def on_h2d_start(self, loader: DeviceLoader, batch: Any) -> None:
+        """A prepared loader starts copying `batch` to the training device."""
+
+    def on_h2d_end(self, loader: DeviceLoader, batch: Any) -> None:
+        """The copy was issued (on CUDA it may still run: it does not block the host)."""
+
+
+class Events:
+    """The listeners of one engine object (shared by an Accelerator and what it prepares)."""
+
+    def __init__(self) -> None:
+        self._listeners: list[Listener] = []
+
+    def add(self, listener: Listener) -> None:
+        """Start delivering events to `listener` (after those already registered)."""
+        if not isinstance(listener, Listener):
+            raise TypeError(f"{listener!r}: expected an ampkit.events.Listener")
+        if any(listener is other for other in self._listeners):
+            raise ValueError(f"{listener!r} is already listening")
+        self._listeners.append(listener)
+
+    def remove(self, listener: Listener) -> None:
+        """Stop delivering events to `listener` (a listener not registered is ignored)."""
+        self._listeners = [other for other in self._listeners if other is not listener]
+
+    @contextlib.contextmanager
+    def listening(self, listener: Listener) -> Iterator[Listener]:
+        """Deliver events to `listener` inside the block only, whatever happens in it."""
+        self.add(listener)
+        try:
+            yield listener
+        finally:
+            self.remove(listener)
+
+    def __bool__(self) -> bool:
+        return bool(self._listeners)
+
+    def __len__(self) -> int:
+        return len(self._listeners)
+
+    def emit(self, event: Callable[..., None], *args: Any) -> None:
+        """Call `event` (a `Listener` method, e.g. `Listener.on_backward_end`) on every listener."""
+        name = event.__name__
+        for listener in list(self._listeners):  # a listener may remove itself
+            getattr(listener, name)(*args)
+
+
+_created: list[Callable[[Any], None]] = []
+
+
+@contextlib.contextmanager
+def watch_created(callback: Callable[[Accelerator], None]) -> Iterator[None]:
+    """Call `callback(acc)` for every Accelerator created inside the block (at the end of its __init__)."""
+    _created.append(callback)
+    try:
+        yield
+    finally:
+        _created.remove(callback)
+
+
+def created(acc: Accelerator) -> None:
+    """Emitted by `Accelerator.__init__` once the Accelerator is complete."""
+    for callback in list(_created):
+        callback(acc)
