@@ -24,7 +24,7 @@ from ampkit.doctor import advisor, findings
 from ampkit.doctor.ops import OpStats, analyse
 from ampkit.doctor.peak import SIZE, copy_bandwidth, matmul_peaks
 from ampkit.doctor.phases import PHASES
-from ampkit.doctor.units import article, seconds, times
+from ampkit.present import article, seconds, times
 from ampkit.hardware import capability, describe
 
 if TYPE_CHECKING:

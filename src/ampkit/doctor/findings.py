@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ampkit.doctor import advisor
-from ampkit.doctor.units import article, count, flops, percent, seconds, times, where
+from ampkit.present import article, count, flops, percent, seconds, times, where
 
 #: Data wait worth a finding, as a share of the step.
 DATA_SHARE = 0.10

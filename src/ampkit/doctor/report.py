@@ -10,7 +10,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from ampkit.doctor.units import article, count, flop, seconds, times, where
+from ampkit.present import article, count, flop, seconds, times, where
 
 Result = dict[str, Any]
 

@@ -1,4 +1,4 @@
-"""Numbers for people: durations, rates and counts as the doctor prints them."""
+"""Numbers, tables and pages for people: one way to format every figure ampkit prints (compare, info, doctor)."""
 
 from __future__ import annotations
 
