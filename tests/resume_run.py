@@ -7,6 +7,7 @@ weights to --out, so a test can compare a resumed run with an uninterrupted one 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -14,41 +15,67 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import ampkit
 
 EPOCHS = 3
+LOADERS = ("generator", "plain", "iterable")  # shuffle=True with its own generator / without one (what most scripts write) / a stream
 
 
-def build(precision: str, accum: int):
+class Stream(IterableDataset):
+    """Samples in a fixed order, with no length: what a streaming dataset looks like to a DataLoader."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __iter__(self):
+        return iter(zip(self.x, self.y))
+
+
+def make_loader(kind: str = "generator", workers: int = 0, drop_last: bool = False, n: int = 96) -> DataLoader:
+    """`n` samples of 8 features in batches of 8 (12 batches per epoch for n=96)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 8, generator=g)
+    y = x[:, :4].argmax(dim=1)
+    extra = {"num_workers": workers, "drop_last": drop_last}
+    if kind == "iterable":
+        return DataLoader(Stream(x, y), batch_size=8, **extra)
+    if kind == "plain":
+        return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True, **extra)
+    assert kind == "generator", kind
+    return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(2), **extra)
+
+
+def build(precision: str, accum: int, loader: str = "generator", workers: int = 0, drop_last: bool = False, n: int = 96):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.2), nn.GELU(), nn.Linear(32, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(96, 8, generator=g)
-    y = x[:, :4].argmax(dim=1)
-    loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(2))
+    loader = make_loader(loader, workers, drop_last, n)
     acc = ampkit.Accelerator(precision=precision, device="cpu", grad_accum_steps=accum)
     model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
     return acc, model, opt, loader, sched
 
 
 def train(precision: str, accum: int = 1, ckpt: str | None = None, stop_after: int | None = None,
-          inject_at: int | None = None, every: int | None = None, log: str | None = None, sleep: float = 0.0):
-    """Train EPOCHS epochs; return (micro-step losses, final weights).
+          inject_at: int | None = None, every: int | None = None, log: str | None = None, sleep: float = 0.0,
+          epochs: int = EPOCHS, loader: str = "generator", workers: int = 0, drop_last: bool = False, n: int = 96,
+          stop_after_epoch: int | None = None):
+    """Train `epochs` epochs; return (micro-step losses, final weights, accelerator).
 
     stop_after: save a checkpoint after that many micro-steps (of this process) and stop, as a crash would.
+    stop_after_epoch: save a checkpoint after that epoch's loop has ended (outside it) and stop.
     every: save a checkpoint every that many micro-steps. inject_at: put an inf in the gradients at
     that global micro-step (counted across a resume). log: append each loss to this file as it happens.
+    loader, workers, drop_last, n: the DataLoader (see `make_loader`).
     """
-    acc, model, opt, loader, sched = build(precision, accum)
+    acc, model, opt, loader, sched = build(precision, accum, loader, workers, drop_last, n)
     if ckpt is not None:
         acc.resume(ckpt)
     micro = opt.attempted_steps * accum + acc.cycle.position % accum  # micro-steps already trained (resumed runs)
     losses: list[float] = []
-    for _ in acc.epochs(EPOCHS):
+    for epoch in acc.epochs(epochs):
         for x, y in loader:
             loss = F.cross_entropy(model(x), y)
             acc.backward(loss)
@@ -69,7 +96,22 @@ def train(precision: str, accum: int = 1, ckpt: str | None = None, stop_after: i
                 acc.save_checkpoint(ckpt)
                 return losses, [p.detach().clone() for p in model.parameters()], acc
             time.sleep(sleep)
+        if stop_after_epoch is not None and epoch == stop_after_epoch:
+            acc.save_checkpoint(ckpt)
+            return losses, [p.detach().clone() for p in model.parameters()], acc
     return losses, [p.detach().clone() for p in model.parameters()], acc
+
+
+def resume_in_fresh_process(tmp_path: Path, precision: str, accum: int, ckpt: Path, **extra) -> dict:
+    """Run this script in a new Python process resuming from `ckpt`; its losses, weights and counters.
+
+    `extra` become command-line options (`drop_last=1` -> `--drop-last 1`)."""
+    out = Path(tmp_path) / "resumed.pt"
+    args = [sys.executable, str(Path(__file__).resolve()), "--precision", precision, "--accum", str(accum), "--ckpt", str(ckpt), "--out", str(out)]
+    for key, value in extra.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    subprocess.run(args, check=True, timeout=120)
+    return torch.load(out, weights_only=True)
 
 
 def main() -> None:
@@ -82,8 +124,14 @@ def main() -> None:
     p.add_argument("--log")
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--inject-at", type=int)
+    p.add_argument("--epochs", type=int, default=EPOCHS)
+    p.add_argument("--loader", choices=LOADERS, default="generator")
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--drop-last", type=int, default=0)
+    p.add_argument("--n", type=int, default=96)
     a = p.parse_args()
-    losses, weights, acc = train(a.precision, a.accum, a.ckpt, every=a.every, log=a.log, sleep=a.sleep, inject_at=a.inject_at)
+    losses, weights, acc = train(a.precision, a.accum, a.ckpt, every=a.every, log=a.log, sleep=a.sleep, inject_at=a.inject_at,
+                                 epochs=a.epochs, loader=a.loader, workers=a.workers, drop_last=bool(a.drop_last), n=a.n)
     if a.out:
         torch.save({"losses": losses, "weights": weights, "scale": acc.state.scale,
                     "skipped": acc.state.skipped_steps, "applied": acc.state.applied_steps}, a.out)

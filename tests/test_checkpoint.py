@@ -20,18 +20,9 @@ from torch import nn
 import ampkit
 from ampkit import checkpoint
 from conftest import assert_bitwise_equal
-from resume_run import build, train
+from resume_run import build, resume_in_fresh_process, train
 
 HERE = Path(__file__).parent
-
-
-def resume_in_fresh_process(tmp_path: Path, precision: str, accum: int, ckpt: Path, **extra) -> dict:
-    out = tmp_path / "resumed.pt"
-    args = [sys.executable, str(HERE / "resume_run.py"), "--precision", precision, "--accum", str(accum), "--ckpt", str(ckpt), "--out", str(out)]
-    for key, value in extra.items():
-        args += [f"--{key.replace('_', '-')}", str(value)]
-    subprocess.run(args, check=True, timeout=120)
-    return torch.load(out, weights_only=True)
 
 
 @pytest.mark.parametrize("precision,accum,stop_after,inject_at", [
