@@ -6,6 +6,7 @@ import errno
 import multiprocessing
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from torch import nn
 import ampkit
 from ampkit import checkpoint
 from conftest import assert_bitwise_equal
-from resume_run import build, resume_in_fresh_process, train
+from resume_run import build, resume_in_fresh_process, start_fresh, train
 
 HERE = Path(__file__).parent
 
@@ -90,23 +91,54 @@ def test_kill_during_save_always_leaves_the_last_completed_checkpoint(tmp_path, 
         assert acc.state.applied_steps in (completed, completed + 1), (trial, completed, loaded)
 
 
-def test_kill_during_training_then_resume_continues_the_same_trajectory(tmp_path):
-    full_losses, full_weights, _ = train("fp32", 1)
+def _logged(log: Path) -> list[tuple[int, float]]:
+    """(micro-step, loss) for every line the killed and resumed processes logged, in order."""
+    if not log.exists():
+        return []
+    return [(int(i), float(loss)) for i, loss in (line.split() for line in log.read_text().splitlines())]
+
+
+@pytest.mark.parametrize("kills", [pytest.param(2, id="2-kills"), pytest.param(20, id="20-kills", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("precision", ["fp32", "fp16-mixed", "bf16-mixed", "bf16-true"])
+def test_killed_at_random_moments_then_resumed_equals_the_uninterrupted_run(tmp_path, precision, kills):
+    """SIGKILL a training process during steps and saves, resume it in a fresh process, again and
+    again: every loss any of them logged, and the final weights, are the uninterrupted run's.
+
+    The loader is the plain DataLoader(ds, shuffle=True) with no generator, the model has dropout;
+    under fp16-mixed an overflow makes one skipped step on the way.
+    """
+    every, options = 2, {"loader": "plain"}
+    if precision == "fp16-mixed":
+        options["inject_at"] = 9
+    full_losses, full_weights, full_acc = train(precision, 1, **options)
+    total = len(full_losses)
     ckpt, log = tmp_path / "ckpts", tmp_path / "log.txt"
-    proc = subprocess.Popen([sys.executable, str(HERE / "resume_run.py"), "--ckpt", str(ckpt), "--every", "5",
-                             "--log", str(log), "--sleep", "0.05"])
-    deadline = time.time() + 60
-    while time.time() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 13):
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    logged = len(log.read_text().splitlines())
-    assert 13 <= logged < len(full_losses), "the kill should land mid-run"
-    rest = resume_in_fresh_process(tmp_path, "fp32", 1, ckpt)
-    resumed_from = len(full_losses) - len(rest["losses"])
-    assert resumed_from % 5 == 0 and resumed_from <= logged
+    rng = random.Random(f"{precision}-{kills}")
+    targets = sorted(rng.randrange(1, total - 2) for _ in range(kills))  # kill soon after these micro-steps
+    mid_save = 0
+    for target in targets:
+        seen = len(_logged(log))
+        proc = start_fresh(precision=precision, ckpt=str(ckpt), every=every, log=str(log), sleep=0.01, **options)
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.is_alive() and not any(i >= target for i, _ in _logged(log)[seen:]):
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.06))  # inside the step, or inside the save that follows every second one
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join()
+        assert proc.exitcode == -signal.SIGKILL, f"the run ended before it was killed (exit code {proc.exitcode})"
+        if ckpt.exists() and any(not re.fullmatch(r"latest|step-\d+(\.pt)?", f.name) for f in ckpt.iterdir()):
+            mid_save += 1  # a write was in progress
+    rest = resume_in_fresh_process(tmp_path, precision, 1, ckpt, every=every, log=log, **options)
+    logged = _logged(log)
+    for i, loss in logged:
+        assert loss == full_losses[i], f"micro-step {i}: logged loss {loss!r} != {full_losses[i]!r} uninterrupted"
+    assert {i for i, _ in logged} == set(range(total))
+    resumed_from = total - len(rest["losses"])
+    assert resumed_from > 0 and resumed_from % every == 0
     assert rest["losses"] == full_losses[resumed_from:]
     assert_bitwise_equal(rest["weights"], full_weights)
+    assert (rest["applied"], rest["skipped"], rest["scale"]) == (full_acc.state.applied_steps, full_acc.state.skipped_steps, full_acc.state.scale)
+    assert kills < 20 or mid_save > 0, f"none of {kills} kills landed inside a save"
 
 
 def _tiny(precision: str = "fp32"):
