@@ -68,7 +68,8 @@ def train(precision: str, accum: int = 1, ckpt: str | None = None, stop_after: i
     stop_after: save a checkpoint after that many micro-steps (of this process) and stop, as a crash would.
     stop_after_epoch: save a checkpoint after that epoch's loop has ended (outside it) and stop.
     every: save a checkpoint every that many micro-steps. inject_at: put an inf in the gradients at
-    that global micro-step (counted across a resume). log: append each loss to this file as it happens.
+    that global micro-step (counted across a resume). log: append each loss to this file as it happens
+    ("<micro-step> <loss>"), and "save <n>" / "saved <n>" around each periodic save.
     loader, workers, drop_last, n: the DataLoader (see `make_loader`).
     """
     acc, model, opt, loader, sched = build(precision, accum, loader, workers, drop_last, n)
@@ -89,10 +90,11 @@ def train(precision: str, accum: int = 1, ckpt: str | None = None, stop_after: i
             micro += 1
             losses.append(loss.item())
             if log is not None:
-                with open(log, "a") as f:
-                    f.write(f"{micro - 1} {loss.item()!r}\n")
+                _note(log, f"{micro - 1} {loss.item()!r}")
             if every is not None and micro % every == 0:
+                _note(log, f"save {micro}")
                 acc.save_checkpoint(ckpt)
+                _note(log, f"saved {micro}")
             if stop_after is not None and len(losses) == stop_after:
                 acc.save_checkpoint(ckpt)
                 return losses, [p.detach().clone() for p in model.parameters()], acc
@@ -101,6 +103,12 @@ def train(precision: str, accum: int = 1, ckpt: str | None = None, stop_after: i
             acc.save_checkpoint(ckpt)
             return losses, [p.detach().clone() for p in model.parameters()], acc
     return losses, [p.detach().clone() for p in model.parameters()], acc
+
+
+def _note(log: str | None, line: str) -> None:
+    if log is not None:
+        with open(log, "a") as f:
+            f.write(line + "\n")
 
 
 def resume_in_fresh_process(tmp_path: Path, precision: str, accum: int, ckpt: Path, **extra) -> dict:
