@@ -210,8 +210,8 @@ def test_checkpoint_with_nan_weights_is_refused_on_load_and_changes_nothing(tmp_
     opt.zero_grad()
     path = acc.save(tmp_path / "good.pt")
     payload = torch.load(path, weights_only=True)
-    name = next(k for k in payload["models"][0] if k.endswith("weight"))
-    payload["models"][0][name][0, 0] = float("nan")
+    name = "3.weight"  # the classifier's weight
+    payload["models"][0][name][1, 2] = float("nan")
     torch.save(payload, path)
 
     fresh, fresh_model, fresh_opt = _setup()
@@ -220,7 +220,27 @@ def test_checkpoint_with_nan_weights_is_refused_on_load_and_changes_nothing(tmp_
     with pytest.raises(ampkit.CheckpointError) as raised:
         fresh.load(path)
     message = str(raised.value)
-    assert name in message or "digest" in message, message
+    assert name in message or "digest" in message, message  # the finiteness check, or the digest that caught the edit first
     assert_bitwise_equal(params_of(fresh_model), before)
     assert fresh_opt.state_dict()["state"] == state_before["state"] == {}
     assert fresh.state.applied_steps == 0
+
+
+def test_checkpoint_whose_fp32_truth_is_nan_is_refused_on_save_or_on_load(tmp_path):
+    """bf16-true saves weight + Kahan buffer as the fp32 truth: a NaN buffer (finite bf16 weights)
+    made a checkpoint with a valid digest that loaded NaN weights silently."""
+    acc, model, opt = _setup("bf16-true")
+    values = [v.clone() for v in opt.weights.state_dict()["values"]]
+    index = next(i for i, (p, _) in enumerate(opt.weights.pairs) if p is model[3].weight)
+    values[index][1, 2] = float("nan")
+    opt.weights.load_state_dict({"kind": "compensated", "values": values})
+    try:
+        path = acc.save(tmp_path / "nan.pt")
+    except ampkit.CheckpointError as exc:
+        assert "3.weight" in str(exc)
+        return
+    fresh, fresh_model, _ = _setup("bf16-true")
+    before = params_of(fresh_model)
+    with pytest.raises(ampkit.CheckpointError, match=r"3\.weight"):
+        fresh.load(path)
+    assert_bitwise_equal(params_of(fresh_model), before)
