@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import uuid
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -32,7 +33,8 @@ from torch.utils.data import DataLoader
 from ampkit import checkpoint
 from ampkit.compiler import CompiledForward, CompileStats, compile_options, unavailable_reason
 from ampkit.data import DeviceLoader
-from ampkit.distributed import FSDP_PRESETS, DistributedContext, barrier, shard_loader, sum_across_ranks, wrap_ddp, wrap_fsdp
+from ampkit.distributed import (FSDP_PRESETS, DistributedContext, barrier, gather_objects, shard_loader, sum_across_ranks,
+                                wrap_ddp, wrap_fsdp)
 from ampkit.cycle import AccumulationCycle, check_steps
 from ampkit.errors import PrecisionError, StepOrderError
 from ampkit.events import Events, Listener, created
@@ -197,6 +199,8 @@ class Accelerator:
         self._schedulers: list[AmpScheduler] = []
         self._loaders: list[DeviceLoader] = []
         self._epoch = 0  # the epoch acc.epochs() is in (saved with checkpoints)
+        # One training run, across resumes and ranks (rank 0's id): a checkpoint folder belongs to one run.
+        self.run_id = gather_objects(uuid.uuid4().hex)[0] if self.distributed.enabled else uuid.uuid4().hex
         self._metrics = MetricTracker()
         created(self)
 
@@ -433,9 +437,7 @@ class Accelerator:
         """Write the whole training state to one file, atomically (see `ampkit.checkpoint`).
 
         Under torchrun call it on every rank: rank 0 writes, and no rank returns before the file is durable."""
-        path = checkpoint.save(self, path)
-        barrier()
-        return path
+        return checkpoint.save(self, path)
 
     def load(self, path: str | Path) -> None:
         """Restore the whole training state from `path`; `CheckpointError` if it is missing or broken."""
@@ -449,8 +451,9 @@ class Accelerator:
     def resume(self, folder: str | Path) -> Path | None:
         """Load the newest valid checkpoint in `folder` (skipping broken ones with a warning).
 
-        Returns its path, or None on a fresh start (no folder or no checkpoint): call it
-        unconditionally before the loop.
+        Returns its path, or None on a fresh start (no folder, or no checkpoint in it): call it
+        unconditionally before the loop. A folder whose checkpoints all fail to load raises
+        `CheckpointError`; a checkpoint file passed instead of a folder is loaded.
         """
         self._require_prepared("resume")
         return checkpoint.resume(self, folder)
@@ -499,7 +502,7 @@ class Accelerator:
 
     def state_dict(self) -> dict[str, Any]:
         """The Accelerator's own state: epoch, accumulation position, loss scaler (not what it prepared)."""
-        return {"epoch": self._epoch, "cycle": self.cycle.state_dict(),
+        return {"run_id": self.run_id, "epoch": self._epoch, "cycle": self.cycle.state_dict(),
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
     def check_state_dict(self, state: dict[str, Any]) -> list[str]:
@@ -513,6 +516,7 @@ class Accelerator:
             self.scaler.load_state_dict(state["scaler"])
             self.scaler.to(self.device)
         self._epoch = int(state["epoch"])
+        self.run_id = str(state["run_id"])  # the loaded run goes on: its checkpoint folder is this run's
 
     def _require_prepared(self, what: str) -> None:
         if not (self._model_list or self._optimizers):

@@ -35,7 +35,7 @@ import torch
 
 from ampkit import __version__
 from ampkit.accelerator import Accelerator
-from ampkit.checkpoint import atomic_write
+from ampkit.files import atomic_write
 from ampkit.errors import PrecisionError
 from ampkit.hardware import auto_precision, capability, describe, resolve_device
 from ampkit.precision import PRESETS, resolve_precision
