@@ -1,4 +1,4 @@
-"""The architecture rules, checked by reading `src/ampkit` with `ast` (nothing is imported).
+"""The architecture rules, checked by reading `src/ampkit` with `ast` (ampkit is not imported).
 
 1. Objects keep their privates: no `obj._x` where `obj` is not `self`/`cls`/an imported module,
    no `from ampkit.x import _y`. A small budget is allowed, each use with a comment saying why.
