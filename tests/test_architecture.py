@@ -547,3 +547,18 @@ def test_checker_sees_each_rule(tmp_path, monkeypatch):
     cycles = import_cycles()
     assert len(cycles) == 1 and "cycle of 2 modules: ampkit.a, ampkit.b\n" in cycles[0]
     assert "(src/ampkit/b.py:4, lazy)" in cycles[0]
+
+
+def test_checker_counts_the_package_init_only_when_imported_for_a_name(tmp_path, monkeypatch):
+    """`ampkit/__init__.py` re-exporting is a leaf; `from ampkit import Name` inside makes a cycle."""
+    _scan(tmp_path, {
+        "__init__.py": "from ampkit.a import A\nfrom ampkit.b import B\n",
+        "a.py": "from ampkit.b import B\nclass A: pass\n",
+        "b.py": "class B: pass\ndef f():\n    from ampkit import errors\n",
+        "errors.py": "",
+    }, monkeypatch)
+    assert import_cycles() == []
+    (tmp_path / "src" / PACKAGE / "b.py").write_text("class B: pass\ndef f():\n    from ampkit import A\n")
+    monkeypatch.setitem(globals(), "MODULES", _load())
+    cycles = import_cycles()
+    assert len(cycles) == 1 and "cycle of 3 modules: ampkit, ampkit.a, ampkit.b\n" in cycles[0], cycles
