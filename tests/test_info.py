@@ -207,8 +207,9 @@ def test_plain_text_bench_table_says_whether_the_measurement_agrees():
     ]}
     jsonschema.Draft202012Validator(INFO_SCHEMA).validate(info)
     lines = format_info_text(info).splitlines()
-    assert any(line.split() == ["fp32", "50", "GFLOP/s", "1.0×", "1024", "baseline"] for line in lines)
-    assert any(line.split() == ["bf16", "0.6", "GFLOP/s", "0.012×", "256", "slow", "slow", "(agrees)"] for line in lines)
+    # Numbers in ampkit.present's one format: "1×" (not "1.0×"), "600 MFLOP/s" (not "0.6 GFLOP/s").
+    assert any(line.split() == ["fp32", "50", "GFLOP/s", "1×", "1024", "baseline"] for line in lines)
+    assert any(line.split() == ["bf16", "600", "MFLOP/s", "0.012×", "256", "slow", "slow", "(agrees)"] for line in lines)
     assert any(line.split() == ["fp16", "700", "TFLOP/s", "14000×", "8192", "slow", "fast", "(DISAGREES)"] for line in lines)
 
 

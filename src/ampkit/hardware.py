@@ -71,18 +71,14 @@ def resolve_device(device: str | torch.device) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise ValueError(
-            f"device={device!r} is not a device name; expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"
-        ) from exc
+        expected = "expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"
+        raise ValueError(f"device={device!r} is not a device name; {expected}") from exc
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device={device!r} but CUDA is not available here; use device='auto' or 'cpu'")
         index = dev.index if dev.index is not None else torch.cuda.current_device()
-        if index >= torch.cuda.device_count():
-            raise ValueError(
-                f"device={device!r} but this machine has {torch.cuda.device_count()} CUDA device(s) "
-                f"(cuda:0..cuda:{torch.cuda.device_count() - 1})"
-            )
+        if index >= (count := torch.cuda.device_count()):
+            raise ValueError(f"device={device!r} but this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1})")
         return torch.device("cuda", index)
     if dev.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"device={device!r} but MPS is not available here; use device='auto' or 'cpu'")
