@@ -8,7 +8,15 @@ import types
 import torch
 
 import ampkit
-from ampkit.hardware import GPU_MODELS, Fact, auto_precision, capability, device_capabilities, parse_cpu_flags
+from ampkit.hardware import (
+    GPU_MODELS,
+    Fact,
+    auto_precision,
+    capability,
+    describe,
+    device_capabilities,
+    parse_cpu_flags,
+)
 from ampkit.version import versions
 
 ZEN4 = """processor\t: 0
@@ -60,10 +68,11 @@ def test_accelerator_records_why_auto_chose(monkeypatch):
 # ----- one table: ROCm named as ROCm, the advisor's GPU models agree with the capability table -----
 
 
-def _fake_rocm(monkeypatch, arch: str, name: str = "AMD Instinct MI300X") -> None:
+def fake_rocm(monkeypatch, arch: str, name: str = "AMD Instinct MI300X") -> None:
     """What torch on ROCm reports: a HIP version, and the gfx number both as `gcnArchName` and as a
     "compute capability" (gfx942 reads 9.4) that must not be read as NVIDIA's."""
-    props = types.SimpleNamespace(name=name, gcnArchName=f"{arch}:sramecc+:xnack-", major=9, minor=4)
+    props = types.SimpleNamespace(name=name, gcnArchName=f"{arch}:sramecc+:xnack-", major=9, minor=4,
+                                  total_memory=192 * 2**30, multi_processor_count=304)
     monkeypatch.setattr(torch.version, "hip", "6.2.41133")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
@@ -71,7 +80,7 @@ def _fake_rocm(monkeypatch, arch: str, name: str = "AMD Instinct MI300X") -> Non
 
 
 def test_rocm_is_named_as_rocm_and_read_from_its_gfx_table(monkeypatch):
-    _fake_rocm(monkeypatch, "gfx942")
+    fake_rocm(monkeypatch, "gfx942")
     cuda = torch.device("cuda", 0)
     name, reason = auto_precision(cuda)
     assert (name, reason) == ("bf16-mixed", "AMD gfx942 on ROCm has native bf16: bf16 autocast, no loss scaling")
@@ -81,10 +90,11 @@ def test_rocm_is_named_as_rocm_and_read_from_its_gfx_table(monkeypatch):
     support = capability(cuda)
     assert support.device == "AMD Instinct MI300X (AMD gfx942 on ROCm)" and support.source == "ROCm gfx architecture"
     assert support.bf16_runs and support.bf16_fast and support.fp16_fast
+    assert describe(cuda)["gpu"] == {"name": "AMD Instinct MI300X", "capability": "gfx942", "memory_bytes": 192 * 2**30}
 
 
 def test_an_amd_gpu_missing_from_the_table_is_unknown_but_auto_still_chooses(monkeypatch):
-    _fake_rocm(monkeypatch, "gfx1100", name="AMD Radeon RX 7900 XTX")
+    fake_rocm(monkeypatch, "gfx1100", name="AMD Radeon RX 7900 XTX")
     cuda = torch.device("cuda", 0)
     assert {f.supported for f in device_capabilities(cuda).values()} == {None}
     assert device_capabilities(cuda)["bf16"].source == "AMD gfx1100 (ROCm) is not in ampkit's table (gfx908, gfx90a, gfx942): unknown"

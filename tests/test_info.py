@@ -21,7 +21,7 @@ from ampkit.hardware import (
 )
 from ampkit.info import INFO_SCHEMA, bench_matmul, collect_info, format_info_text
 
-from test_hardware import OLD, SAPPHIRE_RAPIDS, ZEN4
+from test_hardware import OLD, SAPPHIRE_RAPIDS, ZEN4, fake_rocm
 
 ARM = "processor\t: 0\nBogoMIPS\t: 243.75\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 bf16 i8mm\n"
 
@@ -141,6 +141,19 @@ def test_recommendation_is_the_auto_choice(monkeypatch):
     info = collect_info(device="cpu")
     assert info["recommended"] == {"preset": "bf16-mixed", "reason": "CPU has avx512_bf16: bf16 matmul is faster than fp32 here"}
     assert info["cpu"]["capabilities"]["bf16"] == {"supported": True, "source": "/proc/cpuinfo flags: avx512_bf16"}
+
+
+def test_an_amd_gpu_is_shown_with_its_gfx_architecture_and_rocm_facts(monkeypatch):
+    fake_rocm(monkeypatch, "gfx942")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    info = collect_info(device="cpu")
+    jsonschema.Draft202012Validator(INFO_SCHEMA).validate(info)
+    (gpu,) = info["gpus"]
+    assert gpu["compute_capability"] == "gfx942" and gpu["sm_count"] == 304
+    assert gpu["capabilities"]["bf16"] == {"supported": True, "source": "AMD gfx942 (CDNA 3, Instinct MI300, ROCm): bf16 matrix cores"}
+    text = format_info_text(info)
+    assert "ROCm 6.2.41133" in text and "gfx942" in text and "192 GiB" in text
 
 
 # ----- the benchmark ------------------------------------------------------------------------------

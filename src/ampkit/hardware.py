@@ -379,7 +379,8 @@ def describe(device: torch.device) -> dict[str, Any]:
     gpu = None
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        gpu = {"name": props.name, "capability": f"{props.major}.{props.minor}", "memory_bytes": int(props.total_memory)}
+        gpu = {"name": props.name, "capability": rocm_arch(device) or f"{props.major}.{props.minor}",
+               "memory_bytes": int(props.total_memory)}
     have = [f for f, on in (flags or {}).items() if on]
     name = gpu["name"] if gpu else f"{cpu_name()} ({', '.join(have) if have else 'no avx512_bf16/amx'})"
     return {

@@ -8,6 +8,7 @@ a matmul micro-benchmark that checks the capability table against measured speed
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import math
@@ -87,7 +88,8 @@ INFO_SCHEMA: dict[str, Any] = {
         "gpus": {"type": "array", "items": _object({
             "device": {"type": "string", "pattern": r"^cuda:\d+$"},
             "name": {"type": "string"},
-            "compute_capability": {"type": "string", "pattern": r"^\d+\.\d+$"},
+            "compute_capability": {"type": "string", "pattern": r"^(\d+\.\d+|gfx[0-9a-f]+)$",
+                                   "description": "NVIDIA's major.minor; on ROCm the gfx architecture."},
             "memory_bytes": {"type": "integer", "minimum": 0},
             "sm_count": {"type": "integer", "minimum": 0},
             "capabilities": {"$ref": "#/$defs/capabilities"},
@@ -129,7 +131,7 @@ def collect_info(device: str | torch.device = "auto", bench: bool = False, bench
         gpus.append({
             "device": f"cuda:{i}",
             "name": props.name,
-            "compute_capability": f"{props.major}.{props.minor}",
+            "compute_capability": hardware.rocm_arch(torch.device("cuda", i)) or f"{props.major}.{props.minor}",
             "memory_bytes": int(props.total_memory),
             "sm_count": int(props.multi_processor_count),
             "capabilities": _facts(hardware.device_capabilities(torch.device("cuda", i))),
@@ -196,7 +198,9 @@ def bench_matmul(device: str | torch.device, dtypes: Sequence[torch.dtype] = BEN
         raise ValueError(f"dtypes={list(dtypes)!r}: ampkit benchmarks only {', '.join(map(str, BENCH_DTYPES))}")
     facts = hardware.device_capabilities(dev)
     share = seconds / len(dtypes) if dtypes else 0.0
-    results = [_bench_one(dev, dtype, share) for dtype in dtypes]
+    # The Timer synchronises the current device around what it times: make that `dev` (cuda:1 is not the default).
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        results = [_bench_one(dev, dtype, share) for dtype in dtypes]
     fp32 = next((r["flops_per_s"] for r in results if r["dtype"] == "fp32"), None)
     for r in results:
         if r["dtype"] != "fp32":
@@ -215,7 +219,7 @@ def bench_matmul(device: str | torch.device, dtypes: Sequence[torch.dtype] = BEN
 
 def _matmul_timer(n: int, dtype: torch.dtype, device: torch.device) -> benchmark.Timer:
     # Operands made on the device: filling 8192² on the host and copying would eat the time box. The
-    # Timer synchronises the device around what it times, and runs on torch's threads, not its default 1.
+    # Timer runs on torch's threads, not its default of 1.
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     return benchmark.Timer("a @ b", globals={"a": a, "b": b}, num_threads=torch.get_num_threads())
 
