@@ -153,3 +153,9 @@ def _check_runs(policy: Precision, device: torch.device) -> None:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return {_bf16: "bf16", _fp16: "fp16", _fp32: "fp32"}[dtype]
+
+
+def short_dtype_name(dtype: torch.dtype) -> str:
+    """ampkit's short name of a compute dtype, as the presets and the capability table spell it:
+    "bf16" for `torch.bfloat16` (fp32, bf16, fp16 only; a KeyError for any other)."""
+    return _dtype_name(dtype)
