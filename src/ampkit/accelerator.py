@@ -126,10 +126,10 @@ class Accelerator:
             be static (each new shape records a new graph).
         free_step_buffers: for the `-master` and `bf16-true` presets, free the fp32 buffers the
             update works in (gradients, and for bf16-true weights and optimizer state) between
-            steps, so that bf16-true holds 8 bytes per parameter with AdamW. On a GPU this costs
-            nothing (the caching allocator keeps the memory); on a CPU the memory goes back to the
-            OS, and faulting it in again made bf16-true's step ~10% slower on the GEMM-bound MLP of
-            benchmarks/peers.py: False keeps them (18 bytes per parameter more) for that speed.
+            steps, so that bf16-true holds 8 bytes per parameter with AdamW. On a GPU the caching
+            allocator keeps the freed memory, so this costs nothing; on a CPU it goes back to the
+            OS and is faulted in again at the next step, which costs time on large models. False
+            keeps them (18 bytes per parameter more) for that speed.
     """
 
     def __init__(

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import random
 import warnings
-from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,16 +24,10 @@ from torch.utils._pytree import tree_map_only
 from ampkit.distributed import gather_objects, local_tensor
 from ampkit.errors import CheckpointError
 from ampkit.optim import Stage
+from ampkit.version import ampkit_version
 
 if TYPE_CHECKING:
     from ampkit.accelerator import Accelerator
-
-
-def _version() -> str:
-    try:
-        return metadata.version("ampkit")
-    except metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def _cpu(obj: Any) -> Any:
@@ -117,7 +110,7 @@ def collect(acc: Accelerator, weights: bool = True) -> dict[str, Any]:
     optimizers = [o.state_dict() for o in acc.optimizers]
     if not weights:  # keep ampkit's own entry only: the optimizer state itself is in the shards
         optimizers = [{"ampkit": dict(sd["ampkit"], weights=None)} for sd in optimizers]
-    meta = {"ampkit_version": _version(), "torch_version": torch.__version__, "precision": acc.policy.as_dict(),
+    meta = {"ampkit_version": ampkit_version(), "torch_version": torch.__version__, "precision": acc.policy.as_dict(),
             "world_size": acc.world_size}
     return {
         "meta": json.dumps(meta, sort_keys=True),
