@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-import ampkit
+from ampkit import __version__
 from ampkit.accelerator import Accelerator
 from ampkit.doctor.census import RangeCensus
 from ampkit.doctor.localizer import BatchKeeper, replay
@@ -267,7 +267,7 @@ class NumericsSession(Watch):
         result: Result = {
             "schema_version": 1,
             "kind": "numerics",
-            "ampkit_version": ampkit.__version__,
+            "ampkit_version": __version__,
             "torch": torch.__version__,
             "subject": self.subject,
             "device": {"device": str(acc.device), "precision": acc.policy.name,

@@ -36,8 +36,6 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-import ampkit
-
 #: `torch.Tensor` methods that read a tensor's value on the host. `__repr__`/`__format__` cover
 #: `print(t)`, `str(t)` and f-strings.
 SYNC_METHODS: tuple[str, ...] = (
@@ -48,9 +46,9 @@ _READS = {getattr(torch.Tensor, name): name for name in SYNC_METHODS}
 _CUDA_SYNC_MESSAGE = "called a synchronizing CUDA operation"
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_AMPKIT_DIR = os.path.dirname(ampkit.__file__) + os.sep
 #: The doctor's own code: its reads are never a site (`SyncWatcher(skip=...)`).
 DOCTOR_DIR = os.path.dirname(__file__) + os.sep
+_AMPKIT_DIR = os.path.dirname(os.path.dirname(DOCTOR_DIR)) + os.sep
 _DISPATCH = (os.path.join(_TORCH_DIR, "overrides.py"), os.path.join(_TORCH_DIR, "_tensor.py"))
 _LIBRARY_DIRS = tuple(
     os.path.realpath(p) + os.sep
