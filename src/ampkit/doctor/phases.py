@@ -87,7 +87,9 @@ class PhaseClock(Listener):
                 self._forward_excluded += seconds
 
     def _start(self, phase: str) -> None:
-        self._started.setdefault(phase, time.perf_counter())  # a nested start is timed by the outer one
+        self._started[phase] = time.perf_counter()
+        if phase != "data":  # a loader that ran out sends no batch-wait end: this is past it
+            self.in_data = False
 
     def _end(self, phase: str, now: float | None = None) -> None:
         start = self._started.pop(phase, None)
@@ -135,9 +137,8 @@ class PhaseClock(Listener):
         self._end("h2d")
 
     def on_backward_start(self, acc: Any, loss: torch.Tensor) -> None:
-        now = time.perf_counter()
-        self.end_forward(now)
-        self._started["backward"] = now
+        self.end_forward(time.perf_counter())
+        self._start("backward")
 
     def on_backward_end(self, acc: Any) -> None:
         self._end("backward")
