@@ -66,6 +66,9 @@ class Analysis:
 
         # Kernel share: kernel-op time over step time, both from the profiled steps.
         prof_compute = statistics.fmean(r["host_s"] - r["phases"]["data"] - r["phases"]["h2d"] for r in profiled)
+        if session.syncs.calls:  # the sync watcher's own cost, outside the ops (`SyncWatcher.call_overhead`)
+            watched = session.syncs.calls / len(profiled) * session.syncs.call_overhead()
+            prof_compute = max(prof_compute / 2, prof_compute - watched)
         self.scale = min(1.0, self.compute_s / prof_compute) if prof_compute > 0 else 1.0  # profiler -> timed
         self.kernel_share = self._kernel_share(prof_compute)
         self.kernel_s = self.kernel_share * self.compute_s
