@@ -7,7 +7,8 @@ windows:
 1. **warm-up** (`warmup` steps): nothing is measured — allocator, caches and lazy init settle.
 2. **profiled** (a few steps): `torch.profiler` records every op with FLOPs and shapes, and the
    sync watcher (`sync`) names every tensor read that would make a GPU wait. Both cost a little
-   on every op; their figures are ratios and counts, which that does not change.
+   on every op: only counts and ratios are taken from these steps, and the watcher's own cost is
+   measured and taken off.
 3. **timed** (the rest of `steps`): step and phase times, with neither watching.
 
 After the last step the session takes its hooks off, analyses, and builds the result

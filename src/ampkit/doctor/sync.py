@@ -146,13 +146,14 @@ class _Mode(TorchFunctionMode):
         try:
             return func(*args, **(kwargs or {}))
         finally:
-            frame = _caller(sys._getframe(1), getattr(func, "__name__", ""))
-            if counted:
-                site = locate(frame, name, watcher.skip)
+            warned = log is not None and len(log) > logged
+            if counted or warned:
+                frame = _caller(sys._getframe(1), getattr(func, "__name__", ""))
+                site = locate(frame, name, watcher.skip) if counted else None
                 if site is not None:
                     watcher.sites[site] += 1
-            if log is not None and len(log) > logged:
-                watcher.cuda_syncs(log, logged, frame, quiet=counted or watcher.ignore())
+                if warned:
+                    watcher.cuda_syncs(log, logged, frame, quiet=counted or watcher.ignore())
 
 
 class SyncWatcher:
