@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from ampkit.data import DeviceLoader
 from ampkit.events import Listener
@@ -28,29 +29,6 @@ from ampkit.optim import AmpOptimizer
 
 #: The measured phases, in step order ("other" is the step time not covered by them).
 PHASES: tuple[str, ...] = ("data", "h2d", "forward", "backward", "optimizer")
-
-
-def _first_tensor(batch: Any) -> torch.Tensor | None:
-    if isinstance(batch, torch.Tensor):
-        return batch
-    if isinstance(batch, dict):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for item in batch:
-            found = _first_tensor(item)
-            if found is not None:
-                return found
-    return None
-
-
-def _nbytes(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.numel() * batch.element_size()
-    if isinstance(batch, dict):
-        return sum(_nbytes(v) for v in batch.values())
-    if isinstance(batch, (list, tuple)):
-        return sum(_nbytes(v) for v in batch)
-    return 0
 
 
 class PhaseClock(Listener):
@@ -99,10 +77,10 @@ class PhaseClock(Listener):
     def count_batch(self, batch: Any) -> None:
         if not self.active:
             return
-        first = _first_tensor(batch)
-        if first is not None and first.dim() > 0:
-            self.samples = (self.samples or 0) + int(first.shape[0])
-        self.batch_bytes += _nbytes(batch)
+        tensors = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]  # a nested batch's
+        if tensors and tensors[0].dim() > 0:
+            self.samples = (self.samples or 0) + int(tensors[0].shape[0])
+        self.batch_bytes += sum(t.numel() * t.element_size() for t in tensors)
 
     def end_forward(self, now: float) -> None:
         if self._forward_start is not None:
