@@ -358,13 +358,6 @@ class Accelerator:
         One sync (and, under torchrun, one all-reduce)."""
         return self._metrics.read(reduce=sum_across_ranks if self.distributed.enabled else None)
 
-    def profile(self, steps: int = 20, **kwargs: Any) -> Any:
-        """Diagnose the next `steps` optimizer steps (after a warm-up) while training goes on; prints
-        where the step time goes and what to change when done. See `ampkit.doctor.profile`."""
-        from ampkit.doctor import profile  # lazy: the doctor imports this module
-
-        return profile(self, steps, **kwargs)
-
     # --- distributed --------------------------------------------------------------------------
     @property
     def rank(self) -> int:

@@ -250,7 +250,7 @@ def _numerics_pass(spec: RunSpec, device: torch.device) -> dict[str, Any]:
     stay those of plain training; the same seed, so it watches the run's first batches. Returns
     `numerics.summarize`'s dict; a failed diagnosis is its `error`, never a failed run.
     """
-    from ampkit.doctor.numerics import numerics_task, numerics_train_fn, summarize
+    from ampkit.doctor import numerics_task, numerics_train_fn, summarize
 
     _seed_everything(spec.seed)
     steps = spec.numerics_steps
