@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ampkit import __version__
+from ampkit.version import ampkit_version
 from ampkit.doctor import advisor, findings
 from ampkit.doctor.ops import OpStats, analyse
 from ampkit.doctor.peak import SIZE, copy_bandwidth, matmul_peaks
@@ -159,7 +159,7 @@ class Analysis:
             self.notes.append("no prepared DataLoader: time spent loading batches is counted in 'other'")
         result: dict[str, Any] = {
             "schema_version": 1,
-            "ampkit_version": __version__,
+            "ampkit_version": ampkit_version(),
             "torch": torch.__version__,
             "subject": s.subject,
             "device": {

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from ampkit import __version__
+from ampkit.version import ampkit_version
 from ampkit.accelerator import Accelerator
 from ampkit.doctor.census import RangeCensus
 from ampkit.doctor.localizer import BatchKeeper, replay
@@ -71,9 +71,7 @@ class NumericsSession(Watch):
                  subject: Result | None = None, on_done: Callable[[Result], None] | None = None) -> None:
         super().__init__(acc, steps=steps, warmup=warmup, stop=stop, subject=subject, on_done=on_done)
         check_counts(steps, warmup, "the optimizer steps to watch")
-        # The one private read of the doctor: whether compile= is on is known before any model is
-        # prepared only there; the Accelerator has no public accessor for it yet.
-        if getattr(acc, "_compile", None) is not None or acc.compile_stats.models:
+        if acc.compile_options is not None or acc.compile_stats.models:
             raise DoctorError("the numerics doctor hooks every module, which a compiled forward would trace into its "
                               "graph (recompiling it, with other kernels): diagnose with Accelerator(compile=False, "
                               "cuda_graphs=False)")
@@ -267,7 +265,7 @@ class NumericsSession(Watch):
         result: Result = {
             "schema_version": 1,
             "kind": "numerics",
-            "ampkit_version": __version__,
+            "ampkit_version": ampkit_version(),
             "torch": torch.__version__,
             "subject": self.subject,
             "device": {"device": str(acc.device), "precision": acc.policy.name,
