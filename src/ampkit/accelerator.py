@@ -9,10 +9,9 @@ for x, y in loader:
     optimizer.step(); scheduler.step(); optimizer.zero_grad()
 ```
 
-The Accelerator owns the policy (`acc.policy`), the device, the loss scaler and the position inside
-a gradient-accumulation cycle; the wrapped optimizer (`ampkit.optim`) and scheduler
-(`ampkit.scheduler`) consult it. Nothing on the step path waits for the device except where a
-comment marked `# sync:` says why.
+It owns the policy, the device, the loss scaler and the accumulation cycle (`ampkit.cycle`), emits
+events to listeners (`ampkit.events`) and owns its `state_dict()`. Nothing on the step path waits
+for the device except where a comment marked `# sync:` says why.
 """
 
 from __future__ import annotations
