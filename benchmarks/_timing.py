@@ -1,8 +1,9 @@
-"""Timing helpers shared by the side-by-side benchmarks (`overhead.py`, `peers.py`).
+"""The loop harness shared by the side-by-side benchmarks (`peers.py`, `param_scaling.py`).
 
-Both compare training loops that run in one process on a machine other work shares, so one loop's
+They compare training loops that run in one process on a machine other work shares, so one loop's
 figures are never measured in a quiet moment another loop missed: rounds are interleaved
-(A B C A B C ...), the first rounds are dropped as warm-up, and medians are taken.
+(A B C A B C ...), the first rounds are dropped as warm-up, and medians are taken. Also here: the
+machine's one-line description, the process's peak-memory readings and the RESULTS.md writer.
 """
 
 from __future__ import annotations
@@ -82,6 +83,28 @@ def spread(ts: list[float]) -> float:
         return float("nan")
     q1, _, q3 = statistics.quantiles(ts, n=4)
     return (q3 - q1) / statistics.median(ts)
+
+
+def proc_status(key: str) -> int | None:
+    """A size field of /proc/self/status ("VmRSS", "VmHWM", ...) in bytes; None where unreadable."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's resident-memory high-water mark (VmHWM) to the current RSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def cpu_model() -> str:

@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# The GPU-only checks, as short scripts for a lent GPU machine (they skip on a CPU):
+# The GPU-only checks, as short scripts for a lent GPU machine:
 #   bash benchmarks/gpu_checks.sh tests   # correctness: info, doctor, the GPU-only tests (a few minutes)
-#   bash benchmarks/gpu_checks.sh perf    # performance: benchmarks/gpu_check.py, at most $GPU_CHECK_BUDGET s (420)
-#   bash benchmarks/gpu_checks.sh         # both, tests first (longer than one 600 s call: split it there)
+#   bash benchmarks/gpu_checks.sh perf    # speed: benchmarks/peers.py --device cuda, eager then compiled
+#   bash benchmarks/gpu_checks.sh         # both, tests first (may need more than one 600 s call: split it there)
 # Everything goes to $OUT (or ./gpu-checks); a summary is printed.
 # - tests: `ampkit info --bench --json` (the capability table against a measured matmul per dtype);
-#   `ampkit doctor --task tiny-lm --json` on cuda (kernel launches and syncs from the profiler); the
-#   GPU-only tests of the suite (sync counts under torch.cuda.set_sync_debug_mode, the bench
-#   confirming the table, ...). A failing step is reported and the others still run.
-# - perf: fp32 / TF32 / bf16 / fp16 / ampkit presets (with and without compile=True) on a transformer
-#   that fills the GPU, zero blocking syncs per step under set_sync_debug_mode("error"), and a
-#   launch-bound MLP with cuda_graphs=True; writes gpu_check.json and gpu_check.md (see its --help).
+#   `ampkit doctor --task tiny-lm --json` on cuda; tests/test_cuda.py (zero blocking syncs per step
+#   under torch.cuda.set_sync_debug_mode("error"), parity with the hand-written loop, compile=True
+#   and cuda_graphs=True training like the eager step) and the GPU tests of test_info/test_doctor.
+# - perf: peers.py at its GPU sizes (a transformer encoder, 8 layers, d_model 1024, seq 512, batch
+#   64, and the launch-bound iris MLP): the hand-written fp32 / TF32 / bf16 / fp16 loops and every
+#   ampkit preset; then the compiled rows (compile=True, cuda_graphs=True) of bf16-mixed and bf16-true.
+#   Writes peers-cuda*.json (every figure) and .txt (the tables).
+# A failing step is reported and the others still run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-all}"
@@ -31,10 +33,13 @@ if [[ "$mode" != perf ]]; then
   step "info --bench" bash -c 'python -m ampkit.cli info --bench | tee "$OUT/info.txt"'
   step "doctor --json" bash -c 'python -m ampkit.cli doctor --task tiny-lm --device cuda --json > "$OUT/doctor-tiny-lm.json"'
   step "doctor" bash -c 'python -m ampkit.cli doctor --task tiny-lm --device cuda | tee "$OUT/doctor-tiny-lm.txt"'
-  step "pytest (GPU tests)" bash -c 'python -m pytest -q -rs tests/test_cuda.py tests/test_info.py tests/test_doctor.py | tee "$OUT/pytest.txt"'
+  step "pytest (GPU tests)" bash -c 'set -o pipefail; python -m pytest -q -rs tests/test_cuda.py tests/test_info.py tests/test_doctor.py | tee "$OUT/pytest.txt"'
 fi
 if [[ "$mode" != tests ]]; then
-  step "gpu_check.py" bash -c 'python benchmarks/gpu_check.py --budget "${GPU_CHECK_BUDGET:-420}" | tee "$OUT/gpu_check.txt"'
+  step "peers.py --device cuda (eager)" bash -c 'set -o pipefail; python benchmarks/peers.py --device cuda --models transformer,iris \
+    --variants "hand-written*,ampkit*" --no-compile --json "$OUT/peers-cuda.json" | tee "$OUT/peers-cuda.txt"'
+  step "peers.py --device cuda (compiled)" bash -c 'set -o pipefail; python benchmarks/peers.py --device cuda --models transformer,iris \
+    --variants "ampkit bf16-mixed*,ampkit bf16-true*" --json "$OUT/peers-cuda-compiled.json" | tee "$OUT/peers-cuda-compiled.txt"'
 fi
 
 if ((${#failed[@]})); then

@@ -3,15 +3,18 @@
     python benchmarks/peers.py                                   # the issue's sizes, every variant
     OMP_NUM_THREADS=1 python benchmarks/peers.py --threads 1 --scale small --write
     python benchmarks/peers.py --models iris --precisions fp32 --rounds 3 --json out.json
+    python benchmarks/peers.py --device cuda --models transformer,iris --no-compile   # GPU sizes
 
 Every variant trains its own copy of the same model (same seed, so the same initial weights) on the
 same batches with the same optimizer (AdamW, lr 1e-3, torch's default implementation for the
 device), each in the way its library documents:
 
 * hand-written: fp32; `torch.autocast` bf16; `torch.autocast` fp16 + `torch.amp.GradScaler`;
-  fp32 + `torch.compile` (the reference for the compiled rows);
+  fp32 + `torch.compile` (the reference for the compiled rows); on CUDA also fp32 with TF32
+  matmuls (`torch.set_float32_matmul_precision("high")` around its steps only);
 * ampkit: `ampkit.Accelerator(precision=...)` for each preset, with and without `compile=True`
-  (rows say "not available" where this ampkit has no such argument);
+  (rows say "not available" where this ampkit has no such argument); on CUDA also
+  `cuda_graphs=True`;
 * HF Accelerate: `accelerate.Accelerator(mixed_precision="no"/"bf16"/"fp16", cpu=...)`;
 * Lightning Fabric: `Fabric(precision="32-true"/"bf16-mixed"/"bf16-true"/"16-mixed")`.
 
@@ -25,6 +28,12 @@ moment of the machine cancels out). Per variant, one step (after the first) is a
   (VmHWM reset through /proc/self/clear_refs on CPU; `torch.cuda.max_memory_allocated` on CUDA);
 * the compute dtype: a forward hook on every Linear/Conv records the output dtype; the first one to
   run is the figure in the table, checked against the dtype the variant's setting claims.
+
+On CUDA (`--device cuda`) the sizes default to `--scale gpu`: a transformer encoder that fills a
+data-centre GPU a good deal (8 layers, d_model 1024, seq 512, batch 64), and models scaled to match.
+Step times there are host time between `torch.cuda.synchronize()` calls, like on the CPU. The
+correctness checks on a GPU (zero blocking syncs per step, CUDA graphs, compile) are tests:
+`tests/test_cuda.py`.
 
 Rows that cannot run say why (not installed, not available in this ampkit, skipped because the
 device runs that dtype far slower than fp32, failed with the error) instead of stopping the run.
@@ -57,8 +66,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampkit
-from _timing import cpu_model, interleaved, machine, median_ci, paired_ratio, spread, write_section
-from ampkit.compare import _proc_status, _reset_peak_rss  # the same /proc readings ampkit compare uses
+from _timing import (cpu_model, interleaved, machine, median_ci, paired_ratio, proc_status, reset_peak_rss,
+                     spread, write_section)
 from ampkit.hardware import capability, cpu_flags, resolve_device
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
@@ -116,10 +125,13 @@ def _classes(shape: tuple[int, ...], classes: int) -> Callable[[torch.Generator]
 
 #: Sizes per --scale: "full" is the issue's; "small" keeps every model's kind (overhead-bound,
 #: GEMM-bound, attention, convolution) at a size whose bf16 steps finish on a CPU without bf16
-#: instructions (there the issue's transformer takes ~80 s per bf16 step).
+#: instructions; "gpu" (the default on CUDA) is large enough that a GPU's step is arithmetic,
+#: not kernel launches. mlp: (in, hidden, batch); transformer: (d_model, layers, seq, batch);
+#: cnn: (channels, image side, batch, width).
 SIZES: dict[str, dict[str, Any]] = {
     "full": {"mlp": (1024, 4096, 64), "transformer": (512, 4, 128, 16), "cnn": (3, 32, 32, 32)},
     "small": {"mlp": (512, 2048, 32), "transformer": (128, 2, 32, 8), "cnn": (3, 16, 16, 16)},
+    "gpu": {"mlp": (4096, 16384, 512), "transformer": (1024, 8, 512, 64), "cnn": (3, 64, 128, 64)},
 }
 
 
@@ -127,7 +139,7 @@ def models(scale: str) -> dict[str, Model]:
     d, h, b = SIZES[scale]["mlp"]
     dm, layers, seq, tb = SIZES[scale]["transformer"]
     ch, hw, cb, width = SIZES[scale]["cnn"]
-    rounds = 8 if scale == "full" else 16
+    rounds = 16 if scale == "small" else 8
     return {
         "iris": Model(
             "iris", "iris-size MLP 4→64→3, batch 16 (overhead-bound)",
@@ -164,6 +176,7 @@ class Variant:
     options: tuple[tuple[str, Any], ...] = ()  # ampkit.Accelerator keyword arguments
     compiled: bool = False
     only: tuple[str, ...] = ()  # models it applies to (empty: all)
+    cuda_only: bool = False  # left out of the run on any other device
 
     @property
     def claims(self) -> torch.dtype:
@@ -179,6 +192,8 @@ VARIANTS: list[Variant] = [
     Variant("hand-written fp32", "hand-written", "fp32", "fp32"),
     Variant("hand-written autocast bf16", "hand-written", "autocast bf16", "bf16"),
     Variant("hand-written autocast fp16 + GradScaler", "hand-written", "autocast fp16", "fp16"),
+    # TF32 is fp32 storage with a shorter mantissa inside the matmuls: the dtype a hook sees is fp32
+    Variant("hand-written fp32 + TF32 matmuls", "hand-written", "tf32", "fp32", (("tf32", True),), cuda_only=True),
     *(Variant(f"ampkit {p}", "ampkit", p, _precision_of(p)) for p in AMPKIT_PRESETS),
     Variant("accelerate no", "accelerate", "no", "fp32"),
     Variant("accelerate bf16", "accelerate", "bf16", "bf16"),
@@ -190,6 +205,8 @@ VARIANTS: list[Variant] = [
     Variant("hand-written fp32 + torch.compile", "hand-written", "fp32", "fp32", compiled=True),
     *(Variant(f"ampkit {p} compile", "ampkit", p, _precision_of(p), (("compile", True),), compiled=True) for p in AMPKIT_PRESETS),
     Variant("ampkit fp32 channels_last", "ampkit", "fp32", "fp32", (("channels_last", True),), only=("cnn",)),
+    Variant("ampkit bf16-mixed cuda_graphs", "ampkit", "bf16-mixed", "bf16", (("cuda_graphs", True),),
+            compiled=True, cuda_only=True),
     # bf16-true frees its fp32 step buffers between steps (8 B/param); keeping them trades memory for CPU speed
     Variant("ampkit bf16-true keep_step_buffers", "ampkit", "bf16-true", "bf16", (("free_step_buffers", False),)),
 ]
@@ -224,6 +241,7 @@ class Loop:
         # Hooks go on before any wrapping: a compiler traces them into its graph only if they are
         # there when it compiles (hooks added later never run inside a compiled graph).
         self.dtypes_seen, self._remove_hooks = record_compute_dtypes(self.module)
+        self._around: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext  # the whole step
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             getattr(self, f"_setup_{variant.family.replace('-', '_')}")(device)
@@ -250,6 +268,8 @@ class Loop:
             self.model = torch.compile(self.model)
         dtype = v.claims
         self._autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype != torch.float32 else contextlib.nullcontext
+        if dict(v.options).get("tf32"):
+            self._around = tf32_matmuls  # forward and backward matmuls
         self._backward = lambda loss: loss.backward()
         self._opt_step = self.opt.step
         if dtype == torch.float16:
@@ -322,13 +342,26 @@ class Loop:
 
     def step(self, batch: Batch, after_update: Callable[[], None] | None = None) -> None:
         x, y = batch
-        with self._autocast():
-            loss = F.cross_entropy(self.model(x), y)
-        self._backward(loss)
-        self._opt_step()
+        with self._around():
+            with self._autocast():
+                loss = F.cross_entropy(self.model(x), y)
+            self._backward(loss)
+            self._opt_step()
         if after_update is not None:
             after_update()
         self.opt.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def tf32_matmuls() -> Iterator[None]:
+    """fp32 matmuls in TF32 for the duration: a process-wide setting, so set and restored around
+    each step of the one variant that asks for it (the others run interleaved in this process)."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 # --- what each step holds and computes in ---------------------------------------------------------
@@ -415,8 +448,8 @@ class StepPeak:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._before = torch.cuda.memory_allocated(self.device)
         else:
-            self._ok = _reset_peak_rss()
-            self._before = _proc_status("VmRSS") or 0
+            self._ok = reset_peak_rss()
+            self._before = proc_status("VmRSS") or 0
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -424,7 +457,7 @@ class StepPeak:
             torch.cuda.synchronize(self.device)
             self.mib: float | None = (torch.cuda.max_memory_allocated(self.device) - self._before) / 2**20
         else:
-            peak = _proc_status("VmHWM")
+            peak = proc_status("VmHWM")
             self.mib = (peak - self._before) / 2**20 if self._ok and peak else None
 
 
@@ -568,7 +601,7 @@ def _sync(device: torch.device) -> None:
 
 
 # --- selection and report -------------------------------------------------------------------------
-def select(args: argparse.Namespace) -> list[Variant]:
+def select(args: argparse.Namespace, device: torch.device) -> list[Variant]:
     precisions = set(args.precisions.split(","))
     patterns = [p.strip() for p in args.variants.split(",")]
     chosen = [
@@ -576,6 +609,7 @@ def select(args: argparse.Namespace) -> list[Variant]:
         if v.precision in precisions
         and any(fnmatch.fnmatch(v.name, p) for p in patterns)
         and not (args.no_compile and v.compiled)
+        and not (v.cuda_only and device.type != "cuda")
     ]
     # The hand-written loops every ratio is taken against run whatever the patterns say.
     needed = {"hand-written fp32"} | {MATCHING[v.precision] for v in chosen}
@@ -655,6 +689,10 @@ def targets(results: dict[str, list[Row]], header: dict[str, Any]) -> list[str]:
                 f"- ampkit bf16-mixed ≤ {limit:.2f}× the hand-written autocast loop on {m}: {_fmt(r, '.3f', '×')} — "
                 + (verdict(None) if r is None else _judge(r, limit, _ci(by[m], "ampkit bf16-mixed", "hand-written autocast bf16")))
             )
+            r = _ratio(by[m], "ampkit fp32", "hand-written fp32")
+            if r is not None:  # ampkit's own overhead where it changes no dtype
+                out.append(f"- ampkit fp32 ≤ {limit:.2f}× the hand-written fp32 loop on {m}: {r:.3f}× — "
+                           + _judge(r, limit, _ci(by[m], "ampkit fp32", "hand-written fp32")))
     for m, rows in by.items():
         for ours, peers in PEER_MATCH.items():
             for peer in peers:
@@ -731,7 +769,8 @@ def versions() -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scale", choices=sorted(SIZES), default="full", help="model sizes: the issue's (full) or reduced (small)")
+    parser.add_argument("--scale", choices=["auto", *sorted(SIZES)], default="auto",
+                        help="model sizes: the issue's (full), reduced (small) or GPU-sized (gpu); auto: gpu on CUDA, else full")
     parser.add_argument("--models", default="iris,mlp,transformer,cnn", help="comma-separated: iris, mlp, transformer, cnn")
     parser.add_argument("--variants", default="*", help="comma-separated name patterns (fnmatch), e.g. 'ampkit*,accelerate*'")
     parser.add_argument("--precisions", default="fp32,bf16,fp16", help="comma-separated precisions to run: fp32, bf16, fp16")
@@ -758,12 +797,17 @@ def main(argv: list[str] | None = None) -> None:
         args.precisions = ",".join(p for p in args.precisions.split(",") if p != "fp16")
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
+    try:
+        device = resolve_device(args.device)
+    except ValueError as exc:
+        parser.error(f"--device {args.device}: {exc}")
+    if args.scale == "auto":
+        args.scale = "gpu" if device.type == "cuda" else "full"
     catalogue = models(args.scale)
     unknown = [m for m in args.models.split(",") if m not in catalogue]
     if unknown:
         parser.error(f"--models {args.models!r}: unknown {unknown}; choose from {', '.join(catalogue)}")
-    variants = select(args)
+    variants = select(args, device)
     env = [f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS",) if k in os.environ]
     shown = [a for a in (argv if argv is not None else sys.argv[1:])]
     if "--note" in shown:  # the note is printed on its own line

@@ -51,7 +51,7 @@ def _quiet_slow_dtype_warning():
 
 @pytest.fixture
 def one_thread():
-    """One torch thread: two cores are shared with other processes, and one thread keeps the tiny
+    """One torch thread: the cores are shared with other processes, and one thread keeps the tiny
     matmuls steady where a test measures (the doctors' timing and classification tests)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

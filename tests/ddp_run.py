@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ampkit
 from ampkit import checkpoint
+from ampkit import files as ampkit_files
 
 B = 8  # per-rank batch
 
@@ -92,13 +93,13 @@ def accumulation(out: Path) -> dict:
 
 def files(out: Path) -> dict:
     writes = []
-    real = checkpoint.atomic_write
+    real = ampkit_files.atomic_write
 
     def logged(path, write):
         writes.append(str(path))
         return real(path, write)
 
-    checkpoint.atomic_write = logged
+    ampkit_files.atomic_write = logged
     acc, m, opt, loader = setup("fp32")
     for step, (x, y) in enumerate(loader):
         acc.backward(F.cross_entropy(m(x), y))

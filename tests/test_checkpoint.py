@@ -173,11 +173,11 @@ def test_disk_full_raises_keeps_the_previous_checkpoint_and_removes_the_temp_fil
         f.write(b"PK\x03\x04 partial bytes")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
+    monkeypatch.setattr(torch, "save", full_disk)
     with pytest.raises(ampkit.CheckpointError, match=r"could not write .*step-00000004.pt: No space left on device; the previous checkpoint is intact"):
         acc.save_checkpoint(tmp_path)
-    monkeypatch.setattr(checkpoint.torch, "save", real_save)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", first.name]
+    monkeypatch.setattr(torch, "save", real_save)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ampkit-checkpoints.json", "latest", first.name]
     fresh, _, _ = _tiny()
     assert fresh.resume(tmp_path) == first
 

@@ -73,9 +73,9 @@ def test_only_rank_0_writes_files_and_prints(tmp_path):
     proc = torchrun("files", tmp_path)
     r0, r1 = ranks(tmp_path)
     assert r1["writes"] == []
-    assert len(r0["writes"]) == 4  # 10 batches per rank, a checkpoint every 4 steps: 2 files + 2 `latest` markers
+    assert len(r0["writes"]) == 6  # 10 batches per rank, a checkpoint every 4 steps: 2 files + 2 manifests + 2 `latest` markers
     assert proc.stdout.count("saved at step") == 2 and "by rank 1" not in proc.stdout
-    assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == ["latest", "step-00000004.pt", "step-00000008.pt"]
+    assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == ["ampkit-checkpoints.json", "latest", "step-00000004.pt", "step-00000008.pt"]
 
 
 def test_a_killed_worker_restarts_resumes_and_finishes_like_an_uninterrupted_run(tmp_path):

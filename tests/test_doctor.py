@@ -9,11 +9,13 @@ machine's load. They assert no timings.
 
 from __future__ import annotations
 
+import contextlib
 import html.parser
 import io
 import json
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import jsonschema
@@ -23,6 +25,7 @@ from torch import nn
 
 import ampkit
 import ampkit.data
+import ampkit.events
 from ampkit.accelerator import Accelerator
 from ampkit.cli import main
 from ampkit.doctor import (
@@ -57,14 +60,23 @@ def _line_of(path: Path, marker: str) -> int:
 
 
 def _patched_state() -> tuple:
-    """Everything the doctor patches while it watches, to check that it puts it all back."""
+    """Everything the doctor hooks into while it watches, to check that it takes it all off."""
     return (
         tuple(torch.Tensor.__dict__.get(name) for name in SYNC_METHODS),
         Accelerator.__init__, Accelerator.backward, AmpOptimizer.step, AmpOptimizer.zero_grad,
-        ampkit.data.DeviceLoader._on_device, ampkit.data.move_to_device,
+        ampkit.data.DeviceLoader.__iter__, ampkit.data.move_to_device,
         len(nn.modules.module._global_forward_pre_hooks), len(nn.modules.module._global_forward_hooks),
-        list(sys.argv),
+        torch._C._len_torch_function_stack(),  # the sync watcher's mode is gone
+        len(warnings.filters), list(sys.argv), list(sys.path),
     )
+
+
+@contextlib.contextmanager
+def created_accelerators():
+    """The Accelerators created in the block (a script's, which the test cannot reach otherwise)."""
+    accs: list[Accelerator] = []
+    with ampkit.events.watch_created(accs.append):
+        yield accs
 
 
 @pytest.fixture(scope="module")
@@ -207,8 +219,10 @@ def test_the_terminal_report_renders(capsys, item_result):
 
 def test_everything_patched_is_restored_after_a_run(item_result):
     before = _patched_state()
-    diagnose_script(ITEM_SCRIPT, ["--epochs", "50"], steps=3, warmup=1, bench=False)
+    with created_accelerators() as accs:
+        diagnose_script(ITEM_SCRIPT, ["--epochs", "50"], steps=3, warmup=1, bench=False)
     assert _patched_state() == before
+    assert len(accs) == 1 and not accs[0].events  # no listener left
     assert "item" not in torch.Tensor.__dict__  # back to TensorBase's own method
 
 
@@ -218,9 +232,10 @@ def test_a_script_that_raises_is_reraised_and_everything_is_restored(tmp_path):
         "        losses.append(loss.item())  # doctor: planted sync",
         "        if len(losses) == 3:\n            raise RuntimeError('boom at step 3')\n        losses.append(0.0)"))
     before = _patched_state()
-    with pytest.raises(RuntimeError, match="boom at step 3"):
+    with pytest.raises(RuntimeError, match="boom at step 3"), created_accelerators() as accs:
         diagnose_script(script, steps=20, warmup=1, bench=False)
     assert _patched_state() == before
+    assert len(accs) == 1 and not accs[0].events
     diagnose_script(ITEM_SCRIPT, ["--epochs", "50"], steps=2, warmup=1, bench=False)  # no session left behind
 
 
@@ -257,6 +272,34 @@ def test_errors_repeat_what_was_passed(tmp_path):
 def test_cli_errors(capsys, args, message):
     assert main(["doctor", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+FAILING_SCRIPTS = {
+    "ValueError": "raise ValueError('learning rate must be positive, got -1')",
+    "FileNotFoundError": "open('its_own_data.csv')",  # the script's data, not ampkit's
+}
+
+
+@pytest.mark.parametrize("error", sorted(FAILING_SCRIPTS))
+@pytest.mark.parametrize("numerics", [False, True], ids=["doctor", "numerics"])
+def test_cli_a_script_that_fails_shows_its_traceback_and_says_it_failed(tmp_path, monkeypatch, capsys, error, numerics):
+    script = tmp_path / "train.py"
+    script.write_text("import ampkit\n\n\ndef load():\n    " + FAILING_SCRIPTS[error] + "\n\n\nload()\n")
+    monkeypatch.chdir(tmp_path)
+    rc = main(["doctor", *(["--numerics"] if numerics else []), "train.py"])
+    err = capsys.readouterr().err
+    assert rc == 1, err  # as `python train.py` exits: the script failed, not ampkit (2)
+    first, *rest = err.splitlines()
+    assert first.startswith(f"ampkit doctor: train.py failed: {error}: ")
+    assert rest[0] == "Traceback (most recent call last):"
+    assert 'train.py", line 8, in <module>' in err and 'train.py", line 5, in load' in err  # its own frames
+    assert "runpy" not in err and "ampkit/doctor" not in err and "ampkit\\doctor" not in err  # not ours
+    assert rest[-1].startswith(f"{error}: ")
+
+
+def test_cli_a_missing_script_is_still_ampkits_one_line_error(capsys):
+    assert main(["doctor", "no/such/train.py"]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"ampkit doctor: script 'no/such/train.py' not found (from {Path.cwd()})"]
 
 
 def test_profile_watches_a_running_loop_without_stopping_it():

@@ -21,7 +21,7 @@ from ampkit.hardware import (
 )
 from ampkit.info import INFO_SCHEMA, bench_matmul, collect_info, format_info_text
 
-from test_hardware import OLD, SAPPHIRE_RAPIDS, ZEN4
+from test_hardware import OLD, SAPPHIRE_RAPIDS, ZEN4, fake_rocm
 
 ARM = "processor\t: 0\nBogoMIPS\t: 243.75\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 bf16 i8mm\n"
 
@@ -143,6 +143,19 @@ def test_recommendation_is_the_auto_choice(monkeypatch):
     assert info["cpu"]["capabilities"]["bf16"] == {"supported": True, "source": "/proc/cpuinfo flags: avx512_bf16"}
 
 
+def test_an_amd_gpu_is_shown_with_its_gfx_architecture_and_rocm_facts(monkeypatch):
+    fake_rocm(monkeypatch, "gfx942")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    info = collect_info(device="cpu")
+    jsonschema.Draft202012Validator(INFO_SCHEMA).validate(info)
+    (gpu,) = info["gpus"]
+    assert gpu["compute_capability"] == "gfx942" and gpu["sm_count"] == 304
+    assert gpu["capabilities"]["bf16"] == {"supported": True, "source": "AMD gfx942 (CDNA 3, Instinct MI300, ROCm): bf16 matrix cores"}
+    text = format_info_text(info)
+    assert "ROCm 6.2.41133" in text and "gfx942" in text and "192 GiB" in text
+
+
 # ----- the benchmark ------------------------------------------------------------------------------
 
 
@@ -207,8 +220,9 @@ def test_plain_text_bench_table_says_whether_the_measurement_agrees():
     ]}
     jsonschema.Draft202012Validator(INFO_SCHEMA).validate(info)
     lines = format_info_text(info).splitlines()
-    assert any(line.split() == ["fp32", "50", "GFLOP/s", "1.0×", "1024", "baseline"] for line in lines)
-    assert any(line.split() == ["bf16", "0.6", "GFLOP/s", "0.012×", "256", "slow", "slow", "(agrees)"] for line in lines)
+    # Numbers in ampkit.present's one format: "1×" (not "1.0×"), "600 MFLOP/s" (not "0.6 GFLOP/s").
+    assert any(line.split() == ["fp32", "50", "GFLOP/s", "1×", "1024", "baseline"] for line in lines)
+    assert any(line.split() == ["bf16", "600", "MFLOP/s", "0.012×", "256", "slow", "slow", "(agrees)"] for line in lines)
     assert any(line.split() == ["fp16", "700", "TFLOP/s", "14000×", "8192", "slow", "fast", "(DISAGREES)"] for line in lines)
 
 

@@ -3,6 +3,7 @@
 It checks the benchmark works (every fp32 variant runs, figures are sane, each computes in the dtype
 it claims), not how fast anything is. The peers come with the `bench` extra (HF Accelerate, Lightning
 Fabric), which CI does not install: there their rows must say so, and the rest still runs.
+Left out of the default suite: `python -m pytest -m bench` runs it.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import importlib.util
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.bench
 
 HAVE_PEERS = all(importlib.util.find_spec(m) is not None for m in ("accelerate", "lightning_fabric"))
 
@@ -48,16 +52,52 @@ def test_peers_iris_fp32_runs_and_reports_sane_figures(tmp_path: Path) -> None:
     assert "hand-written fp32" in proc.stdout and "Targets:" in proc.stdout
 
 
-def test_peers_reports_a_missing_ampkit_option_as_not_available(tmp_path: Path) -> None:
-    """A variant whose Accelerator keyword this ampkit lacks gets a row that says so, not a crash."""
+def _peers():
     sys.path.insert(0, str(PEERS.parent))
     try:
         import peers
     finally:
         sys.path.remove(str(PEERS.parent))
-    import torch
+    return peers
 
+
+def test_peers_reports_a_missing_ampkit_option_as_not_available(tmp_path: Path) -> None:
+    """A variant whose Accelerator keyword this ampkit lacks gets a row that says so, not a crash."""
+    peers = _peers()
     variant = peers.Variant("ampkit fp32 warp", "ampkit", "fp32", "fp32", (("warp_speed", True),))
     model = peers.models("small")["iris"]
     with pytest.raises(peers.Unavailable, match=r"not available: this ampkit's Accelerator has no warp_speed="):
         peers.Loop(variant, model, torch.device("cpu"))
+
+
+def test_the_cuda_only_variants_run_on_cuda_alone() -> None:
+    """TF32 and cuda_graphs=True rows are selected on CUDA and left out elsewhere (not failed rows)."""
+    peers = _peers()
+    args = peers.argparse.Namespace(precisions="fp32,bf16,fp16", variants="*", no_compile=False)
+    cuda_only = {"hand-written fp32 + TF32 matmuls", "ampkit bf16-mixed cuda_graphs"}
+    assert cuda_only <= {v.name for v in peers.select(args, torch.device("cuda"))}
+    assert not cuda_only & {v.name for v in peers.select(args, torch.device("cpu"))}
+    args.no_compile = True  # cuda_graphs=True compiles: --no-compile leaves it out
+    assert {v.name for v in peers.select(args, torch.device("cuda"))} & cuda_only == {"hand-written fp32 + TF32 matmuls"}
+
+
+def test_the_tf32_loop_sets_tf32_around_its_own_steps_only() -> None:
+    """The setting is process-wide and the loops run interleaved: the others must not inherit it."""
+    peers = _peers()
+    before = torch.get_float32_matmul_precision()
+    seen = []
+    with peers.tf32_matmuls():
+        seen.append(torch.get_float32_matmul_precision())
+    assert seen == ["high"] and torch.get_float32_matmul_precision() == before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_device_cuda_without_cuda_says_so(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(PEERS), "--device", "cuda", "--models", "iris"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "CUDA is not available here" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_device_cuda_defaults_to_gpu_sizes() -> None:
+    peers = _peers()
+    assert "d_model 1024" in peers.models("gpu")["transformer"].title

@@ -53,7 +53,7 @@ def without_scale_history(report: dict) -> dict:
 
 
 def test_a_numerics_block_validates_and_its_line_shows_only_when_something_is_wrong(sample, tmp_path):
-    from ampkit.doctor.numerics import numerics_task, summarize
+    from ampkit.doctor import numerics_task, summarize
 
     block = summarize(numerics_task("iris-mlp", steps=2, precision="fp32", device="cpu"))
     report = copy.deepcopy(sample)

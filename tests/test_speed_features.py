@@ -120,7 +120,7 @@ def test_no_cxx_compiler_warns_at_construction_and_runs_eagerly(monkeypatch):
     with pytest.warns(UserWarning, match=r"needs a C\+\+ compiler and none was found"):
         acc = ampkit.Accelerator("fp32", device="cpu", compile=True)
     model = acc.prepare(make_model())
-    assert acc.compile_stats.models == [] and acc._compile is None
+    assert acc.compile_stats.models == [] and acc.compile_options is None
     model(torch.randn(2, 8))
 
 
@@ -312,7 +312,7 @@ def test_bf16_true_holds_8_bytes_per_parameter_between_adamw_steps(free):
     assert weights / n == 2 and kahan / n == 2 and state / n == 4
     assert (weights + kahan + state) / n == 8
     # no fp32 copy of the weights outlives prepare, and the optimizer sees none between steps
-    assert all(not m.originals for m in acc._models.values())
+    assert all(not m.originals for m in acc._prepared.originals.values())
     assert all(s.numel() == 0 and s.grad is None for _, s in opt.weights.pairs)
     # the fp32 buffers the update works in: freed between steps, or kept (16 bytes/param) for speed
     weights = opt.weights

@@ -3,7 +3,9 @@
 The public API is what this module exports; everything else is internal and may change.
 """
 
-__version__ = "0.1.0"  # before the imports: modules below read it
+from ampkit.version import ampkit_version
+
+__version__ = ampkit_version()  # the installed package's metadata; modules call ampkit_version() themselves
 
 from ampkit.accelerator import Accelerator, TrainingState
 from ampkit.compare import compare

@@ -9,43 +9,38 @@ for x, y in loader:
     optimizer.step(); scheduler.step(); optimizer.zero_grad()
 ```
 
-The Accelerator owns the policy (`acc.policy`), the device, the loss scaler and the position inside
-a gradient-accumulation cycle; the wrapped optimizer (`ampkit.optim`) and scheduler
-(`ampkit.scheduler`) consult it. Nothing on the step path waits for the device except where a
-comment marked `# sync:` says why.
+It owns the policy, the device, the loss scaler and the accumulation cycle (`ampkit.cycle`), emits
+events to listeners (`ampkit.events`) and owns its `state_dict()`. Nothing on the step path waits
+for the device except where a comment marked `# sync:` says why.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-import warnings
+import uuid
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 from ampkit import checkpoint
-from ampkit.compiler import CompiledForward, CompileStats, compile_options, unavailable_reason
-from ampkit.data import DeviceLoader
-from ampkit.distributed import FSDP_PRESETS, DistributedContext, barrier, shard_loader, sum_across_ranks, wrap_ddp, wrap_fsdp
+from ampkit.compiler import CompileStats, compile_setup
 from ampkit.cycle import AccumulationCycle, check_steps
+from ampkit.data import DeviceLoader
+from ampkit.distributed import FSDP_PRESETS, DistributedContext, barrier, gather_objects, sum_across_ranks
 from ampkit.errors import PrecisionError, StepOrderError
 from ampkit.events import Events, Listener, created
 from ampkit.hardware import capability, resolve_device
 from ampkit.metrics import MetricTracker
-from ampkit.module import KeepSpec, prepare_module
-from ampkit.lowp_weights import LowPrecisionWeights, stand_in_weights
+from ampkit.module import KeepSpec
 from ampkit.optim import AmpOptimizer
 from ampkit.precision import Precision, resolve_precision
+from ampkit.prepare import Prepared
 from ampkit.scaler import LossScaler
 from ampkit.scheduler import AmpScheduler
-
-_Scheduler = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
 
 class TrainingState:
@@ -86,13 +81,6 @@ class TrainingState:
         return f"TrainingState(applied_steps={self.applied_steps}, skipped_steps={self.skipped_steps}, scale={self.scale})"
 
 
-@dataclass(frozen=True)
-class _Prepared:
-    """What prepare() did to one model: kept so optimizers prepared later can find it."""
-
-    originals: dict[nn.Parameter, torch.Tensor]  # fp32 values of cast-down weights, until an optimizer takes them
-
-
 class Accelerator:
     """Mixed-precision training on the right device, with gradient accumulation.
 
@@ -124,10 +112,10 @@ class Accelerator:
             be static (each new shape records a new graph).
         free_step_buffers: for the `-master` and `bf16-true` presets, free the fp32 buffers the
             update works in (gradients, and for bf16-true weights and optimizer state) between
-            steps, so that bf16-true holds 8 bytes per parameter with AdamW. On a GPU this costs
-            nothing (the caching allocator keeps the memory); on a CPU the memory goes back to the
-            OS, and faulting it in again made bf16-true's step ~10% slower on the GEMM-bound MLP of
-            benchmarks/peers.py: False keeps them (18 bytes per parameter more) for that speed.
+            steps, so that bf16-true holds 8 bytes per parameter with AdamW. On a GPU the caching
+            allocator keeps the freed memory, so this costs nothing; on a CPU it goes back to the
+            OS and is faulted in again at the next step, which costs time on large models. False
+            keeps them (18 bytes per parameter more) for that speed.
     """
 
     def __init__(
@@ -167,7 +155,6 @@ class Accelerator:
                 f"master weights) without keep_fp32; got precision={self.policy.name!r}"
                 + (f", keep_fp32={list(keep_fp32)!r}" if keep_fp32 else "")
             )
-        self._fsdp_params: dict[int, nn.Parameter] = {}
         if scaler is not None and not isinstance(scaler, LossScaler):
             raise TypeError(f"scaler={scaler!r}: expected an ampkit.LossScaler")
         if scaler is not None and not self.policy.loss_scaling:
@@ -178,8 +165,8 @@ class Accelerator:
         self.scaler = (scaler or LossScaler()).to(self.device) if self.policy.loss_scaling else None
         self.cycle = AccumulationCycle(grad_accum_steps, self.scaler)
         self.events = Events()  # listeners: ampkit.events.Listener
-        self._compile = self._compile_setup(compile, cuda_graphs)
-        self.cuda_graphs = cuda_graphs and self._compile is not None
+        self.compile_options = compile_setup(self.device, compile, cuda_graphs)  # torch.compile kwargs, or None
+        self.cuda_graphs = cuda_graphs and self.compile_options is not None
         self.compile_stats = CompileStats()
         if not isinstance(channels_last, bool):
             raise TypeError(f"channels_last={channels_last!r}: expected True or False")
@@ -191,59 +178,12 @@ class Accelerator:
         self.keep_fp32 = list(keep_fp32)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.state = TrainingState(self)
-        self._models: dict[int, _Prepared] = {}
-        self._model_list: list[nn.Module] = []
-        self._optimizers: list[AmpOptimizer] = []
-        self._schedulers: list[AmpScheduler] = []
-        self._loaders: list[DeviceLoader] = []
+        self._prepared = Prepared(self)
         self._epoch = 0  # the epoch acc.epochs() is in (saved with checkpoints)
+        # One training run, across resumes and ranks (rank 0's id): a checkpoint folder belongs to one run.
+        self.run_id = gather_objects(uuid.uuid4().hex)[0] if self.distributed.enabled else uuid.uuid4().hex
         self._metrics = MetricTracker()
         created(self)
-
-    def _compile_setup(self, compile: bool | Mapping[str, Any], cuda_graphs: bool) -> dict[str, Any] | None:
-        """torch.compile arguments for the models, or None; `cuda_graphs` is compile's reduce-overhead mode."""
-        options = compile_options(compile)
-        if not isinstance(cuda_graphs, bool):
-            raise TypeError(f"cuda_graphs={cuda_graphs!r}: expected True or False")
-        if cuda_graphs:
-            if self.device.type != "cuda":
-                raise ValueError(
-                    f"cuda_graphs=True needs a CUDA device (a CUDA graph replays recorded GPU kernels); "
-                    f"this Accelerator runs on {str(self.device)!r}: drop cuda_graphs=True, or use compile=True"
-                )
-            options = options or {}
-            if options.get("mode", "reduce-overhead") != "reduce-overhead":
-                raise ValueError(
-                    f"cuda_graphs=True records CUDA graphs through torch.compile's 'reduce-overhead' mode; "
-                    f"compile={compile!r} asks for mode={options['mode']!r}: drop one of the two"
-                )
-            options["mode"] = "reduce-overhead"
-        if options is None:
-            return None
-        reason = unavailable_reason(self.device, options)
-        if reason is not None:
-            asked = "cuda_graphs=True" if cuda_graphs else "compile=True"
-            effect = "no CUDA graphs" if cuda_graphs else "no compiler speed-up"
-            warnings.warn(f"{asked}: {reason}; the model runs eagerly (same results, {effect})", stacklevel=3)
-            return None
-        return options
-
-    def _compiled(self, model: nn.Module) -> None:
-        """Compile `model`'s (prepared) forward in place, if compile= asked for it."""
-        if self._compile is None:
-            return
-        model.forward = CompiledForward(model.forward, self._compile, self.compile_stats, type(model).__name__)
-        self.compile_stats.models.append(type(model).__name__)
-
-    def _to_channels_last(self, model: nn.Module) -> None:
-        if not self.channels_last:
-            return
-        if not any(p.dim() == 4 for p in model.parameters()):
-            warnings.warn(
-                f"channels_last=True: {type(model).__name__} has no 4-D (convolution) weights, so the layout "
-                f"changes nothing for it", stacklevel=4,
-            )
-        model.to(memory_format=torch.channels_last)
 
     # --- prepare ------------------------------------------------------------------------------
     def prepare(self, *objs: Any) -> Any:
@@ -252,119 +192,7 @@ class Accelerator:
         Models first (whatever the order given), so an optimizer finds its model's parameters
         already in their training dtype. One object in, one object out; several in, a tuple out.
         """
-        kinds = [self._kind(obj, i) for i, obj in enumerate(objs)]
-        out: list[Any] = list(objs)
-        for kind in ("model", "optimizer", "loader", "scheduler"):
-            for i, obj in enumerate(objs):
-                if kinds[i] == kind:
-                    out[i] = getattr(self, f"_prepare_{kind}")(obj, out, objs)
-        return out[0] if len(out) == 1 else tuple(out)
-
-    @staticmethod
-    def _kind(obj: Any, position: int) -> str:
-        if isinstance(obj, nn.Module):
-            return "model"
-        if isinstance(obj, AmpOptimizer) or isinstance(obj, (AmpScheduler, DeviceLoader)):
-            raise ValueError(f"prepare() argument {position} ({obj!r}) was already prepared; pass the original object once")
-        if isinstance(obj, torch.optim.Optimizer):
-            return "optimizer"
-        if isinstance(obj, DataLoader):
-            return "loader"
-        if isinstance(obj, _Scheduler):
-            return "scheduler"
-        raise TypeError(
-            f"prepare() argument {position} is a {type(obj).__module__}.{type(obj).__qualname__}; "
-            f"expected an nn.Module, a torch.optim.Optimizer, a torch.utils.data.DataLoader or a torch LR scheduler"
-        )
-
-    def _prepare_model(self, model: nn.Module, *_: Any) -> nn.Module:
-        if any(model is m or model is self.unwrap(m) for m in self._model_list):
-            raise ValueError(f"{type(model).__name__} was already prepared; prepare each model once")
-        if self.policy.master_weights or self.policy.compensated:
-            mine = {id(p) for p in model.parameters()}
-            if any(id(p) in mine for opt in self._optimizers for g in opt.param_groups for p in g["params"]):
-                raise StepOrderError(
-                    f"precision {self.policy.name!r}: the optimizer of {type(model).__name__} was prepared before the "
-                    f"model, so it would step the low-precision weights directly (no master weights or compensation): "
-                    f"prepare the model first, e.g. model, optimizer = acc.prepare(model, optimizer)"
-                )
-        if self.strategy == "fsdp":
-            model.to(self.device)
-            self._to_channels_last(model)
-            model, params = wrap_fsdp(model, self.policy.compute_dtype)
-            self._fsdp_params.update(params)
-            self._compiled(model)
-            self._models[id(model)] = _Prepared({})
-            self._model_list.append(model)
-            model.register_forward_pre_hook(self._set_grad_sync)
-            return model
-        originals = prepare_module(model, self.policy, self.device, self.keep_fp32)
-        self._to_channels_last(model)
-        self._compiled(model)
-        self._models[id(model)] = _Prepared(originals)
-        self._model_list.append(model)
-        if self.strategy == "ddp":
-            ddp = wrap_ddp(model, self.device)
-            # DDP reads this flag in forward: only the forward whose backward ends an accumulation
-            # cycle all-reduces (no_sync on the others), so there is one all-reduce per optimizer step.
-            ddp.register_forward_pre_hook(self._set_grad_sync)
-            return ddp
-        return model
-
-    def _set_grad_sync(self, model: nn.Module, _inputs: Any) -> None:
-        sync = self.cycle.next_is_last
-        if self.strategy == "fsdp":
-            model.set_requires_gradient_sync(sync)  # type: ignore[operator]
-        else:
-            model.require_backward_grad_sync = sync
-
-    def _prepare_optimizer(self, optimizer: torch.optim.Optimizer, *_: Any) -> AmpOptimizer:
-        weights = None
-        if self._fsdp_params:  # re-point an optimizer built before sharding at the sharded parameters
-            if optimizer.state:
-                raise StepOrderError("strategy='fsdp': prepare the optimizer before its first step (FSDP replaces the parameters)")
-            for group in optimizer.param_groups:
-                group["params"] = [self._fsdp_params.get(id(p), p) for p in group["params"]]
-        if (self.policy.master_weights or self.policy.compensated) and self.strategy != "fsdp":
-            weights = self._low_precision_weights(optimizer)
-        # State created before prepare (a loaded optimizer) follows its parameters' device and dtype.
-        if optimizer.state:
-            optimizer.load_state_dict(optimizer.state_dict())
-        wrapped = AmpOptimizer(optimizer, self, weights)
-        self._optimizers.append(wrapped)
-        return wrapped
-
-    def _low_precision_weights(self, optimizer: torch.optim.Optimizer) -> LowPrecisionWeights | None:
-        """Point `optimizer` at fp32 parameters standing in for the model's low-precision ones."""
-        prepared = {id(p) for model in self._model_list for p in model.parameters()}
-        # The exact fp32 initial values, handed over (not copied) so no fp32 copy outlives prepare.
-        originals: dict[nn.Parameter, torch.Tensor] = {}
-        for m in self._models.values():
-            originals.update(m.originals)
-        weights, taken = stand_in_weights(optimizer, self.policy, prepared, originals, self.free_step_buffers)
-        for m in self._models.values():
-            for p in taken:
-                m.originals.pop(p, None)
-        return weights
-
-    def _prepare_loader(self, loader: DataLoader, *_: Any) -> DeviceLoader:
-        if self.strategy != "none":
-            loader = shard_loader(loader, self.distributed)
-        wrapped = DeviceLoader(loader, self.device, torch.channels_last if self.channels_last else None, self.events)
-        self._loaders.append(wrapped)
-        return wrapped
-
-    def _prepare_scheduler(self, scheduler: Any, out: list[Any], objs: tuple[Any, ...]) -> AmpScheduler:
-        target = scheduler.optimizer
-        for opt in self._optimizers:
-            if opt.optimizer is target or opt is target:
-                wrapped = AmpScheduler(scheduler, opt, per_step=self.step_scheduler_with_optimizer)
-                self._schedulers.append(wrapped)
-                return wrapped
-        raise StepOrderError(
-            f"prepare() got the scheduler {scheduler.__class__.__name__} before its optimizer: "
-            f"prepare the optimizer in the same call or earlier"
-        )
+        return self._prepared.prepare(*objs)
 
     # --- the step -----------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -374,7 +202,7 @@ class Accelerator:
         count as a micro-step."""
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"acc.backward(loss) expects the loss tensor the model's output produced; got a {type(loss).__name__} ({loss!r})")
-        for opt in self._optimizers:
+        for opt in self._prepared.optimizers:
             opt.check_backward()
         if self.events:
             self.events.emit(Listener.on_backward_start, self, loss)
@@ -392,7 +220,7 @@ class Accelerator:
         if timed:
             stats.first_backward_s = time.perf_counter() - start
         self.cycle.advance()
-        for opt in self._optimizers:
+        for opt in self._prepared.optimizers:
             opt.on_backward(finite)
         if self.events:
             self.events.emit(Listener.on_backward_end, self)
@@ -410,14 +238,14 @@ class Accelerator:
         an accumulation cycle there is nothing to clip yet: it does nothing and returns None, so
         the loop needs no `if` around it.
         """
-        if not self._optimizers:
+        if not self._prepared.optimizers:
             raise StepOrderError("acc.clip_grad_norm_() needs a prepared optimizer: acc.prepare(model, optimizer)")
         if not self.cycle.started:
             raise StepOrderError("acc.clip_grad_norm_() was called before acc.backward(loss)")
         if not self.cycle.at_end:
             return None
         params: list[torch.Tensor] = []
-        for opt in self._optimizers:
+        for opt in self._prepared.optimizers:
             opt.unscale_()
             params.extend(p for g in opt.param_groups for p in g["params"] if p.grad is not None)
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=True)
@@ -433,9 +261,7 @@ class Accelerator:
         """Write the whole training state to one file, atomically (see `ampkit.checkpoint`).
 
         Under torchrun call it on every rank: rank 0 writes, and no rank returns before the file is durable."""
-        path = checkpoint.save(self, path)
-        barrier()
-        return path
+        return checkpoint.save(self, path)
 
     def load(self, path: str | Path) -> None:
         """Restore the whole training state from `path`; `CheckpointError` if it is missing or broken."""
@@ -449,8 +275,9 @@ class Accelerator:
     def resume(self, folder: str | Path) -> Path | None:
         """Load the newest valid checkpoint in `folder` (skipping broken ones with a warning).
 
-        Returns its path, or None on a fresh start (no folder or no checkpoint): call it
-        unconditionally before the loop.
+        Returns its path, or None on a fresh start (no folder, or no checkpoint in it): call it
+        unconditionally before the loop. A folder whose checkpoints all fail to load raises
+        `CheckpointError`; a checkpoint file passed instead of a folder is loaded.
         """
         self._require_prepared("resume")
         return checkpoint.resume(self, folder)
@@ -464,11 +291,11 @@ class Accelerator:
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"epochs({n!r}): expected an integer >= 0")
         start = self._epoch
-        if self._loaders and all(l.epoch_done and l.epoch == start for l in self._loaders):
+        if self._prepared.loaders and all(l.epoch_done and l.epoch == start for l in self._prepared.loaders):
             start += 1  # the checkpoint was taken after the saved epoch's last batch
         for epoch in range(start, n):
             self._epoch = epoch
-            for loader in self._loaders:
+            for loader in self._prepared.loaders:
                 if not loader.resuming or loader.epoch != epoch:
                     loader.set_epoch(epoch)
             yield epoch
@@ -478,19 +305,19 @@ class Accelerator:
     @property
     def models(self) -> tuple[nn.Module, ...]:
         """The prepared models, in the order prepared (the user's modules, without DDP)."""
-        return tuple(self._model_list)
+        return tuple(self._prepared.models)
 
     @property
     def optimizers(self) -> tuple[AmpOptimizer, ...]:
-        return tuple(self._optimizers)
+        return tuple(self._prepared.optimizers)
 
     @property
     def schedulers(self) -> tuple[AmpScheduler, ...]:
-        return tuple(self._schedulers)
+        return tuple(self._prepared.schedulers)
 
     @property
     def loaders(self) -> tuple[DeviceLoader, ...]:
-        return tuple(self._loaders)
+        return tuple(self._prepared.loaders)
 
     @property
     def epoch(self) -> int:
@@ -499,7 +326,7 @@ class Accelerator:
 
     def state_dict(self) -> dict[str, Any]:
         """The Accelerator's own state: epoch, accumulation position, loss scaler (not what it prepared)."""
-        return {"epoch": self._epoch, "cycle": self.cycle.state_dict(),
+        return {"run_id": self.run_id, "epoch": self._epoch, "cycle": self.cycle.state_dict(),
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
     def check_state_dict(self, state: dict[str, Any]) -> list[str]:
@@ -513,9 +340,10 @@ class Accelerator:
             self.scaler.load_state_dict(state["scaler"])
             self.scaler.to(self.device)
         self._epoch = int(state["epoch"])
+        self.run_id = str(state["run_id"])  # the loaded run goes on: its checkpoint folder is this run's
 
     def _require_prepared(self, what: str) -> None:
-        if not (self._model_list or self._optimizers):
+        if not (self._prepared.models or self._prepared.optimizers):
             raise StepOrderError(f"acc.{what}() needs the prepared objects to restore into: call acc.prepare(model, optimizer, ...) first")
 
     # --- metrics and helpers ------------------------------------------------------------------
@@ -528,13 +356,6 @@ class Accelerator:
 
         One sync (and, under torchrun, one all-reduce)."""
         return self._metrics.read(reduce=sum_across_ranks if self.distributed.enabled else None)
-
-    def profile(self, steps: int = 20, **kwargs: Any) -> Any:
-        """Diagnose the next `steps` optimizer steps (after a warm-up) while training goes on; prints
-        where the step time goes and what to change when done. See `ampkit.doctor.profile`."""
-        from ampkit.doctor import profile  # lazy: the doctor imports this module
-
-        return profile(self, steps, **kwargs)
 
     # --- distributed --------------------------------------------------------------------------
     @property

@@ -58,9 +58,9 @@ def _doctor(args: argparse.Namespace) -> int:
     import json
     import traceback
 
-    from ampkit.doctor import DoctorError, diagnose_script, diagnose_task, render_report
+    from ampkit.doctor import (DoctorError, diagnose_script, diagnose_task, numerics_script, numerics_task,
+                               render_report, script_traceback)
     from ampkit.doctor.numerics_report import format_text as format_numerics
-    from ampkit.doctor.numerics import numerics_script, numerics_task
 
     if (args.script is None) == (args.task is None):
         print("ampkit doctor: give a script (ampkit doctor train.py [args...]) or --task NAME, not both"
@@ -91,13 +91,17 @@ def _doctor(args: argparse.Namespace) -> int:
                                        batch_size=args.batch_size, seed=args.seed)
             else:
                 result = diagnose_script(args.script, args.script_args, steps=args.steps, warmup=warmup, gpu=gpu)
-    except (FileNotFoundError, ValueError, DoctorError) as exc:
-        print(f"ampkit doctor: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("\nampkit doctor: interrupted", file=sys.stderr)
         return 130
-    except Exception as exc:  # the user's script failed: show its traceback, not ours
+    except Exception as exc:
+        shown = script_traceback(exc, args.script) if args.script and not isinstance(exc, DoctorError) else None
+        if shown is not None:  # the script failed, not ampkit: say so first, then its own frames
+            print(f"ampkit doctor: {args.script} failed: {type(exc).__name__}: {exc}\n{shown}", end="", file=sys.stderr)
+            return 1
+        if isinstance(exc, (FileNotFoundError, ValueError, DoctorError)):
+            print(f"ampkit doctor: {exc}", file=sys.stderr)
+            return 2
         traceback.print_exc()
         print(f"ampkit doctor: {args.script or args.task} raised {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

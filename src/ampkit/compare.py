@@ -35,7 +35,7 @@ import torch
 
 from ampkit import __version__
 from ampkit.accelerator import Accelerator
-from ampkit.checkpoint import atomic_write
+from ampkit.files import atomic_write
 from ampkit.errors import PrecisionError
 from ampkit.hardware import auto_precision, capability, describe, resolve_device
 from ampkit.precision import PRESETS, resolve_precision
@@ -250,7 +250,7 @@ def _numerics_pass(spec: RunSpec, device: torch.device) -> dict[str, Any]:
     stay those of plain training; the same seed, so it watches the run's first batches. Returns
     `numerics.summarize`'s dict; a failed diagnosis is its `error`, never a failed run.
     """
-    from ampkit.doctor.numerics import numerics_task, numerics_train_fn, summarize
+    from ampkit.doctor import numerics_task, numerics_train_fn, summarize
 
     _seed_everything(spec.seed)
     steps = spec.numerics_steps

@@ -68,6 +68,36 @@ def compile_options(value: bool | Mapping[str, Any]) -> dict[str, Any] | None:
     raise TypeError(f"compile={value!r}: expected True, False or a dict of torch.compile arguments")
 
 
+def compile_setup(device: torch.device, compile: bool | Mapping[str, Any], cuda_graphs: bool) -> dict[str, Any] | None:
+    """torch.compile arguments for `Accelerator(compile=, cuda_graphs=)`, or None (with a warning where
+    the compiler cannot run here); `cuda_graphs` is compile's reduce-overhead mode."""
+    options = compile_options(compile)
+    if not isinstance(cuda_graphs, bool):
+        raise TypeError(f"cuda_graphs={cuda_graphs!r}: expected True or False")
+    if cuda_graphs:
+        if device.type != "cuda":
+            raise ValueError(
+                f"cuda_graphs=True needs a CUDA device (a CUDA graph replays recorded GPU kernels); "
+                f"this Accelerator runs on {str(device)!r}: drop cuda_graphs=True, or use compile=True"
+            )
+        options = options or {}
+        if options.get("mode", "reduce-overhead") != "reduce-overhead":
+            raise ValueError(
+                f"cuda_graphs=True records CUDA graphs through torch.compile's 'reduce-overhead' mode; "
+                f"compile={compile!r} asks for mode={options['mode']!r}: drop one of the two"
+            )
+        options["mode"] = "reduce-overhead"
+    if options is None:
+        return None
+    reason = unavailable_reason(device, options)
+    if reason is not None:
+        asked = "cuda_graphs=True" if cuda_graphs else "compile=True"
+        effect = "no CUDA graphs" if cuda_graphs else "no compiler speed-up"
+        warnings.warn(f"{asked}: {reason}; the model runs eagerly (same results, {effect})", stacklevel=3)
+        return None
+    return options
+
+
 def unavailable_reason(device: torch.device, options: Mapping[str, Any]) -> str | None:
     """Why torch.compile cannot run here, or None. Checked before the first step, so the warning
     comes at prepare time rather than as a compiler traceback in the middle of training."""

@@ -76,6 +76,12 @@ class DistributedContext:
 
 def _destroy() -> None:
     if dist.is_available() and dist.is_initialized():
+        # Leave together: a rank tearing down its connections while a peer still uses them makes
+        # gloo abort that peer ("terminate called without an active exception").
+        try:
+            dist.barrier()
+        except Exception:  # a peer is already gone: nothing left to wait for
+            pass
         dist.destroy_process_group()
 
 

@@ -1,11 +1,15 @@
 """What this machine's devices can do, and the `auto` precision choice with its reason.
 
-The choice is made from the hardware alone (compute capability on CUDA, CPU flags read from the
-OS): it must be explainable in one sentence and the same on every run. Whether a *model* gains from
-it is a different question, which `ampkit compare` and the doctor answer by measuring.
+Every device fact ampkit uses is a row of the tables below (NVIDIA compute capabilities, AMD gfx
+architectures, CPU flags, GPU models with their datasheet peaks), and everything else derives from
+them: `device_capabilities` (what `ampkit info` shows), `capability` (what runs, what is fast),
+`auto_precision` (the `auto` choice) and the doctor's advisor (`GPU_MODELS`).
 
-Facts come with their source, and a fact ampkit does not know is "unknown" (`Fact.supported` is
-None), never a guess: a compute capability missing from `CUDA_ARCHITECTURES`, unreadable CPU flags.
+The choice is made from the hardware alone: it must be explainable in one sentence and the same on
+every run. Whether a *model* gains from it is a different question, which `ampkit compare` and the
+doctor answer by measuring. Facts come with their source, and a fact ampkit does not know is
+"unknown" (`Fact.supported` is None), never a guess: a device missing from its table, unreadable
+CPU flags.
 """
 
 from __future__ import annotations
@@ -22,17 +26,16 @@ import torch
 CPU_FLAGS: tuple[str, ...] = ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16")
 
 
-def parse_cpu_flags(cpuinfo_text: str) -> dict[str, bool]:
-    """Return {flag: present} for `CPU_FLAGS` from the text of /proc/cpuinfo.
+def _flags_line(cpuinfo_text: str) -> set[str] | None:
+    """The flags of the first "flags" line (every core of one machine reports the same set), or None."""
+    lines = (line.partition(":") for line in cpuinfo_text.splitlines())
+    return next((set(value.split()) for key, _, value in lines if key.strip() == "flags"), None)
 
-    Only the first "flags" line is read: every core of one machine reports the same set.
-    """
-    for line in cpuinfo_text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            present = set(value.split())
-            return {flag: flag in present for flag in CPU_FLAGS}
-    return {flag: False for flag in CPU_FLAGS}
+
+def parse_cpu_flags(cpuinfo_text: str) -> dict[str, bool]:
+    """Return {flag: present} for `CPU_FLAGS` from the text of /proc/cpuinfo (no flags line: none)."""
+    present = _flags_line(cpuinfo_text) or set()
+    return {flag: flag in present for flag in CPU_FLAGS}
 
 
 def read_cpu_flags(path: str | Path = "/proc/cpuinfo") -> dict[str, bool] | None:
@@ -43,7 +46,7 @@ def read_cpu_flags(path: str | Path = "/proc/cpuinfo") -> dict[str, bool] | None
         text = Path(path).read_text()
     except OSError:
         return None
-    if not any(line.partition(":")[0].strip() == "flags" for line in text.splitlines()):
+    if _flags_line(text) is None:
         return None  # reading "no flags line" as "no bf16" would be a guess, not a fact
     return parse_cpu_flags(text)
 
@@ -68,18 +71,14 @@ def resolve_device(device: str | torch.device) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise ValueError(
-            f"device={device!r} is not a device name; expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"
-        ) from exc
+        expected = "expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"
+        raise ValueError(f"device={device!r} is not a device name; {expected}") from exc
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device={device!r} but CUDA is not available here; use device='auto' or 'cpu'")
         index = dev.index if dev.index is not None else torch.cuda.current_device()
-        if index >= torch.cuda.device_count():
-            raise ValueError(
-                f"device={device!r} but this machine has {torch.cuda.device_count()} CUDA device(s) "
-                f"(cuda:0..cuda:{torch.cuda.device_count() - 1})"
-            )
+        if index >= (count := torch.cuda.device_count()):
+            raise ValueError(f"device={device!r} but this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1})")
         return torch.device("cuda", index)
     if dev.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"device={device!r} but MPS is not available here; use device='auto' or 'cpu'")
@@ -88,110 +87,13 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-@dataclass(frozen=True)
-class Support:
-    """Which low-precision modes a device runs, and runs *fast*; each fact with its source."""
-
-    device: str
-    bf16_runs: bool
-    bf16_fast: bool
-    fp16_runs: bool
-    fp16_fast: bool
-    source: str
-
-
-def capability(device: torch.device) -> Support:
-    """Low-precision support of `device`, from compute capability (CUDA) or CPU flags."""
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        name = f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
-        return Support(
-            device=name,
-            bf16_runs=major >= 8,  # bf16 arithmetic arrived with Ampere (8.0)
-            bf16_fast=major >= 8,
-            fp16_runs=True,
-            fp16_fast=major >= 7,  # fp16 Tensor Cores arrived with Volta (7.0)
-            source="CUDA compute capability",
-        )
-    if device.type == "mps":
-        return Support("Apple MPS", True, True, True, True, source="MPS backend")
-    flags = cpu_flags()
-    if flags is None:
-        return Support("CPU (flags unknown)", True, False, True, False, source="CPU flags unavailable")
-    bf16_fast = flags["avx512_bf16"] or flags["amx_bf16"]
-    fp16_fast = flags["avx512_fp16"] or flags["amx_fp16"]
-    have = [f for f, on in flags.items() if on]
-    return Support(
-        device=f"CPU ({', '.join(have) if have else 'no bf16/fp16 instructions'})",
-        bf16_runs=True,
-        bf16_fast=bf16_fast,
-        fp16_runs=True,
-        fp16_fast=fp16_fast,
-        source="/proc/cpuinfo flags",
-    )
-
-
-def auto_precision(device: torch.device) -> tuple[str, str]:
-    """The preset `precision="auto"` picks on `device`, and the one-sentence reason why."""
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        cc = f"{major}.{minor}"
-        if major >= 8:
-            return "bf16-mixed", f"CUDA compute capability {cc} >= 8.0 has native bf16: bf16 autocast, no loss scaling"
-        if major == 7:
-            return "fp16-mixed", f"CUDA compute capability {cc} has fp16 Tensor Cores but no bf16: fp16 autocast with loss scaling"
-        return "fp32", f"CUDA compute capability {cc} < 7.0 has no fast fp16 or bf16: fp32"
-    if device.type == "mps":
-        return "fp16-mixed", "Apple MPS runs fp16 natively: fp16 autocast with loss scaling"
-    flags = cpu_flags()
-    if flags is None:
-        return "fp32", "CPU flags could not be read, so bf16 speed is unknown: fp32"
-    for flag in ("amx_bf16", "avx512_bf16"):
-        if flags[flag]:
-            return "bf16-mixed", f"CPU has {flag}: bf16 matmul is faster than fp32 here"
-    return "fp32", "CPU has neither avx512_bf16 nor amx_bf16: bf16 and fp16 would be slower than fp32 here"
-
-
-def cpu_name() -> str:
-    """The CPU's model name as the OS reports it, or the platform's guess."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
-
-
-def describe(device: torch.device) -> dict[str, Any]:
-    """The facts a report needs to be reproducible: device, versions, CPU flags, GPU."""
-    flags = cpu_flags()
-    gpu = None
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        gpu = {"name": props.name, "capability": f"{props.major}.{props.minor}", "memory_bytes": int(props.total_memory)}
-    have = [f for f, on in (flags or {}).items() if on]
-    name = gpu["name"] if gpu else f"{cpu_name()} ({', '.join(have) if have else 'no avx512_bf16/amx'})"
-    return {
-        "device": str(device),
-        "device_name": name,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "threads": torch.get_num_threads(),
-        "cpu_flags": flags,
-        "gpu": gpu,
-    }
-
-
 # --------------------------------------------------------------------------------------------------
-# The capability table: which low-precision matmul units a device has, each fact with its source
+# The tables: which low-precision matrix units each device has, and the peaks of known GPU models
 # --------------------------------------------------------------------------------------------------
 
-#: The facts `ampkit info` reports per device, by the dtype they concern: hardware that runs matmuls
-#: in that dtype faster than fp32 (on NVIDIA GPUs, Tensor Cores for it; on CPUs, instructions for it).
+#: The facts ampkit knows per device, by the dtype they concern: hardware that runs matmuls in that
+#: dtype faster than fp32 (on GPUs, matrix units for it: Tensor Cores, AMD matrix cores; on CPUs,
+#: instructions for it).
 CAPABILITIES: tuple[str, ...] = ("fp16", "bf16", "tf32", "fp8")
 
 
@@ -227,20 +129,80 @@ CUDA_ARCHITECTURES: dict[tuple[int, int], tuple[str, frozenset[str]]] = {
     (12, 1): ("Blackwell, DGX Spark", _ADA),
 }
 
-#: Where each capability first appeared, for the source of a "no".
-_FIRST_IN = {"fp16": "Volta, 7.0", "bf16": "Ampere, 8.0", "tf32": "Ampere, 8.0", "fp8": "Ada Lovelace, 8.9"}
+#: Where each capability first appeared on NVIDIA GPUs, (compute capability, architecture): the
+#: source of a "no", and the rule for what *runs* (an arithmetic type, once added, stays).
+FIRST_IN: dict[str, tuple[tuple[int, int], str]] = {
+    c: min((cc, arch) for cc, (arch, has) in CUDA_ARCHITECTURES.items() if c in has) for c in CAPABILITIES
+}
+
+#: AMD gfx architecture (ROCm's `gcnArchName`) -> (architecture, the `CAPABILITIES` it has matrix
+#: cores for). Exact rows only, as for NVIDIA. Source: AMD's CDNA 1/2/3 architecture whitepapers and
+#: the Instinct MI100, MI200 and MI300 datasheets.
+ROCM_ARCHITECTURES: dict[str, tuple[str, frozenset[str]]] = {
+    "gfx908": ("CDNA, Instinct MI100", frozenset({"fp16", "bf16"})),
+    "gfx90a": ("CDNA 2, Instinct MI200", frozenset({"fp16", "bf16"})),
+    "gfx942": ("CDNA 3, Instinct MI300", frozenset(CAPABILITIES)),
+}
+
+#: Host cost of one kernel launch from eager PyTorch (cudaLaunchKernel), µs. NVIDIA's "Getting
+#: Started with CUDA Graphs" (developer.nvidia.com/blog/cuda-graphs/) measures ~3.8 µs per
+#: back-to-back launch of a 2.9 µs kernel; the same order on every recent GPU (it is a host cost).
+LAUNCH_US = 4.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPUModel:
+    """Datasheet peaks of one GPU model (dense, no sparsity); None where the GPU lacks the unit."""
+
+    name: str
+    compute_capability: tuple[int, int]  # its row of `CUDA_ARCHITECTURES`
+    fp32_tflops: float  # CUDA cores, no Tensor Cores
+    tf32_tflops: float | None  # Tensor Cores, used for fp32 matmuls only if torch allows tf32
+    bf16_tflops: float | None  # Tensor Cores
+    fp16_tflops: float  # Tensor Cores (fp32 accumulate)
+    memory_gbps: float
+    source: str
+    launch_us: float = LAUNCH_US
+
+    @property
+    def capabilities(self) -> dict[str, Fact]:
+        """The capability table's facts for this model (its peaks agree with them: a test checks)."""
+        return gpu_capabilities(*self.compute_capability)
+
+
+#: Known GPU models by name (the doctor's `--gpu` choices). Sources: NVIDIA's datasheets at
+#: nvidia.com/en-us/data-center/{tesla-t4,l4,a100,h100}/ (dense figures: half the "with sparsity"
+#: ones; A100 SXM4 80GB, H100 SXM5) and the Ada Lovelace whitepaper's appendix table (RTX 4090).
+GPU_MODELS: dict[str, GPUModel] = {g.name: g for g in (
+    # FP32 8.1 TFLOPS, mixed FP16/FP32 65, 320 GB/s GDDR6; Turing (7.5) has no bf16 or tf32.
+    GPUModel(name="T4", compute_capability=(7, 5), fp32_tflops=8.1, tf32_tflops=None, bf16_tflops=None,
+             fp16_tflops=65.0, memory_gbps=320.0, source="NVIDIA T4 datasheet"),
+    # FP32 30.3, TF32 60, BF16/FP16 121 dense (the datasheet's 120/242/485 are with sparsity), 300 GB/s.
+    GPUModel(name="L4", compute_capability=(8, 9), fp32_tflops=30.3, tf32_tflops=60.0, bf16_tflops=121.0,
+             fp16_tflops=121.0, memory_gbps=300.0, source="NVIDIA L4 datasheet (dense = sparse / 2)"),
+    # FP32 19.5, TF32 156, BF16/FP16 312 dense, 2,039 GB/s HBM2e.
+    GPUModel(name="A100", compute_capability=(8, 0), fp32_tflops=19.5, tf32_tflops=156.0, bf16_tflops=312.0,
+             fp16_tflops=312.0, memory_gbps=2039.0, source="NVIDIA A100 datasheet (SXM4 80GB)"),
+    # FP32 82.6, FP16/BF16 Tensor with FP32 accumulate 165.2 dense, TF32 82.6, 1,008 GB/s.
+    GPUModel(name="RTX 4090", compute_capability=(8, 9), fp32_tflops=82.6, tf32_tflops=82.6, bf16_tflops=165.2,
+             fp16_tflops=165.2, memory_gbps=1008.0, source="NVIDIA Ada Lovelace whitepaper (RTX 4090)"),
+    # FP32 67, TF32 494.5, BF16/FP16 989.5 dense, 3.35 TB/s HBM3.
+    GPUModel(name="H100", compute_capability=(9, 0), fp32_tflops=67.0, tf32_tflops=494.5, bf16_tflops=989.5,
+             fp16_tflops=989.5, memory_gbps=3350.0, source="NVIDIA H100 datasheet (SXM, dense = sparse / 2)"),
+)}
 
 
 def gpu_capabilities(major: int, minor: int) -> dict[str, Fact]:
     """`CAPABILITIES` of an NVIDIA GPU of compute capability `major.minor`, from `CUDA_ARCHITECTURES`.
 
-    Before 7.0 there are no Tensor Cores at all, so every fact is a "no". A capability that is not a
-    row of the table (newer than it, or between rows) gives "unknown" for every fact.
+    Before the first row there are no Tensor Cores at all, so every fact is a "no". A capability
+    that is not a row of the table (newer than it, or between rows) gives "unknown" for every fact.
     """
     cc = f"{major}.{minor}"
-    if major < 7:
-        return {c: Fact(False, f"NVIDIA compute capability {cc} (before Volta 7.0): no Tensor Cores")
-                for c in CAPABILITIES}
+    (first_major, first_minor), first_arch = FIRST_IN["fp16"]
+    if (major, minor) < (first_major, first_minor):
+        return {c: Fact(False, f"NVIDIA compute capability {cc} (before {first_arch} {first_major}.{first_minor}): "
+                               "no Tensor Cores") for c in CAPABILITIES}
     row = CUDA_ARCHITECTURES.get((major, minor))
     if row is None:
         known = ", ".join(f"{a}.{b}" for a, b in CUDA_ARCHITECTURES)
@@ -249,9 +211,26 @@ def gpu_capabilities(major: int, minor: int) -> dict[str, Fact]:
     arch, has = row
     return {
         c: Fact(True, f"NVIDIA compute capability {cc} ({arch}): {c} Tensor Cores") if c in has
-        else Fact(False, f"NVIDIA compute capability {cc} ({arch}): no {c} Tensor Cores (first in {_FIRST_IN[c]})")
+        else Fact(False, f"NVIDIA compute capability {cc} ({arch}): no {c} Tensor Cores "
+                         f"(first in {FIRST_IN[c][1]}, {FIRST_IN[c][0][0]}.{FIRST_IN[c][0][1]})")
         for c in CAPABILITIES
     }
+
+
+def rocm_capabilities(arch: str) -> dict[str, Fact]:
+    """`CAPABILITIES` of an AMD GPU of gfx architecture `arch` ("gfx942"), from `ROCM_ARCHITECTURES`."""
+    row = ROCM_ARCHITECTURES.get(arch)
+    if row is None:
+        known = ", ".join(ROCM_ARCHITECTURES)
+        return {c: Fact(None, f"AMD {arch} (ROCm) is not in ampkit's table ({known}): unknown") for c in CAPABILITIES}
+    name, has = row
+    return {c: Fact(c in has, f"AMD {arch} ({name}, ROCm): {'' if c in has else 'no '}{c} matrix cores")
+            for c in CAPABILITIES}
+
+
+def _cpu_has(flags: dict[str, bool], dtype: str) -> list[str]:
+    """The `CPU_FLAGS` present that give `dtype` ("bf16", "fp16") fast instructions."""
+    return [name for name in (f"avx512_{dtype}", f"amx_{dtype}") if flags[name]]
 
 
 def cpu_capabilities(flags: dict[str, bool] | None) -> dict[str, Fact]:
@@ -262,26 +241,157 @@ def cpu_capabilities(flags: dict[str, bool] | None) -> dict[str, Fact]:
     """
     facts = {c: Fact(None, f"no CPU flag ampkit reads covers {c}: unknown") for c in ("tf32", "fp8")}
     for c in ("bf16", "fp16"):
-        names = (f"avx512_{c}", f"amx_{c}")
         if flags is None:
             facts[c] = Fact(None, "CPU flags could not be read (no x86 flags line in /proc/cpuinfo): unknown")
             continue
-        have = [n for n in names if flags[n]]
+        have = _cpu_has(flags, c)
         facts[c] = (Fact(True, f"/proc/cpuinfo flags: {' and '.join(have)}") if have
-                    else Fact(False, f"/proc/cpuinfo flags: neither {names[0]} nor {names[1]}"))
+                    else Fact(False, f"/proc/cpuinfo flags: neither avx512_{c} nor amx_{c}"))
     return {c: facts[c] for c in CAPABILITIES}
+
+
+def rocm_arch(device: torch.device) -> str | None:
+    """The gfx architecture of a CUDA-API device on ROCm ("gfx942"), or None on NVIDIA's CUDA. ROCm
+    reports the gfx number as a "compute capability" (gfx942 reads 9.4): never read it as NVIDIA's."""
+    if torch.version.hip is None:
+        return None
+    return torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]  # "gfx942:sramecc+:xnack-"
 
 
 def device_capabilities(device: torch.device) -> dict[str, Fact]:
     """`CAPABILITIES` of `device` (as `resolve_device` returns it), each fact with its source."""
     if device.type == "cuda":
-        if torch.version.hip is not None:  # ROCm reports AMD gfx numbers as "compute capability"
-            name = torch.cuda.get_device_properties(device).name
-            return {c: Fact(None, f"AMD GPU {name} (ROCm): ampkit's table covers NVIDIA GPUs only: unknown")
-                    for c in CAPABILITIES}
-        return gpu_capabilities(*torch.cuda.get_device_capability(device))
+        arch = rocm_arch(device)
+        return rocm_capabilities(arch) if arch else gpu_capabilities(*torch.cuda.get_device_capability(device))
     if device.type == "mps":
         facts = {c: Fact(None, f"Apple GPU (MPS): ampkit has no table for {c}: unknown") for c in CAPABILITIES}
         facts["fp16"] = Fact(True, "Apple GPU (MPS): fp16 is native")
         return facts
     return cpu_capabilities(cpu_flags())
+
+
+# --------------------------------------------------------------------------------------------------
+# What runs, what is fast, and what `auto` picks: derived from the facts above
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Support:
+    """Which low-precision modes a device runs, and runs *fast*; each fact with its source."""
+
+    device: str
+    bf16_runs: bool
+    bf16_fast: bool
+    fp16_runs: bool
+    fp16_fast: bool
+    source: str
+
+
+def _bf16_runs(device: torch.device) -> bool:
+    """Whether `device` runs bf16 arithmetic at all (fast or not): every CPU and MPS device does
+    (torch emulates what the hardware lacks), torch on ROCm does on every AMD GPU it supports, and an
+    NVIDIA GPU does from the architecture that added bf16 on (`FIRST_IN`), whether or not its row is
+    in the table: an arithmetic type, once added, is kept by every later architecture."""
+    if device.type != "cuda" or rocm_arch(device):
+        return True
+    return torch.cuda.get_device_capability(device) >= FIRST_IN["bf16"][0]
+
+
+def _gpu_named(device: torch.device) -> tuple[str, str]:
+    """A GPU as reasons name it ("CUDA compute capability 9.0", "AMD gfx942 on ROCm"), and its facts' source."""
+    if device.type == "mps":
+        return "Apple MPS", "MPS backend"
+    if arch := rocm_arch(device):
+        return f"AMD {arch} on ROCm", "ROCm gfx architecture"
+    return "CUDA compute capability {}.{}".format(*torch.cuda.get_device_capability(device)), "CUDA compute capability"
+
+
+def capability(device: torch.device) -> Support:
+    """Low-precision support of `device`, from `device_capabilities`.
+
+    fp16 runs everywhere. A dtype is fast where it runs and the table says the device has matrix
+    units (or instructions) for it; where the table does not know, it is taken as fast on a GPU (a
+    GPU that runs a low-precision type does so in hardware) and slow on a CPU (without the flags
+    ampkit reads, a CPU emulates it).
+    """
+    facts = device_capabilities(device)
+    gpu = device.type != "cpu"
+    bf16_runs = _bf16_runs(device)
+
+    def fast(dtype: str, runs: bool) -> bool:
+        known = facts[dtype].supported
+        return runs and (gpu if known is None else known)
+
+    if gpu:
+        name, source = _gpu_named(device)
+        name = f"{torch.cuda.get_device_name(device)} ({name})" if device.type == "cuda" else name
+    elif (flags := cpu_flags()) is None:
+        name, source = "CPU (flags unknown)", "CPU flags unavailable"
+    else:
+        have = [f for f, on in flags.items() if on]
+        name, source = f"CPU ({', '.join(have) if have else 'no bf16/fp16 instructions'})", "/proc/cpuinfo flags"
+    return Support(device=name, bf16_runs=bf16_runs, bf16_fast=fast("bf16", bf16_runs), fp16_runs=True,
+                   fp16_fast=fast("fp16", True), source=source)
+
+
+def auto_precision(device: torch.device) -> tuple[str, str]:
+    """The preset `precision="auto"` picks on `device`, and the one-sentence reason why.
+
+    From `device_capabilities`: bf16 where the table confirms it (no loss scaling needed), else fp16
+    where it confirms fp16 on a GPU, else bf16 on a GPU the table does not know but that runs it,
+    else fp32. On a CPU only bf16 counts: autocast's CPU fp16 is rarely faster than fp32.
+    """
+    facts = device_capabilities(device)
+    bf16, fp16 = facts["bf16"].supported, facts["fp16"].supported
+    if device.type == "cpu":
+        flags = cpu_flags()
+        if flags is None:
+            return "fp32", "CPU flags could not be read, so bf16 speed is unknown: fp32"
+        if bf16:
+            return "bf16-mixed", f"CPU has {' and '.join(_cpu_has(flags, 'bf16'))}: bf16 matmul is faster than fp32 here"
+        return "fp32", "CPU has neither avx512_bf16 nor amx_bf16: bf16 and fp16 would be slower than fp32 here"
+    who = _gpu_named(device)[0]
+    if bf16:
+        return "bf16-mixed", f"{who} has native bf16: bf16 autocast, no loss scaling"
+    if fp16:
+        but = " but no bf16" if bf16 is False else ""
+        return "fp16-mixed", f"{who} has native fp16{but}: fp16 autocast with loss scaling"
+    if bf16 is None and _bf16_runs(device):
+        return "bf16-mixed", f"{who} is not in ampkit's table but runs bf16: bf16 autocast, no loss scaling"
+    return "fp32", f"{who} has no fast fp16 or bf16: fp32"
+
+
+def cpu_name() -> str:
+    """The CPU's model name as the OS reports it, or the platform's guess."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def describe(device: torch.device) -> dict[str, Any]:
+    """The facts a report needs to be reproducible: device, versions, CPU flags, GPU."""
+    flags = cpu_flags()
+    gpu = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        gpu = {"name": props.name, "capability": rocm_arch(device) or f"{props.major}.{props.minor}",
+               "memory_bytes": int(props.total_memory)}
+    have = [f for f, on in (flags or {}).items() if on]
+    name = gpu["name"] if gpu else f"{cpu_name()} ({', '.join(have) if have else 'no avx512_bf16/amx'})"
+    return {
+        "device": str(device),
+        "device_name": name,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "threads": torch.get_num_threads(),
+        "cpu_flags": flags,
+        "gpu": gpu,
+    }
+

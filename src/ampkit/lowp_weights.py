@@ -16,7 +16,6 @@ Both own their state (`state_dict()`, exact, bit for bit) and say what each weig
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,60 +23,8 @@ import torch
 from torch import nn
 
 from ampkit.errors import PrecisionError, StepOrderError
+from ampkit.flat_buffer import EMPTY_FP32, FlatBuffer
 from ampkit.precision import Precision
-
-
-class _Flat:
-    """One contiguous buffer and, for each tensor in `like`, a view of it with that tensor's shape.
-
-    ampkit's per-step fp32 buffers (gradients for masters, working weights and optimizer state for
-    `bf16-true`) are flat so that filling, rounding and compensating them is one kernel, not one
-    per parameter. A `releasable` buffer's memory is released by `free()` between steps and taken
-    back by `alloc()`, the views kept (making views costs microseconds per tensor, every step).
-    Releasing memory under a tensor someone still holds would leave it reading freed memory, so
-    `free()` first checks that nothing outside holds the buffer (a gradient kept for logging, a
-    view of it): if something does, the buffer is left to its holder and the next step makes a new one.
-    """
-
-    def __init__(self, like: list[torch.Tensor], dtype: torch.dtype, releasable: bool = True) -> None:
-        self.device = like[0].device if like else torch.device("cpu")
-        self.dtype = dtype
-        self.shapes = [t.shape for t in like]
-        self.sizes = [t.numel() for t in like]
-        self.releasable = releasable  # False: kept between steps (see Accelerator(free_step_buffers=))
-        self.buffer: torch.Tensor = _EMPTY_FP32
-        self.views: list[torch.Tensor] = []
-        self._nbytes = 0
-        self._holders = (0, 0)  # (storage users, Python references per view) when only ampkit holds it
-        self.alloc()
-
-    def alloc(self) -> None:
-        if not self.views:
-            self.buffer = torch.empty(sum(self.sizes), dtype=self.dtype, device=self.device)
-            self.views = [v.view(shape) for v, shape in zip(self.buffer.split(self.sizes), self.shapes)]
-            self._nbytes = self.buffer.untyped_storage().nbytes()
-            self._holders = self._count_holders()
-        elif self.buffer.untyped_storage().nbytes() != self._nbytes:
-            self.buffer.untyped_storage().resize_(self._nbytes)
-
-    def free(self) -> None:
-        if not self.releasable or not self.views:
-            return
-        if _storage_users is None or self._count_holders() != self._holders:
-            self.buffer, self.views = _EMPTY_FP32, []  # held outside (or cannot tell): theirs now
-        else:
-            self.buffer.untyped_storage().resize_(0)
-
-    def _count_holders(self) -> tuple[int, int]:
-        if _storage_users is None:
-            return (0, 0)
-        storage = _storage_users(self.buffer.untyped_storage()._cdata)  # a new view of it adds one
-        refs = max((sys.getrefcount(v) for v in self.views), default=0)  # holding one of ours adds one
-        return storage, refs
-
-
-#: Users of a storage (torch-internal; without it `_Flat` makes a new buffer every step, which is safe).
-_storage_users = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _grads(params: list[nn.Parameter]) -> tuple[list[int], list[torch.Tensor]]:
@@ -100,7 +47,7 @@ class MasterWeights:
         self.pairs = pairs  # (model parameter in bf16/fp16, its fp32 master)
         self._params = [p for p, _ in pairs]
         self._masters = [m for _, m in pairs]
-        self._grad = _Flat(self._masters, torch.float32, free_step_buffers)
+        self._grad = FlatBuffer(self._masters, torch.float32, free_step_buffers)
         self._grad.free()
 
     @property
@@ -182,14 +129,14 @@ class CompensatedWeights:
         self._free = free_step_buffers
         self._params = [p for p, _ in pairs]
         self._shadows = [s for _, s in pairs]
-        self._comp = _Flat(self._params, self._params[0].dtype if pairs else torch.bfloat16, releasable=False)
+        self._comp = FlatBuffer(self._params, self._params[0].dtype if pairs else torch.bfloat16, releasable=False)
         self.compensation = self._comp.views  # what rounding each weight lost, in its own dtype
         with torch.no_grad():
             for (param, initial), comp in zip(pairs, self.compensation):
                 comp.copy_(initial - param.to(torch.float32))
-        self._work = _Flat(self._params, torch.float32, self._free)  # fp32 weights during the step
-        self._grad = _Flat(self._params, torch.float32, self._free)  # fp32 gradients during the step
-        self._round = _Flat(self._params, self._comp.buffer.dtype, self._free)  # the updated weights, rounded
+        self._work = FlatBuffer(self._params, torch.float32, self._free)  # fp32 weights during the step
+        self._grad = FlatBuffer(self._params, torch.float32, self._free)  # fp32 gradients during the step
+        self._round = FlatBuffer(self._params, self._comp.buffer.dtype, self._free)  # the updated weights, rounded
         self._state: dict[str, _StateBuffers] = {}  # per-element optimizer state, by key
         self._state_count = -1  # len(optimizer.state) when the state buffers were last built
         self._kept: list[int] = []
@@ -252,7 +199,7 @@ class CompensatedWeights:
         """Free the fp32 working copies: between steps bf16-true holds no fp32 copy of anything."""
         for shadow in self._shadows:
             shadow.grad = None
-            shadow.data = _EMPTY_FP32
+            shadow.data = EMPTY_FP32
         self._kept = []
         self._work.free()
         self._grad.free()
@@ -347,8 +294,8 @@ class _StateBuffers:
                  free_step_buffers: bool) -> None:
         self.key = key
         self.shadows = shadows
-        self.store = _Flat(like, low, releasable=False)
-        self.work = _Flat(like, torch.float32, free_step_buffers)
+        self.store = FlatBuffer(like, low, releasable=False)
+        self.work = FlatBuffer(like, torch.float32, free_step_buffers)
         self.active = False  # True while the optimizer's state points at the fp32 work buffer
 
     def to_fp32(self, state: Any) -> None:
@@ -370,8 +317,6 @@ class _StateBuffers:
         self.work.free()
         self.active = False
 
-
-_EMPTY_FP32 = torch.empty(0, dtype=torch.float32)
 
 
 #: What the prepared optimizer keeps for a low-precision-weight preset.

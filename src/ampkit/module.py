@@ -128,9 +128,9 @@ def prepare_module(
                     if param.is_floating_point() and param.dtype != policy.param_dtype:
                         originals[param] = param.detach().to(torch.float32, copy=True)
                         param.data = param.data.to(policy.param_dtype)
-                for name, buf in module.named_buffers(recurse=False):
+                for buf in module.buffers(recurse=False):
                     if buf.is_floating_point():
-                        setattr(module, name, buf.to(policy.param_dtype))
+                        buf.data = buf.data.to(policy.param_dtype)
     if policy.autocast:
         model.forward = PolicyForward(model.forward, device.type, policy.compute_dtype, fp32=False,
                                       cast_inputs=policy.low_precision_params)

@@ -59,6 +59,25 @@ class Precision:
         """Whether `prepare` casts parameters below fp32."""
         return self.param_dtype != torch.float32
 
+    def as_dict(self) -> dict[str, object]:
+        """The policy as plain JSON-able data (checkpoints and reports store it this way)."""
+        return {"name": self.name, "reason": self.reason, "compute_dtype": dtype_name(self.compute_dtype),
+                "param_dtype": dtype_name(self.param_dtype), "master_weights": self.master_weights,
+                "compensated": self.compensated, "loss_scaling": self.loss_scaling, "norms_fp32": self.norms_fp32}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16": the one way ampkit writes a dtype in files and reports."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """"bfloat16" (or "torch.bfloat16") -> torch.bfloat16; ValueError for anything else."""
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype name (e.g. 'float32', 'bfloat16')")
+    return dtype
+
 
 _bf16, _fp16, _fp32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -134,3 +153,9 @@ def _check_runs(policy: Precision, device: torch.device) -> None:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return {_bf16: "bf16", _fp16: "fp16", _fp32: "fp32"}[dtype]
+
+
+def short_dtype_name(dtype: torch.dtype) -> str:
+    """ampkit's short name of a compute dtype, as the presets and the capability table spell it:
+    "bf16" for `torch.bfloat16` (fp32, bf16, fp16 only; a KeyError for any other)."""
+    return _dtype_name(dtype)

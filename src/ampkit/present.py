@@ -54,3 +54,23 @@ def article(name: str) -> str:
 def percent(x: float) -> str:
     """A share: "38%", and two significant figures below 1% ("0.013%") so that small is not "0%"."""
     return f"{x:.0%}" if x >= 0.01 or x == 0 else f"{x * 100:.2g}%"
+
+
+# --- what `ampkit info` shows: sizes and tri-state facts ---
+
+
+def size(n: float) -> str:
+    """Bytes in binary units, as memory is allocated: "1.3 GiB", "780 MiB", "512 B"."""
+    value, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    if unit == "B":
+        return f"{int(n)} B"
+    return f"{value:.0f} {unit}" if abs(value) >= 100 else f"{value:.1f} {unit}"
+
+
+def yes_no(value: bool | None) -> str:
+    """A fact that may be unknown: "yes", "no", or "unknown" for None (never a guess)."""
+    return {True: "yes", False: "no", None: "unknown"}[value]

@@ -9,22 +9,28 @@ From Python, on a loop you already have (training continues; the report prints w
     session = ampkit.doctor.profile(acc, steps=20)
     session = ampkit.doctor.numerics(acc, steps=20)   # the numerics half (`numerics`)
 
-The numerics half: the range census (`census`), the overflow localizer (`localizer`), the
-lost-update detector (`lost_updates`), the session that runs them (`numerics`) and its report
-(`numerics_report`).
+Every entry point is in `run`; both sessions are event listeners on one base (`watch`).
 
-The performance half lives here: phase times (`phases`), kernel ops from `torch.profiler`
-(`ops`), host↔device syncs by file:line (`sync`), the device advisor (`advisor`), the ranked
-findings (`findings`), and the report in three forms (`report`, `schema`).
+The numerics half: the range census (`census`), the overflow localizer (`localizer`), the
+lost-update detector (`lost_updates`), the session that runs them (`numerics`), its verdicts
+(`numerics_findings`) and its report (`numerics_report`).
+
+The performance half: the session (`session`), phase times (`phases`), kernel ops from
+`torch.profiler` (`ops`), host↔device syncs by file:line (`sync`), the device advisor
+(`advisor`), the analysis and ranked findings (`analysis`, `findings`), and the report in three
+forms (`report`, `schema`).
 """
 
 from ampkit.doctor.advisor import GPUS, GPUSpec, estimate, find_gpu
 from ampkit.doctor.report import format_text, render_html_section, render_report
-from ampkit.doctor.run import diagnose_script, diagnose_task
-from ampkit.doctor.schema import DOCTOR_SCHEMA, validate_result
-from ampkit.doctor.numerics import NumericsSession, numerics, numerics_script, numerics_task
+from ampkit.doctor.numerics import NumericsSession
+from ampkit.doctor.numerics_findings import summarize
 from ampkit.doctor.numerics_report import NUMERICS_SCHEMA, validate_numerics
-from ampkit.doctor.session import DoctorError, DoctorSession, StopTraining, profile
+from ampkit.doctor.run import (diagnose_script, diagnose_task, numerics, numerics_script, numerics_task,
+                               numerics_train_fn, profile, script_traceback)
+from ampkit.doctor.schema import DOCTOR_SCHEMA, validate_result
+from ampkit.doctor.session import DoctorSession
+from ampkit.doctor.watch import DoctorError, StopTraining
 
 __all__ = [
     "DOCTOR_SCHEMA",
@@ -43,9 +49,12 @@ __all__ = [
     "numerics",
     "numerics_script",
     "numerics_task",
+    "numerics_train_fn",
     "profile",
     "render_html_section",
     "render_report",
+    "script_traceback",
+    "summarize",
     "validate_numerics",
     "validate_result",
 ]

@@ -21,57 +21,24 @@ from dataclasses import dataclass
 import torch
 
 from ampkit.doctor.ops import OpStats
+from ampkit.hardware import GPU_MODELS, LAUNCH_US, GPUModel
 
-#: Host cost of one kernel launch from eager PyTorch (cudaLaunchKernel), µs. NVIDIA's "Getting
-#: Started with CUDA Graphs" (developer.nvidia.com/blog/cuda-graphs/) measures ~3.8 µs per
-#: back-to-back launch of a 2.9 µs kernel; the same order on every recent GPU (it is a host cost).
-LAUNCH_US = 4.0
-
-#: The shortest a kernel takes on the device, µs (same source: a near-empty kernel runs ~2-3 µs).
+#: The shortest a kernel takes on the device, µs (NVIDIA's "Getting Started with CUDA Graphs",
+#: developer.nvidia.com/blog/cuda-graphs/: a near-empty kernel runs ~2-3 µs).
 MIN_KERNEL_US = 2.0
 
 #: Host→device bandwidth of a pinned copy over PCIe 4.0 x16, GB/s (32 GB/s theoretical per
 #: direction, PCI-SIG; ~25 GB/s reached in practice).
 PCIE_GBPS = 25.0
 
-
-@dataclass(frozen=True, kw_only=True)
-class GPUSpec:
-    """Datasheet peaks of one GPU (dense, no sparsity); None where the GPU lacks the unit."""
-
-    name: str
-    fp32_tflops: float  # CUDA cores, no Tensor Cores
-    tf32_tflops: float | None  # Tensor Cores, used for fp32 matmuls only if torch allows tf32
-    bf16_tflops: float | None  # Tensor Cores
-    fp16_tflops: float  # Tensor Cores (fp32 accumulate)
-    memory_gbps: float
-    launch_us: float
-    source: str
-
+#: One GPU's datasheet peaks: a row of the hardware table (`ampkit.hardware.GPU_MODELS`).
+GPUSpec = GPUModel
 
 #: Known GPUs by name (the `--gpu` choices).
-GPUS: dict[str, GPUSpec] = {g.name: g for g in (
-    # NVIDIA T4 datasheet (nvidia.com/en-us/data-center/tesla-t4/): FP32 8.1 TFLOPS, mixed
-    # FP16/FP32 65 TFLOPS, 320 GB/s GDDR6. Turing (7.5) has no bf16 or tf32.
-    GPUSpec(name="T4", fp32_tflops=8.1, tf32_tflops=None, bf16_tflops=None, fp16_tflops=65.0,
-            memory_gbps=320.0, launch_us=LAUNCH_US, source="NVIDIA T4 datasheet"),
-    # NVIDIA L4 datasheet (nvidia.com/en-us/data-center/l4/): FP32 30.3, TF32 60, BF16/FP16 121
-    # TFLOPS dense (the datasheet's 120/242/485 are with sparsity), 300 GB/s.
-    GPUSpec(name="L4", fp32_tflops=30.3, tf32_tflops=60.0, bf16_tflops=121.0, fp16_tflops=121.0,
-            memory_gbps=300.0, launch_us=LAUNCH_US, source="NVIDIA L4 datasheet (dense = sparse / 2)"),
-    # NVIDIA A100 datasheet, SXM4 80 GB (nvidia.com/en-us/data-center/a100/): FP32 19.5, TF32 156,
-    # BF16/FP16 312 TFLOPS dense, 2,039 GB/s HBM2e.
-    GPUSpec(name="A100", fp32_tflops=19.5, tf32_tflops=156.0, bf16_tflops=312.0, fp16_tflops=312.0,
-            memory_gbps=2039.0, launch_us=LAUNCH_US, source="NVIDIA A100 datasheet (SXM4 80GB)"),
-    # NVIDIA Ada Lovelace architecture whitepaper, appendix table for the GeForce RTX 4090: FP32
-    # 82.6 TFLOPS, FP16/BF16 Tensor with FP32 accumulate 165.2 TFLOPS dense, TF32 82.6, 1,008 GB/s.
-    GPUSpec(name="RTX 4090", fp32_tflops=82.6, tf32_tflops=82.6, bf16_tflops=165.2, fp16_tflops=165.2,
-            memory_gbps=1008.0, launch_us=LAUNCH_US, source="NVIDIA Ada Lovelace whitepaper (RTX 4090)"),
-    # NVIDIA H100 datasheet, SXM5 (nvidia.com/en-us/data-center/h100/): FP32 67, TF32 494.5,
-    # BF16/FP16 989.5 TFLOPS dense (half the datasheet's sparsity figures), 3.35 TB/s HBM3.
-    GPUSpec(name="H100", fp32_tflops=67.0, tf32_tflops=494.5, bf16_tflops=989.5, fp16_tflops=989.5,
-            memory_gbps=3350.0, launch_us=LAUNCH_US, source="NVIDIA H100 datasheet (SXM, dense = sparse / 2)"),
-)}
+GPUS: dict[str, GPUSpec] = GPU_MODELS
+
+__all__ = ["GPUS", "LAUNCH_US", "MIN_KERNEL_US", "PCIE_GBPS", "Estimate", "GPUSpec", "Workload", "estimate",
+           "find_gpu", "gpu_for_device", "mixed_dtype", "sync_cost"]
 
 
 def find_gpu(name: str) -> GPUSpec:
@@ -126,7 +93,7 @@ def _matmul_peak(gpu: GPUSpec, dtype: str) -> float:
 
 def mixed_dtype(gpu: GPUSpec) -> str:
     """The half dtype `precision="auto"` would pick on this GPU: bf16 where it has it, else fp16."""
-    return "bf16" if gpu.bf16_tflops else "fp16"
+    return "bf16" if gpu.capabilities["bf16"].supported else "fp16"
 
 
 def estimate(work: Workload, gpu: GPUSpec, dtype: str = "fp32") -> Estimate:

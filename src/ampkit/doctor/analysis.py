@@ -1,8 +1,8 @@
 """From a finished session's measurements to the result (`DOCTOR_SCHEMA`): figures, bound, advice.
 
 Two windows feed it. The *profiled* steps give the ops and, measured together with them, the
-share of the step spent inside kernel ops — both slowed alike by the profiler, so their ratio holds.
-The *timed* steps give the step and phase times without that overhead. Figures are medians: on a
+share of the step spent inside kernel ops — both slowed alike by the profiler, so their ratio holds —
+and the syncs per step. The *timed* steps give the step and phase times without that overhead. Figures are medians: on a
 busy machine one step that waited for a core must not set them.
 
 Device speeds are measured too: the fastest matmul per dtype (at torch's thread count and at one
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ampkit import __version__
+from ampkit.version import ampkit_version
 from ampkit.doctor import advisor, findings
 from ampkit.doctor.ops import OpStats, analyse
 from ampkit.doctor.peak import SIZE, copy_bandwidth, matmul_peaks
@@ -50,12 +50,12 @@ class Analysis:
         self.acc = session.acc
         self.device = session.acc.device
         self.notes: list[str] = []
-        profiled, timed = session._rows["profiled"], session._rows["timed"]
+        profiled, timed = session.rows["profiled"], session.rows["timed"]
         self.rows = timed or profiled
         if not timed:
             self.notes.append("no unprofiled step ran: times include the profiler's overhead")
         self.measured = len(profiled) + len(timed)
-        self.ops: OpStats = analyse(session._events or [], len(profiled))
+        self.ops: OpStats = analyse(session.profiled_events or [], len(profiled))
 
         # Step and phases: medians of the timed steps.
         self.step_s = self._step_time()
@@ -66,6 +66,9 @@ class Analysis:
 
         # Kernel share: kernel-op time over step time, both from the profiled steps.
         prof_compute = statistics.fmean(r["host_s"] - r["phases"]["data"] - r["phases"]["h2d"] for r in profiled)
+        if session.syncs.calls:  # the sync watcher's own cost, outside the ops (`SyncWatcher.call_overhead`)
+            watched = session.syncs.calls / len(profiled) * session.syncs.call_overhead()
+            prof_compute = max(prof_compute / 2, prof_compute - watched)
         self.scale = min(1.0, self.compute_s / prof_compute) if prof_compute > 0 else 1.0  # profiler -> timed
         self.kernel_share = self._kernel_share(prof_compute)
         self.kernel_s = self.kernel_share * self.compute_s
@@ -74,13 +77,14 @@ class Analysis:
         self.samples = statistics.median(samples) if len(samples) == len(self.rows) else None
         self.batch_bytes = statistics.median(r["batch_bytes"] for r in self.rows)
 
-        syncs = session._syncs
+        syncs = session.syncs
         # Reads of device tensors by their method, plus (CUDA) every other op the sync debugger caught.
         debugged = self.device.type == "cuda" and syncs.cuda_debug is None
         self.sync_method = "cuda-sync-debug" if debugged else "tensor-reads"
         self.sync_sites = syncs.sites + syncs.cuda_sites
         self.cuda_debug = syncs.cuda_debug
-        self.syncs_per_step = sum(self.sync_sites.values()) / self.measured
+        self.synced_steps = len(profiled)  # the sync watcher watches the profiled window
+        self.syncs_per_step = sum(self.sync_sites.values()) / self.synced_steps
 
         self.thread_peaks: dict[int, float] = {}  # fp32 matmul FLOP/s by thread count
         self.peaks = self._peaks() if session.bench else {}
@@ -95,7 +99,7 @@ class Analysis:
 
     # --- measurements -------------------------------------------------------------------------
     def _step_time(self) -> float:
-        marks = self.s._cuda_marks
+        marks = self.s.cuda_marks
         if self.device.type == "cuda" and len(marks) > 1:
             marks[-1].synchronize()  # sync: once, after the run
             return statistics.median(a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:]))
@@ -151,11 +155,11 @@ class Analysis:
         share = {p: (v / self.host_s if self.host_s > 0 else 0.0) for p, v in self.phases.items()}
         if self.measured < s.steps:
             self.notes.append(f"the loop ended after {self.measured} of the {s.steps} steps asked for")
-        if not acc._loaders:
+        if not acc.loaders:
             self.notes.append("no prepared DataLoader: time spent loading batches is counted in 'other'")
         result: dict[str, Any] = {
             "schema_version": 1,
-            "ampkit_version": __version__,
+            "ampkit_version": ampkit_version(),
             "torch": torch.__version__,
             "subject": s.subject,
             "device": {
@@ -166,7 +170,7 @@ class Analysis:
                 "precision_reason": acc.policy.reason,
                 "bf16_fast": capability(self.device).bf16_fast,
             },
-            "steps": {"warmup": s.warmup, "profiled": len(s._rows["profiled"]), "timed": len(s._rows["timed"]),
+            "steps": {"warmup": s.warmup, "profiled": len(s.rows["profiled"]), "timed": len(s.rows["timed"]),
                       "requested": s.steps, "complete": self.measured >= s.steps},
             "step": {
                 "time_s": self.step_s,
@@ -186,7 +190,7 @@ class Analysis:
         context = findings.Context(
             work=self.work, gpu=s.gpu, device_gpu=advisor.gpu_for_device(self.device), peaks=self.peaks,
             thread_peaks=self.thread_peaks,
-            loaders=[(int(l.loader.num_workers), bool(l.loader.pin_memory)) for l in acc._loaders],
+            loaders=[(int(l.loader.num_workers), bool(l.loader.pin_memory)) for l in acc.loaders],
             compute_s=self.compute_s, kernel_s=self.kernel_s, work_s=self.work_s, stall_s=self.stall_s)
         result["findings"] = findings.diagnose(result, context)
         return result
@@ -220,7 +224,7 @@ class Analysis:
             "method": self.sync_method,
             "real": self.device.type != "cpu",
             "sites": [{"file": site.file, "line": site.line, "code": site.code, "call": site.call,
-                       "via": site.via, "per_step": n / self.measured} for site, n in sites],
+                       "via": site.via, "per_step": n / self.synced_steps} for site, n in sites],
             "cuda_debug": self.cuda_debug,
         }
 

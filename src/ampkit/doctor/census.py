@@ -113,7 +113,7 @@ class RangeCensus:
     """Hooks every module of `models` and tallies value ranges until `remove()`.
 
     Args:
-        models: the prepared models (DDP-unwrapped), in `acc._model_list` order.
+        models: the prepared models (DDP-unwrapped), in `acc.models` order.
         device: where the tallies are read from (the Accelerator's device).
         scale: a callable returning the current loss-scale tensor, or None without loss scaling.
     """

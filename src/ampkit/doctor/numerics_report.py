@@ -9,7 +9,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from ampkit.doctor.schema import _NUM, _NUM_OR_NULL, _obj
+from ampkit.doctor.schema import NUM, NUM_OR_NULL, obj
 
 Result = dict[str, Any]
 
@@ -25,7 +25,7 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
     return {"anyOf": [schema, {"type": "null"}]}
 
 
-_TALLY = _nullable(_obj({"abs_max": _NUM, "elements": _INT, "over_fp16_share": _SHARE, "under_fp16_share": _SHARE,
+_TALLY = _nullable(obj({"abs_max": NUM, "elements": _INT, "over_fp16_share": _SHARE, "under_fp16_share": _SHARE,
                          "flush_fp16_share": _SHARE, "over_bf16_share": _SHARE, "under_bf16_share": _SHARE,
                          "nan_share": _SHARE},
                         abs_max="Largest finite |value| seen.",
@@ -33,8 +33,8 @@ _TALLY = _nullable(_obj({"abs_max": _NUM, "elements": _INT, "over_fp16_share": _
                         under_fp16_share="Share of nonzero values below fp16's smallest normal, 2**-14.",
                         flush_fp16_share="Share of nonzero values below fp16's smallest subnormal, 2**-24 "
                                          "(they flush to 0)."))
-_CULPRIT = _nullable(_obj({"module": _STR, "type": _STR, "what": _STR, "shape": {"type": "array", "items": _INT},
-                           "dtype": _STR, "max_finite_before": _NUM_OR_NULL, "nonfinite": _INT, "nan": _INT,
+_CULPRIT = _nullable(obj({"module": _STR, "type": _STR, "what": _STR, "shape": {"type": "array", "items": _INT},
+                           "dtype": _STR, "max_finite_before": NUM_OR_NULL, "nonfinite": _INT, "nan": _INT,
                            "inf": _INT, "elements": _INT},
                           module="Module name in the model ('' is the model itself).",
                           what="output (forward), grad_output, grad_input or grad_<parameter> (backward).",
@@ -46,18 +46,18 @@ NUMERICS_SCHEMA: dict[str, Any] = {
     "$id": "https://ampkit.invalid/schemas/doctor-numerics-v1.json",
     "title": "ampkit doctor --numerics",
     "description": "`ampkit doctor --numerics --json`: value ranges, overflows, lost updates and loss-scale health.",
-    **_obj({
+    **obj({
         "schema_version": {"const": 1},
         "kind": {"const": "numerics"},
         "ampkit_version": _STR,
         "torch": _STR,
-        "subject": _obj({"kind": {"enum": ["script", "task", "loop"]}, "name": _STR,
+        "subject": obj({"kind": {"enum": ["script", "task", "loop"]}, "name": _STR,
                          "argv": {"type": "array", "items": _STR}}),
-        "device": _obj({"device": _STR, "precision": _STR, "param_dtype": _STR, "compute_dtype": _STR}),
-        "steps": _obj({"requested": {"type": "integer", "minimum": 1}, "warmup": _INT, "watched": _INT,
+        "device": obj({"device": _STR, "precision": _STR, "param_dtype": _STR, "compute_dtype": _STR}),
+        "steps": obj({"requested": {"type": "integer", "minimum": 1}, "warmup": _INT, "watched": _INT,
                        "complete": {"type": "boolean"}}),
-        "census": _obj({
-            "modules": {"type": "array", "items": _obj({
+        "census": obj({
+            "modules": {"type": "array", "items": obj({
                 "name": _STR, "type": _STR, "calls": _INT, "dtype": {"type": ["string", "null"]},
                 "shape": {"type": ["array", "null"], "items": _INT}, "input": _TALLY, "output": _TALLY, "grad": _TALLY,
                 "grad_unscaled": _TALLY, "created_nonfinite": _INT},
@@ -65,17 +65,17 @@ NUMERICS_SCHEMA: dict[str, Any] = {
                 grad_unscaled="The same divided by that step's loss scale: the true gradients (an inf of the scaled "
                               "gradient is not counted as an overflow here: its true size is unknown).",
                 created_nonfinite="Forwards whose output overflowed or went NaN while its inputs were clean.")},
-            "at_risk": {"type": "array", "description": "Ranked, most severe first.", "items": _obj({
+            "at_risk": {"type": "array", "description": "Ranked, most severe first.", "items": obj({
                 "name": _STR, "type": _STR, "reasons": {"type": "array", "items": _STR, "minItems": 1},
-                "overflow": {"type": "boolean"}, "activation_abs_max": _NUM_OR_NULL, "grad_abs_max": _NUM_OR_NULL})},
+                "overflow": {"type": "boolean"}, "activation_abs_max": NUM_OR_NULL, "grad_abs_max": NUM_OR_NULL})},
             "keep_fp32": {"type": "array", "items": _STR,
                           "description": "Module names to pass as Accelerator(keep_fp32=...) against the overflows."},
         }),
-        "localizer": _nullable(_obj({"forward": _CULPRIT, "backward": _CULPRIT, "note": {"type": ["string", "null"]},
+        "localizer": _nullable(obj({"forward": _CULPRIT, "backward": _CULPRIT, "note": {"type": ["string", "null"]},
                                      "trigger": _STR, "micro_batch": _INT})),
-        "lost_updates": _nullable(_obj({
+        "lost_updates": _nullable(obj({
             "steps": _INT, "effective": {"enum": ["param", "master", "compensated"]},
-            "groups": {"type": "array", "items": _obj({
+            "groups": {"type": "array", "items": obj({
                 "index": _INT, "elements": _INT, "storage_dtype": _STR, "wanted": _INT,
                 "lost_share": _SHARE_OR_NULL, "below_half_ulp_share": _SHARE_OR_NULL},
                 wanted="Element updates the optimizer wanted (nonzero gradient), over the applied steps.",
@@ -83,12 +83,12 @@ NUMERICS_SCHEMA: dict[str, Any] = {
                 below_half_ulp_share="Share below half an ulp of the weight in its storage dtype.")},
             "recommendation": {"type": ["string", "null"]},
         }, effective="What counts as the weight: the parameter, its fp32 master, or bf16 + Kahan compensation.")),
-        "loss_scale": _nullable(_obj({
-            "history": {"type": "array", "items": _NUM}, "skipped": _INT, "applied": _INT, "halvings": _INT,
-            "steps_since_overflow": {"type": ["integer", "null"], "minimum": 0}, "scale": _NUM,
-            "min_scale": _NUM_OR_NULL, "diagnosis": {"type": "string", "minLength": 1}},
+        "loss_scale": _nullable(obj({
+            "history": {"type": "array", "items": NUM}, "skipped": _INT, "applied": _INT, "halvings": _INT,
+            "steps_since_overflow": {"type": ["integer", "null"], "minimum": 0}, "scale": NUM,
+            "min_scale": NUM_OR_NULL, "diagnosis": {"type": "string", "minLength": 1}},
             history="The scale each watched step used.", scale="The scale the last watched step used.")),
-        "findings": {"type": "array", "items": _obj({
+        "findings": {"type": "array", "items": obj({
             "id": {"enum": ["forward-overflow", "backward-overflow", "grad-underflow", "lost-updates", "loss-scale"]},
             "title": {"type": "string", "minLength": 1}, "evidence": {"type": "string", "minLength": 1},
             "fix": {"type": "string", "minLength": 1}})},
@@ -105,11 +105,11 @@ def validate_numerics(result: Result) -> None:
 
 
 # --- the report ---------------------------------------------------------------------------------
-def _name(name: str) -> str:
+def label(name: str) -> str:
     return name or "(the model itself)"
 
 
-def _num(x: float | None) -> str:
+def num(x: float | None) -> str:
     return "unknown" if x is None else f"{x:.4g}"
 
 
@@ -126,7 +126,7 @@ def _lines(r: Result) -> list[tuple[str, list[str]]]:
             + ("" if s["complete"] else f" — the loop ended before the {s['requested']} asked for")]
     sections: list[tuple[str, list[str]]] = [(f"ampkit doctor --numerics — {subject}", head)]
     census = r["census"]
-    risk = [f"{i}. {_name(m['name'])} ({m['type']}): " + "; ".join(m["reasons"])
+    risk = [f"{i}. {label(m['name'])} ({m['type']}): " + "; ".join(m["reasons"])
             for i, m in enumerate(census["at_risk"], 1)]
     risk = risk or ["none: every module's values fit fp16's range"]
     if census["keep_fp32"]:
@@ -135,8 +135,8 @@ def _lines(r: Result) -> list[tuple[str, list[str]]]:
     rows = []
     for m in census["modules"]:
         act, grad, true = m["output"] or {}, m["grad"] or {}, m["grad_unscaled"] or {}
-        row = (f"{_name(m['name'])[:24]:<24} {m['type'][:12]:<12} act max {_num(act.get('abs_max')):>9} "
-               f"over {_share(act.get('over_fp16_share')):>6} · grad max {_num(true.get('abs_max')):>9} "
+        row = (f"{label(m['name'])[:24]:<24} {m['type'][:12]:<12} act max {num(act.get('abs_max')):>9} "
+               f"over {_share(act.get('over_fp16_share')):>6} · grad max {num(true.get('abs_max')):>9} "
                f"under {_share(true.get('under_fp16_share')):>6}")
         if grad and grad != true:  # loss-scaled: also what fp16 holds with the scale
             row += f" (scaled {_share(grad.get('under_fp16_share'))})"
@@ -148,9 +148,9 @@ def _lines(r: Result) -> list[tuple[str, list[str]]]:
         for phase in ("forward", "backward"):
             c = loc[phase]
             if c:
-                lines.append(f"{phase}: {_name(c['module'])} ({c['type']}) {c['what']} {c['shape']} {c['dtype']} — "
+                lines.append(f"{phase}: {label(c['module'])} ({c['type']}) {c['what']} {c['shape']} {c['dtype']} — "
                              f"{c['inf']} inf, {c['nan']} NaN of {c['elements']}; largest finite before it "
-                             f"{_num(c['max_finite_before'])}")
+                             f"{num(c['max_finite_before'])}")
         if loc["note"]:
             lines.append(loc["note"])
         sections.append((f"overflow localizer ({loc['trigger']})", lines))

@@ -1,15 +1,12 @@
 """Where a training step's host time goes: data, host→device copy, forward, backward, optimizer.
 
-ampkit's core has no timing hooks of its own (the step path stays free of them), so while the
-doctor watches, `instrument` wraps the few places every converted loop passes through and restores
-them afterwards, even on an exception:
+`PhaseClock` is an `ampkit.events.Listener` on the watched Accelerator; the engine tells it where
+each phase starts and ends:
 
-- `DeviceLoader` (a prepared DataLoader): the wait for the next batch is *data*; moving it to the
-  device (`ampkit.data.move_to_device`) is *h2d*.
-- `nn.Module` calls (global forward hooks): from the first model call after a batch until
-  `acc.backward` is *forward* — the model and the loss computed from its output.
-- `Accelerator.backward` is *backward*; the prepared optimizer's `step` and `zero_grad` are
-  *optimizer*.
+- a prepared DataLoader's wait for the next batch is *data*; its copy to the device is *h2d*;
+- from the first model call after a batch until `acc.backward` is *forward* — the model and the
+  loss computed from its output (torch's global module forward hooks mark the first call);
+- `acc.backward` is *backward*; the prepared optimizers' `step` and `zero_grad` are *optimizer*.
 
 Everything else in the step (logging, Python between the calls, a loss computed long before
 backward) is *other*. These are host times: on CUDA the device runs behind the host, so they say
@@ -20,65 +17,46 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
-import ampkit.data
-from ampkit.accelerator import Accelerator
+from ampkit.data import DeviceLoader
+from ampkit.events import Listener
 from ampkit.optim import AmpOptimizer
 
 #: The measured phases, in step order ("other" is the step time not covered by them).
 PHASES: tuple[str, ...] = ("data", "h2d", "forward", "backward", "optimizer")
 
 
-def _first_tensor(batch: Any) -> torch.Tensor | None:
-    if isinstance(batch, torch.Tensor):
-        return batch
-    if isinstance(batch, dict):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for item in batch:
-            found = _first_tensor(item)
-            if found is not None:
-                return found
-    return None
-
-
-def _nbytes(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.numel() * batch.element_size()
-    if isinstance(batch, dict):
-        return sum(_nbytes(v) for v in batch.values())
-    if isinstance(batch, (list, tuple)):
-        return sum(_nbytes(v) for v in batch)
-    return 0
-
-
-class PhaseClock:
+class PhaseClock(Listener):
     """Host seconds per phase in the current step, plus the samples and batch bytes it loaded.
 
     `active` is switched on by the doctor for the measured steps only; `take()` returns the
-    current step's figures and starts the next.
+    current step's figures and starts the next. `hook(stack)` adds the module forward hooks to an
+    ExitStack that removes them.
     """
 
-    def __init__(self, acc: Accelerator) -> None:
-        self.acc = acc
+    def __init__(self) -> None:
         self.active = False
         self.in_data = False  # inside the data loader: tensor reads there are host-side
         self._reset()
         self._forward_start: float | None = None
         self._forward_excluded = 0.0  # data/h2d time that fell inside the forward span
-        self._optimizer_start: float | None = None
+        self._started: dict[str, float] = {}  # phase -> when its current span started
         self._module_depth = 0
-        self._h2d_depth = 0
 
     def _reset(self) -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.samples: int | None = None
         self.batch_bytes = 0
+
+    def hook(self, stack: contextlib.ExitStack) -> None:
+        for handle in (nn.modules.module.register_module_forward_pre_hook(self._forward_pre),
+                       nn.modules.module.register_module_forward_hook(self._forward_post, always_call=True)):
+            stack.callback(handle.remove)
 
     def add(self, phase: str, seconds: float) -> None:
         if self.active:
@@ -86,13 +64,23 @@ class PhaseClock:
             if phase in ("data", "h2d") and self._forward_start is not None:
                 self._forward_excluded += seconds
 
+    def _start(self, phase: str) -> None:
+        self._started[phase] = time.perf_counter()
+        if phase != "data":  # a loader that ran out sends no batch-wait end: this is past it
+            self.in_data = False
+
+    def _end(self, phase: str, now: float | None = None) -> None:
+        start = self._started.pop(phase, None)
+        if start is not None:
+            self.add(phase, (now or time.perf_counter()) - start)
+
     def count_batch(self, batch: Any) -> None:
         if not self.active:
             return
-        first = _first_tensor(batch)
-        if first is not None and first.dim() > 0:
-            self.samples = (self.samples or 0) + int(first.shape[0])
-        self.batch_bytes += _nbytes(batch)
+        tensors = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]  # a nested batch's
+        if tensors and tensors[0].dim() > 0:
+            self.samples = (self.samples or 0) + int(tensors[0].shape[0])
+        self.batch_bytes += sum(t.numel() * t.element_size() for t in tensors)
 
     def end_forward(self, now: float) -> None:
         if self._forward_start is not None:
@@ -100,9 +88,7 @@ class PhaseClock:
             self._forward_start = None
 
     def end_optimizer(self, now: float) -> None:
-        if self._optimizer_start is not None:
-            self.add("optimizer", now - self._optimizer_start)
-            self._optimizer_start = None
+        self._end("optimizer", now)
 
     def take(self) -> tuple[dict[str, float], int | None, int]:
         """This step's (seconds per phase, samples, batch bytes); the clock starts the next step."""
@@ -112,7 +98,42 @@ class PhaseClock:
         self._forward_excluded = 0.0
         return out
 
-    # --- the hooks ----------------------------------------------------------------------------
+    # --- the events -----------------------------------------------------------------------------
+    def on_batch_wait_start(self, loader: DeviceLoader) -> None:
+        self.in_data = True
+        self._start("data")
+
+    def on_batch_wait_end(self, loader: DeviceLoader, batch: Any) -> None:
+        self._end("data")
+        self.in_data = False
+        self.count_batch(batch)
+
+    def on_h2d_start(self, loader: DeviceLoader, batch: Any) -> None:
+        self._start("h2d")
+
+    def on_h2d_end(self, loader: DeviceLoader, batch: Any) -> None:
+        self._end("h2d")
+
+    def on_backward_start(self, acc: Any, loss: torch.Tensor) -> None:
+        self.end_forward(time.perf_counter())
+        self._start("backward")
+
+    def on_backward_end(self, acc: Any) -> None:
+        self._end("backward")
+
+    def on_step_start(self, optimizer: AmpOptimizer) -> None:
+        self._start("optimizer")
+
+    def on_step_end(self, optimizer: AmpOptimizer, stepped: bool) -> None:
+        self._end("optimizer")
+
+    def on_zero_grad_start(self, optimizer: AmpOptimizer) -> None:
+        self._start("optimizer")
+
+    def on_zero_grad_end(self, optimizer: AmpOptimizer) -> None:
+        self._end("optimizer")
+
+    # --- torch's module hooks -----------------------------------------------------------------
     def _forward_pre(self, module: nn.Module, args: Any) -> None:
         self._module_depth += 1
         if self._module_depth == 1 and self._forward_start is None and self.active:
@@ -121,100 +142,3 @@ class PhaseClock:
 
     def _forward_post(self, module: nn.Module, args: Any, output: Any) -> None:
         self._module_depth = max(0, self._module_depth - 1)
-
-
-class _TimedBatches:
-    """Wraps the iterator of the user's DataLoader: time spent in `next()` is waiting for data."""
-
-    def __init__(self, it: Iterator[Any], clock: PhaseClock) -> None:
-        self._it = it
-        self._clock = clock
-
-    def __iter__(self) -> _TimedBatches:
-        return self
-
-    def __next__(self) -> Any:
-        self._clock.in_data = True
-        start = time.perf_counter()
-        try:
-            batch = next(self._it)
-        finally:
-            self._clock.add("data", time.perf_counter() - start)
-            self._clock.in_data = False
-        self._clock.count_batch(batch)
-        return batch
-
-
-@contextlib.contextmanager
-def instrument(clock: PhaseClock) -> Iterator[PhaseClock]:
-    """Time the phases of `clock.acc`'s steps for the duration of the block (see the module doc)."""
-    acc = clock.acc
-    saved = {
-        (ampkit.data.DeviceLoader, "_on_device"): ampkit.data.DeviceLoader._on_device,
-        (ampkit.data, "move_to_device"): ampkit.data.move_to_device,
-        (Accelerator, "backward"): Accelerator.backward,
-        (AmpOptimizer, "step"): AmpOptimizer.step,
-        (AmpOptimizer, "zero_grad"): AmpOptimizer.zero_grad,
-    }
-    on_device, move, backward, step, zero_grad = saved.values()
-
-    def timed_on_device(self: Any, it: Iterator[Any]) -> Iterator[Any]:
-        if any(self is loader for loader in acc._loaders):
-            it = _TimedBatches(it, clock)
-        return on_device(self, it)
-
-    def timed_move(obj: Any, device: torch.device, *args: Any, **kwargs: Any) -> Any:
-        if clock._h2d_depth:  # the recursive calls for nested batches: timed by the outermost
-            return move(obj, device, *args, **kwargs)
-        clock._h2d_depth += 1
-        start = time.perf_counter()
-        try:
-            return move(obj, device, *args, **kwargs)
-        finally:
-            clock._h2d_depth -= 1
-            clock.add("h2d", time.perf_counter() - start)
-
-    def timed_backward(self: Accelerator, loss: torch.Tensor, **kwargs: Any) -> None:
-        if self is not acc:
-            return backward(self, loss, **kwargs)
-        start = time.perf_counter()
-        clock.end_forward(start)
-        try:
-            return backward(self, loss, **kwargs)
-        finally:
-            clock.add("backward", time.perf_counter() - start)
-
-    def timed_step(self: AmpOptimizer, *args: Any, **kwargs: Any) -> Any:
-        if self._acc is not acc or clock._optimizer_start is not None:
-            return step(self, *args, **kwargs)
-        clock._optimizer_start = time.perf_counter()
-        try:
-            return step(self, *args, **kwargs)
-        finally:  # the doctor ends the step (and this phase) inside step(); other optimizers end here
-            clock.end_optimizer(time.perf_counter())
-
-    def timed_zero_grad(self: AmpOptimizer, *args: Any, **kwargs: Any) -> None:
-        if self._acc is not acc:
-            return zero_grad(self, *args, **kwargs)
-        start = time.perf_counter()
-        try:
-            return zero_grad(self, *args, **kwargs)
-        finally:
-            clock.add("optimizer", time.perf_counter() - start)
-
-    ampkit.data.DeviceLoader._on_device = timed_on_device  # type: ignore[method-assign]
-    ampkit.data.move_to_device = timed_move
-    Accelerator.backward = timed_backward  # type: ignore[method-assign]
-    AmpOptimizer.step = timed_step  # type: ignore[method-assign]
-    AmpOptimizer.zero_grad = timed_zero_grad  # type: ignore[method-assign]
-    handles = [
-        nn.modules.module.register_module_forward_pre_hook(clock._forward_pre),
-        nn.modules.module.register_module_forward_hook(clock._forward_post, always_call=True),
-    ]
-    try:
-        yield clock
-    finally:
-        for handle in handles:
-            handle.remove()
-        for (owner, name), original in saved.items():
-            setattr(owner, name, original)

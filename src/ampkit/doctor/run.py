@@ -1,16 +1,22 @@
-"""Running training code under the doctor: a user's script, or a built-in task.
+"""The doctors' entry points: on a loop you already have, on a user's script, on a built-in task.
 
-`diagnose_script` executes a script as `python train.py args...` would (`runpy`, `__main__`,
-`sys.argv`, the script's folder first on `sys.path`), with the doctor attached to the first
-`ampkit.Accelerator` the script creates, and ends it once enough steps are measured. The script
-does not change. `diagnose_task` does the same for a built-in task's four-line loop.
+    profile(acc, steps=20)          # where the step time goes (`DoctorSession`), training goes on
+    numerics(acc, steps=20)         # overflows, underflows, lost updates (`NumericsSession`)
+    diagnose_script("train.py", ["--epochs", "1"]) / numerics_script(...)
+    diagnose_task("iris-mlp") / numerics_task(...) / numerics_train_fn(train_fn)
+
+A script runs as `python train.py args...` would (`runpy`, `__main__`, `sys.argv`, the script's
+folder first on `sys.path`). `ampkit.events.watch_created` hands the doctor the first Accelerator
+the script creates; the session listens to it from then on and ends the script (`StopTraining`)
+once it has seen enough. The script does not change.
 """
 
 from __future__ import annotations
 
-import functools
+import os
 import runpy
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,44 +24,89 @@ from typing import Any
 import torch
 
 from ampkit.accelerator import Accelerator
-from ampkit.doctor.session import DoctorError, DoctorSession, StopTraining
+from ampkit.doctor import advisor
+from ampkit.doctor.numerics import NumericsSession
+from ampkit.doctor.numerics_report import format_text
+from ampkit.doctor.report import render_report
+from ampkit.doctor.session import DoctorSession
+from ampkit.doctor.watch import DoctorError, Result, StopTraining, Watch, check_counts
+from ampkit.events import watch_created
+from ampkit.tasks import get_task
 
 
+# --- on a loop you already have ---------------------------------------------------------------
+def profile(acc: Accelerator, steps: int = 20, *, warmup: int = 5, gpu: str = "A100", report: bool = True,
+            on_done: Callable[[Result], None] | None = None) -> DoctorSession:
+    """Diagnose the next `steps` optimizer steps of `acc` (after `warmup`), while training goes on.
+
+    The loop does not change: the session observes it through the Accelerator's events and, after
+    the last measured step, prints the report (`report=True`) and leaves `session.result`. Call
+    `session.finish()` if the loop may end before that.
+    """
+    return DoctorSession(acc, steps=steps, warmup=warmup, gpu=gpu, on_done=_then(render_report if report else None,
+                                                                                   on_done))
+
+
+def numerics(acc: Accelerator, steps: int = 20, *, warmup: int = 0, report: bool = True,
+             on_done: Callable[[Result], None] | None = None) -> NumericsSession:
+    """Watch the next `steps` optimizer steps of `acc` for numerical trouble, while training goes on.
+
+    The loop does not change. After the last watched step the session takes its hooks off, prints
+    the report (`report=True`) and leaves `session.result`; call `session.finish()` if the loop
+    may end first. Usable as a context manager (`with numerics(acc, 5) as s:`).
+    """
+    return NumericsSession(acc, steps=steps, warmup=warmup,
+                           on_done=_then((lambda r: print(format_text(r))) if report else None, on_done))
+
+
+def _then(*calls: Callable[[Result], Any] | None) -> Callable[[Result], None]:
+    def done(result: Result) -> None:
+        for call in calls:
+            if call is not None:
+                call(result)
+    return done
+
+
+# --- on a user's script ---------------------------------------------------------------------------
 def diagnose_script(script: str | Path, args: Sequence[str] = (), *, steps: int = 20, warmup: int = 5,
-                    gpu: str = "A100", bench: bool = True) -> dict[str, Any]:
+                    gpu: str = "A100", bench: bool = True) -> Result:
     """Run `script` with `args` until `warmup + steps` optimizer steps, and diagnose them.
 
     Returns the result (`DOCTOR_SCHEMA`). Raises FileNotFoundError for a missing script,
     `DoctorError` when the script creates no Accelerator or ends before a step was measured, and
-    re-raises whatever the script itself raised.
+    re-raises whatever the script itself raised (`script_traceback` shows its frames).
     """
+    check_counts(steps, warmup)  # before running anything
+    advisor.find_gpu(gpu)
     subject = {"kind": "script", "name": str(script), "argv": [str(a) for a in args]}
-    sessions: list[DoctorSession] = []
-    original_init = Accelerator.__init__
-
-    @functools.wraps(original_init)
-    def watched_init(self: Accelerator, *a: Any, **kw: Any) -> None:
-        original_init(self, *a, **kw)
-        if not sessions:  # the first Accelerator is the one training
-            sessions.append(DoctorSession(self, steps=steps, warmup=warmup, gpu=gpu, stop=True, subject=subject,
-                                          bench=bench))
-
-    _validate(steps, warmup, gpu)  # before running anything
-    run_script(script, args, {"__init__": watched_init},
-               done=lambda: bool(sessions) and sessions[0].result is not None, close=lambda: _close(sessions))
-    if not sessions:
+    session = run_script(script, args, lambda acc: DoctorSession(acc, steps=steps, warmup=warmup, gpu=gpu, stop=True,
+                                                                 subject=subject, bench=bench))
+    if session is None:
         raise DoctorError(f"{script} finished without creating an ampkit.Accelerator: the doctor watches the "
                           f"first Accelerator a script creates (see the README's four-line conversion)")
-    session = sessions[0]
     if session.result is None and session.seen_steps == 0:
         session.close()
         raise DoctorError(f"{script} created an Accelerator but ran no optimizer step through a prepared "
                           f"optimizer: the doctor counts steps at optimizer.step() of acc.prepare()'s optimizer")
-    try:
-        return session.finish()
-    except BaseException:
-        session.close()
-        raise
+    return _finish(session)
+
+
+def numerics_script(script: str | Path, args: Sequence[str] = (), *, steps: int = 20, warmup: int = 0) -> Result:
+    """Run `script` with `args` under the numerics doctor (on the first Accelerator it creates).
+
+    As `diagnose_script`: FileNotFoundError for a missing script, `DoctorError` when it creates no
+    Accelerator or ends before a step was watched; whatever the script raises is re-raised."""
+    check_script(script)
+    check_counts(steps, warmup, "the optimizer steps to watch")
+    subject = {"kind": "script", "name": str(script), "argv": [str(a) for a in args]}
+    session = run_script(script, args, lambda acc: NumericsSession(acc, steps=steps, warmup=warmup, stop=True,
+                                                                   subject=subject))
+    if session is None or not (session.acc.models and session.acc.optimizers):
+        if session is not None:
+            session.close()
+        raise DoctorError(f"{script} created no ampkit.Accelerator with a prepared model and optimizer: the numerics "
+                          f"doctor watches the first Accelerator a script creates (acc.prepare(model, optimizer))")
+    return _finish(session)
 
 
 def check_script(script: str | Path) -> None:
@@ -64,45 +115,75 @@ def check_script(script: str | Path) -> None:
         raise FileNotFoundError(f"script {str(script)!r} not found (from {Path.cwd()})")
 
 
-def run_script(script: str | Path, args: Sequence[str], patch: dict[str, Callable[..., Any]], *,
-               done: Callable[[], bool], close: Callable[[], None]) -> None:
-    """Execute `script` as `python script args...` would, with `Accelerator` methods replaced by `patch`.
+def run_script(script: str | Path, args: Sequence[str], start: Callable[[Accelerator], Watch]) -> Watch | None:
+    """Execute `script` as `python script args...` would; `start(acc)` on the first Accelerator it creates.
 
-    The doctors attach through those patches. `StopTraining` (a session that has seen enough) ends
-    the script quietly; a non-zero exit before `done()` is a `DoctorError`; anything else the script
-    raises is re-raised after `close()`. The patches, `sys.argv` and `sys.path` are restored whatever happens.
+    Returns that session, or None when the script created no Accelerator. `StopTraining` (a
+    session that has seen enough) ends the script quietly; a non-zero exit before the session has
+    its result is a `DoctorError`; anything else the script raises is re-raised after the session
+    is closed. `sys.argv` and `sys.path` are restored whatever happens.
     """
     check_script(script)
     path = Path(script)
-    originals = {name: getattr(Accelerator, name) for name in patch}
+    sessions: list[Watch] = []
+
+    def created(acc: Accelerator) -> None:
+        if not sessions:  # the first Accelerator is the one training
+            sessions.append(start(acc))
+
     saved_argv, saved_path = sys.argv, list(sys.path)
-    for name, method in patch.items():
-        setattr(Accelerator, name, method)
     sys.argv = [str(path), *map(str, args)]
     sys.path.insert(0, str(path.resolve().parent))
     try:
-        runpy.run_path(str(path), run_name="__main__")
+        with watch_created(created):
+            runpy.run_path(str(path), run_name="__main__")
     except StopTraining:
         pass
     except SystemExit as exc:
-        if exc.code not in (None, 0) and not done():
-            close()
+        if exc.code not in (None, 0) and not (sessions and sessions[0].result is not None):
+            _close(sessions)
             raise DoctorError(f"{script} exited with status {exc.code!r} before the doctor had seen its steps") from exc
     except BaseException:
-        close()
+        _close(sessions)
         raise
     finally:
-        for name, method in originals.items():
-            setattr(Accelerator, name, method)
         sys.argv = saved_argv
         sys.path[:] = saved_path
+    return sessions[0] if sessions else None
 
 
+def script_traceback(exc: BaseException, script: str | Path) -> str | None:
+    """`exc`'s traceback from the first frame of `script` on (runpy's and the doctor's left out),
+    or None when no frame of it is in the traceback (the error is the doctor's, not the script's)."""
+    target = os.path.realpath(script)
+    frames = traceback.extract_tb(exc.__traceback__)
+    first = next((i for i, f in enumerate(frames) if os.path.realpath(f.filename) == target), None)
+    if first is None:
+        return None
+    lines = ["Traceback (most recent call last):\n", *traceback.format_list(frames[first:])]
+    return "".join(lines + traceback.format_exception_only(type(exc), exc))
+
+
+def _close(sessions: list[Watch]) -> None:
+    if sessions and sessions[0].result is None:
+        sessions[0].close()
+
+
+def _finish(session: Watch) -> Result:
+    try:
+        return session.finish()
+    except BaseException:
+        session.close()
+        raise
+
+
+# --- on a built-in task ---------------------------------------------------------------------------
 def diagnose_task(task: str = "iris-mlp", *, steps: int = 20, warmup: int = 5, gpu: str = "A100",
                   precision: str = "auto", device: str = "auto", batch_size: int | None = None, seed: int = 0,
-                  bench: bool = True) -> dict[str, Any]:
+                  bench: bool = True) -> Result:
     """Train the built-in `task` for `warmup + steps` steps under the doctor; return the result."""
-    _validate(steps, warmup, gpu)
+    check_counts(steps, warmup)
+    advisor.find_gpu(gpu)
     subject = {"kind": "task", "name": task, "argv": []}
     return train_task_under(
         task, lambda acc: DoctorSession(acc, steps=steps, warmup=warmup, gpu=gpu, stop=True, subject=subject,
@@ -110,16 +191,50 @@ def diagnose_task(task: str = "iris-mlp", *, steps: int = 20, warmup: int = 5, g
         precision=precision, device=device, batch_size=batch_size, seed=seed)
 
 
-def train_task_under(task: str, start: Callable[[Accelerator], Any], *, precision: str = "auto",
+def numerics_task(task: str = "iris-mlp", *, steps: int = 20, warmup: int = 0, precision: str = "auto",
+                  device: str = "auto", batch_size: int | None = None, seed: int = 0,
+                  keep_fp32: Sequence[str] = ()) -> Result:
+    """Train the built-in `task` for `warmup + steps` steps under the numerics doctor; return the result."""
+    check_counts(steps, warmup, "the optimizer steps to watch")
+    subject = {"kind": "task", "name": task, "argv": []}
+    return train_task_under(task, lambda acc: NumericsSession(acc, steps=steps, warmup=warmup, stop=True,
+                                                              subject=subject),
+                            precision=precision, device=device, batch_size=batch_size, seed=seed, keep_fp32=keep_fp32)
+
+
+def numerics_train_fn(train_fn: Callable[[Accelerator], Any], *, steps: int = 20, precision: str = "auto",
+                      device: str | torch.device = "auto") -> Result:
+    """Run `train_fn(acc)` (a loop as `ampkit.compare` takes it) under the numerics doctor for `steps` steps.
+
+    The session puts its hooks on once `train_fn` has prepared a model and an optimizer, and ends
+    the loop (StopTraining) after its last watched step; a loop that ends first gives a partial result.
+    """
+    check_counts(steps, 0, "the optimizer steps to watch")
+    acc = Accelerator(precision=precision, device=device)
+    subject = {"kind": "loop", "name": getattr(train_fn, "__name__", "train_fn"), "argv": []}
+    session = NumericsSession(acc, steps=steps, stop=True, subject=subject)
+    try:
+        train_fn(acc)
+    except StopTraining:
+        pass
+    except BaseException:
+        session.close()
+        raise
+    if not (acc.models and acc.optimizers):
+        session.close()
+        raise DoctorError(f"{subject['name']} prepared no model and optimizer (acc.prepare(model, optimizer)): "
+                          f"the numerics doctor had nothing to watch")
+    return _finish(session)
+
+
+def train_task_under(task: str, start: Callable[[Accelerator], Watch], *, precision: str = "auto",
                      device: str = "auto", batch_size: int | None = None, seed: int = 0,
-                     keep_fp32: Sequence[str] = ()) -> dict[str, Any]:
+                     keep_fp32: Sequence[str] = ()) -> Result:
     """Train the built-in `task` under the session `start(acc)` returns until it raises StopTraining.
 
-    The session (`DoctorSession` or `NumericsSession`, made with `stop=True`) attaches once the
-    model and optimizer are prepared; returns `session.finish()`, or closes it if the loop fails.
+    The session (made with `stop=True`) starts once the model and optimizer are prepared; returns
+    `session.finish()`, or closes it if the loop fails.
     """
-    from ampkit.tasks import get_task
-
     spec = get_task(task)
     data = spec.make_data(seed, batch_size or spec.default_batch_size)
     torch.manual_seed(seed)
@@ -141,19 +256,3 @@ def train_task_under(task: str, start: Callable[[Accelerator], Any], *, precisio
         session.close()
         raise
     return session.finish()
-
-
-def _validate(steps: int, warmup: int, gpu: str) -> None:
-    """The session's argument checks, run before any training starts."""
-    from ampkit.doctor.advisor import find_gpu
-
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"steps={steps!r}: expected an integer >= 1 (the steps to measure)")
-    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
-        raise ValueError(f"warmup={warmup!r}: expected an integer >= 0")
-    find_gpu(gpu)
-
-
-def _close(sessions: list[DoctorSession]) -> None:
-    if sessions and sessions[0].result is None:
-        sessions[0].close()

@@ -3,9 +3,20 @@
 On a GPU each of these copies a value back and blocks the Python thread until every kernel queued
 before it has finished, so the host can no longer run ahead of the device. On a CPU the same call
 costs nothing, which is why such lines survive until the code meets a GPU. `SyncWatcher` catches
-them on any device by wrapping the `torch.Tensor` methods that read a value back, and names the
-user's file:line that called them. On CUDA it also turns on `torch.cuda.set_sync_debug_mode`,
-which reports every synchronizing operation torch itself performs (ground truth for the device).
+them on any device with a `torch.overrides.TorchFunctionMode`: while installed, torch hands it
+every tensor function called from Python in this thread, and it names the user's file:line that
+called one of the `SYNC_METHODS`. Nothing is patched; the mode is this thread's only.
+
+Detected: `.item()`, `.tolist()`, `.cpu()`, `.numpy()`, `float(t)`, `int(t)`, `bool(t)` (an `if`
+on a tensor), `print(t)`/`str(t)`/`repr(t)`, f-strings and `format(t)`. Not detected: reads made
+from other threads (a DataLoader's pin-memory thread) or from C++ without a Python call, and
+indexing with a tensor (`__index__`). A read nested in another (`print` → `__repr__` → `item`) is
+one sync: the mode does not see what torch runs inside the call it is handling.
+
+On CUDA it also turns on `torch.cuda.set_sync_debug_mode("warn")`, which reports every
+synchronizing operation torch itself performs (ground truth for the device); its warnings are
+recorded with `warnings.catch_warnings(record=True)` and placed at the line of the tensor call
+that raised them. Other warnings recorded meanwhile are shown again when the watcher stops.
 """
 
 from __future__ import annotations
@@ -15,7 +26,7 @@ import linecache
 import os
 import sys
 import sysconfig
-import threading
+import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -24,21 +35,22 @@ from types import FrameType
 from typing import Any
 
 import torch
-
-import ampkit
+from torch.overrides import TorchFunctionMode
 
 #: `torch.Tensor` methods that read a tensor's value on the host. `__repr__`/`__format__` cover
-#: `print(t)`, `str(t)` and f-strings; `__index__` is left out (indexing with a tensor is rare
-#: in a loop, and wrapping it would slow every fancy index).
+#: `print(t)`, `str(t)` and f-strings.
 SYNC_METHODS: tuple[str, ...] = (
     "item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy", "__repr__", "__format__",
 )
+_READS = {getattr(torch.Tensor, name): name for name in SYNC_METHODS}
 
 _CUDA_SYNC_MESSAGE = "called a synchronizing CUDA operation"
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_AMPKIT_DIR = os.path.dirname(ampkit.__file__) + os.sep
-_DOCTOR_DIR = os.path.dirname(__file__) + os.sep  # the doctor's own wrappers: never a site
+#: The doctor's own code: its reads are never a site (`SyncWatcher(skip=...)`).
+DOCTOR_DIR = os.path.dirname(__file__) + os.sep
+_AMPKIT_DIR = os.path.dirname(os.path.dirname(DOCTOR_DIR)) + os.sep
+_DISPATCH = (os.path.join(_TORCH_DIR, "overrides.py"), os.path.join(_TORCH_DIR, "_tensor.py"))
 _LIBRARY_DIRS = tuple(
     os.path.realpath(p) + os.sep
     for key in ("stdlib", "platstdlib", "purelib", "platlib")
@@ -78,14 +90,15 @@ def _short(filename: str, line: int) -> str:
     return f"{filename}:{line}"
 
 
-def locate(frame: FrameType | None, call: str) -> SyncSite | None:
+def locate(frame: FrameType | None, call: str, skip: tuple[str, ...] = (DOCTOR_DIR,)) -> SyncSite | None:
     """The site of a read made by `frame` (the caller of the Tensor method), or None to ignore it.
 
     Reads made by torch's own code are ignored: on a CPU they act on CPU tensors torch keeps on the
     host on purpose (e.g. an optimizer's step counter), and on a GPU the sync debugger sees the
     real ones. A read made by ampkit is reported at the user's line that led to it, with `via`.
+    Frames under `skip` (the doctor's own) are passed over.
     """
-    while frame is not None and frame.f_code.co_filename.startswith(_DOCTOR_DIR):
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
         frame = frame.f_back
     if frame is None or _in_torch(frame.f_code.co_filename):
         return None
@@ -105,72 +118,102 @@ def locate(frame: FrameType | None, call: str) -> SyncSite | None:
     return SyncSite(filename, line, linecache.getline(filename, line).strip(), call, via)
 
 
+def _caller(frame: FrameType | None, name: str) -> FrameType | None:
+    """The frame that called tensor function `name`, past torch's Python dispatch of it
+    (`Tensor.__format__` → `handle_torch_function` → the mode)."""
+    while frame is not None and frame.f_code.co_filename in _DISPATCH and (
+            frame.f_code.co_name in ("handle_torch_function", name)):
+        frame = frame.f_back
+    return frame
+
+
+class _Mode(TorchFunctionMode):
+    """Sees every tensor function called from Python in this thread while entered."""
+
+    def __init__(self, watcher: SyncWatcher) -> None:
+        super().__init__()
+        self.watcher = watcher
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        watcher = self.watcher
+        watcher.calls += 1
+        name = _READS.get(func)
+        log = watcher.log
+        if not watcher.active or (name is None and log is None):
+            return func(*args, **(kwargs or {}))
+        logged = len(log) if log is not None else 0
+        counted = name is not None and watcher.counts(args[0]) and not watcher.ignore()
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            warned = log is not None and len(log) > logged
+            if counted or warned:
+                frame = _caller(sys._getframe(1), getattr(func, "__name__", ""))
+                site = locate(frame, name, watcher.skip) if counted else None
+                if site is not None:
+                    watcher.sites[site] += 1
+                if warned:
+                    watcher.cuda_syncs(log, logged, frame, quiet=counted or watcher.ignore())
+
+
 class SyncWatcher:
     """Counts host↔device syncs, by call site, while `active`.
 
-    `install()` wraps the `SYNC_METHODS` on `torch.Tensor`; `uninstall()` puts the originals back
-    (call it in a `finally`). `device` decides what counts: on CUDA only reads of non-CPU tensors
-    (the ones that really sync); on a CPU every read, as "would sync on a GPU". `ignore()` is a
-    predicate the owner uses to mute reads it knows are host-side (e.g. inside the data loader).
+    `install()` enters the watching mode in this thread; `uninstall()` leaves it (call it in a
+    `finally`). `device` decides what counts: on CUDA only reads of non-CPU tensors (the ones that
+    really sync); on a CPU every read, as "would sync on a GPU". `ignore()` is a predicate the
+    owner uses to mute reads it knows are host-side (e.g. inside the data loader); `skip`, the
+    folders whose frames are the watcher's owner's (never a site).
     """
 
-    def __init__(self, device: torch.device, ignore: Callable[[], bool] = lambda: False) -> None:
+    def __init__(self, device: torch.device, ignore: Callable[[], bool] = lambda: False,
+                 skip: tuple[str, ...] = (DOCTOR_DIR,)) -> None:
         self.device = device
         self.active = False
         self.sites: Counter[SyncSite] = Counter()
         self.cuda_sites: Counter[SyncSite] = Counter()  # other syncing ops, from torch.cuda.set_sync_debug_mode
         self.cuda_debug: str | None = None  # why the CUDA sync debugger is not in use, if it is not
-        self._ignore = ignore
-        self._local = threading.local()
-        self._saved: dict[str, Any] = {}
-        self._own: set[str] = set()
-        self._warnings: Any = None
-        self._debug_mode_before: int | None = None
+        self.ignore = ignore
+        self.skip = skip
+        self.calls = 0  # tensor functions the mode saw (each pays `call_overhead()` for it)
+        self.log: list[warnings.WarningMessage] | None = None  # warnings recorded while the debugger is on
+        self._mode: _Mode | None = None
+        self._stack = contextlib.ExitStack()
 
-    # --- the Tensor wrappers ------------------------------------------------------------------
     def install(self) -> None:
-        if self._saved:
+        if self._mode is not None:
             raise RuntimeError("SyncWatcher.install() was called twice")
-        for name in SYNC_METHODS:
-            original = getattr(torch.Tensor, name)
-            self._saved[name] = original
-            if name in torch.Tensor.__dict__:
-                self._own.add(name)
-            setattr(torch.Tensor, name, self._wrap(name, original))
+        self._mode = _Mode(self)
+        self._mode.__enter__()
 
     def uninstall(self) -> None:
-        for name, original in self._saved.items():
-            if name in self._own:
-                setattr(torch.Tensor, name, original)
-            else:
-                delattr(torch.Tensor, name)  # back to the inherited TensorBase method
-        self._saved.clear()
-        self._own.clear()
         self.stop_cuda_debug()
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
 
-    def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        watcher = self
+    @staticmethod
+    def call_overhead(calls: int = 2000) -> float:
+        """Host seconds the watching mode adds to one tensor function call here (best of three).
 
-        def read_back(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            local = watcher._local
-            if getattr(local, "depth", 0) or not watcher.active:
-                return original(tensor, *args, **kwargs)
-            local.depth = 1  # a read nested in this one (print -> __repr__ -> item) is the same sync
-            try:
-                if watcher._counts(tensor) and not watcher._ignore():
-                    site = locate(sys._getframe(1), name)
-                    if site is not None:
-                        watcher.sites[site] += 1
-                return original(tensor, *args, **kwargs)
-            finally:
-                local.depth = 0
+        The mode costs a Python call on every tensor function, outside the ops the profiler times:
+        the doctor takes `calls * call_overhead()` off the profiled steps' time to keep the share
+        of it spent in ops unbiased."""
+        t = torch.zeros(())
 
-        read_back.__name__ = getattr(original, "__name__", name)
-        read_back.__doc__ = getattr(original, "__doc__", None)
-        return read_back
+        def loop() -> float:
+            start = time.perf_counter()
+            for _ in range(calls):
+                t.add(t, alpha=1)
+            return time.perf_counter() - start
 
-    def _counts(self, tensor: torch.Tensor) -> bool:
-        if tensor.is_meta:
+        plain = min(loop() for _ in range(3))
+        with _Mode(SyncWatcher(torch.device("cpu"))):
+            watched = min(loop() for _ in range(3))
+        return max(0.0, (watched - plain) / calls)
+
+    def counts(self, tensor: Any) -> bool:
+        if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
             return False
         if self.device.type == "cpu":
             return True  # on a GPU this tensor would live on the device
@@ -192,40 +235,34 @@ class SyncWatcher:
             self.cuda_debug = f"not a CUDA device ({self.device}): syncs are found by watching Tensor reads"
             return
         try:
-            self._debug_mode_before = torch.cuda.get_sync_debug_mode()
+            before = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("warn")
-        except Exception as exc:  # an old or unusual build: fall back to the Tensor wrappers alone
+        except Exception as exc:  # an old or unusual build: the tensor reads alone
             self.cuda_debug = f"torch.cuda.set_sync_debug_mode failed: {type(exc).__name__}: {exc}"
             return
-        self._warnings = warnings.catch_warnings()
-        self._warnings.__enter__()
+        self._stack.callback(torch.cuda.set_sync_debug_mode, before)
+        self._stack.callback(self._replay_warnings)
+        self.log = self._stack.enter_context(warnings.catch_warnings(record=True))
         warnings.filterwarnings("always", message=f".*{_CUDA_SYNC_MESSAGE}.*")
-        previous = warnings.showwarning
 
-        def on_warning(message: Any, category: Any, filename: str, lineno: int, file: Any = None,
-                       line: Any = None) -> None:
-            if _CUDA_SYNC_MESSAGE not in str(message):
-                previous(message, category, filename, lineno, file, line)
-                return
-            # A sync inside a wrapped read (loss.item()) is already counted, under its method's name.
-            if self.active and not self._ignore() and not getattr(self._local, "depth", 0):
-                frame = sys._getframe(1)
-                while frame is not None and (frame.f_code.co_filename.startswith("<")
-                                             or frame.f_globals.get("__name__") == "warnings"):
-                    frame = frame.f_back
-                # torch's own Python frames are kept here: the debugger reports real syncs only
-                while frame is not None and _in_torch(frame.f_code.co_filename):
-                    frame = frame.f_back
-                site = locate(frame, "cuda-sync") if frame is not None else None
-                if site is not None:
-                    self.cuda_sites[site] += 1
+    def cuda_syncs(self, log: list[warnings.WarningMessage], start: int, frame: FrameType | None,
+                   quiet: bool) -> None:
+        """Count the sync warnings `log[start:]` at `frame`'s site; `quiet`: already counted (or muted)."""
+        kept = [w for w in log[start:] if _CUDA_SYNC_MESSAGE not in str(w.message)]
+        if not quiet and len(kept) < len(log) - start:
+            while frame is not None and _in_torch(frame.f_code.co_filename):
+                frame = frame.f_back  # the debugger reports real syncs only: torch's own count too
+            site = locate(frame, "cuda-sync", self.skip)
+            if site is not None:
+                self.cuda_sites[site] += 1
+        log[start:] = kept
 
-        warnings.showwarning = on_warning
+    def _replay_warnings(self) -> None:
+        """The user's own warnings, recorded while the debugger was on, shown now."""
+        log, self.log = self.log or [], None
+        for w in log:
+            if _CUDA_SYNC_MESSAGE not in str(w.message):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
     def stop_cuda_debug(self) -> None:
-        if self._debug_mode_before is not None:
-            torch.cuda.set_sync_debug_mode(self._debug_mode_before)
-            self._debug_mode_before = None
-        if self._warnings is not None:
-            self._warnings.__exit__(None, None, None)
-            self._warnings = None
+        self._stack.close()

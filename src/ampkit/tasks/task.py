@@ -64,7 +64,7 @@ class Task:
     """Direction of `metric`, so a report can say which run won without a table of names."""
 
     default_steps: int
-    """Optimizer steps sized for a 20-40 s fp32 run on a 2-core CPU that still learns."""
+    """Optimizer steps of a default run: enough that fp32 clearly learns, few enough for a short CPU compare."""
 
     default_batch_size: int
     """Batch size the defaults were measured with; `make_data` accepts others."""

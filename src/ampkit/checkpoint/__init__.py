@@ -1,0 +1,84 @@
+"""Complete, atomic, safe training checkpoints: a crash never loses the last good state.
+
+A checkpoint is one file (`torch.save` of tensors and plain data, loadable with
+`torch.load(weights_only=True)`: nothing in it can run code) sealed with a SHA-256 digest of its
+content; under strategy="fsdp" it is a folder of DCP shards plus that file. It is written to a
+temporary file, fsynced and renamed into place, so a crash or a full disk leaves the previous
+checkpoint intact.
+
+It holds everything that decides the next step (see `state.py`), gathered from the
+`state_dict()` of each object the Accelerator prepared. Loading checks the whole checkpoint
+against the current setup first and changes nothing unless all of it fits; under the same preset
+every tensor comes back bit for bit, under another one the weights are converted from the fp32
+truth it holds. Folders of checkpoints (`save_checkpoint`, `resume`) are in `folder.py`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ampkit.checkpoint import folder, payload, sharded, state
+from ampkit.distributed import barrier
+from ampkit.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from ampkit.accelerator import Accelerator
+
+__all__ = ["save", "load", "read", "save_checkpoint", "resume"]
+
+
+def save(acc: Accelerator, path: str | Path) -> Path:
+    """Write a checkpoint of `acc`'s whole training state to `path`, atomically.
+
+    Under torchrun every rank must call it (the ranks' random states are gathered); rank 0 writes,
+    and no rank returns before the checkpoint is durable."""
+    path = Path(path)
+    if path.is_dir() and acc.strategy != "fsdp":
+        raise CheckpointError(f"cannot save a checkpoint to {path}: it is a folder (use acc.save_checkpoint(folder) for folders)")
+    if acc.strategy == "fsdp":
+        path = sharded.save(acc, path.with_suffix("") if path.suffix == ".pt" else path, dict(state.collect(acc, weights=False), sharded=True),
+                            payload.write)
+    else:
+        data = state.collect(acc)
+        if acc.is_main:
+            payload.write(path, data)
+    barrier()
+    return path
+
+
+def read(path: str | Path) -> dict:
+    """Load and verify the checkpoint at `path`: a file, or the folder of a sharded checkpoint
+    (whose shards are read later, without running code, by `sharded.loader`)."""
+    path = Path(path)
+    if path.is_dir():
+        data = payload.read(path / sharded.META)
+        if not data.get("sharded"):
+            raise CheckpointError(f"checkpoint {path} holds a {sharded.META} that is not a sharded checkpoint's")
+        return data
+    data = payload.read(path)
+    if data.get("sharded"):
+        raise CheckpointError(f"checkpoint {path} is the metadata of a sharded checkpoint: load its folder")
+    return data
+
+
+def load(acc: Accelerator, path: str | Path) -> None:
+    """Restore `acc` from the checkpoint at `path`; `CheckpointError` (and nothing changed) if it does not fit.
+
+    A sharded checkpoint loads into any number of ranks, a single process included (resharded)."""
+    path = Path(path)
+    data = read(path)
+    shards = sharded.loader(acc, path) if data.get("sharded") else None
+    state.apply(acc, data, path, load_shards=shards)
+
+
+def save_checkpoint(acc: Accelerator, directory: str | Path, keep: int = 3) -> Path:
+    """Save `step-<applied steps>.pt` in `directory`, record it in the manifest, keep the newest `keep`."""
+    path = folder.save_checkpoint(acc, Path(directory), keep, save)
+    barrier()  # no rank goes on (or reads the folder) before the checkpoint is durable
+    return path
+
+
+def resume(acc: Accelerator, directory: str | Path) -> Path | None:
+    """Load the newest loadable checkpoint in `directory` (a checkpoint file is loaded as it is); None on a fresh start."""
+    return folder.resume(acc, Path(directory), load)

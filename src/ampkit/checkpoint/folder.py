@@ -1,0 +1,157 @@
+"""A folder of checkpoints: save every N steps, keep the newest few, resume from the newest good one.
+
+The folder's manifest (`ampkit-checkpoints.json`) names the run that writes there and its
+checkpoints, oldest first. ampkit deletes only what the manifest says it wrote, and only its
+own temporary files (`.step-00000100.pt.tmp-<pid>` of a writer that is gone): a user's file or
+folder, even one named like a checkpoint, is never touched. A fresh run refuses to save into a
+folder that holds another run's checkpoints (resume from it, or use another folder), and resume
+never falls back from one run's checkpoint to another's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ampkit import files
+from ampkit.checkpoint import sharded
+from ampkit.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from ampkit.accelerator import Accelerator
+
+MANIFEST = "ampkit-checkpoints.json"
+LATEST = "latest"  # the newest checkpoint's name, for people and older tools
+_NAME = re.compile(r"^step-\d{8}(\.pt)?$")  # a file, or a folder of shards (strategy="fsdp")
+
+
+def read_manifest(folder: Path) -> dict[str, Any] | None:
+    """The folder's manifest, or None where there is none; `CheckpointError` if it is unreadable."""
+    path = folder / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        if manifest.get("format") != "ampkit-checkpoints" or not isinstance(manifest.get("checkpoints"), list):
+            raise ValueError("not an ampkit manifest")
+        return manifest
+    except (OSError, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"{path} cannot be read ({exc}): ampkit will not guess which files in {folder} are its own; "
+                              f"move the folder's checkpoints elsewhere or delete the damaged manifest") from None
+
+
+def _legacy(folder: Path) -> list[Path]:
+    """The one checkpoint resume may try in a folder without a manifest: `latest`'s, else the newest.
+
+    Without a manifest nothing says which files belong to one run, so there is no fallback."""
+    found = sorted((p for p in folder.iterdir() if _NAME.match(p.name)), key=lambda p: p.name, reverse=True)
+    try:
+        named = folder / (folder / LATEST).read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError:
+        warnings.warn(f"{folder / LATEST} is not text; ignoring it and taking the newest checkpoint", stacklevel=4)
+        return found[:1]
+    except OSError:
+        return found[:1]
+    return [named] if named in found else found[:1]
+
+
+def candidates(folder: Path) -> list[Path]:
+    """The checkpoints resume may load, newest first."""
+    manifest = read_manifest(folder)
+    if manifest is None:
+        return _legacy(folder)
+    return [folder / name for name in reversed(manifest["checkpoints"]) if _NAME.match(name)]
+
+
+def save_checkpoint(acc: Accelerator, folder: Path, keep: int, save: Any) -> Path:
+    """Save `step-<applied steps>` in `folder` with `save(acc, path)`, record it, then prune to `keep`."""
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+        raise ValueError(f"keep={keep!r}: expected an integer >= 1 (how many checkpoints to keep)")
+    if folder.exists() and not folder.is_dir():
+        raise CheckpointError(f"cannot save checkpoints in {folder}: it is a file, not a folder; pass a folder path")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot create the checkpoint folder {folder}: {exc.strerror or exc}") from None
+    manifest = read_manifest(folder) or {"format": "ampkit-checkpoints", "run_id": acc.run_id, "checkpoints": []}
+    if manifest["run_id"] != acc.run_id:
+        newest = manifest["checkpoints"][-1] if manifest["checkpoints"] else "none left"
+        raise CheckpointError(
+            f"{folder} holds the checkpoints of another run (newest: {newest}); this run did not resume from it. "
+            f"Call acc.resume({str(folder)!r}) before training to continue that run, or save into another folder"
+        )
+    name = f"step-{acc.state.applied_steps:08d}{'' if acc.strategy == 'fsdp' else '.pt'}"
+    path = folder / name
+    if path.exists() and name not in manifest["checkpoints"]:
+        raise CheckpointError(f"{path} exists and was not written by this run: ampkit does not overwrite it; move it or save elsewhere")
+    save(acc, path)
+    if acc.is_main:
+        manifest["checkpoints"] = [n for n in manifest["checkpoints"] if n != name] + [name]
+        _write_manifest(folder, manifest)
+        files.atomic_write(folder / LATEST, lambda f: f.write(name.encode() + b"\n"))
+        _prune(folder, manifest, keep)  # only now: the new checkpoint is durable
+        _remove_stale_temp_files(folder)
+    return path
+
+
+def _write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
+    files.atomic_write(folder / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+
+
+def _prune(folder: Path, manifest: dict[str, Any], keep: int) -> None:
+    old, kept = manifest["checkpoints"][:-keep], manifest["checkpoints"][-keep:]
+    if not old:
+        return
+    manifest["checkpoints"] = kept
+    _write_manifest(folder, manifest)  # forget them first: a crash now leaves files, never a dangling entry
+    for name in old:
+        path = folder / name
+        with contextlib.suppress(OSError):
+            if path.is_file() and not path.is_symlink():
+                path.unlink()
+            elif path.is_dir() and sharded.is_own_folder(path):
+                shutil.rmtree(path)
+            elif path.exists():
+                warnings.warn(f"not removing {path}: it holds files ampkit did not write", stacklevel=4)
+
+
+def _remove_stale_temp_files(folder: Path) -> None:
+    """Temporary files of ampkit writers killed mid-write (their process is gone)."""
+    own = {MANIFEST, LATEST}
+    for path in folder.iterdir():
+        m = files.TEMP_NAME.match(path.name)
+        if m and (m["name"] in own or _NAME.match(m["name"])) and path.is_file() and not files.pid_alive(int(m["pid"])):
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
+def resume(acc: Accelerator, folder: Path, load: Any) -> Path | None:
+    """Load the newest checkpoint of `folder` that loads, with `load(acc, path)`; None on a fresh start.
+
+    A broken newest checkpoint is skipped with a warning; a folder whose checkpoints all fail is a
+    `CheckpointError` listing each one and why (never a silent fresh start)."""
+    if folder.is_file():
+        load(acc, folder)
+        return folder
+    if not folder.is_dir():
+        return None
+    tried: list[str] = []
+    for path in candidates(folder):
+        if not path.exists():
+            tried.append(f"{path.name}: listed in the manifest but missing")
+            continue
+        try:
+            load(acc, path)
+        except CheckpointError as exc:
+            tried.append(f"{path.name}: {exc}")
+            warnings.warn(f"skipping {exc}; trying the previous checkpoint", stacklevel=3)
+            continue
+        return path
+    if tried:
+        raise CheckpointError(f"no checkpoint in {folder} could be loaded (nothing was changed): " + " | ".join(tried))
+    return None

@@ -1,0 +1,87 @@
+"""One checkpoint file: tensors and plain data written by `torch.save`, with a SHA-256 digest.
+
+Reading never runs code: the file is loaded with `torch.load(weights_only=True)`, which admits
+tensors and plain containers only. The digest covers every tensor's bytes and every value, so a
+flipped byte inside a tensor (which still unzips) is caught too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ampkit import files
+from ampkit.errors import CheckpointError
+
+FORMAT = "ampkit-checkpoint"
+VERSION = 2
+_ZIP = b"PK\x03\x04"  # every file torch.save writes is a zip archive
+
+
+def digest(obj: Any) -> str:
+    """SHA-256 over every tensor's bytes and every plain value, in a fixed order."""
+    h = hashlib.sha256()
+
+    def visit(o: Any) -> None:
+        if isinstance(o, torch.Tensor):
+            t = o.detach().to("cpu").contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            if t.numel():
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(o, dict):
+            h.update(b"{")
+            for k in sorted(o, key=repr):
+                h.update(repr(k).encode())
+                visit(o[k])
+            h.update(b"}")
+        elif isinstance(o, (list, tuple)):
+            h.update(b"[")
+            for v in o:
+                visit(v)
+            h.update(b"]")
+        else:
+            h.update(repr(o).encode())
+
+    visit(obj)
+    return h.hexdigest()
+
+
+def write(path: Path, payload: dict[str, Any]) -> None:
+    """Seal `payload` with its digest and write it to `path` atomically."""
+    payload = dict(payload, format=FORMAT, version=VERSION)
+    payload["digest"] = digest({k: v for k, v in payload.items() if k != "digest"})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    files.atomic_write(path, lambda f: torch.save(payload, f))
+
+
+def read(path: Path) -> dict[str, Any]:
+    """Load and verify one checkpoint file; `CheckpointError` naming the file and the fault otherwise."""
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist" if not path.exists() else f"checkpoint {path} is not a file")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint {path} cannot be read: {exc.strerror or exc}") from None
+    if head != _ZIP:
+        raise CheckpointError(f"checkpoint {path} is truncated or corrupt: it does not start like a file torch.save writes")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        text = str(exc)
+        if "Unsupported global" in text or "Weights only load failed" in text and "GLOBAL" in text:
+            raise CheckpointError(
+                f"checkpoint {path} holds pickled objects other than tensors and plain data (it could run code); "
+                f"ampkit refuses to load it. Only load such a file with torch.load(weights_only=False) if you trust its source"
+            ) from None
+        raise CheckpointError(f"checkpoint {path} is truncated or corrupt: {text.splitlines()[0] if text else type(exc).__name__}") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not an ampkit checkpoint (no '{FORMAT}' header); it may be a plain torch.save file")
+    if payload.get("version") != VERSION:
+        raise CheckpointError(f"checkpoint {path} has format version {payload.get('version')!r}; this ampkit reads version {VERSION}")
+    if payload.get("digest") != digest({k: v for k, v in payload.items() if k != "digest"}):
+        raise CheckpointError(f"checkpoint {path} is corrupt: its content does not match its SHA-256 digest")
+    return payload

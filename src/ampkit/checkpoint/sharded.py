@@ -1,0 +1,156 @@
+"""Sharded checkpoints (strategy="fsdp"): a folder written by torch.distributed.checkpoint (DCP).
+
+Every rank writes its shards into a temporary folder; rank 0 adds the rest of the training state
+(`ampkit.pt`, a checkpoint file like any other) and renames the folder into place once all shards
+are durable. Reading never runs code: DCP's `.metadata` is a pickle, read here by an unpickler
+that admits only DCP's own metadata records, and the non-tensor entries of the shards are loaded
+with `torch.load(weights_only=True)` (DCP's default planner would unpickle them freely).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ampkit import files
+from ampkit.distributed import barrier
+from ampkit.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from ampkit.accelerator import Accelerator
+
+META = "ampkit.pt"
+DCP_META = ".metadata"
+#: What a folder this module wrote may hold (anything else means it is not only ampkit's).
+OWN_FILE_SUFFIXES = (".distcp",)
+OWN_FILES = (META, DCP_META)
+
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata",)
+_ALLOWED = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata records, torch dtypes/sizes/layouts and paths; refuses every other global."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _DCP_MODULES or (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+def read_metadata(path: Path) -> Any:
+    """DCP's metadata of the sharded checkpoint at `path`, read without running code."""
+    try:
+        with open(path / DCP_META, "rb") as f:
+            return _MetadataUnpickler(f).load()
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {path}: its {DCP_META} is damaged or holds objects other than DCP's "
+                              f"metadata (it could run code): {exc}") from None
+
+
+def _reader(path: Path) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            metadata = read_metadata(path)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(path))
+
+
+def _planner() -> Any:
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            loaded = torch.load(value, weights_only=True)  # DCP's own planner passes weights_only=False
+            if self.flatten_state_dict:
+                target, key = self.original_state_dict, self.mappings[read_item.dest_index.fqn]
+                for part in key[:-1]:
+                    target = target[part]
+                target[key[-1]] = loaded
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    return SafePlanner()
+
+
+def save(acc: Accelerator, path: Path, payload: dict[str, Any], write_meta: Any) -> Path:
+    """Write the shards of `acc`'s one model and its optimizers, then `write_meta(tmp / META)`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    if len(acc.models) != 1:
+        raise CheckpointError(f"strategy='fsdp' checkpoints one model; this Accelerator prepared {len(acc.models)}")
+    model_sd, optim_sd = get_state_dict(acc.models[0], [o.optimizer for o in acc.optimizers])
+    tmp = path.with_name(f".{path.name}.tmp")
+    if acc.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)  # ampkit's own temporary folder of a killed save
+        path.parent.mkdir(parents=True, exist_ok=True)
+    barrier()
+    try:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    except OSError as exc:
+        raise CheckpointError(f"could not write {path}: {exc.strerror or exc}; the previous checkpoint is intact") from exc
+    if acc.is_main:
+        write_meta(tmp / META, payload)
+    barrier()
+    if acc.is_main:
+        old = path.with_name(f".{path.name}.old")
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        files.fsync_dir(path.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return path
+
+
+def loader(acc: Accelerator, path: Path) -> Any:
+    """A function that loads the shards at `path` into `acc`'s model and optimizers (resharding)."""
+    read_metadata(path)  # refuse a damaged or code-carrying .metadata before anything changes
+
+    def load() -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model, optimizers = acc.models[0], [o.optimizer for o in acc.optimizers]
+        model_sd, optim_sd = get_state_dict(model, optimizers)
+        try:
+            dcp.load({"model": model_sd, "optim": optim_sd}, storage_reader=_reader(path), planner=_planner())
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise CheckpointError(f"checkpoint {path} does not fit this model or is damaged: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        set_state_dict(model, optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+    if len(acc.models) != 1:
+        raise CheckpointError(f"checkpoint {path} is sharded (one model); this Accelerator prepared {len(acc.models)}")
+    return load
+
+
+def is_own_folder(path: Path) -> bool:
+    """Whether `path` holds only what a sharded save writes (so removing it deletes nothing of the user's)."""
+    try:
+        return path.is_dir() and all(p.is_file() and (p.name in OWN_FILES or p.name.endswith(OWN_FILE_SUFFIXES))
+                                     for p in path.iterdir())
+    except OSError:
+        return False

@@ -1,0 +1,237 @@
+"""What a checkpoint holds, gathered from the objects that own it, and put back only if all of it fits.
+
+Every object owns its state: the Accelerator (epoch, accumulation position, loss scaler, run id),
+each prepared optimizer (the user's optimizer state in its exact dtype, step counters, and the fp32
+truth behind low-precision weights: master copies or Kahan buffers), scheduler and DataLoader
+(epoch, batch index, the random state its shuffle started from). This module only gathers those
+`state_dict()`s, adds the models, the random number generators and the per-parameter fp32 values
+(so a checkpoint converts between presets), checks a loaded checkpoint against the current setup
+*before changing anything*, and then loads it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch.utils._pytree import tree_map_only
+
+from ampkit.distributed import gather_objects, local_tensor
+from ampkit.errors import CheckpointError
+from ampkit.optim import Stage
+from ampkit.version import ampkit_version
+
+if TYPE_CHECKING:
+    from ampkit.accelerator import Accelerator
+
+
+def _cpu(obj: Any) -> Any:
+    """A copy of nested state with every tensor on the CPU (a checkpoint must load anywhere)."""
+    return tree_map_only(torch.Tensor, lambda t: t.detach().to("cpu", copy=True), obj)
+
+
+# --- random number generators -------------------------------------------------------------------
+def rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {
+        "python": _lists(random.getstate()),
+        "numpy": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].copy()), "pos": int(np_state[2]),
+                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(_tuples(state["python"]))
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        for i, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, i)
+
+
+def _lists(o: Any) -> Any:
+    return [_lists(v) for v in o] if isinstance(o, (tuple, list)) else o
+
+
+def _tuples(o: Any) -> Any:
+    return tuple(_tuples(v) for v in o) if isinstance(o, list) else o
+
+
+# --- gathering ----------------------------------------------------------------------------------
+def _names(acc: Accelerator) -> dict[int, str]:
+    """id(parameter) -> "<model index>/<parameter name>", to key per-parameter values by name."""
+    return {id(p): f"{i}/{n}" for i, m in enumerate(acc.models) for n, p in m.named_parameters()}
+
+
+def _non_finite(models: list[dict[str, Any]], truth: dict[str, torch.Tensor]) -> list[str]:
+    bad = [f"{i}/{k}" for i, sd in enumerate(models) for k, v in sd.items()
+           if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())]  # sync: per save/load
+    bad += [k for k, v in truth.items() if not bool(torch.isfinite(v).all())]  # sync: per save/load
+    return sorted(set(bad))
+
+
+def _check_finite(acc: Accelerator) -> None:
+    bad = []
+    for i, model in enumerate(acc.models):
+        for name, p in model.named_parameters():
+            shard = local_tensor(p.detach())
+            if shard.is_floating_point() and not bool(torch.isfinite(shard).all()):  # sync: once per save, outside the step
+                bad.append(f"model {i}: {name}" if len(acc.models) > 1 else name)
+    bad = sorted({name for names in gather_objects(bad) for name in names})  # every rank refuses together
+    if bad:
+        raise CheckpointError(
+            f"refusing to save non-finite weights: {', '.join(bad[:10])}{' ...' if len(bad) > 10 else ''} "
+            f"contain NaN or inf; the previous checkpoint is kept. The run has diverged: resume from the last good checkpoint "
+            f"with a lower learning rate, or find the layer with `ampkit doctor --numerics`"
+        )
+
+
+def collect(acc: Accelerator, weights: bool = True) -> dict[str, Any]:
+    """Everything that decides the next training step, as tensors and plain data.
+
+    `weights=False` leaves out models and optimizer state (FSDP checkpoints store them sharded).
+    """
+    _check_finite(acc)
+    if any(o.stage is Stage.UNSCALED for o in acc.optimizers):
+        raise CheckpointError(
+            "cannot save between acc.clip_grad_norm_() and optimizer.step(): the gradients are half-way through "
+            "the update; save after optimizer.step()"
+        )
+    pending = any(o.stage is Stage.BACKWARD for o in acc.optimizers)  # mid-accumulation: keep the gradients
+    names = _names(acc)
+    optimizers = [o.state_dict() for o in acc.optimizers]
+    if not weights:  # keep ampkit's own entry only: the optimizer state itself is in the shards
+        optimizers = [{"ampkit": dict(sd["ampkit"], weights=None)} for sd in optimizers]
+    meta = {"ampkit_version": ampkit_version(), "torch_version": torch.__version__, "precision": acc.policy.as_dict(),
+            "world_size": acc.world_size}
+    return {
+        "meta": json.dumps(meta, sort_keys=True),
+        "accelerator": acc.state_dict(),
+        "models": [_cpu(m.state_dict()) for m in acc.models] if weights else [],
+        "optimizers": _cpu(optimizers),
+        "fp32_weights": _cpu({names[id(p)]: v for o in acc.optimizers for p, v in o.fp32_values() if id(p) in names})
+        if weights else {},
+        "grads": [_cpu([p.grad for p in m.parameters()]) for m in acc.models] if pending and weights else [],
+        "schedulers": _cpu([s.state_dict() for s in acc.schedulers]),
+        # Random state and data position differ per rank: keep every rank's (rank order).
+        "ranks": gather_objects(_cpu({"rng": rng_state(), "loaders": [l.state_dict() for l in acc.loaders]})),
+    }
+
+
+# --- checking, then loading ----------------------------------------------------------------------
+def _model_problems(acc: Accelerator, saved_models: list[dict[str, Any]]) -> list[str]:
+    problems = []
+    for i, (model, saved) in enumerate(zip(acc.models, saved_models)):
+        mine = model.state_dict()
+        prefix = f"model {i}: " if len(acc.models) > 1 else ""
+        missing = [k for k in mine if k not in saved]
+        unexpected = [k for k in saved if k not in mine]
+        shapes = [f"{k} {tuple(saved[k].shape)} in the checkpoint vs {tuple(v.shape)} in the model"
+                  for k, v in mine.items() if k in saved and isinstance(v, torch.Tensor) and tuple(saved[k].shape) != tuple(v.shape)]
+        if missing:
+            problems.append(f"{prefix}missing keys: {', '.join(missing)}")
+        if unexpected:
+            problems.append(f"{prefix}unexpected keys: {', '.join(unexpected)}")
+        if shapes:
+            problems.append(f"{prefix}shape mismatches: {'; '.join(shapes)}")
+    return problems
+
+
+def same_preset(acc: Accelerator, payload: dict[str, Any]) -> bool:
+    """The checkpoint was saved under this Accelerator's preset: it loads bit for bit, no conversion."""
+    return json.loads(payload["meta"])["precision"]["name"] == acc.policy.name
+
+
+def validate(acc: Accelerator, payload: dict[str, Any], path: Path, sharded: bool = False) -> None:
+    """One `CheckpointError` naming every way `payload` does not fit `acc`'s setup; changes nothing."""
+    problems: list[str] = [] if sharded else _model_problems(acc, payload["models"])
+    counts = [("models", len(acc.models), len(payload["models"])),
+              ("optimizers", len(acc.optimizers), len(payload["optimizers"])),
+              ("schedulers", len(acc.schedulers), len(payload["schedulers"])),
+              ("data loaders", len(acc.loaders), len(payload["ranks"][0]["loaders"]))]
+    for what, have, saved in counts:
+        if have != saved and not (sharded and what == "models"):
+            problems.append(f"it holds {saved} {what} but this Accelerator prepared {have}")
+    exact = same_preset(acc, payload)
+    for i, (opt, state) in enumerate(zip(acc.optimizers, payload["optimizers"])):
+        if not exact:  # converted from the fp32 truth: the saved preset's weight state does not apply
+            state = dict(state, ampkit=dict(state["ampkit"], weights=None))
+        if sharded:
+            continue
+        problems += [f"optimizer {i}: {p}" for p in opt.check_state_dict(state)]
+    for i, (sched, state) in enumerate(zip(acc.schedulers, payload["schedulers"])):
+        problems += [f"scheduler {i}: {p}" for p in sched.check_state_dict(state)]
+    problems += acc.check_state_dict(payload["accelerator"])
+    bad = _non_finite(payload["models"], payload["fp32_weights"])
+    if bad:
+        problems.append(f"non-finite weights (NaN or inf): {', '.join(bad[:10])}{' ...' if len(bad) > 10 else ''}")
+    if problems:
+        raise CheckpointError(f"checkpoint {path} does not fit this model — " + " | ".join(problems)
+                              + " (nothing was loaded: every object is as it was)")
+
+
+def apply(acc: Accelerator, payload: dict[str, Any], path: Path, load_shards: Any = None) -> None:
+    """Put a verified checkpoint into `acc` and everything it prepared, after `validate`.
+
+    Under the same preset every tensor is loaded exactly; under another one the weights are set
+    from the fp32 truth the checkpoint holds (fp32 → bf16-master, bf16-true → fp32, ...)."""
+    validate(acc, payload, path, sharded=load_shards is not None)
+    exact = same_preset(acc, payload)
+    for model, state in zip(acc.models, payload["models"]):
+        model.load_state_dict(state)
+    if load_shards is not None:
+        load_shards()
+    elif not exact:
+        _convert_weights(acc, payload)
+    for opt, state in zip(acc.optimizers, payload["optimizers"]):
+        if load_shards is not None:  # the optimizer state itself came from the shards
+            state = dict(opt.optimizer.state_dict(), ampkit=state["ampkit"])
+        if not exact:
+            state = dict(state, ampkit=dict(state["ampkit"], weights=None))
+        opt.load_state_dict(state)
+    saved_grads = payload["grads"] or [[None] * len(list(m.parameters())) for m in acc.models]
+    for model, grads in zip(acc.models, saved_grads):
+        for p, g in zip(model.parameters(), grads):
+            p.grad = None if g is None else g.to(p.device, p.dtype)
+    for sched, state in zip(acc.schedulers, payload["schedulers"]):
+        sched.load_state_dict(state)
+    acc.load_state_dict(payload["accelerator"])
+    ranks = payload["ranks"]
+    if len(ranks) != acc.world_size:
+        warnings.warn(
+            f"checkpoint {path} was saved by {len(ranks)} rank(s) and is resumed by {acc.world_size}: weights, optimizer "
+            f"and schedule continue exactly, but the data order and random streams of the new ranks differ",
+            stacklevel=4,
+        )
+    mine = ranks[acc.rank % len(ranks)]
+    for loader, state in zip(acc.loaders, mine["loaders"]):
+        loader.load_state_dict(state)
+    set_rng_state(mine["rng"])
+
+
+def _convert_weights(acc: Accelerator, payload: dict[str, Any]) -> None:
+    """Set every weight from the best fp32 value the checkpoint has, then rebuild master copies or
+    Kahan buffers from it."""
+    truth = payload["fp32_weights"]
+    names = _names(acc)
+
+    def best(p: torch.Tensor) -> torch.Tensor:
+        i, n = names[id(p)].split("/", 1)
+        return truth.get(names[id(p)], payload["models"][int(i)][n]).to(p.device, torch.float32)
+
+    with torch.no_grad():
+        for model in acc.models:
+            for p in model.parameters():
+                if names[id(p)] in truth:
+                    p.copy_(best(p))
+        for opt in acc.optimizers:
+            if opt.weights is not None:
+                opt.weights.set_fp32_values({p: best(p) for p, _ in opt.fp32_values()})

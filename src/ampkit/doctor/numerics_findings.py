@@ -1,0 +1,181 @@
+"""The numerics doctor's verdicts: loss-scale health, the lost-update advice, ranked findings, and
+the one-line summary `ampkit compare` shows per run. Plain functions of the measured figures.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ampkit.accelerator import Accelerator
+from ampkit.doctor.lost_updates import LOST_SHARE_ALARM
+from ampkit.doctor.numerics_report import label, num
+
+Result = dict[str, Any]
+
+
+# --- loss-scale health and findings ------------------------------------------------------------
+def loss_scale_health(outcomes: list[Any], acc: Accelerator, localized: Result | None, census: Result) -> Result:
+    history = [o.scale for o in outcomes]
+    skipped = [i for i, o in enumerate(outcomes) if o.skipped]
+    assert acc.scaler is not None
+    health: Result = {"history": history, "skipped": len(skipped), "applied": len(outcomes) - len(skipped),
+                      "halvings": sum(1 for a, b in zip(history, history[1:]) if b < a),
+                      "steps_since_overflow": len(outcomes) - 1 - skipped[-1] if skipped else None,
+                      "scale": history[-1] if history else acc.scaler.init_scale,
+                      "min_scale": acc.scaler.min_scale, "diagnosis": ""}
+    health["diagnosis"] = _diagnose_scale(health, localized, census)
+    return health
+
+
+def _diagnose_scale(h: Result, localized: Result | None, census: Result) -> str:
+    if not h["skipped"]:
+        return f"healthy: no overflow in {len(h['history'])} steps; the last step used scale {h['scale']:g}"
+    head = (f"{h['skipped']} of {len(h['history'])} steps skipped, the scale backed off {h['halvings']} time(s) "
+            f"({h['history'][0]:g} to {h['scale']:g})")
+    keep = census["keep_fp32"]
+    fix = f"keep_fp32={keep!r}" if keep else "keep_fp32=[the layer named above]"
+    if localized and localized.get("forward"):
+        f = localized["forward"]
+        return (f"{head}: layer {label(f['module'])!r} ({f['type']}) overflows fp16 in the forward "
+                f"({f['inf']} inf, {f['nan']} NaN of {f['elements']} values; its largest finite input was "
+                f"{num(f['max_finite_before'])}). No loss scale fixes a forward overflow: {fix}, or a bf16 preset")
+    if localized and localized.get("backward"):
+        b = localized["backward"]
+        where_ = (f"the gradient {b['what']} of {label(b['module'])!r} ({b['type']}) overflows fp16 in the backward "
+                  f"(largest finite loss-scaled gradient before it {num(b['max_finite_before'])})")
+        if not keep:
+            return (f"{head}: {where_}. The true (unscaled) gradients fit fp16: the scale was too large and backs off "
+                    f"until they fit, which is normal while the scaler finds its level"
+                    + ("" if h["steps_since_overflow"] is None or h["steps_since_overflow"] == 0
+                       else f" (no overflow in the last {h['steps_since_overflow']} step(s))"))
+        return f"{head}: {where_}, and the true gradients exceed fp16's range: {fix}, or a bf16 preset"
+    if h["steps_since_overflow"] is not None and h["steps_since_overflow"] >= max(3, len(h["history"]) // 2):
+        return f"{head} early on, then none for {h['steps_since_overflow']} steps: the scaler found its level (normal)"
+    note = localized.get("note") if localized else "no batch was held to replay"
+    return f"{head}; the replay did not name a layer ({note})" + (f"; the census suggests {fix}" if keep else "")
+
+
+def with_recommendation(lost: Result, acc: Accelerator) -> Result:
+    worst = max((g["lost_share"] or 0.0 for g in lost["groups"]), default=0.0)
+    below = max((g["below_half_ulp_share"] or 0.0 for g in lost["groups"]), default=0.0)
+    lost["recommendation"] = None
+    if worst > LOST_SHARE_ALARM:
+        low = acc.policy.param_dtype != torch.float32
+        if low and acc.policy.param_dtype == torch.bfloat16:
+            options = "precision='bf16-master' (fp32 master weights) or 'bf16-true' (Kahan-compensated bf16)"
+        elif low:
+            options = "precision='fp16-master' (fp32 master weights)"
+        else:
+            options = "a larger learning rate: even fp32 storage cannot hold these updates"
+        lost["recommendation"] = (f"{worst:.0%} of the updates the optimizer made were rounded away by "
+                                  f"{dtype_name(acc.policy.param_dtype)} storage: use {options}")
+    elif below > LOST_SHARE_ALARM and lost["effective"] in ("master", "compensated"):
+        lost["recommendation"] = None  # the masters / compensation are doing their job; said in the findings
+    return lost
+
+
+def findings(r: Result) -> list[Result]:
+    out: list[Result] = []
+    census, loc, lost, scale = r["census"], r["localizer"], r["lost_updates"], r["loss_scale"]
+    keep = census["keep_fp32"]
+    if loc and (loc.get("forward") or loc.get("backward")):
+        c = loc["forward"] or loc["backward"]
+        phase = "forward" if loc["forward"] else "backward"
+        if c["dtype"] == "float16":
+            fix = (f"keep_fp32={keep!r}" if keep else
+                   "keep that layer in fp32 (keep_fp32=[...]) or use bf16" if phase == "forward" else
+                   "none while it stops: the true gradients fit fp16, so the scale backs off until it fits")
+        else:  # bf16 and fp32 share fp32's range (3.4e38): no wider dtype holds what this layer made
+            fix = (f"not the precision: {c['dtype']} already has fp32's range, so the layer itself makes the inf/NaN "
+                   f"(a log, sqrt or division of a bad value, a huge constant, or weights that diverged); "
+                   f"fix the layer or lower the learning rate"
+                   + (" (keep_fp32 helps only where bf16's rounding made a 0 that the layer then divides by "
+                      "or takes the log of)" if c["dtype"] == "bfloat16" else ""))
+        out.append({"id": f"{phase}-overflow",
+                    "title": f"{label(c['module'])} ({c['type']}) is the first to go inf/NaN, in the {phase}",
+                    "evidence": (f"{c['what']} {c['shape']} {c['dtype']}: {c['inf']} inf and {c['nan']} NaN of "
+                                 f"{c['elements']}; largest finite value before it {num(c['max_finite_before'])} "
+                                 f"(replay of that step's batch: {loc['trigger']})"),
+                    "fix": fix})
+    overflow = [m for m in census["at_risk"] if m["overflow"]]
+    if overflow and not out:
+        m = overflow[0]
+        out.append({"id": "forward-overflow", "title": f"{label(m['name'])} ({m['type']}) exceeds fp16's range",
+                    "evidence": "; ".join(m["reasons"]),
+                    "fix": f"keep_fp32={keep!r}, or a bf16 preset"})
+    under = [m for m in census["at_risk"] if not m["overflow"]]
+    if under:
+        scaled = r["device"]["precision"].startswith("fp16")
+        out.append({"id": "grad-underflow",
+                    "title": f"{len(under)} layer(s) have gradients below fp16's normal range",
+                    "evidence": f"{label(under[0]['name'])}: " + "; ".join(under[0]["reasons"]),
+                    "fix": ("loss scaling is on and lifts them (compare the shares with and without it)" if scaled
+                            else "an fp16 preset needs loss scaling for these (fp16-mixed has it); bf16 has the "
+                                 "range")})
+    if lost is not None:
+        worst = max((g["lost_share"] or 0.0 for g in lost["groups"]), default=0.0)
+        below = max((g["below_half_ulp_share"] or 0.0 for g in lost["groups"]), default=0.0)
+        if lost["recommendation"]:
+            out.append({"id": "lost-updates", "title": f"{worst:.0%} of weight updates are lost to rounding",
+                        "evidence": f"over {lost['steps']} applied steps, storage {r['device']['param_dtype']}",
+                        "fix": lost["recommendation"]})
+        elif below > LOST_SHARE_ALARM and lost["effective"] in ("master", "compensated"):
+            kind = "fp32 master weights" if lost["effective"] == "master" else "the Kahan compensation"
+            out.append({"id": "lost-updates",
+                        "title": f"{below:.0%} of updates are below half a {r['device']['param_dtype']} ulp",
+                        "evidence": f"{kind} keep them: {worst:.1%} are lost in the effective weights",
+                        "fix": "nothing to do: this is what the preset is for"})
+    if scale is not None and scale["skipped"]:
+        out.append({"id": "loss-scale", "title": f"the loss scale backed off {scale['halvings']} time(s)",
+                    "evidence": f"{scale['skipped']} skipped of {len(scale['history'])} watched steps",
+                    "fix": scale["diagnosis"]})
+    return out
+
+
+# --- the summary a comparison shows per run ----------------------------------------------------
+def summarize(r: Result) -> Result:
+    """The few figures `ampkit compare` shows of a result (report.json's `runs[i].numerics`).
+
+    `problem` is one line when something needs changing *in this run's precision*, else None: an
+    fp32 run whose activations would overflow fp16, or masters doing their job, are not problems
+    (the full result, kept as `detail`, still says them)."""
+    census, lost, scale = r["census"], r["lost_updates"], r["loss_scale"]
+    shares = [g["lost_share"] for g in lost["groups"] if g["lost_share"] is not None] if lost else []
+    return {"steps": r["steps"]["watched"],
+            "at_risk": [m["name"] for m in census["at_risk"]],
+            "keep_fp32": list(census["keep_fp32"]),
+            "lost_update_share": max(shares) if shares else None,
+            "loss_scale": scale["diagnosis"] if scale is not None else None,
+            "top_finding": r["findings"][0]["title"] if r["findings"] else None,
+            "problem": _problem(r),
+            "error": None,
+            "detail": r}
+
+
+def _problem(r: Result) -> str | None:
+    fp16 = r["device"]["compute_dtype"] == "float16"
+    keep = r["census"]["keep_fp32"]
+    scale, lost = r["loss_scale"], r["lost_updates"]
+    for f in r["findings"]:
+        if f["id"] in ("forward-overflow", "backward-overflow"):
+            loc = r["localizer"]
+            from_replay = loc is not None and (loc["forward"] or loc["backward"])
+            if f["id"] == "backward-overflow" and not keep:
+                continue  # the scaler finding its level: the true gradients fit fp16
+            if from_replay or fp16:  # the census alone only says fp16 *would* overflow
+                return f["title"] + (f": keep_fp32={keep!r}" if keep and fp16 else "")
+        elif f["id"] == "grad-underflow" and fp16 and scale is None:
+            return f"{f['title']}: use loss scaling (fp16-mixed)"
+        elif f["id"] == "lost-updates" and lost is not None and lost["recommendation"]:
+            dtype = r["device"]["param_dtype"]
+            fix = {"bfloat16": "bf16-master or bf16-true", "float16": "fp16-master"}.get(dtype)
+            return f"{f['title']}: " + (f"use {fix}" if fix else "a larger learning rate")
+        elif f["id"] == "loss-scale" and scale is not None and 2 * scale["skipped"] > len(scale["history"]):
+            return f"{scale['skipped']} of {len(scale['history'])} steps skipped on overflow"
+    return None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,168 @@
+"""`Watch`: what both doctors share — a listener on an Accelerator's events that counts optimizer steps.
+
+A session (`DoctorSession`, `NumericsSession`) is an `ampkit.events.Listener` added to
+`acc.events`: the first prepared optimizer's stepped `on_step_end` ends a step, so the session
+knows where each step ends without a change to the training loop. It can be made before anything
+is prepared (`ampkit doctor script.py` makes it as the script's Accelerator is created): it then
+sees every event from the start, and uses the model and optimizer once they are prepared.
+
+After its last step a session finishes by itself: it takes every hook off (`hooks`, an ExitStack
+its subclass fills), builds the result and hands it to `on_done`; with `stop=True` it then ends
+the training by raising `StopTraining` from inside `optimizer.step()`. A loop that fails calls
+`close()`; one that ends early calls `finish()` (or leaves a `with` block).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from ampkit.accelerator import Accelerator
+from ampkit.events import Listener
+from ampkit.optim import AmpOptimizer
+
+Result = dict[str, Any]
+
+_WATCHING: set[str] = set()  # the kinds of session hooked into this process: one of each at a time
+
+
+class StopTraining(BaseException):
+    """Raised from `optimizer.step()` once a `stop=True` session has measured enough.
+
+    A BaseException, like KeyboardInterrupt, so that a training loop's `except Exception:` does not
+    swallow it; the doctor's entry points (`ampkit.doctor.run`) catch it.
+    """
+
+
+class DoctorError(RuntimeError):
+    """The doctor could not measure what was asked (too few steps, no Accelerator, ...)."""
+
+
+def check_counts(steps: int, warmup: int, what: str = "the steps to measure") -> None:
+    """ValueError for a `steps` or `warmup` that is not a count, before anything runs."""
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"steps={steps!r}: expected an integer >= 1 ({what})")
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+        raise ValueError(f"warmup={warmup!r}: expected an integer >= 0")
+
+
+class Watch(Listener):
+    """Base of the doctors' sessions (see the module docstring).
+
+    Args:
+        acc: the Accelerator whose loop to watch.
+        steps: optimizer steps to measure after the warm-up.
+        warmup: steps to let pass first.
+        stop: raise `StopTraining` after the last step (`ampkit doctor` ends the script).
+        subject: what is being diagnosed, for the report: {"kind", "name", "argv"}.
+        on_done: called with the result when the session finishes by itself.
+    """
+
+    #: Its name in messages; one session of each name watches a process at a time.
+    name = "ampkit doctor"
+
+    def __init__(self, acc: Accelerator, *, steps: int, warmup: int, stop: bool = False,
+                 subject: Result | None = None, on_done: Callable[[Result], None] | None = None) -> None:
+        if not isinstance(acc, Accelerator):
+            raise TypeError(f"{self.name} watches an ampkit.Accelerator; got {type(acc).__name__}")
+        self.acc = acc
+        self.steps, self.warmup, self.stop = steps, warmup, stop
+        self.subject = subject or {"kind": "loop", "name": "training loop", "argv": []}
+        self.on_done = on_done
+        self.result: Result | None = None
+        self.seen_steps = 0  # optimizer steps since attach (warm-up included)
+        self.hooks = contextlib.ExitStack()  # everything to take off when the session ends
+
+    def attach(self) -> None:
+        """Start listening (the subclass calls it once constructed), then `started()`."""
+        if self.name in _WATCHING:
+            raise DoctorError(f"another {self.name} session is already watching this process; finish it first")
+        _WATCHING.add(self.name)
+        self.hooks.callback(_WATCHING.discard, self.name)
+        self.acc.events.add(self)
+        self.hooks.callback(self.acc.events.remove, self)
+        try:
+            self.started()
+        except BaseException:
+            self.hooks.close()
+            raise
+
+    def is_first(self, optimizer: AmpOptimizer) -> bool:
+        """`optimizer` is the one whose steps the session counts (the first prepared)."""
+        return bool(self.acc.optimizers) and optimizer is self.acc.optimizers[0]
+
+    # --- for the subclass -----------------------------------------------------------------------
+    def started(self) -> None:
+        """Just attached (the Accelerator may have nothing prepared yet)."""
+
+    def step_ended(self) -> None:
+        """The first prepared optimizer ended a step (`seen_steps` counts it)."""
+
+    def wrap_up(self) -> None:
+        """Before the hooks come off at `finish()`: collect what the hooks hold."""
+
+    def measured(self) -> int:
+        """Steps measured so far (the warm-up not included)."""
+        return self.seen_steps
+
+    def build(self) -> Result:
+        """The result, once every hook is off; `DoctorError` when nothing was measured."""
+        raise NotImplementedError
+
+    # --- events -------------------------------------------------------------------------------
+    def on_step_end(self, optimizer: AmpOptimizer, stepped: bool) -> None:
+        if stepped and self.result is None and self.is_first(optimizer):
+            self.seen_steps += 1
+            self.step_ended()
+
+    # --- finishing ----------------------------------------------------------------------------
+    def done(self) -> None:
+        """After the last step: finish, hand the result over and, with `stop`, end the training."""
+        try:
+            result = self.finish()
+        except Exception as exc:
+            if self.stop:
+                raise
+            # Watching a live run: a failed diagnosis must not end the training (the hooks are off).
+            warnings.warn(f"{self.name}: the diagnosis failed ({type(exc).__name__}: {exc}); training goes on",
+                          RuntimeWarning, stacklevel=4)
+            return
+        if self.on_done is not None:
+            self.on_done(result)
+        if self.stop:
+            raise StopTraining
+
+    def close(self) -> None:
+        """Stop watching and take every hook off, without a result (the loop failed)."""
+        self.hooks.close()
+
+    def finish(self) -> Result:
+        """Stop watching, take every hook off, and return the result (idempotent).
+
+        Called by the session itself after its last step; call it yourself when the loop ends
+        earlier (the result then covers the steps that ran). Raises `DoctorError` when not even one
+        step was measured."""
+        if self.result is not None:
+            return self.result
+        try:
+            self.wrap_up()
+        finally:
+            self.hooks.close()
+        self.result = self.build()
+        return self.result
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """A loop that ends before `steps`: finish with the steps measured (and report them)."""
+        if self.result is not None:
+            return
+        if exc_type is None and self.measured():
+            result = self.finish()
+            if self.on_done is not None:
+                self.on_done(result)
+        else:
+            self.close()

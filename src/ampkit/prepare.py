@@ -1,0 +1,183 @@
+"""What `Accelerator.prepare` does to each kind of object, and the record of what it prepared.
+
+Models are cast to the policy's dtypes in place (`ampkit.module`), compiled or wrapped for DDP/FSDP;
+optimizers are wrapped in `AmpOptimizer` (pointed at fp32 stand-ins for low-precision weights);
+DataLoaders in `DeviceLoader`; schedulers in `AmpScheduler`. `Prepared` reads the Accelerator's
+public settings only, and the Accelerator exposes what was prepared as tuples (`acc.models`, ...).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from ampkit.compiler import CompiledForward
+from ampkit.data import DeviceLoader
+from ampkit.distributed import shard_loader, wrap_ddp, wrap_fsdp
+from ampkit.errors import StepOrderError
+from ampkit.lowp_weights import LowPrecisionWeights, stand_in_weights
+from ampkit.module import prepare_module
+from ampkit.optim import AmpOptimizer
+from ampkit.scheduler import AmpScheduler
+
+if TYPE_CHECKING:
+    from ampkit.accelerator import Accelerator
+
+_Scheduler = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+@dataclass(frozen=True)
+class _Model:
+    """What prepare() did to one model: kept so optimizers prepared later can find it."""
+
+    originals: dict[nn.Parameter, torch.Tensor]  # fp32 values of cast-down weights, until an optimizer takes them
+
+
+class Prepared:
+    """The objects one Accelerator prepared, in prepare order, and how each kind is prepared."""
+
+    def __init__(self, acc: Accelerator) -> None:
+        self.acc = acc
+        self.originals: dict[int, _Model] = {}
+        self.models: list[nn.Module] = []
+        self.optimizers: list[AmpOptimizer] = []
+        self.schedulers: list[AmpScheduler] = []
+        self.loaders: list[DeviceLoader] = []
+        self.fsdp_params: dict[int, nn.Parameter] = {}
+
+    def prepare(self, *objs: Any) -> Any:
+        kinds = [self._kind(obj, i) for i, obj in enumerate(objs)]
+        out: list[Any] = list(objs)
+        for kind in ("model", "optimizer", "loader", "scheduler"):
+            for i, obj in enumerate(objs):
+                if kinds[i] == kind:
+                    out[i] = getattr(self, f"_prepare_{kind}")(obj)
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def compiled(self, model: nn.Module) -> None:
+        """Compile `model`'s (prepared) forward in place, if compile= asked for it."""
+        if self.acc.compile_options is None:
+            return
+        model.forward = CompiledForward(model.forward, self.acc.compile_options, self.acc.compile_stats, type(model).__name__)
+        self.acc.compile_stats.models.append(type(model).__name__)
+
+    def _to_channels_last(self, model: nn.Module) -> None:
+        if not self.acc.channels_last:
+            return
+        if not any(p.dim() == 4 for p in model.parameters()):
+            warnings.warn(
+                f"channels_last=True: {type(model).__name__} has no 4-D (convolution) weights, so the layout "
+                f"changes nothing for it", stacklevel=4,
+            )
+        model.to(memory_format=torch.channels_last)
+
+    @staticmethod
+    def _kind(obj: Any, position: int) -> str:
+        if isinstance(obj, nn.Module):
+            return "model"
+        if isinstance(obj, AmpOptimizer) or isinstance(obj, (AmpScheduler, DeviceLoader)):
+            raise ValueError(f"prepare() argument {position} ({obj!r}) was already prepared; pass the original object once")
+        if isinstance(obj, torch.optim.Optimizer):
+            return "optimizer"
+        if isinstance(obj, DataLoader):
+            return "loader"
+        if isinstance(obj, _Scheduler):
+            return "scheduler"
+        raise TypeError(
+            f"prepare() argument {position} is a {type(obj).__module__}.{type(obj).__qualname__}; "
+            f"expected an nn.Module, a torch.optim.Optimizer, a torch.utils.data.DataLoader or a torch LR scheduler"
+        )
+
+    def _prepare_model(self, model: nn.Module) -> nn.Module:
+        if any(model is m or model is self.acc.unwrap(m) for m in self.models):
+            raise ValueError(f"{type(model).__name__} was already prepared; prepare each model once")
+        if self.acc.policy.master_weights or self.acc.policy.compensated:
+            mine = {id(p) for p in model.parameters()}
+            if any(id(p) in mine for opt in self.optimizers for g in opt.param_groups for p in g["params"]):
+                raise StepOrderError(
+                    f"precision {self.acc.policy.name!r}: the optimizer of {type(model).__name__} was prepared before the "
+                    f"model, so it would step the low-precision weights directly (no master weights or compensation): "
+                    f"prepare the model first, e.g. model, optimizer = acc.prepare(model, optimizer)"
+                )
+        if self.acc.strategy == "fsdp":
+            model.to(self.acc.device)
+            self._to_channels_last(model)
+            model, params = wrap_fsdp(model, self.acc.policy.compute_dtype)
+            self.fsdp_params.update(params)
+            self.compiled(model)
+            self.originals[id(model)] = _Model({})
+            self.models.append(model)
+            model.register_forward_pre_hook(self._set_grad_sync)
+            return model
+        originals = prepare_module(model, self.acc.policy, self.acc.device, self.acc.keep_fp32)
+        self._to_channels_last(model)
+        self.compiled(model)
+        self.originals[id(model)] = _Model(originals)
+        self.models.append(model)
+        if self.acc.strategy == "ddp":
+            ddp = wrap_ddp(model, self.acc.device)
+            # DDP reads this flag in forward: only the forward whose backward ends an accumulation
+            # cycle all-reduces (no_sync on the others), so there is one all-reduce per optimizer step.
+            ddp.register_forward_pre_hook(self._set_grad_sync)
+            return ddp
+        return model
+
+    def _set_grad_sync(self, model: nn.Module, _inputs: Any) -> None:
+        sync = self.acc.cycle.next_is_last
+        if self.acc.strategy == "fsdp":
+            model.set_requires_gradient_sync(sync)  # type: ignore[operator]
+        else:
+            model.require_backward_grad_sync = sync
+
+    def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AmpOptimizer:
+        weights = None
+        if self.fsdp_params:  # re-point an optimizer built before sharding at the sharded parameters
+            if optimizer.state:
+                raise StepOrderError("strategy='fsdp': prepare the optimizer before its first step (FSDP replaces the parameters)")
+            for group in optimizer.param_groups:
+                group["params"] = [self.fsdp_params.get(id(p), p) for p in group["params"]]
+        if (self.acc.policy.master_weights or self.acc.policy.compensated) and self.acc.strategy != "fsdp":
+            weights = self._low_precision_weights(optimizer)
+        # State created before prepare (a loaded optimizer) follows its parameters' device and dtype.
+        if optimizer.state:
+            optimizer.load_state_dict(optimizer.state_dict())
+        wrapped = AmpOptimizer(optimizer, self.acc, weights)
+        self.optimizers.append(wrapped)
+        return wrapped
+
+    def _low_precision_weights(self, optimizer: torch.optim.Optimizer) -> LowPrecisionWeights | None:
+        """Point `optimizer` at fp32 parameters standing in for the model's low-precision ones."""
+        prepared = {id(p) for model in self.models for p in model.parameters()}
+        # The exact fp32 initial values, handed over (not copied) so no fp32 copy outlives prepare.
+        originals: dict[nn.Parameter, torch.Tensor] = {}
+        for m in self.originals.values():
+            originals.update(m.originals)
+        weights, taken = stand_in_weights(optimizer, self.acc.policy, prepared, originals, self.acc.free_step_buffers)
+        for m in self.originals.values():
+            for p in taken:
+                m.originals.pop(p, None)
+        return weights
+
+    def _prepare_loader(self, loader: DataLoader) -> DeviceLoader:
+        if self.acc.strategy != "none":
+            loader = shard_loader(loader, self.acc.distributed)
+        wrapped = DeviceLoader(loader, self.acc.device, torch.channels_last if self.acc.channels_last else None, self.acc.events)
+        self.loaders.append(wrapped)
+        return wrapped
+
+    def _prepare_scheduler(self, scheduler: Any) -> AmpScheduler:
+        target = scheduler.optimizer
+        for opt in self.optimizers:
+            if opt.optimizer is target or opt is target:
+                wrapped = AmpScheduler(scheduler, opt, per_step=self.acc.step_scheduler_with_optimizer)
+                self.schedulers.append(wrapped)
+                return wrapped
+        raise StepOrderError(
+            f"prepare() got the scheduler {scheduler.__class__.__name__} before its optimizer: "
+            f"prepare the optimizer in the same call or earlier"
+        )
