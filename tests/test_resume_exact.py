@@ -10,7 +10,7 @@ from torch import nn
 
 import ampkit
 from conftest import assert_bitwise_equal
-from resume_run import resume_in_fresh_process, train
+from resume_run import build, resume_in_fresh_process, train
 
 EPOCHS = 2  # 12 batches per epoch: enough to resume into a second epoch and see its shuffle
 
@@ -55,6 +55,28 @@ def test_resumed_in_a_fresh_process_equals_the_uninterrupted_run_bitwise(tmp_pat
     assert rest["applied"] == full_acc.state.applied_steps
     assert rest["skipped"] == full_acc.state.skipped_steps == (1 if inject_at is not None else 0)
     assert rest["scale"] == full_acc.state.scale
+
+
+def test_a_checkpoint_written_but_not_yet_recorded_does_not_block_the_resumed_run(tmp_path):
+    """A kill after a checkpoint file is in place but before the folder records it leaves a complete
+    checkpoint of this run that resume does not take; the run resumed from the previous one reaches
+    that step again and must save it (the kill test meets this window by chance)."""
+    full_losses, full_weights, _ = train("fp32", 1, epochs=EPOCHS, loader="plain")
+    ckpt = tmp_path / "ckpts"
+    acc, model, opt, loader, sched = build("fp32", 1, "plain")
+    for step, (x, y) in enumerate(loader, start=1):  # the loop of resume_run.train, killed after step 6's file is written
+        acc.backward(F.cross_entropy(model(x), y))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        if step == 4:
+            acc.save_checkpoint(ckpt)
+        if step == 6:
+            acc.save(ckpt / "step-00000006.pt")  # the same file save_checkpoint writes, not yet recorded
+            break
+    rest, weights, _ = train("fp32", 1, ckpt=str(ckpt), every=2, epochs=EPOCHS, loader="plain")
+    assert rest == full_losses[4:]
+    assert_bitwise_equal(weights, full_weights)
 
 
 # --- bf16-true: the weights and their Kahan compensation come back bit for bit ------------------
