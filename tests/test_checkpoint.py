@@ -131,9 +131,9 @@ def test_killed_at_random_moments_then_resumed_equals_the_uninterrupted_run(tmp_
         while time.time() < deadline and proc.is_alive() and not any(i >= target for i, _ in _logged(log, strict=False)[seen:]):
             time.sleep(0.005)
         time.sleep(rng.uniform(0.0, 0.06))  # inside the step, or inside the save that follows every second one
-        os.kill(proc.pid, signal.SIGKILL)
+        proc.kill()
         proc.join()
-        assert proc.exitcode == -signal.SIGKILL, f"the run ended before it was killed (exit code {proc.exitcode})"
+        assert proc.exitcode == -signal.SIGKILL, f"the run ended before it was killed (exit code {proc.exitcode}: see its traceback)"
         mid_save += _log_lines(log)[-1].startswith("save ")  # killed between "save n" and "saved n"
     rest = resume_in_fresh_process(tmp_path, precision, 1, ckpt, every=every, log=log, **options)
     logged = _logged(log)
