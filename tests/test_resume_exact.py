@@ -64,16 +64,18 @@ def test_a_checkpoint_written_but_not_yet_recorded_does_not_block_the_resumed_ru
     full_losses, full_weights, _ = train("fp32", 1, epochs=EPOCHS, loader="plain")
     ckpt = tmp_path / "ckpts"
     acc, model, opt, loader, sched = build("fp32", 1, "plain")
-    for step, (x, y) in enumerate(loader, start=1):  # the loop of resume_run.train, killed after step 6's file is written
-        acc.backward(F.cross_entropy(model(x), y))
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        if step == 4:
-            acc.save_checkpoint(ckpt)
-        if step == 6:
-            acc.save(ckpt / "step-00000006.pt")  # the same file save_checkpoint writes, not yet recorded
-            break
+    for _ in acc.epochs(EPOCHS):  # the loop of resume_run.train, killed once step 6's file is written
+        for step, (x, y) in enumerate(loader, start=1):
+            acc.backward(F.cross_entropy(model(x), y))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            if step == 4:
+                acc.save_checkpoint(ckpt)
+            if step == 6:
+                acc.save(ckpt / "step-00000006.pt")  # the same file save_checkpoint writes, not yet recorded
+                break
+        break
     rest, weights, _ = train("fp32", 1, ckpt=str(ckpt), every=2, epochs=EPOCHS, loader="plain")
     assert rest == full_losses[4:]
     assert_bitwise_equal(weights, full_weights)
