@@ -212,7 +212,7 @@ def run_one(spec: RunSpec, progress: Callable[[int], None] | None = None) -> dic
     peak, raw, kind = memory.read()
     # After every figure above is taken: the pass's hooks, copies and reads are in none of them.
     numerics = _numerics_pass(spec, device) if spec.numerics_steps and spec.nproc == 1 else None
-    resumed_at = acc._optimizers[0].attempted_steps - recorder.steps if acc._optimizers else 0
+    resumed_at = acc.optimizers[0].attempted_steps - recorder.steps if acc.optimizers else 0
     if resumed_at > 0:
         notes.append(f"resumed from a checkpoint at step {resumed_at}: the loss curve and timings cover the steps after it")
     policy = acc.policy
