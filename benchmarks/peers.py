@@ -58,7 +58,7 @@ from torch import nn
 
 import ampkit
 from _timing import cpu_model, interleaved, machine, median_ci, paired_ratio, spread, write_section
-from ampkit.compare import _proc_status, _reset_peak_rss  # the same /proc readings ampkit compare uses
+from ampkit.compare.memory import proc_status, reset_peak_rss  # the same /proc readings ampkit compare uses
 from ampkit.hardware import capability, cpu_flags, resolve_device
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
@@ -415,8 +415,8 @@ class StepPeak:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._before = torch.cuda.memory_allocated(self.device)
         else:
-            self._ok = _reset_peak_rss()
-            self._before = _proc_status("VmRSS") or 0
+            self._ok = reset_peak_rss()
+            self._before = proc_status("VmRSS") or 0
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -424,7 +424,7 @@ class StepPeak:
             torch.cuda.synchronize(self.device)
             self.mib: float | None = (torch.cuda.max_memory_allocated(self.device) - self._before) / 2**20
         else:
-            peak = _proc_status("VmHWM")
+            peak = proc_status("VmHWM")
             self.mib = (peak - self._before) / 2**20 if self._ok and peak else None
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -58,6 +59,25 @@ class Precision:
     def low_precision_params(self) -> bool:
         """Whether `prepare` casts parameters below fp32."""
         return self.param_dtype != torch.float32
+
+    def as_dict(self) -> dict[str, Any]:
+        """The policy as plain data, dtypes by name: what reports and checkpoints record of it."""
+        return {"name": self.name, "reason": self.reason, "compute_dtype": dtype_name(self.compute_dtype),
+                "param_dtype": dtype_name(self.param_dtype), "master_weights": self.master_weights,
+                "compensated": self.compensated, "loss_scaling": self.loss_scaling}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype's name as files store it: "bfloat16" for `torch.bfloat16`."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """The dtype `dtype_name` named ("torch.bfloat16", the older spelling, is accepted too)."""
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not the name of a torch dtype (e.g. 'bfloat16')")
+    return dtype
 
 
 _bf16, _fp16, _fp32 = torch.bfloat16, torch.float16, torch.float32
