@@ -200,3 +200,32 @@ def test_nproc_runs_each_precision_data_parallel_under_torchrun(tmp_path):
     assert run["samples_per_s"] == pytest.approx(2 * 16 / run["step_time_median_s"])
     with pytest.raises(ValueError, match=r"nproc=0: expected an integer >= 1"):
         compare(task="iris-mlp", nproc=0, device="cpu", show=False)
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_any_training(tmp_path, capsys):
+    from ampkit.cli import main
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("the user's")
+    for out in (a_file, a_file / "report"):  # a file; a folder that cannot be made
+        assert main(["compare", "--task", "iris-mlp", "--steps", "5", "--precisions", "fp32", "--out", str(out),
+                     "--device", "cpu", "--no-numerics"]) == 2
+        printed = capsys.readouterr()
+        assert printed.out == ""  # no progress bar, no table: nothing was trained
+        assert printed.err.startswith("ampkit compare: cannot write the report into ") and printed.err.count("\n") == 1
+        assert str(out) in printed.err and "name a folder" in printed.err
+    assert a_file.read_text() == "the user's"
+
+
+def test_resume_with_a_corrupt_finished_run_names_the_file(tmp_path, capsys):
+    from ampkit.cli import main
+
+    record = tmp_path / "r" / ".compare" / "fp32.json"
+    record.parent.mkdir(parents=True)
+    for content in ('{"precision": "fp32", "sta', "[]"):
+        record.write_text(content)
+        assert main(["compare", "--task", "iris-mlp", "--steps", "5", "--precisions", "fp32", "--out",
+                     str(tmp_path / "r"), "--device", "cpu", "--no-numerics", "--resume"]) == 2
+        printed = capsys.readouterr()
+        assert printed.out == "" and printed.err.count("\n") == 1
+        assert f"cannot resume: {record} is not a finished run's record" in printed.err and "delete it" in printed.err
