@@ -23,16 +23,15 @@ import random
 import re
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 import torch
 
 from ampkit.distributed import barrier, gather_objects, local_tensor
 from ampkit.errors import CheckpointError
-from ampkit.files import atomic_write, fsync_dir
 from ampkit.optim import Stage
 
 if TYPE_CHECKING:
@@ -42,6 +41,39 @@ FORMAT = "ampkit-checkpoint"
 VERSION = 1
 LATEST = "latest"
 _NAME = re.compile(r"^step-(\d+)(\.pt)?$")  # a file, or a folder of shards (strategy="fsdp")
+
+
+# --- writing files so that a crash leaves the old file or the new one, never half of one --------
+def _fsync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError):  # some filesystems cannot fsync a directory
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write `path` through `write(file)` so that readers see the old content or the new, whole.
+
+    On any failure (disk full included) the temporary file is removed, the old `path` is left as
+    it was, and `CheckpointError` says what went wrong.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if isinstance(exc, OSError):
+            raise CheckpointError(f"could not write {path}: {exc.strerror or exc}; the previous checkpoint is intact") from exc
+        raise
+    _fsync_dir(path.parent)
 
 
 # --- digest -------------------------------------------------------------------------------------
@@ -245,7 +277,7 @@ def _save_sharded(acc: Accelerator, path: Path) -> Path:
         if path.exists():
             os.replace(path, old)
         os.replace(tmp, path)
-        fsync_dir(path.parent)
+        _fsync_dir(path.parent)
         shutil.rmtree(old, ignore_errors=True)
     barrier()
     return path

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -60,23 +59,23 @@ class Precision:
         """Whether `prepare` casts parameters below fp32."""
         return self.param_dtype != torch.float32
 
-    def as_dict(self) -> dict[str, Any]:
-        """The policy as plain data, dtypes by name: what reports and checkpoints record of it."""
+    def as_dict(self) -> dict[str, object]:
+        """The policy as plain JSON-able data (checkpoints and reports store it this way)."""
         return {"name": self.name, "reason": self.reason, "compute_dtype": dtype_name(self.compute_dtype),
                 "param_dtype": dtype_name(self.param_dtype), "master_weights": self.master_weights,
-                "compensated": self.compensated, "loss_scaling": self.loss_scaling}
+                "compensated": self.compensated, "loss_scaling": self.loss_scaling, "norms_fp32": self.norms_fp32}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """A dtype's name as files store it: "bfloat16" for `torch.bfloat16`."""
+    """torch.bfloat16 -> "bfloat16": the one way ampkit writes a dtype in files and reports."""
     return str(dtype).removeprefix("torch.")
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    """The dtype `dtype_name` named ("torch.bfloat16", the older spelling, is accepted too)."""
+    """"bfloat16" (or "torch.bfloat16") -> torch.bfloat16; ValueError for anything else."""
     dtype = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{name!r} is not the name of a torch dtype (e.g. 'bfloat16')")
+        raise ValueError(f"{name!r} is not a torch dtype name (e.g. 'float32', 'bfloat16')")
     return dtype
 
 
