@@ -132,66 +132,48 @@ def _fits(value: Any, schema: dict[str, Any]) -> bool:
 
 
 def validate(value: Any, schema: dict[str, Any], path: list[Any] | None = None, noun: str = "known") -> None:
-    """Raise `Invalid` at the first place `value` breaks `schema`. Numbers must also be finite
-    (JSON has no NaN). Keywords: type, const, enum, properties, required, additionalProperties,
-    items, anyOf, minimum, maximum, exclusiveMinimum, minLength, pattern."""
+    """Raise `Invalid` at the first place `value` breaks `schema`; numbers must also be finite (JSON has
+    no NaN). Keywords: type, const, enum, properties, required, additionalProperties, items, anyOf,
+    minimum, maximum, exclusiveMinimum, minLength, pattern."""
     path = path or []
-
-    def fail(problem: str) -> Invalid:
-        return Invalid(path, f": {problem}")
-
-    if "anyOf" in schema:
+    if "anyOf" in schema:  # the branch of the value's type says what is wrong, if there is one
         branches = [b for b in schema["anyOf"] if _fits(value, b)] or schema["anyOf"]
-        if len(branches) == 1:
-            return validate(value, branches[0], path, noun)
-        if not any(_passes(value, b, path, noun) for b in branches):
-            raise fail(f"{value!r} is not valid under any of the given schemas")
-        return None
+        return validate(value, branches[0], path, noun)
+    problem = None
     if isinstance(value, float) and not math.isfinite(value):
-        raise fail(f"{value} is not allowed (use null)")
-    if not _fits(value, schema):
+        problem = f"{value} is not allowed (use null)"
+    elif not _fits(value, schema):
         kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
-        raise fail(f"{value!r} is not of type {', '.join(map(repr, kinds))}")
-    if "const" in schema and value != schema["const"]:
-        raise fail(f"{schema['const']!r} was expected")
-    if "enum" in schema and value not in schema["enum"]:
-        raise fail(f"{value!r} is not one of {schema['enum']!r}")
-    if _is(value, "number"):
-        for key, broken, words in (("minimum", lambda m: value < m, "less than the minimum of"),
-                                   ("maximum", lambda m: value > m, "greater than the maximum of"),
-                                   ("exclusiveMinimum", lambda m: value <= m, "less than or equal to the minimum of")):
-            if key in schema and broken(schema[key]):
-                raise fail(f"{value!r} is {words} {schema[key]!r}")
-    if isinstance(value, str):
+        problem = f"{value!r} is not of type {', '.join(map(repr, kinds))}"
+    elif "const" in schema and value != schema["const"]:
+        problem = f"{schema['const']!r} was expected"
+    elif "enum" in schema and value not in schema["enum"]:
+        problem = f"{value!r} is not one of {schema['enum']!r}"
+    elif _is(value, "number") and value < schema.get("minimum", -math.inf):
+        problem = f"{value!r} is less than the minimum of {schema['minimum']!r}"
+    elif _is(value, "number") and value > schema.get("maximum", math.inf):
+        problem = f"{value!r} is greater than the maximum of {schema['maximum']!r}"
+    elif _is(value, "number") and value <= schema.get("exclusiveMinimum", -math.inf):
+        problem = f"{value!r} is less than or equal to the minimum of {schema['exclusiveMinimum']!r}"
+    elif isinstance(value, str):
         if len(value) < schema.get("minLength", 0):
-            raise fail(f"{value!r} is too short")
-        if "pattern" in schema and not re.search(schema["pattern"], value):
-            raise fail(f"{value!r} does not match {schema['pattern']!r}")
+            problem = f"{value!r} is too short"
+        elif "pattern" in schema and not re.search(schema["pattern"], value):
+            problem = f"{value!r} does not match {schema['pattern']!r}"
+    if problem:
+        raise Invalid(path, f": {problem}")
     if isinstance(value, list) and "items" in schema:
         for i, item in enumerate(value):
             validate(item, schema["items"], [*path, i], noun)
     if isinstance(value, dict):
-        _validate_object(value, schema, path, noun)
+        missing = [k for k in schema.get("required", ()) if k not in value]
+        properties, other = schema.get("properties", {}), schema.get("additionalProperties", True)
+        if missing:
+            raise Invalid([*path, missing[0]], " is missing")
+        unknown = sorted(k for k in value if k not in properties)
+        if other is False and unknown:
+            raise Invalid([*path, unknown[0]], f" is not a {noun} field")
+        for key, item in value.items():
+            if isinstance(sub := properties.get(key, other), dict):
+                validate(item, sub, [*path, key], noun)
     return None
-
-
-def _validate_object(value: dict[str, Any], schema: dict[str, Any], path: list[Any], noun: str) -> None:
-    for key in schema.get("required", ()):
-        if key not in value:
-            raise Invalid([*path, key], " is missing")
-    properties, other = schema.get("properties", {}), schema.get("additionalProperties", True)
-    if other is False:
-        for key in sorted(k for k in value if k not in properties):
-            raise Invalid([*path, key], f" is not a {noun} field")
-    for key, item in value.items():
-        sub = properties.get(key, other)
-        if isinstance(sub, dict):
-            validate(item, sub, [*path, key], noun)
-
-
-def _passes(value: Any, schema: dict[str, Any], path: list[Any], noun: str) -> bool:
-    try:
-        validate(value, schema, path, noun)
-    except Invalid:
-        return False
-    return True

@@ -112,12 +112,11 @@ def run_one(spec: RunSpec, progress: Callable[[int], None] | None = None) -> Run
     resumed_at = acc.optimizers[0].attempted_steps - recorder.steps if acc.optimizers else 0
     if resumed_at > 0:
         notes.append(f"resumed from a checkpoint at step {resumed_at}: the loss curve and timings cover the steps after it")
-    median = summary.pop("step_time_median_s")
-    summary.pop("skipped_steps")
+    median = summary["step_time_median_s"]
     return Run(
         precision=spec.precision, status="probe" if spec.probe else "ok", reason="; ".join(notes) or None,
         policy=Policy(**acc.policy.as_dict()),
-        **summary, step_time_median_s=median, skipped_steps=skipped,
+        **summary, skipped_steps=skipped,
         # every process trains a batch per step: the job's throughput is nproc times one rank's
         samples_per_s=spec.samples_per_step * spec.nproc / median if spec.samples_per_step and median else None,
         memory_kind=kind, peak_memory_bytes=peak, peak_rss_bytes=raw,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +41,23 @@ def have_matplotlib() -> bool:
 
 def write_plots(report: Report, out_dir: Path) -> dict[str, Path]:
     """Draw each plot that has data into `out_dir`; return {name: path} of those drawn."""
+    from matplotlib.figure import Figure
+
+    colors = _colors(report)
+    subject = report.task.name if report.task else "custom training function"
     written = {}
-    for name, plot in _PLOTTERS.items():
-        path = out_dir / PLOT_FILES[name]
-        if plot(report, path):
-            written[name] = path
+    for name, plot in (("loss_curves", _losses), ("throughput", _throughput), ("scale_history", _scales)):
+        # A figure outside pyplot: `matplotlib.use("Agg")` would switch the backend of a user's
+        # interactive session as a side effect of writing a report; a bare Figure renders through Agg.
+        fig = Figure(figsize=(8, 4.5), dpi=100, layout="constrained")
+        title = plot(report, fig.add_subplot(), colors)
+        if title is None:  # no run has data for this plot
+            continue
+        fig.axes[0].set_title(f"{title} \u2014 {subject}")
+        if entries := len(fig.axes[0].get_legend_handles_labels()[0]):  # below, never on a (diverging) curve
+            fig.legend(loc="outside lower center", ncols=min(entries, 4), frameon=False)
+        written[name] = out_dir / PLOT_FILES[name]
+        fig.savefig(written[name], format="png")
     return written
 
 
@@ -55,28 +66,10 @@ def _colors(report: Report) -> dict[str, str]:
     return {r.precision: _PRESET_COLORS.get(r.precision) or next(others) for r in report.runs}
 
 
-def _new_figure() -> Any:
-    """A figure outside pyplot: no global backend switch, nothing to close, safe in a notebook.
-
-    `matplotlib.use("Agg")` would change the backend of a user's interactive session as a side
-    effect of writing a report; a bare `Figure` renders to PNG through Agg without touching it.
-    """
-    from matplotlib.figure import Figure
-
-    return Figure(figsize=(8, 4.5), dpi=100, layout="constrained")
-
-
-def _subject(report: Report) -> str:
-    return report.task.name if report.task else "custom training function"
-
-
-def _plot_losses(report: Report, path: Path) -> bool:
+def _losses(report: Report, ax: Any, colors: dict[str, str]) -> str | None:
     runs = [r for r in report.runs if any(v is not None for v in r.loss_curve or [])]
     if not runs:
-        return False
-    fig = _new_figure()
-    ax = fig.add_subplot()
-    colors = _colors(report)
+        return None
     positive = True
     for run in runs:
         values = [math.nan if v is None else v for v in run.loss_curve or []]
@@ -88,56 +81,39 @@ def _plot_losses(report: Report, path: Path) -> bool:
             ax.plot([last], [values[last]], marker="x", markersize=9, color=colors[run.precision])
     if positive:  # a log axis needs positive losses; a custom train_fn may not have them
         _log_axis_plain_labels(ax)
-    ax.set(xlabel="optimizer step", ylabel="training loss" + (" (log scale)" if positive else ""),
-           title=f"Training loss \u2014 {_subject(report)}")
+    ax.set(xlabel="optimizer step", ylabel="training loss" + (" (log scale)" if positive else ""))
     ax.grid(True, which="both", alpha=0.3)
-    _legend_below(fig, len(runs))
-    fig.savefig(path, format="png")
-    return True
+    return "Training loss"
 
 
 def _log_axis_plain_labels(ax: Any) -> None:
     """Log y axis labelled 2, 3, 5, 10 rather than 2×10⁰: losses span one decade or two at most."""
     from matplotlib.ticker import FuncFormatter
 
-    def major(value: float, _pos: int) -> str:
-        return f"{value:g}"
-
     def minor(value: float, _pos: int) -> str:
         mantissa = value / 10 ** math.floor(math.log10(value) + 1e-9)
         return f"{value:g}" if round(mantissa) in (2, 3, 5) and abs(mantissa - round(mantissa)) < 1e-6 else ""
 
     ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(FuncFormatter(major))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _pos: f"{value:g}"))
     ax.yaxis.set_minor_formatter(FuncFormatter(minor))
 
 
-def _legend_below(fig: Any, entries: int) -> None:
-    """The legend under the axes, never on top of a curve (a diverging one ends up top-right)."""
-    fig.legend(loc="outside lower center", ncols=min(entries, 4), frameon=False)
-
-
-def _plot_throughput(report: Report, path: Path) -> bool:
+def _throughput(report: Report, ax: Any, colors: dict[str, str]) -> str | None:
     runs = report.runs
     if not any(r.samples_per_s is not None for r in runs):
-        return False
-    fig = _new_figure()
-    ax = fig.add_subplot()
-    colors = _colors(report)
-    names = [r.precision for r in runs]
+        return None
     heights = [r.samples_per_s or 0.0 for r in runs]
-    bars = ax.bar(names, heights, color=[colors[n] for n in names])
+    bars = ax.bar([r.precision for r in runs], heights, color=[colors[r.precision] for r in runs])
     for bar, run in zip(bars, runs):
         if run.status == "probe":
             bar.set_hatch("//")
             bar.set_edgecolor("white")
         ax.annotate(_bar_label(run, report.baseline), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                     xytext=(0, 3), textcoords="offset points", ha="center", va="bottom")
-    ax.set(ylabel="samples/s (higher is better)", title=f"Throughput \u2014 {_subject(report)}")
-    ax.set_ylim(0, max(heights) * 1.15)
+    ax.set(ylabel="samples/s (higher is better)", ylim=(0, max(heights) * 1.15))
     ax.grid(True, axis="y", alpha=0.3)
-    fig.savefig(path, format="png")
-    return True
+    return "Throughput"
 
 
 def _bar_label(run: Run, baseline: str | None) -> str:
@@ -149,28 +125,16 @@ def _bar_label(run: Run, baseline: str | None) -> str:
     return f"{label} (probe)" if run.status == "probe" else label
 
 
-def _plot_scales(report: Report, path: Path) -> bool:
+def _scales(report: Report, ax: Any, colors: dict[str, str]) -> str | None:
     runs = [r for r in report.runs if r.scale_history]
     if not runs:
-        return False
-    fig = _new_figure()
-    ax = fig.add_subplot()
-    colors = _colors(report)
+        return None
     for i, run in enumerate(runs):
         history = run.scale_history or []
         # Scales often coincide for long stretches: draw earlier runs wider so later ones leave them visible.
         ax.step(range(len(history)), history, where="post", color=colors[run.precision],
                 linewidth=max(1.2, 3.2 - 0.9 * i), label=f"{run.precision} ({run.skipped_steps} skipped steps)")
     ax.set_yscale("log", base=2)
-    ax.set(xlabel="optimizer step", ylabel="loss scale (log\u2082)", title=f"Loss scale \u2014 {_subject(report)}")
+    ax.set(xlabel="optimizer step", ylabel="loss scale (log\u2082)")
     ax.grid(True, which="major", alpha=0.3)
-    _legend_below(fig, len(runs))
-    fig.savefig(path, format="png")
-    return True
-
-
-_PLOTTERS: dict[str, Callable[[Report, Path], bool]] = {
-    "loss_curves": _plot_losses,
-    "throughput": _plot_throughput,
-    "scale_history": _plot_scales,
-}
+    return "Loss scale"

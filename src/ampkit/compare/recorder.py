@@ -89,7 +89,7 @@ class Recorder(Listener):
         return [b - a for a, b in zip(self.stamps, self.stamps[1:])]
 
     def summary(self, warmup: int) -> dict[str, Any]:
-        """Median step time (warm-up dropped), loss curve, skipped steps and the scale history."""
+        """Median step time (warm-up dropped), loss curve and the scale history: `Run` fields."""
         times = self.step_times()
         kept = times[warmup:] or times
         return {
@@ -97,6 +97,5 @@ class Recorder(Listener):
             "warmup_steps": min(warmup, len(times)),
             "step_time_median_s": statistics.median(kept) if kept else None,
             "loss_curve": self.loss_curve(),
-            "skipped_steps": sum(o.skipped for o in self.outcomes),
             "scale_history": [o.scale for o in self.outcomes] or None,
         }

@@ -44,6 +44,7 @@ class Policy:
     master_weights: bool = field()
     compensated: bool = field()
     loss_scaling: bool = field()
+    norms_fp32: bool = field("Normalisation layers kept in fp32 (the -master presets).", False, optional=True)
 
 
 @dataclass(kw_only=True)
