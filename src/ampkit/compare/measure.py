@@ -20,6 +20,7 @@ from ampkit.compare.memory import Memory
 from ampkit.compare.records import Numerics, Policy, Run
 from ampkit.compare.recorder import Recorder
 from ampkit.hardware import resolve_device
+from ampkit.schema import build
 from ampkit.tasks import get_task
 
 TrainFn = Callable[[Accelerator], dict[str, float]]
@@ -115,7 +116,7 @@ def run_one(spec: RunSpec, progress: Callable[[int], None] | None = None) -> Run
     median = summary["step_time_median_s"]
     return Run(
         precision=spec.precision, status="probe" if spec.probe else "ok", reason="; ".join(notes) or None,
-        policy=Policy(**acc.policy.as_dict()),
+        policy=build(Policy, acc.policy.as_dict()),
         **summary, skipped_steps=skipped,
         # every process trains a batch per step: the job's throughput is nproc times one rank's
         samples_per_s=spec.samples_per_step * spec.nproc / median if spec.samples_per_step and median else None,

@@ -92,38 +92,15 @@ def compare(
             risk, lost updates, loss-scale health): `runs[i].numerics`. A separate pass: the run's
             time and memory figures do not include it.
     """
-    if (train_fn is None) == (task is None):
-        raise ValueError("compare() needs exactly one of train_fn=... or task='...'")
-    for name, value in (("steps", steps), ("batch_size", batch_size), ("nproc", nproc)):
-        if (value is not None or name == "nproc") and (not isinstance(value, int) or value < 1):
-            what = " (processes per precision)" if name == "nproc" else ""
-            raise ValueError(f"{name}={value!r}: expected an integer >= 1{what}")
-    if resume and out is None:
-        raise ValueError("resume=True needs out=: the folder of the comparison to continue")
+    _check_args(train_fn, task, steps, batch_size, nproc, isolate, resume, out)
     task_info = None
     if task is not None:
         t = get_task(task)
         metric, samples_per_step = t.metric, batch_size or t.default_batch_size
         task_info = Task(name=t.name, metric=t.metric, higher_is_better=t.higher_is_better,
                          steps=steps or t.default_steps, batch_size=samples_per_step, seed=seed)
-    if isolate and train_fn is not None:
-        try:
-            pickle.dumps(train_fn)
-        except Exception as exc:
-            raise TypeError(
-                f"train_fn={train_fn!r} cannot be sent to a fresh process ({exc}); define it at module level "
-                f"(not a lambda or a nested function), or pass isolate=False to run every precision in this process"
-            ) from None
     dev = resolve_device(device)
-    probes: list[str] = []
-    if precisions is None:
-        precisions, probes = default_precisions(dev)
-    else:
-        unknown = [p for p in precisions if p not in PRESETS and p != "auto"]
-        if unknown or not precisions:
-            raise PrecisionError(f"unknown precision(s) {unknown!r}; choose from: {', '.join([*PRESETS, 'auto'])}")
-        precisions = list(dict.fromkeys(auto_precision(dev)[0] if p == "auto" else p for p in precisions))
-    plan = [(p, False) for p in precisions] + [(p, True) for p in probes if p not in precisions]
+    plan = _plan(precisions, dev)
     state_dir = None
     if out is not None:
         _check_writable(Path(out))
@@ -131,10 +108,9 @@ def compare(
         if not resume:
             shutil.rmtree(state_dir, ignore_errors=True)  # a new comparison: forget an old one's runs
     kept = _finished_runs(state_dir, [p for p, _ in plan]) if resume and state_dir is not None else {}
-
     report = Report(ampkit_version=_version(), command=command or "ampkit.compare(...)", task=task_info,
                     created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    machine=describe(dev), baseline=precisions[0])
+                    machine=describe(dev), baseline=plan[0][0])
     base = RunSpec(precision="", device=str(dev), seed=seed, task=task, steps=steps, batch_size=batch_size,
                    train_fn=train_fn, samples_per_step=samples_per_step, nproc=nproc,
                    numerics_steps=NUMERICS_STEPS if numerics else 0)
@@ -176,6 +152,38 @@ def compare(
     if report.interrupted:
         raise KeyboardInterrupt
     return report.to_dict()
+
+
+def _check_args(train_fn: TrainFn | None, task: str | None, steps: int | None, batch_size: int | None, nproc: int,
+                isolate: bool, resume: bool, out: str | Path | None) -> None:
+    """The arguments a comparison can reject before it starts anything."""
+    if (train_fn is None) == (task is None):
+        raise ValueError("compare() needs exactly one of train_fn=... or task='...'")
+    for name, value in (("steps", steps), ("batch_size", batch_size), ("nproc", nproc)):
+        if (value is not None or name == "nproc") and (not isinstance(value, int) or value < 1):
+            what = " (processes per precision)" if name == "nproc" else ""
+            raise ValueError(f"{name}={value!r}: expected an integer >= 1{what}")
+    if resume and out is None:
+        raise ValueError("resume=True needs out=: the folder of the comparison to continue")
+    if isolate and train_fn is not None:
+        try:
+            pickle.dumps(train_fn)
+        except Exception as exc:
+            raise TypeError(
+                f"train_fn={train_fn!r} cannot be sent to a fresh process ({exc}); define it at module level "
+                f"(not a lambda or a nested function), or pass isolate=False to run every precision in this process"
+            ) from None
+
+
+def _plan(precisions: list[str] | tuple[str, ...] | None, dev: torch.device) -> list[tuple[str, bool]]:
+    """(preset, probe?) in the order they run; the first is the baseline."""
+    if precisions is None:
+        full, probes = default_precisions(dev)
+        return [(p, False) for p in full] + [(p, True) for p in probes if p not in full]
+    unknown = [p for p in precisions if p not in PRESETS and p != "auto"]
+    if unknown or not precisions:
+        raise PrecisionError(f"unknown precision(s) {unknown!r}; choose from: {', '.join([*PRESETS, 'auto'])}")
+    return [(p, False) for p in dict.fromkeys(auto_precision(dev)[0] if p == "auto" else p for p in precisions)]
 
 
 def _check_writable(out: Path) -> None:
