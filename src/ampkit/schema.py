@@ -126,6 +126,11 @@ def _is(value: Any, kind: str) -> bool:
     return isinstance(value, expected)
 
 
+def _equal(a: Any, b: Any) -> bool:
+    """JSON equality: `true` is not `1`."""
+    return isinstance(a, bool) == isinstance(b, bool) and a == b
+
+
 def _fits(value: Any, schema: dict[str, Any]) -> bool:
     kinds = schema.get("type")
     return kinds is None or any(_is(value, k) for k in ([kinds] if isinstance(kinds, str) else kinds))
@@ -145,9 +150,9 @@ def validate(value: Any, schema: dict[str, Any], path: list[Any] | None = None, 
     elif not _fits(value, schema):
         kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
         problem = f"{value!r} is not of type {', '.join(map(repr, kinds))}"
-    elif "const" in schema and value != schema["const"]:
+    elif "const" in schema and not _equal(value, schema["const"]):
         problem = f"{schema['const']!r} was expected"
-    elif "enum" in schema and value not in schema["enum"]:
+    elif "enum" in schema and not any(_equal(value, option) for option in schema["enum"]):
         problem = f"{value!r} is not one of {schema['enum']!r}"
     elif _is(value, "number") and value < schema.get("minimum", -math.inf):
         problem = f"{value!r} is less than the minimum of {schema['minimum']!r}"
