@@ -104,17 +104,13 @@ def build(cls: Any, value: Any) -> Any:
 
 
 class Invalid(ValueError):
-    """A value breaks its schema: `path` is where (["runs", 2, "reason"]), `str()` says what."""
+    """A value breaks its schema: `path` is where (["runs", 2, "reason"]), `str()` says what
+    ("runs[2].reason is missing")."""
 
     def __init__(self, path: list[Any], problem: str) -> None:
         self.path, self.problem = path, problem
-        super().__init__(f"{format_path(path)}{problem}")
-
-
-def format_path(parts: list[Any]) -> str:
-    """`["runs", 2, "reason"]` -> "runs[2].reason"; the empty path is "<root>"."""
-    text = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts)
-    return text.lstrip(".") or "<root>"
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+        super().__init__(f"{where or '<root>'}{problem}")
 
 
 def _is(value: Any, kind: str) -> bool:

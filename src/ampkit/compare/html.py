@@ -59,7 +59,7 @@ def _task_items(task: Task | None) -> list[tuple[str, str]]:
     return items + [(k, _plain(v, k)) for k, v in fields.items() if k not in ("name", "metric", "higher_is_better")]
 
 
-BASELINE_CLASS = ' class="baseline"'
+_BASELINE_ROW = ' class="baseline"'
 
 
 def _table(report: Report) -> str:
@@ -72,7 +72,7 @@ def _table(report: Report) -> str:
         cells = [f"<td>{_e(row[0] + (' (baseline)' if baseline else ''))}</td>",
                  f'<td><span class="badge s-{_e(run.status)}">{_e(row[1])}</span></td>']
         cells += [f'<td class="num">{_e(cell)}</td>' for cell in row[NUMERIC_FROM:]]
-        body.append(f"<tr{BASELINE_CLASS if baseline else ''}>{''.join(cells)}</tr>")
+        body.append(f"<tr{_BASELINE_ROW if baseline else ''}>{''.join(cells)}</tr>")
     return f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table></div>'
 
 

@@ -9,11 +9,7 @@ from typing import Any
 from ampkit.compare.records import Report, Run
 from ampkit.present import times
 
-PLOT_FILES: dict[str, str] = {
-    "loss_curves": "loss_curves.png",
-    "throughput": "throughput.png",
-    "scale_history": "scale_history.png",
-}
+PLOT_FILES: dict[str, str] = {name: f"{name}.png" for name in ("loss_curves", "throughput", "scale_history")}
 """Plot name -> file name in the output directory."""
 
 CAPTIONS = {
