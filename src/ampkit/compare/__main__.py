@@ -4,4 +4,6 @@ import sys
 
 from ampkit.compare.spawn import torchrun_worker
 
+if len(sys.argv) != 4:
+    sys.exit("this is the worker `ampkit compare --nproc N` starts under torchrun; run `ampkit compare` instead")
 torchrun_worker(*sys.argv[1:4])
