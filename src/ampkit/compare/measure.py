@@ -132,7 +132,7 @@ def numerics_pass(spec: RunSpec, device: torch.device) -> Numerics:
     stay those of plain training; the same seed, so it watches the run's first batches. A failed
     diagnosis is its `error`, never a failed run.
     """
-    from ampkit.doctor.numerics import numerics_task, numerics_train_fn, summarize
+    from ampkit.doctor import numerics_task, numerics_train_fn, summarize
 
     seed_everything(spec.seed)
     steps = spec.numerics_steps
