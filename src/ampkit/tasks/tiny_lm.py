@@ -1,8 +1,7 @@
 """tiny-lm: a byte-level transformer language model trained on Python's own stdlib source.
 
-Most of its time is in matrix multiplies (QKV, attention, MLP, the vocab head; about
-two thirds of an fp32 CPU step at the default size, by torch.profiler), which is where
-mixed precision pays on hardware that has fast half-precision units.
+Most of its time is in matrix multiplies (QKV, attention, MLP, the vocab head), which is
+where mixed precision pays on hardware that has fast half-precision units.
 The text is CPython's standard library, present on every machine that runs ampkit,
 and the vocabulary is the 256 byte values, so it never depends on the text.
 """
@@ -54,11 +53,9 @@ def load_corpus() -> tuple[bytes, list[str]]:
     root = Path(sysconfig.get_paths()["stdlib"])
     found = [name for name in STDLIB_FILES if (root / name).is_file()]
     if not found:
-        raise FileNotFoundError(
-            f"task {NAME!r} trains on Python's standard-library source, but none of "
-            f"{', '.join(STDLIB_FILES)} exists under {str(root)!r} "
-            f"(sysconfig stdlib path of {sys.executable})"
-        )
+        raise FileNotFoundError(f"task {NAME!r} trains on Python's standard-library source, but none of "
+                                f"{', '.join(STDLIB_FILES)} exists under {str(root)!r} "
+                                f"(sysconfig stdlib path of {sys.executable})")
     text = b"\n\n".join((root / name).read_bytes() for name in found)
     return text, found
 
@@ -99,9 +96,7 @@ def make_data(seed: int, batch_size: int) -> TaskData:
     windows_per_epoch = len(train) // BLOCK
     check_batch_size(NAME, batch_size, windows_per_epoch)
     dataset = ByteWindows(train, BLOCK)
-    sampler = RandomSampler(
-        dataset, replacement=True, num_samples=windows_per_epoch, generator=seeded_generator(seed)
-    )
+    sampler = RandomSampler(dataset, replacement=True, num_samples=windows_per_epoch, generator=seeded_generator(seed))
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
     eval_x, eval_y = eval_windows(held_out, BLOCK)
     info = {
@@ -143,9 +138,7 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(d_model)
         self.attn = CausalSelfAttention(d_model, n_heads)
         self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(
-            nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
-        )
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln1(x))
@@ -223,13 +216,9 @@ def evaluate(model: nn.Module, data: TaskData, device: torch.device | str) -> di
     model.eval()
     try:
         total = torch.zeros((), dtype=torch.float64, device=device)  # stays on device
-        for x, y in zip(
-            data.eval_inputs.split(EVAL_BATCH_SIZE), data.eval_targets.split(EVAL_BATCH_SIZE)
-        ):
+        for x, y in zip(data.eval_inputs.split(EVAL_BATCH_SIZE), data.eval_targets.split(EVAL_BATCH_SIZE)):
             logits = model(x.to(device)).float()
-            total += F.cross_entropy(
-                logits.flatten(0, 1), y.to(device).flatten(), reduction="sum"
-            ).double()
+            total += F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten(), reduction="sum").double()
         eval_loss = total.item() / data.eval_targets.numel()  # sync: the evaluation's one read, after training
         return {"perplexity": math.exp(eval_loss), "eval_loss": eval_loss}
     finally:
