@@ -16,6 +16,7 @@ the size of the largest input), which is enough for a roofline estimate, not for
 from __future__ import annotations
 
 import functools
+import math
 import re
 import statistics
 from collections import defaultdict
@@ -62,10 +63,7 @@ def _input_bytes(shapes: Any, dtypes: Any) -> int:
     total = 0
     for shape, dtype in zip(shapes or (), dtypes or ()):
         if isinstance(shape, list) and shape and all(isinstance(s, int) for s in shape):
-            numel = 1
-            for s in shape:
-                numel *= s
-            total += numel * _ELEMENT_BYTES.get(str(dtype), 4)
+            total += math.prod(shape) * _ELEMENT_BYTES.get(str(dtype), 4)
     return total
 
 
