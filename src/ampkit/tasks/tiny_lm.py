@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset, RandomSampler
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from .task import Task, TaskData, check_batch_size, seeded, seeded_generator
 
@@ -60,27 +60,11 @@ def load_corpus() -> tuple[bytes, list[str]]:
     return text, found
 
 
-class ByteWindows(Dataset):
-    """Item i is the window starting at byte i: (x, y) with y shifted one byte right."""
-
-    def __init__(self, data: Tensor, block: int) -> None:
-        self.data = data
-        self.block = block
-
-    def __len__(self) -> int:
-        return len(self.data) - self.block
-
-    def __getitem__(self, start: int) -> tuple[Tensor, Tensor]:
-        chunk = self.data[start : start + self.block + 1]
-        return chunk[:-1], chunk[1:]
-
-
-def eval_windows(data: Tensor, block: int) -> tuple[Tensor, Tensor]:
-    """Fixed, non-overlapping windows over the held-out bytes: (inputs, targets)."""
-    n = (len(data) - 1) // block
-    x = data[: n * block].view(n, block)
-    y = data[1 : n * block + 1].view(n, block)
-    return x, y
+def windows(data: Tensor, step: int) -> tuple[Tensor, Tensor]:
+    """The `BLOCK`-byte windows of `data` that start `step` bytes apart, as (inputs, targets): each target
+    is the next byte. Views of `data`: with step 1 a copy would hold every byte `BLOCK` times."""
+    w = data.unfold(0, BLOCK + 1, step)
+    return w[:, :-1], w[:, 1:]
 
 
 def make_data(seed: int, batch_size: int) -> TaskData:
@@ -95,10 +79,10 @@ def make_data(seed: int, batch_size: int) -> TaskData:
     train, held_out = data[:split], data[split:]
     windows_per_epoch = len(train) // BLOCK
     check_batch_size(NAME, batch_size, windows_per_epoch)
-    dataset = ByteWindows(train, BLOCK)
+    dataset = TensorDataset(*windows(train, 1))  # item i: the window starting at byte i
     sampler = RandomSampler(dataset, replacement=True, num_samples=windows_per_epoch, generator=seeded_generator(seed))
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
-    eval_x, eval_y = eval_windows(held_out, BLOCK)
+    eval_x, eval_y = windows(held_out, BLOCK)  # fixed and non-overlapping
     info = {
         "source": "python stdlib " + sys.version.split()[0],
         "files": ", ".join(files),
