@@ -126,12 +126,13 @@ class _Event:
     before: torch.Tensor | None = None  # forward: the largest finite |input|
 
 
-def _stats(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _stats(t: torch.Tensor) -> tuple[list[int], str, torch.Tensor, torch.Tensor]:
+    """`_Event`'s shape, dtype, counts and absmax of `t` (the last two on the device: no sync)."""
     x = t.detach().float()
     finite = torch.isfinite(x)
     counts = torch.stack([(~finite).sum(), torch.isnan(x).sum(), torch.isinf(x).sum()])
     absmax = torch.where(finite, x.abs(), torch.zeros((), device=x.device)).amax() if x.numel() else x.new_zeros(())
-    return counts, absmax
+    return list(t.shape), dtype_name(t.dtype), counts, absmax
 
 
 def replay(capture: Capture, names: dict[nn.Module, str], device: torch.device,
@@ -150,8 +151,7 @@ def replay(capture: Capture, names: dict[nn.Module, str], device: torch.device,
 
     def on_grad(name: str, mtype: str, what: str) -> Any:
         def hook(grad: torch.Tensor) -> None:
-            counts, absmax = _stats(grad)
-            events.append(_Event("backward", name, mtype, what, list(grad.shape), dtype_name(grad.dtype), counts, absmax))
+            events.append(_Event("backward", name, mtype, what, *_stats(grad)))
         return hook
 
     def on_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
@@ -159,13 +159,12 @@ def replay(capture: Capture, names: dict[nn.Module, str], device: torch.device,
         inputs = float_tensors((args, kwargs))
         before = None
         for t in inputs:
-            _, m = _stats(t)
+            m = _stats(t)[3]
             before = m if before is None else torch.maximum(before, m)
             if t.requires_grad:
                 t.register_hook(on_grad(name, mtype, "grad_input"))
         for t in float_tensors(output):
-            counts, absmax = _stats(t)
-            events.append(_Event("forward", name, mtype, "output", list(t.shape), dtype_name(t.dtype), counts, absmax, before))
+            events.append(_Event("forward", name, mtype, "output", *_stats(t), before))
             if t.requires_grad:
                 t.register_hook(on_grad(name, mtype, "grad_output"))
 
