@@ -11,6 +11,7 @@ has its source, and one ampkit does not know is "unknown" (`Fact.supported` is N
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import platform
 from dataclasses import dataclass
@@ -23,15 +24,16 @@ import torch
 CPU_FLAGS: tuple[str, ...] = ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16")
 
 
-def _flags_line(cpuinfo_text: str) -> set[str] | None:
-    """The flags of the first "flags" line (every core of one machine reports the same set), or None."""
-    lines = (line.partition(":") for line in cpuinfo_text.splitlines())
-    return next((set(value.split()) for key, _, value in lines if key.strip() == "flags"), None)
+def proc_field(text: str, key: str) -> str | None:
+    """The value of the first `key: value` line of a /proc file's text (in /proc/cpuinfo every core of
+    one machine reports the same flags and model), or None without one."""
+    lines = (line.partition(":") for line in text.splitlines())
+    return next((value.strip() for k, _, value in lines if k.strip() == key), None)
 
 
 def parse_cpu_flags(cpuinfo_text: str) -> dict[str, bool]:
     """Return {flag: present} for `CPU_FLAGS` from the text of /proc/cpuinfo (no flags line: none)."""
-    present = _flags_line(cpuinfo_text) or set()
+    present = set((proc_field(cpuinfo_text, "flags") or "").split())
     return {flag: flag in present for flag in CPU_FLAGS}
 
 
@@ -44,7 +46,7 @@ def read_cpu_flags(path: str | Path = "/proc/cpuinfo") -> dict[str, bool] | None
     except OSError:
         return None
     # reading "no flags line" as "no bf16" would be a guess, not a fact
-    return parse_cpu_flags(text) if _flags_line(text) is not None else None
+    return parse_cpu_flags(text) if proc_field(text, "flags") is not None else None
 
 
 @functools.cache
@@ -351,13 +353,9 @@ def auto_precision(device: torch.device) -> tuple[str, str]:
 
 def cpu_name() -> str:
     """The CPU's model name as the OS reports it, or the platform's guess."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        if name := proc_field(Path("/proc/cpuinfo").read_text(), "model name"):
+            return name
     return platform.processor() or platform.machine() or "unknown"
 
 
