@@ -66,8 +66,8 @@ def train_task(acc: Accelerator, spec: RunSpec, steps: int, memory: Memory) -> d
     every = max(1, steps // 10)
     if spec.checkpoints is not None:
         acc.resume(spec.checkpoints)
-    # From the step a resumed run reached; `zip` asks for no step past the last.
-    for done, _ in zip(range(optimizer.attempted_steps + 1, steps + 1), task.training(acc, model, optimizer, loader)):
+    steps_left = range(optimizer.attempted_steps + 1, steps + 1)  # from the step a resumed run reached
+    for done, _ in zip(steps_left, task.training(acc, model, optimizer, loader)):  # zip: no step past the last
         if spec.checkpoints is not None and done % every == 0 and done < steps:
             acc.save_checkpoint(spec.checkpoints, keep=2)
     memory.freeze()

@@ -45,12 +45,12 @@ def sklearn_data(task: str, load: str, test_fraction: float, seed: int, batch_si
     x_train, x_test, y_train, y_test = model_selection.train_test_split(
         bunch.data, bunch.target, test_size=test_fraction, stratify=bunch.target, random_state=SPLIT_SEED)
     x_train, x_test = (torch.tensor(inputs(x, x_train), dtype=torch.float32) for x in (x_train, x_test))
+    y_train, y_test = (torch.tensor(y, dtype=torch.int64) for y in (y_train, y_test))
     check_batch_size(task, batch_size, len(x_train))
-    loader = DataLoader(TensorDataset(x_train, torch.tensor(y_train, dtype=torch.int64)), batch_size=batch_size,
-                        shuffle=True, generator=seeded_generator(seed), drop_last=True)
+    loader = DataLoader(TensorDataset(x_train, y_train), batch_size=batch_size, shuffle=True,
+                        generator=seeded_generator(seed), drop_last=True)
     info = {"train_examples": len(x_train), "eval_examples": len(x_test), "source": f"sklearn.datasets.{load}"}
-    return TaskData(train_loader=loader, eval_inputs=x_test, eval_targets=torch.tensor(y_test, dtype=torch.int64),
-                    info=info)
+    return TaskData(train_loader=loader, eval_inputs=x_test, eval_targets=y_test, info=info)
 
 
 def cross_entropy(output: Tensor, target: Tensor) -> Tensor:
