@@ -114,7 +114,12 @@ def num(x: float | None) -> str:
 
 
 def _share(x: float | None) -> str:
-    return "—" if x is None else (f"{x:.1%}" if x >= 0.001 or x == 0 else f"{x:.2e}")
+    """A share as a percentage, always (a tiny one with two significant digits, never in e-notation)."""
+    if x is None:
+        return "—"
+    if x == 0 or x >= 0.001:
+        return f"{x:.1%}"
+    return "<0.0001%" if x < 1e-6 else f"{x * 100:.2g}%"
 
 
 def _lines(r: Result) -> list[tuple[str, list[str]]]:
@@ -133,9 +138,11 @@ def _lines(r: Result) -> list[tuple[str, list[str]]]:
         risk.append(f"suggested: Accelerator(..., keep_fp32={census['keep_fp32']!r})")
     sections.append(("layers at risk", risk))
     rows = []
+    width = max((len(label(m["name"])) for m in census["modules"]), default=0)  # names are never cut
+    types = max((len(m["type"]) for m in census["modules"]), default=0)
     for m in census["modules"]:
         act, grad, true = m["output"] or {}, m["grad"] or {}, m["grad_unscaled"] or {}
-        row = (f"{label(m['name'])[:24]:<24} {m['type'][:12]:<12} act max {num(act.get('abs_max')):>9} "
+        row = (f"{label(m['name']):<{width}} {m['type']:<{types}} act max {num(act.get('abs_max')):>9} "
                f"over {_share(act.get('over_fp16_share')):>6} · grad max {num(true.get('abs_max')):>9} "
                f"under {_share(true.get('under_fp16_share')):>6}")
         if grad and grad != true:  # loss-scaled: also what fp16 holds with the scale
