@@ -65,3 +65,65 @@ def test_the_lost_update_remedy_is_never_the_preset_in_use():
     assert lost_update_fix("bf16-master", "bfloat16", "master")[0] == "a larger learning rate"
     assert lost_update_fix("fp16-master", "float16", "master")[0] == "a larger learning rate"
     assert lost_update_fix("fp32", "float32", "param")[0] == "a larger learning rate"
+
+
+# --- the performance doctor ------------------------------------------------------------------------
+from ampkit.doctor import DoctorError, DoctorSession  # noqa: E402
+from ampkit.doctor.report import subject_line  # noqa: E402
+
+
+def nanogpt_like_loop(acc, model, opt, steps: int, eval_every: int = 4) -> None:
+    train, held_out = data(steps), data(3, seed=1)
+    for it, (x, y) in enumerate(train):
+        if it % eval_every == 0:  # estimate_loss(): a few reads, every few steps
+            model.eval()
+            with torch.no_grad():
+                losses = torch.zeros(len(held_out))  # on the host, in a GPU run too
+                for k, (hx, hy) in enumerate(held_out):
+                    losses[k] = F.cross_entropy(model(hx), hy).item()  # sync: eval
+            model.train()
+            print(f"val {losses.mean():.4f}", file=open("/dev/null", "w"))  # a host tensor: no sync anywhere
+        loss = F.cross_entropy(model(x), y)
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        lossf = loss.item()  # sync: train
+        del lossf
+
+
+def test_evaluation_reads_are_reported_apart_from_the_training_steps_and_host_tensors_not_at_all():
+    acc = ampkit.Accelerator("fp32", device="cpu")
+    model = Deep()
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-2))
+    session = DoctorSession(acc, steps=20, warmup=1, bench=False)
+    nanogpt_like_loop(acc, model, opt, steps=21)
+    syncs = session.result["syncs"]
+    by_code = {s["code"].split("#")[-1].strip(): s for s in syncs["sites"]}
+    assert set(by_code) == {"sync: train", "sync: eval"}  # the host tensor `losses` is never counted
+    assert by_code["sync: train"]["every_step"] and not by_code["sync: eval"]["every_step"]
+    assert syncs["per_step"] == pytest.approx(1.0)  # the training step's own reads only
+    titles = [f["title"] for f in session.result["findings"] if f["id"] == "sync"]
+    assert any(t.startswith("1 sync per step at ") for t in titles)
+    assert any(t.startswith("3 reads in 1 of 5 watched steps at ") or t.startswith("6 reads in 2 of 5 watched steps at ")
+               for t in titles), titles
+
+
+def test_a_script_without_a_prepared_optimizer_is_told_within_the_first_steps():
+    acc = ampkit.Accelerator("fp32", device="cpu")
+    model = acc.prepare(Deep())
+    DoctorSession(acc, steps=5, warmup=0, stop=True, bench=False)
+    seen = 0
+    with pytest.raises(DoctorError, match=r"3 backward passes ran and no optimizer was prepared: .*"
+                                          r"model, optimizer = acc.prepare\(model, optimizer\)"):
+        for x, y in data(50):
+            acc.backward(F.cross_entropy(model(x), y))
+            seen += 1
+    assert seen == 2  # the third backward raised
+
+
+def test_the_header_shows_a_long_argument_list_on_one_line_cut():
+    argv = ["--batch_size=12", "--compile=False", "--eval_iters=20", "--log_interval=1", "--block_size=64",
+            "--n_layer=4", "--note=two\nlines"]
+    line = subject_line({"kind": "script", "name": "train.py", "argv": argv})
+    assert "\n" not in line and line.startswith("train.py --batch_size=12 --compile=False")
+    assert line.endswith("…") and len(line) <= len("train.py ") + 60

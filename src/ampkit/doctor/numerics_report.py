@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
+from ampkit.doctor.report import subject_line
 from ampkit.doctor.schema import NUM, NUM_OR_NULL, obj
 
 Result = dict[str, Any]
@@ -125,7 +126,7 @@ def _share(x: float | None) -> str:
 def _lines(r: Result) -> list[tuple[str, list[str]]]:
     """(heading, lines) sections shared by the text and HTML forms."""
     s, d = r["steps"], r["device"]
-    subject = r["subject"]["name"] + (" " + " ".join(r["subject"]["argv"]) if r["subject"]["argv"] else "")
+    subject = subject_line(r["subject"])
     head = [f"{s['watched']} steps watched on {d['device']}, {d['precision']} "
             f"(params {d['param_dtype']}, compute {d['compute_dtype']})"
             + ("" if s["complete"] else f" — the loop ended before the {s['requested']} asked for")]
