@@ -85,28 +85,6 @@ def spread(ts: list[float]) -> float:
     return (q3 - q1) / statistics.median(ts)
 
 
-def proc_status(key: str) -> int | None:
-    """A size field of /proc/self/status ("VmRSS", "VmHWM", ...) in bytes; None where unreadable."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def reset_peak_rss() -> bool:
-    """Reset the kernel's resident-memory high-water mark (VmHWM) to the current RSS (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def cpu_model() -> str:
     try:
         return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))

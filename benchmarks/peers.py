@@ -66,8 +66,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampkit
-from _timing import (cpu_model, interleaved, machine, median_ci, paired_ratio, proc_status, reset_peak_rss,
-                     spread, write_section)
+from _timing import cpu_model, interleaved, machine, median_ci, paired_ratio, spread, write_section
+from ampkit.compare.memory import proc_status, reset_peak_rss  # the same /proc readings ampkit compare uses
 from ampkit.hardware import capability, cpu_flags, resolve_device
 
 RESULTS = Path(__file__).with_name("RESULTS.md")

@@ -64,15 +64,15 @@ def test_user_train_fn_in_separate_processes():
 
 def test_same_seed_gives_the_same_fp32_loss_curve():
     spec = RunSpec(precision="fp32", device="cpu", seed=3, task="iris-mlp", steps=25)
-    a, b = run_one(spec)["loss_curve"], run_one(spec)["loss_curve"]
+    a, b = run_one(spec).loss_curve, run_one(spec).loss_curve
     assert a == b and len(a) == 25
-    c = run_one(RunSpec(precision="fp32", device="cpu", seed=4, task="iris-mlp", steps=25))["loss_curve"]
+    c = run_one(RunSpec(precision="fp32", device="cpu", seed=4, task="iris-mlp", steps=25)).loss_curve
     assert c != a
 
 
 def test_fp16_run_records_its_scale_history():
     run = run_one(RunSpec(precision="fp16-mixed", device="cpu", seed=0, task="iris-mlp", steps=12))
-    assert run["scale_history"] == [65536.0] * 12 and run["skipped_steps"] == 0
+    assert run.scale_history == [65536.0] * 12 and run.skipped_steps == 0
 
 
 def test_a_diverging_run_is_reported_with_its_last_finite_step():
@@ -120,7 +120,7 @@ def test_report_files_from_a_real_comparison(tmp_path, capsys):
     import json
 
     from ampkit.doctor import validate_numerics
-    from ampkit.report import validate_report
+    from ampkit.compare import validate_report
 
     out = tmp_path / "report"
     compare(task="iris-mlp", precisions=["fp32", "fp16-mixed"], steps=15, device="cpu", out=out)
@@ -164,26 +164,26 @@ def test_cli_compare(tmp_path, capsys):
 def test_an_interrupted_comparison_resumes_where_it_stopped(tmp_path, monkeypatch):
     import importlib
 
-    cmp = importlib.import_module("ampkit.compare")  # the module (ampkit.compare is the function)
+    runner = importlib.import_module("ampkit.compare.runner")  # a module (ampkit.compare is the function)
 
     kwargs = dict(task="iris-mlp", precisions=["fp32", "fp16-mixed"], steps=20, device="cpu", isolate=False, show=False)
     reference = compare(**kwargs)["runs"]
 
-    real_update = cmp._Progress.update
+    real_update = runner.RunProgress.update
 
     def crash_at_13(self, step):
-        if self._label == "fp16-mixed" and step == 13:
+        if self.label == "fp16-mixed" and step == 13:
             raise KeyboardInterrupt
         real_update(self, step)
 
-    monkeypatch.setattr(cmp._Progress, "update", crash_at_13)
+    monkeypatch.setattr(runner.RunProgress, "update", crash_at_13)
     out = tmp_path / "cmp"
     with pytest.raises(KeyboardInterrupt):
         compare(out=out, **kwargs)
     partial = json.loads((out / "report.json").read_text())
     assert [r["status"] for r in partial["runs"]] == ["ok", "interrupted"]
 
-    monkeypatch.setattr(cmp._Progress, "update", real_update)
+    monkeypatch.setattr(runner.RunProgress, "update", real_update)
     runs = compare(out=out, resume=True, **kwargs)["runs"]
     assert runs[0] == partial["runs"][0]  # the finished run is kept, not re-run
     fp16 = runs[1]
@@ -200,3 +200,32 @@ def test_nproc_runs_each_precision_data_parallel_under_torchrun(tmp_path):
     assert run["samples_per_s"] == pytest.approx(2 * 16 / run["step_time_median_s"])
     with pytest.raises(ValueError, match=r"nproc=0: expected an integer >= 1"):
         compare(task="iris-mlp", nproc=0, device="cpu", show=False)
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_any_training(tmp_path, capsys):
+    from ampkit.cli import main
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("the user's")
+    for out in (a_file, a_file / "report"):  # a file; a folder that cannot be made
+        assert main(["compare", "--task", "iris-mlp", "--steps", "5", "--precisions", "fp32", "--out", str(out),
+                     "--device", "cpu", "--no-numerics"]) == 2
+        printed = capsys.readouterr()
+        assert printed.out == ""  # no progress bar, no table: nothing was trained
+        assert printed.err.startswith("ampkit compare: cannot write the report into ") and printed.err.count("\n") == 1
+        assert str(out) in printed.err and "name a folder" in printed.err
+    assert a_file.read_text() == "the user's"
+
+
+def test_resume_with_a_corrupt_finished_run_names_the_file(tmp_path, capsys):
+    from ampkit.cli import main
+
+    record = tmp_path / "r" / ".compare" / "fp32.json"
+    record.parent.mkdir(parents=True)
+    for content in ('{"precision": "fp32", "sta', "[]"):
+        record.write_text(content)
+        assert main(["compare", "--task", "iris-mlp", "--steps", "5", "--precisions", "fp32", "--out",
+                     str(tmp_path / "r"), "--device", "cpu", "--no-numerics", "--resume"]) == 2
+        printed = capsys.readouterr()
+        assert printed.out == "" and printed.err.count("\n") == 1
+        assert f"cannot resume: {record} is not a finished run's record" in printed.err and "delete it" in printed.err

@@ -7,11 +7,12 @@ from ampkit.version import ampkit_version
 
 __version__ = ampkit_version()  # the installed package's metadata; modules call ampkit_version() themselves
 
-from ampkit.accelerator import Accelerator, TrainingState
+from ampkit.accelerator import Accelerator
 from ampkit.compare import compare
 from ampkit.errors import AmpkitError, CheckpointError, LossScaleCollapse, PrecisionError, StepOrderError
 from ampkit.precision import PRESETS, Precision, resolve_precision
 from ampkit.scaler import LossScaler
+from ampkit.training_state import TrainingState
 
 __all__ = [
     "Accelerator",

@@ -41,44 +41,7 @@ from ampkit.precision import Precision, resolve_precision
 from ampkit.prepare import Prepared
 from ampkit.scaler import LossScaler
 from ampkit.scheduler import AmpScheduler
-
-
-class TrainingState:
-    """Step counters and the loss scale, read lazily (each read may wait for the device)."""
-
-    def __init__(self, acc: Accelerator) -> None:
-        self._acc = acc
-
-    def _optimizer(self) -> AmpOptimizer | None:
-        opts = self._acc.optimizers
-        if opts:
-            opts[0].reconcile(block=True)
-            return opts[0]
-        return None
-
-    @property
-    def applied_steps(self) -> int:
-        """Optimizer steps applied (of the first prepared optimizer)."""
-        opt = self._optimizer()
-        return opt.applied_steps if opt else 0
-
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped because gradients overflowed."""
-        opt = self._optimizer()
-        return opt.skipped_steps if opt else 0
-
-    @property
-    def scale(self) -> float | None:
-        """The current loss scale, or None for presets without loss scaling."""
-        scaler = self._acc.scaler
-        if scaler is None:
-            return None
-        self._acc.cycle.flush_scale_update()
-        return scaler.get_scale()
-
-    def __repr__(self) -> str:
-        return f"TrainingState(applied_steps={self.applied_steps}, skipped_steps={self.skipped_steps}, scale={self.scale})"
+from ampkit.training_state import TrainingState
 
 
 class Accelerator:

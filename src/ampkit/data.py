@@ -96,20 +96,20 @@ class DeviceLoader:
         if self._resume is not None:
             skip, epoch_rng = self._resume
             self._resume = None
-            now = torch.get_rng_state()
             # Replay the interrupted pass from its starting random state, pulling the batches it had
             # already handed out while that state is active: a sampler without its own generator
             # draws its seed at the first batch, and the pass's generators must end where they did.
-            self._restore_rng(epoch_rng)
-            self._epoch_rng = epoch_rng
-            self._set_sampler_epoch()
-            it = iter(self.loader)
-            self._started, self._finished, self.batch_index = True, False, 0
-            for _ in range(skip):
-                if next(it, _END) is _END:
-                    break
-                self.batch_index += 1
-            torch.set_rng_state(now)  # everything after the skipped batches continues from the checkpoint's state
+            # Everything after them continues from the checkpoint's state (fork_rng restores it).
+            with torch.random.fork_rng(devices=[]):
+                self._restore_rng(epoch_rng)
+                self._epoch_rng = epoch_rng
+                self._set_sampler_epoch()
+                it = iter(self.loader)
+                self._started, self._finished, self.batch_index = True, False, 0
+                for _ in range(skip):
+                    if next(it, _END) is _END:
+                        break
+                    self.batch_index += 1
         else:
             if self._started:
                 self.epoch += 1

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import html
+import io
 import os
+from collections.abc import Iterable, Sequence
+from typing import IO, Any
+
+from rich import box
+from rich.console import Console
+from rich.padding import Padding
+from rich.table import Table
+from rich.text import Text
 
 
 def seconds(x: float) -> str:
@@ -56,7 +66,22 @@ def percent(x: float) -> str:
     return f"{x:.0%}" if x >= 0.01 or x == 0 else f"{x * 100:.2g}%"
 
 
-# --- what `ampkit info` shows: sizes and tri-state facts ---
+# --- tables and pages: every table ampkit prints goes through `table`, every HTML page through `page` ---
+
+NONE = "\u2014"  # "not measured": an em dash, so that an empty cell never reads as zero
+
+
+def sig(x: float) -> str:
+    """Three significant figures, with thousands separators instead of an exponent above 1000."""
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.3g}"
+
+
+def signed(x: float, decimals: int) -> str:
+    """"+0.7", "−0.1" (a real minus, to line up with "+"), or "±0.0" when it rounds to zero."""
+    text = f"{abs(x):.{decimals}f}"
+    if float(text) == 0:
+        return "\u00b1" + text
+    return ("+" if x > 0 else "\u2212") + text
 
 
 def size(n: float) -> str:
@@ -74,3 +99,92 @@ def size(n: float) -> str:
 def yes_no(value: bool | None) -> str:
     """A fact that may be unknown: "yes", "no", or "unknown" for None (never a guess)."""
     return {True: "yes", False: "no", None: "unknown"}[value]
+
+
+def table(columns: Sequence[str], rows: Iterable[Sequence[str | Text]], *, title: str | None = None,
+          caption: str | None = None, numeric_from: int = 1, row_styles: Sequence[str | None] = (),
+          two_line_headers: bool = False) -> Table:
+    """A table as ampkit prints them: numbers right-aligned from column `numeric_from` on, cells never
+    wrapped. Strings go in as `Text`, never as markup, so "[red]" in a user's string prints as written;
+    pass a `Text` to style a cell. `two_line_headers` breaks each header at its first space."""
+    out = Table(title=Text(title) if title else None, caption=Text(caption) if caption else None,
+                box=box.SIMPLE_HEAD, collapse_padding=True)
+    for i, name in enumerate(columns):
+        out.add_column(Text(name.replace(" ", "\n", 1) if two_line_headers else name),
+                       justify="right" if i >= numeric_from else "left", no_wrap=True)
+    for i, row in enumerate(rows):
+        out.add_row(*(c if isinstance(c, Text) else Text(c) for c in row),
+                    style=row_styles[i] if i < len(row_styles) else None)
+    return out
+
+
+def indented(text: str, spaces: int, style: str = "") -> Padding:
+    """`text` indented by `spaces`, its wrapped lines too."""
+    return Padding(Text(text, style=style), (0, 0, 0, spaces), expand=False)
+
+
+def console(file: IO[str] | None = None) -> Console:
+    """A console on stdout (or `file`). A log file has no width: keep tables whole rather than at 80."""
+    out = Console(file=file)
+    return out if out.is_terminal else Console(file=file, width=max(out.width, 160))
+
+
+def as_text(*renderables: Any, width: int = 160) -> str:
+    """What `console().print` shows of `renderables`, as plain text without colour: for logs and tests."""
+    buffer = io.StringIO()
+    out = Console(file=buffer, width=width, color_system=None)
+    for renderable in renderables:
+        out.print(renderable)
+    return buffer.getvalue()
+
+
+def escape(value: Any) -> str:
+    """Anything as HTML text or attribute: every string on a page came from a user or a run."""
+    return html.escape(str(value), quote=True)
+
+
+# A page loads nothing from anywhere (images are data: URIs, CSS is inline, no script), and says so
+# to the browser, so that a page that renders offline cannot secretly depend on the network.
+_CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
+
+_CSS = """
+body { font: 15px/1.5 system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial, sans-serif;
+       color: #1f2328; background: #ffffff; margin: 0; }
+main { max-width: 1100px; margin: 0 auto; padding: 24px 32px 48px; }
+h1 { font-size: 26px; margin: 0 0 4px; }
+h2 { font-size: 18px; margin: 32px 0 10px; padding-bottom: 4px; border-bottom: 1px solid #d0d7de; }
+.sub { color: #57606a; margin: 0 0 12px; }
+pre { background: #f6f8fa; border: 1px solid #d0d7de; border-radius: 6px; padding: 10px 14px;
+      overflow-x: auto; font: 13px/1.4 ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; }
+.warn { background: #fff8c5; border: 1px solid #d4a72c; border-radius: 6px; padding: 8px 14px; }
+dl { display: grid; grid-template-columns: max-content 1fr; gap: 2px 18px; margin: 0; }
+dt { color: #57606a; } dd { margin: 0; }
+table { border-collapse: collapse; width: 100%; font-size: 14px; }
+th, td { padding: 6px 8px; border-bottom: 1px solid #d0d7de; text-align: left; white-space: nowrap; }
+th { background: #f6f8fa; font-weight: 600; white-space: normal; vertical-align: bottom; }
+.scroll { overflow-x: auto; }
+td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
+figure { margin: 16px 0; } figure img { max-width: 100%; height: auto; border: 1px solid #d0d7de; }
+figcaption { color: #57606a; font-size: 13px; }
+footer { color: #57606a; font-size: 13px; margin-top: 40px; }
+"""
+
+
+def page(title: str, body: str, css: str = "") -> str:
+    """A whole self-contained HTML page (works offline, from a file): `body` is HTML, `css` adds rules."""
+    return f"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta http-equiv="Content-Security-Policy" content="{_CSP}">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{escape(title)}</title>
+<style>{_CSS}{css}</style>
+</head>
+<body>
+<main>
+{body}
+</main>
+</body>
+</html>
+"""

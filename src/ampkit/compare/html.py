@@ -1,0 +1,149 @@
+"""report.html: the whole comparison as one self-contained page (works offline, from a file, in any browser)."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import numbers
+from pathlib import Path
+from typing import Any
+
+from ampkit.compare.plots import CAPTIONS
+from ampkit.compare.records import Report, Run, Task
+from ampkit.compare.summary import NUMERIC_FROM, columns, details, notes, numerics_line, policy_lines, rows, title, verdicts
+from ampkit.doctor.numerics_report import render_html_section
+from ampkit.present import NONE, escape as _e, page, size
+
+_CSS = """
+ul.verdicts { list-style: none; padding: 0; margin: 0; }
+ul.verdicts li { border-left: 4px solid #d0d7de; padding: 3px 10px; margin: 4px 0; background: #f6f8fa; }
+tr.baseline td { font-weight: 600; }
+.badge { display: inline-block; padding: 0 8px; border-radius: 10px; font-size: 12px; font-weight: 600; }
+.s-ok { color: #116329; background: #dafbe1; } ul.verdicts li.s-ok { border-left-color: #1a7f37; }
+.s-diverged { color: #82071e; background: #ffebe9; } ul.verdicts li.s-diverged { border-left-color: #cf222e; }
+.s-failed { color: #82071e; background: #ffebe9; } ul.verdicts li.s-failed { border-left-color: #cf222e; }
+.s-skipped { color: #57606a; background: #eaeef2; } ul.verdicts li.s-skipped { border-left-color: #8c959f; }
+.s-interrupted { color: #6639ba; background: #fbefff; } ul.verdicts li.s-interrupted { border-left-color: #8250df; }
+.s-probe { color: #7d4e00; background: #fff8c5; } ul.verdicts li.s-probe { border-left-color: #bf8700; }
+.notes { color: #57606a; font-size: 13px; margin: 6px 0 0; padding-left: 18px; }
+.numerics { color: #7d4e00; font-size: 13px; }
+section.ampkit-numerics h3 { font-size: 16px; margin: 20px 0 4px; }
+section.ampkit-numerics h4 { font-size: 14px; margin: 10px 0 2px; color: #57606a; }
+section.ampkit-numerics ul { margin: 0; padding-left: 20px; font-size: 13px; }
+"""
+
+
+def _dl(items: list[tuple[str, str]]) -> str:
+    return "<dl>" + "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in items) + "</dl>"
+
+
+def _plain(value: Any, key: str = "") -> str:
+    """A machine/task value as text: nested dicts inline, booleans as yes/no, byte counts in units."""
+    if value is None:
+        return NONE
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, dict):
+        return ", ".join(f"{k.removesuffix('_bytes')} {_plain(v, k)}" for k, v in value.items()) or NONE
+    if key.endswith("_bytes") and isinstance(value, numbers.Real):
+        return size(value)
+    return str(value)
+
+
+def _task_items(task: Task | None) -> list[tuple[str, str]]:
+    if task is None:
+        return [("task", "the user's own train_fn (no built-in task)")]
+    direction = {True: " (higher is better)", False: " (lower is better)"}.get(task.higher_is_better, "")
+    items = [("name", task.name), ("metric", f"{task.metric}{direction}" if task.metric else NONE)]
+    fields = dataclasses.asdict(task)
+    return items + [(k, _plain(v, k)) for k, v in fields.items() if k not in ("name", "metric", "higher_is_better")]
+
+
+_BASELINE_ROW = ' class="baseline"'
+
+
+def _table(report: Report) -> str:
+    num = ' class="num"'
+    head = "".join(f'<th scope="col"{num if i >= NUMERIC_FROM else ""}>{_e(c)}</th>'
+                   for i, c in enumerate(columns(report.task)))
+    body = []
+    for run, row in zip(report.runs, rows(report)):
+        baseline = run.precision == report.baseline
+        cells = [f"<td>{_e(row[0] + (' (baseline)' if baseline else ''))}</td>",
+                 f'<td><span class="badge s-{_e(run.status)}">{_e(row[1])}</span></td>']
+        cells += [f'<td class="num">{_e(cell)}</td>' for cell in row[NUMERIC_FROM:]]
+        body.append(f"<tr{_BASELINE_ROW if baseline else ''}>{''.join(cells)}</tr>")
+    return f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table></div>'
+
+
+def _verdict_item(run: Run, line: str) -> str:
+    """A verdict, a traceback folded under it (<details> opens without JavaScript), the numerics line."""
+    detail = details(run)
+    folded = f"<details><summary>details</summary><pre>{_e(detail)}</pre></details>" if detail else ""
+    extra = f'<br><span class="numerics">{_e(numerics_line(run))}</span>' if numerics_line(run) else ""
+    return f'<li class="s-{_e(run.status)}">{_e(line)}{folded}{extra}</li>'
+
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    """Width and height from a PNG's IHDR chunk, so the page reserves the space before decoding."""
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def _figures(plots: dict[str, Path], missing_reason: str | None) -> str:
+    if missing_reason is not None:
+        return f'<p class="warn">{_e(missing_reason)}</p>'
+    if not plots:
+        return "<p>No run produced data to plot.</p>"
+    parts = []
+    for name, path in plots.items():
+        data = path.read_bytes()
+        width, height = _png_size(data)
+        uri = "data:image/png;base64," + base64.b64encode(data).decode("ascii")
+        parts.append(f'<figure><img src="{uri}" alt="{_e(name.replace("_", " "))} plot" width="{width}" '
+                     f'height="{height}"><figcaption>{_e(CAPTIONS[name])}</figcaption></figure>')
+    return "".join(parts)
+
+
+def _numerics(report: Report) -> str:
+    """One numerics section per run that had the pass (`ampkit doctor --numerics`'s HTML form)."""
+    runs = [r for r in report.runs if r.numerics is not None]
+    if not runs:
+        return ""
+    parts = ["<h2>Numerics</h2>",
+             '<p class="sub">A few steps of each run again, on a fresh model with the same seed, under '
+             "<code>ampkit doctor --numerics</code>; the figures above do not include them.</p>"]
+    for run in runs:
+        numerics = run.numerics
+        if numerics is not None and numerics.detail is not None:
+            parts.append(render_html_section(numerics.detail, level=3))
+        elif numerics is not None:
+            parts.append(f"<h3>{_e(run.precision)}</h3><p>the numerics pass failed: {_e(numerics.error)}</p>")
+    return "\n".join(parts)
+
+
+def render_html(report: Report, plots: dict[str, Path], missing_reason: str | None) -> str:
+    """The page: verdicts first, then the table, plots, numerics, policies and the machine."""
+    items = "".join(_verdict_item(run, line) for run, line in zip(report.runs, verdicts(report)))
+    policies = policy_lines(report)
+    interrupted = ('<p class="warn">Interrupted (Ctrl-C): finished runs are reported; the others are marked '
+                   "<b>interrupted</b>.</p>" if report.interrupted else "")
+    body = f"""<h1>{_e(title(report))}</h1>
+<p class="sub">ampkit {_e(report.ampkit_version)} &middot; {_e(report.created)} &middot; {_e(report.machine["device_name"])}</p>
+<pre><code>$ {_e(report.command)}</code></pre>
+{interrupted}
+<h2>Task</h2>
+{_dl(_task_items(report.task))}
+<h2>Verdict</h2>
+<ul class="verdicts">{items}</ul>
+<h2>Runs</h2>
+{_table(report)}
+<ul class="notes">{"".join(f"<li>{_e(n)}</li>" for n in notes(report))}</ul>
+<h2>Plots</h2>
+{_figures(plots, missing_reason)}
+{_numerics(report)}
+<h2>Precision policies</h2>
+{"<ul>" + "".join(f"<li>{_e(p)}</li>" for p in policies) + "</ul>" if policies else "<p>No run resolved a policy.</p>"}
+<h2>Machine</h2>
+{_dl([(k, _plain(v, k)) for k, v in report.machine.items()])}
+<footer>Every number on this page is in report.json beside it (schema version {_e(report.schema_version)}).</footer>"""
+    return page(title(report), body, _CSS)

@@ -1,0 +1,136 @@
+"""The comparison's PNG plots: loss curves, throughput, loss scale. matplotlib is optional (`ampkit[compare]`)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from ampkit.compare.records import Report, Run
+from ampkit.present import times
+
+PLOT_FILES: dict[str, str] = {name: f"{name}.png" for name in ("loss_curves", "throughput", "scale_history")}
+"""Plot name -> file name in the output directory."""
+
+CAPTIONS = {
+    "loss_curves": "Training loss per optimizer step (log scale). A gap is a non-finite loss; "
+                   "\u00d7 marks a diverged run's last finite step.",
+    "throughput": "Training samples per second after warm-up; labels are the speed-up over the "
+                  "baseline. Hatched bars are probes (a few steps only).",
+    "scale_history": "Dynamic loss scale per optimizer step (log\u2082). Each drop is a step skipped "
+                     "because its gradients overflowed.",
+}
+
+_PRESET_COLORS = {"fp32": "#4d4d4d", "bf16-mixed": "#1f77b4", "fp16-mixed": "#d62728",
+                  "fp16-master": "#ff7f0e", "bf16-master": "#2ca02c", "bf16-true": "#9467bd"}
+"""One colour per preset in every plot, so a preset is recognisable across figures."""
+_OTHER_COLORS = ("#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
+
+
+def have_matplotlib() -> bool:
+    try:
+        import matplotlib.figure  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def write_plots(report: Report, out_dir: Path) -> dict[str, Path]:
+    """Draw each plot that has data into `out_dir`; return {name: path} of those drawn."""
+    from matplotlib.figure import Figure
+
+    colors = _colors(report)
+    subject = report.task.name if report.task else "custom training function"
+    written = {}
+    for name, plot in (("loss_curves", _losses), ("throughput", _throughput), ("scale_history", _scales)):
+        # A figure outside pyplot: `matplotlib.use("Agg")` would switch the backend of a user's
+        # interactive session as a side effect of writing a report; a bare Figure renders through Agg.
+        fig = Figure(figsize=(8, 4.5), dpi=100, layout="constrained")
+        title = plot(report, fig.add_subplot(), colors)
+        if title is None:  # no run has data for this plot
+            continue
+        fig.axes[0].set_title(f"{title} \u2014 {subject}")
+        if entries := len(fig.axes[0].get_legend_handles_labels()[0]):  # below, never on a (diverging) curve
+            fig.legend(loc="outside lower center", ncols=min(entries, 4), frameon=False)
+        written[name] = out_dir / PLOT_FILES[name]
+        fig.savefig(written[name], format="png")
+    return written
+
+
+def _colors(report: Report) -> dict[str, str]:
+    others = iter(_OTHER_COLORS * (1 + len(report.runs) // len(_OTHER_COLORS)))
+    return {r.precision: _PRESET_COLORS.get(r.precision) or next(others) for r in report.runs}
+
+
+def _losses(report: Report, ax: Any, colors: dict[str, str]) -> str | None:
+    runs = [r for r in report.runs if any(v is not None for v in r.loss_curve or [])]
+    if not runs:
+        return None
+    positive = True
+    for run in runs:
+        values = [math.nan if v is None else v for v in run.loss_curve or []]
+        positive &= all(v > 0 for v in values if not math.isnan(v))
+        label = run.precision if run.status == "ok" else f"{run.precision} ({run.status})"
+        ax.plot(range(len(values)), values, color=colors[run.precision], linewidth=1.3, label=label)
+        last = run.last_finite_step
+        if run.status == "diverged" and last is not None and last < len(values):
+            ax.plot([last], [values[last]], marker="x", markersize=9, color=colors[run.precision])
+    if positive:  # a log axis needs positive losses; a custom train_fn may not have them
+        _log_axis_plain_labels(ax)
+    ax.set(xlabel="optimizer step", ylabel="training loss" + (" (log scale)" if positive else ""))
+    ax.grid(True, which="both", alpha=0.3)
+    return "Training loss"
+
+
+def _log_axis_plain_labels(ax: Any) -> None:
+    """Log y axis labelled 2, 3, 5, 10 rather than 2×10⁰: losses span one decade or two at most."""
+    from matplotlib.ticker import FuncFormatter
+
+    def minor(value: float, _pos: int) -> str:
+        mantissa = value / 10 ** math.floor(math.log10(value) + 1e-9)
+        return f"{value:g}" if round(mantissa) in (2, 3, 5) and abs(mantissa - round(mantissa)) < 1e-6 else ""
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _pos: f"{value:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(minor))
+
+
+def _throughput(report: Report, ax: Any, colors: dict[str, str]) -> str | None:
+    runs = report.runs
+    if not any(r.samples_per_s is not None for r in runs):
+        return None
+    heights = [r.samples_per_s or 0.0 for r in runs]
+    bars = ax.bar([r.precision for r in runs], heights, color=[colors[r.precision] for r in runs])
+    for bar, run in zip(bars, runs):
+        if run.status == "probe":
+            bar.set_hatch("//")
+            bar.set_edgecolor("white")
+        ax.annotate(_bar_label(run, report.baseline), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    xytext=(0, 3), textcoords="offset points", ha="center", va="bottom")
+    ax.set(ylabel="samples/s (higher is better)", ylim=(0, max(heights) * 1.15))
+    ax.grid(True, axis="y", alpha=0.3)
+    return "Throughput"
+
+
+def _bar_label(run: Run, baseline: str | None) -> str:
+    if run.precision == baseline:
+        return "baseline"
+    if run.samples_per_s is None:
+        return run.status
+    label = times(run.speedup_vs_baseline) if run.speedup_vs_baseline is not None else ""
+    return f"{label} (probe)" if run.status == "probe" else label
+
+
+def _scales(report: Report, ax: Any, colors: dict[str, str]) -> str | None:
+    runs = [r for r in report.runs if r.scale_history]
+    if not runs:
+        return None
+    for i, run in enumerate(runs):
+        history = run.scale_history or []
+        # Scales often coincide for long stretches: draw earlier runs wider so later ones leave them visible.
+        ax.step(range(len(history)), history, where="post", color=colors[run.precision],
+                linewidth=max(1.2, 3.2 - 0.9 * i), label=f"{run.precision} ({run.skipped_steps} skipped steps)")
+    ax.set_yscale("log", base=2)
+    ax.set(xlabel="optimizer step", ylabel="loss scale (log\u2082)")
+    ax.grid(True, which="major", alpha=0.3)
+    return "Loss scale"

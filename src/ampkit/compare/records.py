@@ -1,0 +1,235 @@
+"""report.json as typed records: what one comparison measured, and the format's schema.
+
+The runner fills these records; the table, plots and page read them. `REPORT_SCHEMA` is generated
+from them, and `validate_report` checks a report against it (with the standard library alone)
+before any file is written or after one is read back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, get_args
+
+from ampkit.doctor.numerics_report import NUMERICS_SCHEMA
+from ampkit.schema import Invalid, build, field, schema_of, validate
+
+Status = Literal["ok", "diverged", "skipped", "failed", "interrupted", "probe"]
+STATUSES: tuple[str, ...] = get_args(Status)
+"""What became of one preset's run. Only "ok" runs have a metric; "probe" runs have timing only."""
+
+MemoryKind = Literal["cuda_max_allocated", "cpu_peak_rss_delta"]
+MEMORY_KINDS: dict[str, str] = {
+    "cuda_max_allocated": "peak memory is torch.cuda.max_memory_allocated(): tensors only, not the "
+    "allocator's cached reserve",
+    "cpu_peak_rss_delta": "peak memory is the process's peak RSS minus its RSS before the model was "
+    "built: it includes allocator and framework overhead, so small models show mostly noise",
+}
+"""How `peak_memory_bytes` was measured, and the caveat a reader needs for each."""
+
+DtypeName = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass(kw_only=True)
+class Policy:
+    """The resolved ampkit.Precision (`Precision.as_dict()`), or null when the run never built one (skipped)."""
+
+    OPEN: ClassVar[bool] = True
+    name: str = field()
+    reason: str = field('Why this policy: "requested" or the auto reason.')
+    compute_dtype: DtypeName = field()
+    param_dtype: DtypeName = field()
+    master_weights: bool = field()
+    compensated: bool = field()
+    loss_scaling: bool = field()
+    norms_fp32: bool = field("Normalisation layers kept in fp32 (the -master presets).", False, optional=True)
+
+
+@dataclass(kw_only=True)
+class Numerics:
+    """A short pass of the same training under `ampkit doctor --numerics`, after the timed run (its time
+    and memory are in no other figure); null or absent: not run (--no-numerics, probes, --nproc > 1)."""
+
+    steps: int = field("Optimizer steps watched.", minimum=0)
+    at_risk: list[str] = field("Layers at risk, worst first.")
+    keep_fp32: list[str] = field("The suggested keep_fp32.")
+    lost_update_share: float | None = field("Largest share of updates lost to rounding, over the parameter "
+                                            "groups.", minimum=0, maximum=1)
+    loss_scale: str | None = field("Loss-scale health in one line (loss-scaled presets only).")
+    top_finding: str | None = field("The first finding's title.")
+    problem: str | None = field("One line when something needs changing in this run's precision.")
+    error: str | None = field("Why the numerics pass failed (the run itself is unaffected).")
+    detail: dict[str, Any] | None = field(
+        "The whole `ampkit doctor --numerics --json` result.",
+        schema={"anyOf": [{k: v for k, v in NUMERICS_SCHEMA.items() if k not in ("$schema", "$id")}, {"type": "null"}]})
+
+
+@dataclass(kw_only=True)
+class Run:
+    """One precision preset's run, in its own subprocess."""
+
+    precision: str = field('Preset name, e.g. "bf16-mixed".', minLength=1)
+    status: Status = field()
+    reason: str | None = field("Why the run was skipped, failed, diverged or only probed.", None)
+    policy: Policy | None = field(default=None)
+    steps: int = field("Optimizer steps run (0 if skipped).", 0, minimum=0)
+    warmup_steps: int = field("Steps left out of the timing.", 0, minimum=0)
+    step_time_median_s: float | None = field("Median seconds per optimizer step after warm-up.", None,
+                                             exclusiveMinimum=0)
+    samples_per_s: float | None = field("Training throughput after warm-up.", None, exclusiveMinimum=0)
+    speedup_vs_baseline: float | None = field("Baseline step time / this step time.", None, exclusiveMinimum=0)
+    memory_kind: MemoryKind = field()
+    peak_memory_bytes: int | None = field("The peak that memory ratios use (see memory_kind).", None, minimum=0)
+    peak_rss_bytes: int | None = field("CPU only: the process's raw peak RSS.", None, minimum=0)
+    memory_ratio_vs_baseline: float | None = field("peak_memory_bytes / the baseline's.", None, minimum=0)
+    loss_curve: list[float | None] | None = field("Training loss per optimizer step; null where it was "
+                                                  "non-finite.", [])
+    final_train_loss: float | None = field("Last training loss, if finite.", None)
+    eval: dict[str, float | None] = field("Held-out metrics by name.", {})
+    metric: float | None = field("The task's headline metric (task.metric) for this run.", None)
+    metric_delta_vs_baseline: float | None = field(
+        "metric - the baseline's metric; accuracy in fraction units (-0.001 = -0.1 pp).", None)
+    skipped_steps: int = field("Steps skipped on overflow.", 0, minimum=0)
+    scale_history: list[float] | None = field("Loss scale per optimizer step (loss-scaled presets only).", None,
+                                              items={"exclusiveMinimum": 0})
+    last_finite_step: int | None = field("Index of the last step with a finite loss.", None, minimum=0)
+    wall_time_s: float | None = field("Wall-clock seconds of the whole run.", None, minimum=0)
+    numerics: Numerics | None = field(default=None, optional=True)
+
+    def finish(self, metric: str | None) -> None:
+        """Derive final loss, headline metric and divergence from the raw measurements."""
+        curve = [v if v is not None and math.isfinite(v) else None for v in self.loss_curve or []]
+        self.loss_curve = curve
+        finite = [i for i, v in enumerate(curve) if v is not None]
+        self.last_finite_step = finite[-1] if finite else None
+        tail = [v for v in curve[-max(1, min(20, len(curve) // 10)):] if v is not None]
+        self.final_train_loss = sum(tail) / len(tail) if tail else None
+        value = self.eval.get(metric) if metric else next(iter(self.eval.values()), None)
+        self.metric = value if value is not None and math.isfinite(value) else None
+        if self.status == "ok" and (not curve or curve[-1] is None or (self.eval and self.metric is None)):
+            self.status = "diverged"
+            self.reason = "the loss became non-finite" + (f" after step {finite[-1]}" if finite else " from the first step")
+
+
+@dataclass(kw_only=True)
+class Task:
+    """The built-in task, or null for a user's own train_fn."""
+
+    OPEN: ClassVar[bool] = True
+    name: str = field()
+    metric: str | None = field()
+    higher_is_better: bool | None = field()
+    steps: int = field(minimum=0)
+    batch_size: int | None = field(minimum=1)
+    seed: int | None = field()
+
+
+@dataclass(kw_only=True)
+class Gpu:
+    """The GPU, or null on a CPU."""
+
+    OPEN: ClassVar[bool] = True
+    name: str = field()
+    capability: str = field()
+    memory_bytes: int = field(minimum=0)
+
+
+@dataclass(kw_only=True)
+class Machine:
+    """What the comparison ran on (`ampkit.hardware.describe`)."""
+
+    OPEN: ClassVar[bool] = True
+    device: str = field()
+    device_name: str = field()
+    torch: str = field()
+    cuda: str | None = field()
+    python: str = field()
+    platform: str = field()
+    threads: int = field(minimum=1)
+    cpu_flags: dict[str, bool] | None = field()
+    gpu: Gpu | None = field()
+
+
+@dataclass(kw_only=True)
+class Report:
+    """report.json: one task trained once per precision preset, with time, memory, loss curve and metric
+    side by side. Ratios and deltas are relative to `baseline`."""
+
+    schema_version: Literal[1] = field(default=1)
+    ampkit_version: str = field()
+    created: str = field("ISO 8601 with a UTC offset.",
+                         pattern=r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?(Z|[+-]\d{2}:\d{2})$")
+    command: str = field('The command line, or "ampkit.compare(...)".')
+    task: Task | None = field()
+    # a dict, not a Machine: hardware.describe() may say more than the schema requires, and all of it is kept
+    machine: dict[str, Any] = field(schema=schema_of(Machine))
+    baseline: str | None = field("Precision every ratio is relative to; null if it did not finish.")
+    interrupted: bool = field("Ctrl-C: unfinished runs are 'interrupted'.", False)
+    runs: list[Run] = field(default=[])
+
+    def baseline_run(self) -> Run | None:
+        return next((r for r in self.runs if r.precision == self.baseline), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+REPORT_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "$id": "https://ampkit.invalid/schemas/compare-report-v1.json",
+    "title": "ampkit compare report",
+    **schema_of(Report),
+}
+
+
+def validate_report(report: dict[str, Any]) -> Report:
+    """Check `report` against `REPORT_SCHEMA` and return it as records; raise `ValueError` naming the
+    first bad field (e.g. ``runs[2].speedup_vs_baseline``). Beyond the schema: every number is finite
+    (JSON has no NaN), precisions are unique and `baseline` names a run."""
+    if not isinstance(report, dict):
+        raise ValueError(f"invalid ampkit report: expected a dict, got {type(report).__name__}")
+    try:
+        validate(report, REPORT_SCHEMA, noun="report")
+    except Invalid as exc:
+        raise ValueError(f"invalid ampkit report: {exc}") from None
+    seen: set[str] = set()
+    for i, run in enumerate(report["runs"]):
+        if run["precision"] in seen:
+            raise ValueError(f"invalid ampkit report: runs[{i}].precision: {run['precision']!r} appears twice")
+        seen.add(run["precision"])
+    if report["baseline"] is not None and report["baseline"] not in seen:
+        raise ValueError(f"invalid ampkit report: baseline: {report['baseline']!r} is not the precision of any run "
+                         f"({', '.join(sorted(seen)) or 'no runs'})")
+    return build(Report, report)
+
+
+def validate_run(run: dict[str, Any]) -> Run:
+    """One run record (a finished run kept for `--resume`) checked and returned as a `Run`."""
+    try:
+        validate(run, schema_of(Run), noun="run")
+    except Invalid as exc:
+        raise ValueError(f"invalid run record: {exc}") from None
+    return build(Run, run)
+
+
+def as_report(report: Report | dict[str, Any]) -> Report:
+    """A report dict (a report.json, a test's fixture) as records, unchecked: for the renderers."""
+    return report if isinstance(report, Report) else build(Report, report)
+
+
+def json_safe(value: Any) -> Any:
+    """A deep copy fit for strict JSON: NaN/inf become null, numpy scalars become Python numbers."""
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, (bool, str)) or value is None:
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        number = float(value)
+        return number if math.isfinite(number) else None
+    return value

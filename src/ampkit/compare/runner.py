@@ -1,0 +1,295 @@
+"""`ampkit compare`: train the same thing once per precision and report what each one buys.
+
+Each precision runs in its own process (`spawn.py`) with the same seed and data order and sends
+back one `Run`. This module plans the runs, shows progress, keeps finished runs for `--resume`,
+computes the ratios against the baseline and hands the `Report` to the table and the writer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import pickle
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ampkit.compare.measure import NUMERICS_STEPS, PROBE_STEPS, RunSpec, TrainFn, run_one
+from ampkit.compare.records import Report, Run, Task, json_safe, validate_run
+from ampkit.compare.spawn import RunFailed, run_isolated, run_torchrun
+from ampkit.compare.text import render_table
+from ampkit.compare.write import write_report
+from ampkit.errors import PrecisionError
+from ampkit.files import atomic_write
+from ampkit.hardware import auto_precision, capability, describe, resolve_device
+from ampkit.precision import PRESETS, dtype_name, resolve_precision
+from ampkit.tasks import get_task
+
+
+def default_precisions(device: torch.device) -> tuple[list[str], list[str]]:
+    """(full runs, timing-only probes) for `device` when the user names no precisions.
+
+    Full: fp32, the `auto` choice and every preset whose compute dtype is fast here. Probe:
+    bf16-mixed where bf16 runs but slowly, so the report shows that cost instead of hiding it.
+    """
+    support = capability(device)
+    fast = {torch.float32: True, torch.bfloat16: support.bf16_fast, torch.float16: support.fp16_fast}
+    full = ["fp32", auto_precision(device)[0]]
+    full += [name for name, p in PRESETS.items() if fast[p.compute_dtype]]
+    full = list(dict.fromkeys(full))
+    probes = [] if support.bf16_fast or not support.bf16_runs else ["bf16-mixed"]
+    return full, probes
+
+
+def compare(
+    train_fn: TrainFn | None = None,
+    precisions: list[str] | tuple[str, ...] | None = None,
+    *,
+    task: str | None = None,
+    steps: int | None = None,
+    batch_size: int | None = None,
+    seed: int = 0,
+    device: str = "auto",
+    out: str | Path | None = None,
+    metric: str | None = None,
+    samples_per_step: int | None = None,
+    isolate: bool = True,
+    show: bool = True,
+    command: str | None = None,
+    resume: bool = False,
+    nproc: int = 1,
+    numerics: bool = True,
+) -> dict[str, Any]:
+    """Run `train_fn` (or a built-in `task`) once per precision and return the report dict.
+
+    Args:
+        train_fn: `train_fn(acc) -> dict` runs your loop with the given Accelerator (use
+            `acc.prepare` and `acc.backward`) and returns its metrics, e.g. {"accuracy": 0.97}.
+            With `isolate=True` it must be a module-level function (it is pickled into a fresh
+            process, and your script needs an `if __name__ == "__main__":` guard).
+        precisions: presets to run; the first is the baseline. Default: fp32, the `auto` choice and
+            every preset fast on this hardware, plus a timing-only probe of bf16 where it is slow.
+        task: a built-in task name (see `ampkit.tasks.TASKS`) instead of `train_fn`.
+        steps, batch_size: override the task's defaults.
+        out: folder for report.json, the PNG plots and report.html (None: write nothing). Checked
+            before any training: a comparison is never lost to a folder it cannot write.
+        metric: which key of `train_fn`'s dict is the headline metric (default: the first key).
+        samples_per_step: for `train_fn`, to report samples/s.
+        isolate: run each precision in its own process (clean memory figures). False runs in-process.
+        resume: continue an interrupted comparison in `out`: finished runs are kept, an unfinished
+            built-in-task run resumes from its last checkpoint (they are written to `out` as it trains).
+        nproc: run each precision data-parallel under `torchrun --nproc-per-node=nproc` (batch_size
+            is per process); figures are rank 0's.
+        numerics: after each run (not probes, not with nproc > 1), watch `NUMERICS_STEPS` steps of the
+            same training, on a fresh model with the same seed, under the numerics doctor (layers at
+            risk, lost updates, loss-scale health): `runs[i].numerics`. A separate pass: the run's
+            time and memory figures do not include it.
+    """
+    _check_args(train_fn, task, steps, batch_size, nproc, isolate, resume, out)
+    task_info = None
+    if task is not None:
+        t = get_task(task)
+        metric, samples_per_step = t.metric, batch_size or t.default_batch_size
+        task_info = Task(name=t.name, metric=t.metric, higher_is_better=t.higher_is_better,
+                         steps=steps or t.default_steps, batch_size=samples_per_step, seed=seed)
+    dev = resolve_device(device)
+    plan = _plan(precisions, dev)
+    state_dir = None
+    if out is not None:
+        _check_writable(Path(out))
+        state_dir = Path(out) / ".compare"
+        if not resume:
+            shutil.rmtree(state_dir, ignore_errors=True)  # a new comparison: forget an old one's runs
+    kept = _finished_runs(state_dir, [p for p, _ in plan]) if resume and state_dir is not None else {}
+    report = Report(ampkit_version=_version(), command=command or "ampkit.compare(...)", task=task_info,
+                    created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    machine=describe(dev), baseline=plan[0][0])
+    base = RunSpec(precision="", device=str(dev), seed=seed, task=task, steps=steps, batch_size=batch_size,
+                   train_fn=train_fn, samples_per_step=samples_per_step, nproc=nproc,
+                   numerics_steps=NUMERICS_STEPS if numerics else 0)
+    progress = RunProgress(show)
+    try:
+        for name, probe in plan:
+            if name in kept:
+                report.runs.append(kept[name])
+                continue
+            ckpt = str(state_dir / f"{name}.ckpt") if state_dir is not None and task is not None and not probe else None
+            spec = dataclasses.replace(base, precision=name, probe=probe, checkpoints=ckpt,
+                                       numerics_steps=0 if probe else base.numerics_steps)
+            run = _run_planned(spec, dev, isolate, progress, PROBE_STEPS if probe else task_info and task_info.steps)
+            run.finish(metric)
+            report.runs.append(run)
+            if state_dir is not None and run.status != "failed":
+                state_dir.mkdir(parents=True, exist_ok=True)
+                record = json.dumps(json_safe(dataclasses.asdict(run))).encode()
+                atomic_write(state_dir / f"{name}.json", lambda f, record=record: f.write(record))
+                if ckpt is not None:
+                    shutil.rmtree(ckpt, ignore_errors=True)
+    except KeyboardInterrupt:
+        report.interrupted = True
+        done = {r.precision for r in report.runs}
+        report.runs += [_blank_run(p, "interrupted", "interrupted (Ctrl-C) before this run finished", dev)
+                        for p, _ in plan if p not in done]
+    finally:
+        progress.stop()
+    _ratios(report)
+    if out is not None:
+        try:
+            write_report(report, out)
+        except ValueError as exc:  # never lose a finished comparison to a report bug
+            raw = Path(out) / "report.unvalidated.json"
+            raw.write_text(json.dumps(report.to_dict(), indent=2, default=str))
+            warnings.warn(f"{exc}; the raw figures are in {raw}", stacklevel=2)
+    if show:
+        render_table(report)
+    if report.interrupted:
+        raise KeyboardInterrupt
+    return report.to_dict()
+
+
+def _check_args(train_fn: TrainFn | None, task: str | None, steps: int | None, batch_size: int | None, nproc: int,
+                isolate: bool, resume: bool, out: str | Path | None) -> None:
+    """The arguments a comparison can reject before it starts anything."""
+    if (train_fn is None) == (task is None):
+        raise ValueError("compare() needs exactly one of train_fn=... or task='...'")
+    for name, value in (("steps", steps), ("batch_size", batch_size), ("nproc", nproc)):
+        if (value is not None or name == "nproc") and (not isinstance(value, int) or value < 1):
+            what = " (processes per precision)" if name == "nproc" else ""
+            raise ValueError(f"{name}={value!r}: expected an integer >= 1{what}")
+    if resume and out is None:
+        raise ValueError("resume=True needs out=: the folder of the comparison to continue")
+    if isolate and train_fn is not None:
+        try:
+            pickle.dumps(train_fn)
+        except Exception as exc:
+            raise TypeError(
+                f"train_fn={train_fn!r} cannot be sent to a fresh process ({exc}); define it at module level "
+                f"(not a lambda or a nested function), or pass isolate=False to run every precision in this process"
+            ) from None
+
+
+def _plan(precisions: list[str] | tuple[str, ...] | None, dev: torch.device) -> list[tuple[str, bool]]:
+    """(preset, probe?) in the order they run; the first is the baseline."""
+    if precisions is None:
+        full, probes = default_precisions(dev)
+        return [(p, False) for p in full] + [(p, True) for p in probes if p not in full]
+    unknown = [p for p in precisions if p not in PRESETS and p != "auto"]
+    if unknown or not precisions:
+        raise PrecisionError(f"unknown precision(s) {unknown!r}; choose from: {', '.join([*PRESETS, 'auto'])}")
+    return [(p, False) for p in dict.fromkeys(auto_precision(dev)[0] if p == "auto" else p for p in precisions)]
+
+
+def _check_writable(out: Path) -> None:
+    """Refuse an output folder that cannot be written, before a comparison's training is spent."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"cannot write the report into {str(out)!r}: it is a file; name a folder "
+                         f"(it is created if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise ValueError(f"cannot write the report into {str(out)!r} ({exc.strerror or exc}); name a folder "
+                         f"you can write to") from None
+
+
+def _finished_runs(state_dir: Path, names: list[str]) -> dict[str, Run]:
+    """The runs an interrupted comparison finished, read before any training so a bad file stops it first."""
+    kept = {}
+    for name in names:
+        path = state_dir / f"{name}.json"
+        if path.exists():
+            try:
+                kept[name] = validate_run(json.loads(path.read_bytes()))
+            except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors too
+                raise ValueError(f"cannot resume: {path} is not a finished run's record ({exc}); delete it "
+                                 f"to run {name} again") from None
+    return kept
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("ampkit")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _blank_run(precision: str, status: str, reason: str, device: torch.device) -> Run:
+    kind = "cuda_max_allocated" if device.type == "cuda" else "cpu_peak_rss_delta"
+    return Run(precision=precision, status=status, reason=reason, memory_kind=kind)
+
+
+def _ratios(report: Report) -> None:
+    base = next((r for r in report.runs if r.precision == report.baseline and r.status == "ok"), None)
+    if base is None:
+        report.baseline = None
+        return
+    for run in report.runs:
+        if run.step_time_median_s and base.step_time_median_s:
+            run.speedup_vs_baseline = base.step_time_median_s / run.step_time_median_s
+        if run.peak_memory_bytes and base.peak_memory_bytes:
+            run.memory_ratio_vs_baseline = run.peak_memory_bytes / base.peak_memory_bytes
+        if run.metric is not None and base.metric is not None:
+            run.metric_delta_vs_baseline = run.metric - base.metric
+
+
+def _run_planned(spec: RunSpec, dev: torch.device, isolate: bool, progress: RunProgress, total: int | None) -> Run:
+    """One planned run: skipped if the device cannot run it, else run (isolated, torchrun or in-process)."""
+    name, probe = spec.precision, spec.probe
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the run itself records the warning as a note
+            resolve_precision(name, dev)
+    except PrecisionError as exc:
+        return _blank_run(name, "skipped", str(exc), dev)
+    progress.start(f"{name} (probe: timing only)" if probe else name, total)
+    try:
+        if spec.nproc > 1:
+            run = run_torchrun(spec, progress.update)
+        else:
+            run = run_isolated(spec, progress.update) if isolate else run_one(spec, progress.update)
+        progress.update(run.steps)
+    except RunFailed as exc:
+        return _blank_run(name, "failed", str(exc).strip() or "failed", dev)
+    except Exception as exc:  # in-process runs: a failure is a reported status, not a crash of the comparison
+        return _blank_run(name, "failed", f"{type(exc).__name__}: {exc}", dev)
+    finally:
+        progress.stop()
+    if probe:
+        run.reason = (f"timing only: {dev.type} runs {dtype_name(PRESETS[name].compute_dtype)} slowly here, "
+                      f"so a full run was left out; name it in --precisions to run it fully")
+    return run
+
+
+class RunProgress:
+    """One progress bar per run."""
+
+    def __init__(self, show: bool) -> None:
+        self.show = show
+        self.bar: Progress | None = None
+        self.task: Any = None
+        self.label = ""
+
+    def start(self, label: str, total: int | None) -> None:
+        self.label = label
+        if self.show:
+            self.bar = Progress(TextColumn("{task.description:<32}"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), transient=False)
+            self.bar.start()
+            self.task = self.bar.add_task(label, total=total)
+
+    def update(self, step: int) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step)
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None

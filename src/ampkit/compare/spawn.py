@@ -1,0 +1,116 @@
+"""Running one precision in a process of its own: spawned, or N processes under torchrun.
+
+A fresh process per run keeps the memory figures clean and stops anything leaking from one run
+into the next. The child streams its step count back for the progress bar, then the `Run`.
+`python -m ampkit.compare SPEC OUT PROGRESS` (`__main__.py`) is what each torchrun process executes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ampkit.compare.measure import RunSpec, run_one
+from ampkit.compare.records import Run
+
+
+class RunFailed(Exception):
+    """A run's process failed or died; the message is what the report says of it."""
+
+
+def _throttled(send: Callable[[int], None]) -> Callable[[int], None]:
+    """`send` at most five times a second: progress is for people, the pipe is not free."""
+    last = [0.0]
+
+    def progress(step: int) -> None:
+        now = time.monotonic()
+        if now - last[0] > 0.2:
+            last[0] = now
+            send(step)
+
+    return progress
+
+
+def _child(spec: RunSpec, conn: Any) -> None:
+    """Entry point of a run's process: stream progress, then send the record or the error."""
+    try:
+        conn.send(("done", run_one(spec, _throttled(lambda step: conn.send(("progress", step))))))
+    except KeyboardInterrupt:
+        conn.send(("error", "interrupted"))
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes a reported status
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=-3)}"))
+    finally:
+        conn.close()
+
+
+def run_isolated(spec: RunSpec, on_progress: Callable[[int], None]) -> Run:
+    """`run_one(spec)` in a spawned process."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(spec, child), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        while True:
+            if parent.poll(0.1):
+                try:
+                    kind, payload = parent.recv()
+                except EOFError:
+                    break
+                if kind == "progress":
+                    on_progress(payload)
+                elif kind == "done":
+                    return payload
+                else:
+                    raise RunFailed(payload)
+            elif not proc.is_alive() and not parent.poll():
+                break
+        raise RunFailed(f"the run's process died (exit code {proc.exitcode}) before reporting")
+    finally:
+        if proc.is_alive():
+            proc.terminate()
+        proc.join(timeout=10)
+
+
+def run_torchrun(spec: RunSpec, on_progress: Callable[[int], None]) -> Run:
+    """`run_one(spec)` as `torchrun --nproc-per-node=N -m ampkit.compare`; rank 0 reports."""
+    with tempfile.TemporaryDirectory(prefix="ampkit-compare-") as tmp:
+        spec_file, out_file, progress_file = Path(tmp, "spec.pkl"), Path(tmp, "run.pkl"), Path(tmp, "progress")
+        spec_file.write_bytes(pickle.dumps(spec))  # our own files, read back by our own code
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.nproc}",
+               "-m", "ampkit.compare", str(spec_file), str(out_file), str(progress_file)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            while proc.poll() is None:
+                time.sleep(0.2)
+                with contextlib.suppress(OSError, ValueError):
+                    on_progress(int(progress_file.read_text() or 0))
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
+        output = proc.stdout.read() if proc.stdout else ""
+        if proc.returncode != 0 or not out_file.exists():
+            tail = [line for line in output.splitlines() if "Error" in line][-1:] or output.splitlines()[-1:]
+            raise RunFailed(f"torchrun exited with code {proc.returncode}: {tail[0] if tail else 'no output'}")
+        return pickle.loads(out_file.read_bytes())
+
+
+def torchrun_worker(spec_file: str, out_file: str, progress_file: str) -> None:
+    """Entry point of each torchrun process: train; rank 0 writes the run record and progress."""
+    spec = pickle.loads(Path(spec_file).read_bytes())
+    rank = int(os.environ.get("RANK", "0"))
+    run = run_one(spec, _throttled(lambda step: rank == 0 and Path(progress_file).write_text(str(step))))
+    if rank == 0:
+        Path(out_file).write_bytes(pickle.dumps(run))
+

@@ -1,0 +1,174 @@
+"""What a report means in words: one verdict per run, the caveats, the policy each run used.
+
+Shared by the terminal table, the HTML page and the plots' labels, so they never disagree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ampkit.compare.records import MEMORY_KINDS, Report, Run, Task
+from ampkit.present import NONE, sig, signed, size, times
+from ampkit.schema import build
+
+
+def is_accuracy(task: Task | None) -> bool:
+    """Accuracy-like metrics are fractions, so their differences read best in percentage points."""
+    return "accuracy" in ((task.metric if task else None) or "").lower()
+
+
+def metric_name(task: Task | None) -> str:
+    return (task.metric if task else None) or "metric"
+
+
+def metric_value(value: float, task: Task | None) -> str:
+    return f"{100 * value:.1f}%" if is_accuracy(task) else f"{value:.4g}"
+
+
+def metric_delta(run: Run, baseline: Run | None, task: Task | None) -> str | None:
+    """Δ metric: accuracy in pp, anything else as a % of the baseline's value (absolute if that is 0)."""
+    delta = run.metric_delta_vs_baseline
+    if delta is None:
+        return None
+    if is_accuracy(task):
+        return f"{signed(100 * delta, 1)} pp"
+    if baseline is not None and baseline.metric:
+        return f"{signed(100 * delta / abs(baseline.metric), 1)}%"
+    return signed(delta, 3)
+
+
+def speed(speedup: float) -> str:
+    """'1.6× faster', '0.4× (2.5× slower)'; within ±5% 'same speed': repeated runs differ that much."""
+    if 0.95 <= speedup < 1.05:
+        return f"same speed ({times(speedup)})"
+    if speedup >= 1.05:
+        return f"{times(speedup)} faster"
+    return f"{times(speedup)} ({times(1 / speedup)} slower)"
+
+
+def verdict(run: Run | dict[str, Any], baseline: Run | dict[str, Any] | None,
+            task: Task | dict[str, Any] | None) -> str:
+    """One line on what this preset did, e.g. "bf16-mixed: 1.6× faster, 0.62× memory, accuracy −0.1 pp".
+
+    The line leads with the outcome a reader acts on: skipped, failed and diverged runs say so and
+    why before any number, since their numbers (if any) do not describe a usable preset.
+    """
+    run, baseline, task = build(Run, run), build(Run, baseline), build(Task, task)
+    name, status = run.precision, run.status
+    why = f" \u2014 {first_line(run.reason)}" if run.reason else ""
+    if baseline is not None and name == baseline.precision:
+        return f"{name}: baseline \u2014 {_baseline_summary(run, task)}"
+    if status == "diverged":
+        step = run.last_finite_step
+        return f"{name}: diverged, {f'last finite loss at step {step}' if step is not None else 'no finite loss'}{why}"
+    if status == "probe":
+        return f"{name}: probe only, {', '.join(_comparisons(run)) or 'no timing'}{why}"
+    if status != "ok":
+        return f"{name}: {status}{why}"
+    parts = _comparisons(run)
+    delta = metric_delta(run, baseline, task)
+    if delta is not None:
+        parts.append(f"{metric_name(task)} {delta}")
+    if run.skipped_steps:
+        parts.append(f"{run.skipped_steps} overflow step{'s' if run.skipped_steps != 1 else ''} skipped")
+    return f"{name}: {', '.join(parts) or 'no baseline to compare with'}"
+
+
+def verdicts(report: Report) -> list[str]:
+    return [verdict(run, report.baseline_run(), report.task) for run in report.runs]
+
+
+def first_line(reason: str) -> str:
+    """A failed run's reason may carry a traceback; the verdict is one line, the rest is detail."""
+    return reason.strip().split("\n", 1)[0]
+
+
+def details(run: Run) -> str | None:
+    """The reason's lines after the first (a traceback), shown under the verdict; None if none."""
+    return (run.reason or "").strip().partition("\n")[2] or None
+
+
+def numerics_line(run: Run) -> str | None:
+    """The numerics pass's one line under a verdict, only when something is wrong (or it failed)."""
+    if run.numerics is None:
+        return None
+    if run.numerics.error:
+        return f"numerics: the diagnosis failed ({first_line(run.numerics.error)})"
+    return f"numerics: {run.numerics.problem}" if run.numerics.problem else None
+
+
+def _comparisons(run: Run) -> list[str]:
+    parts = []
+    if run.speedup_vs_baseline is not None:
+        parts.append(speed(run.speedup_vs_baseline))
+    if run.memory_ratio_vs_baseline is not None:
+        parts.append(f"{times(run.memory_ratio_vs_baseline)} memory")
+    return parts
+
+
+def _baseline_summary(run: Run, task: Task | None) -> str:
+    parts = []
+    if run.step_time_median_s is not None:
+        parts.append(f"{sig(run.step_time_median_s * 1e3)} ms/step")
+    if run.samples_per_s is not None:
+        parts.append(f"{sig(run.samples_per_s)} samples/s")
+    if run.peak_memory_bytes is not None:
+        parts.append(f"{size(run.peak_memory_bytes)} peak memory")
+    if run.metric is not None:
+        parts.append(f"{metric_name(task)} {metric_value(run.metric, task)}")
+    return ", ".join(parts) or "no measurements"
+
+
+def policy_lines(report: Report) -> list[str]:
+    """Why each run used the dtypes it did, as the policy recorded it (not re-derived here)."""
+    lines = []
+    for run in report.runs:
+        if (policy := run.policy) is None:
+            continue
+        how = [f"compute {policy.compute_dtype}", f"parameters {policy.param_dtype}"]
+        how += [words for flag, words in ((policy.master_weights, "fp32 master weights"),
+                                          (policy.compensated, "Kahan-compensated update"),
+                                          (policy.loss_scaling, "dynamic loss scaling")) if flag]
+        lines.append(f"{run.precision}: {policy.name} ({policy.reason}): {', '.join(how)}")
+    return lines
+
+
+def title(report: Report) -> str:
+    if report.task is None:
+        return "ampkit compare: custom training function"
+    batch = f", batch {report.task.batch_size}" if report.task.batch_size else ""
+    return f"ampkit compare: {report.task.name}, {report.task.steps} steps{batch}"
+
+
+def notes(report: Report) -> list[str]:
+    """Caveats under the table: how memory was measured, interruption, a missing baseline."""
+    out = [MEMORY_KINDS[kind] for kind in dict.fromkeys(r.memory_kind for r in report.runs)]
+    if report.baseline is None:
+        out.append("no baseline run finished, so there are no ratios or deltas")
+    else:
+        out.append(f"ratios and \u0394 are relative to {report.baseline}")
+    if report.interrupted:
+        out.append("interrupted (Ctrl-C): runs marked 'interrupted' did not finish")
+    return out
+
+
+def columns(task: Task | None) -> list[str]:
+    metric = metric_name(task)
+    return ["precision", "status", "ms/step", "samples/s", "speed-up", "peak memory", "memory ratio",
+            "final loss", metric, f"\u0394 {metric}", "skipped steps"]
+
+
+NUMERIC_FROM = 2  # columns from here on hold numbers and are right-aligned
+
+
+def rows(report: Report) -> list[list[str]]:
+    """The table's cells, shared by the terminal and the HTML page."""
+    def opt(value: Any, fmt: Any) -> str:
+        return NONE if value is None else fmt(value)
+
+    baseline, task = report.baseline_run(), report.task
+    return [[run.precision, run.status, opt(run.step_time_median_s, lambda s: sig(s * 1e3)),
+             opt(run.samples_per_s, sig), opt(run.speedup_vs_baseline, times), opt(run.peak_memory_bytes, size),
+             opt(run.memory_ratio_vs_baseline, times), opt(run.final_train_loss, lambda x: f"{x:.4g}"),
+             opt(run.metric, lambda x: metric_value(x, task)), metric_delta(run, baseline, task) or NONE,
+             str(run.skipped_steps)] for run in report.runs]
