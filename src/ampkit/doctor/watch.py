@@ -125,6 +125,7 @@ class Watch(Listener):
                    f"counts steps at optimizer.step() of the optimizer acc.prepare() returns, so it would watch "
                    f"nothing; prepare the optimizer: model, optimizer = acc.prepare(model, optimizer)")
         if self.stop:  # the doctor runs the script: end it now rather than after its whole training
+            self.close()
             raise DoctorError(message)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
