@@ -280,3 +280,45 @@ def test_fp16_on_a_cpu_warns_that_some_ops_may_not_run(monkeypatch):
     monkeypatch.setattr("ampkit.hardware.cpu_flags", lambda: {"avx512_bf16": True, "amx_bf16": False, "avx512_fp16": False, "amx_fp16": False})
     with pytest.warns(UserWarning, match=r"far slower than fp32, and some ops may not run at all \(oneDNN's LSTM has no fp16 forward"):
         ampkit.Accelerator(precision="fp16-mixed", device="cpu")
+
+
+# --- 9. ampkit.compare on a script's own loop -----------------------------------------------------
+def lm_train_fn(acc):
+    """A train_fn as a converted script writes it: accumulation, its own val_loss (lower is better)."""
+    model = TinyLM()
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+    for x, y in batches(8):
+        acc.backward(lm_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        val = sum(lm_loss(model(x), y).item() for x, y in batches(2, seed=9)) / 2
+    return {"val_loss": val, "accum": float(acc.grad_accum_steps), "cast": float(acc.cast_outputs)}
+
+
+def test_compare_passes_accelerator_arguments_and_knows_the_metrics_direction(monkeypatch):
+    from ampkit.compare import compare, runner
+    from ampkit.compare.records import as_report
+    from ampkit.compare.summary import rows, verdicts
+
+    totals = []
+    monkeypatch.setattr(runner.RunProgress, "start", lambda self, label, total: totals.append(total))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = compare(lm_train_fn, ["fp32", "bf16-mixed"], device="cpu", show=False, isolate=False, numerics=False,
+                         accelerator_kwargs={"grad_accum_steps": 2, "divide_loss": True,
+                                             "bf16-mixed": {"cast_outputs": False}},
+                         metric_direction="lower")
+    fp32, bf16 = report["runs"]
+    assert (fp32["eval"]["accum"], fp32["eval"]["cast"]) == (2.0, 1.0)
+    assert (bf16["eval"]["accum"], bf16["eval"]["cast"]) == (2.0, 0.0)  # the preset's own override
+    assert report["task"]["metric"] == "val_loss" and report["task"]["higher_is_better"] is False
+    assert totals == [None, 4]  # 8 micro-batches, 2 per step: known after the first run
+    cells = rows(as_report(report))
+    decimals = {len(row[7].split(".")[1]) for row in cells}  # the final-loss column: one format
+    assert len(decimals) == 1
+    assert verdicts(as_report(report))[1].endswith(("(better)", "(worse)"))
+    with pytest.raises(ValueError, match=r"accelerator_kwargs=\{'precision': 'fp16-mixed'\}: expected Accelerator arguments"):
+        compare(lm_train_fn, ["fp32"], device="cpu", show=False, accelerator_kwargs={"precision": "fp16-mixed"})
+    with pytest.raises(ValueError, match=r"metric_direction='down': expected 'higher' or 'lower'"):
+        compare(lm_train_fn, ["fp32"], device="cpu", show=False, metric_direction="down")
