@@ -69,10 +69,7 @@ def verdict(run: Run | dict[str, Any], baseline: Run | dict[str, Any] | None,
     parts = _comparisons(run)
     delta = metric_delta(run, baseline, task)
     if delta is not None:
-        better = (run.metric_delta_vs_baseline or 0) > 0
-        judged = "" if task is None or task.higher_is_better is None or not run.metric_delta_vs_baseline else (
-            " (better)" if better == task.higher_is_better else " (worse)")
-        parts.append(f"{metric_name(task)} {delta}{judged}")
+        parts.append(f"{metric_name(task)} {delta}")
     if run.skipped_steps:
         parts.append(f"{run.skipped_steps} overflow step{'s' if run.skipped_steps != 1 else ''} skipped")
     return f"{name}: {', '.join(parts) or 'no baseline to compare with'}"
