@@ -9,6 +9,12 @@ import sys
 from ampkit.precision import PRESET_NAMES
 
 
+def _usage(command: str, problem: object) -> int:
+    """Say what is wrong with the command line (or what it asked for) on stderr; exit status 2."""
+    print(f"ampkit {command}: {problem}", file=sys.stderr)
+    return 2
+
+
 def _compare(args: argparse.Namespace) -> int:
     from ampkit.compare import compare
     from ampkit.errors import PrecisionError
@@ -20,8 +26,7 @@ def _compare(args: argparse.Namespace) -> int:
                 seed=args.seed, device=args.device, out=args.out, command=command, resume=args.resume,
                 nproc=args.nproc, numerics=not args.no_numerics)
     except (PrecisionError, ValueError) as exc:
-        print(f"ampkit compare: {exc}", file=sys.stderr)
-        return 2
+        return _usage("compare", exc)
     except KeyboardInterrupt:
         print(f"\ninterrupted: the runs that finished are in {args.out}/; continue with the same command and --resume",
               file=sys.stderr)
@@ -36,16 +41,13 @@ def _info(args: argparse.Namespace) -> int:
     from ampkit.info import collect_info, render_info
 
     if args.bench and not args.bench_seconds > 0:
-        print(f"ampkit info: --bench-seconds {args.bench_seconds:g} must be a positive number of seconds",
-              file=sys.stderr)
-        return 2
+        return _usage("info", f"--bench-seconds {args.bench_seconds:g} must be a positive number of seconds")
     if args.bench and not args.json:
         print(f"measuring matmul throughput on {args.device} (~{args.bench_seconds:g} s)...", file=sys.stderr)
     try:
         info = collect_info(device=args.device, bench=args.bench, bench_seconds=args.bench_seconds)
     except ValueError as exc:
-        print(f"ampkit info: {exc}", file=sys.stderr)
-        return 2
+        return _usage("info", exc)
     if args.json:
         print(json.dumps(info, indent=2, allow_nan=False))
     else:
@@ -63,17 +65,12 @@ def _doctor(args: argparse.Namespace) -> int:
     from ampkit.doctor.numerics_report import format_text as format_numerics
 
     if (args.script is None) == (args.task is None):
-        print("ampkit doctor: give a script (ampkit doctor train.py [args...]) or --task NAME, not both"
-              if args.script else "ampkit doctor: give a script to run (ampkit doctor train.py [args...]) or --task NAME",
-              file=sys.stderr)
-        return 2
+        return _usage("doctor", "give a script (ampkit doctor train.py [args...]) or --task NAME, not both"
+                      if args.script else "give a script to run (ampkit doctor train.py [args...]) or --task NAME")
     if args.script is not None and (args.precision or args.device or args.batch_size):
-        print("ampkit doctor: --precision, --device and --batch-size are for --task; a script chooses its own",
-              file=sys.stderr)
-        return 2
+        return _usage("doctor", "--precision, --device and --batch-size are for --task; a script chooses its own")
     if args.numerics and args.gpu is not None:
-        print("ampkit doctor: --gpu is for the performance doctor; --numerics quotes no GPU costs", file=sys.stderr)
-        return 2
+        return _usage("doctor", "--gpu is for the performance doctor; --numerics quotes no GPU costs")
     warmup = args.warmup if args.warmup is not None else (0 if args.numerics else 5)
     gpu = args.gpu or "A100"
     # With --json, stdout carries only the JSON: the script's own prints go to stderr.
@@ -100,8 +97,7 @@ def _doctor(args: argparse.Namespace) -> int:
             print(f"ampkit doctor: {args.script} failed: {type(exc).__name__}: {exc}\n{shown}", end="", file=sys.stderr)
             return 1
         if isinstance(exc, (FileNotFoundError, ValueError, DoctorError)):
-            print(f"ampkit doctor: {exc}", file=sys.stderr)
-            return 2
+            return _usage("doctor", exc)
         traceback.print_exc()
         print(f"ampkit doctor: {args.script or args.task} raised {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -1,19 +1,17 @@
 """What this machine's devices can do, and the `auto` precision choice with its reason.
 
 Every device fact ampkit uses is a row of the tables below (NVIDIA compute capabilities, AMD gfx
-architectures, CPU flags, GPU models with their datasheet peaks), and everything else derives from
-them: `device_capabilities` (what `ampkit info` shows), `capability` (what runs, what is fast),
-`auto_precision` (the `auto` choice) and the doctor's advisor (`GPU_MODELS`).
+architectures, CPU flags, GPU models with their datasheet peaks); `device_capabilities` (`ampkit
+info`), `capability`, `auto_precision` and the doctor's advisor (`GPU_MODELS`) derive from them.
 
-The choice is made from the hardware alone: it must be explainable in one sentence and the same on
-every run. Whether a *model* gains from it is a different question, which `ampkit compare` and the
-doctor answer by measuring. Facts come with their source, and a fact ampkit does not know is
-"unknown" (`Fact.supported` is None), never a guess: a device missing from its table, unreadable
-CPU flags.
+The choice is made from the hardware alone, so that it is explainable in one sentence and the same
+on every run; whether a *model* gains from it, `ampkit compare` and the doctor measure. Each fact
+has its source, and one ampkit does not know is "unknown" (`Fact.supported` is None), never a guess.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import platform
 from dataclasses import dataclass
@@ -26,15 +24,16 @@ import torch
 CPU_FLAGS: tuple[str, ...] = ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16")
 
 
-def _flags_line(cpuinfo_text: str) -> set[str] | None:
-    """The flags of the first "flags" line (every core of one machine reports the same set), or None."""
-    lines = (line.partition(":") for line in cpuinfo_text.splitlines())
-    return next((set(value.split()) for key, _, value in lines if key.strip() == "flags"), None)
+def proc_field(text: str, key: str) -> str | None:
+    """The value of the first `key: value` line of a /proc file's text (in /proc/cpuinfo every core of
+    one machine reports the same flags and model), or None without one."""
+    lines = (line.partition(":") for line in text.splitlines())
+    return next((value.strip() for k, _, value in lines if k.strip() == key), None)
 
 
 def parse_cpu_flags(cpuinfo_text: str) -> dict[str, bool]:
     """Return {flag: present} for `CPU_FLAGS` from the text of /proc/cpuinfo (no flags line: none)."""
-    present = _flags_line(cpuinfo_text) or set()
+    present = set((proc_field(cpuinfo_text, "flags") or "").split())
     return {flag: flag in present for flag in CPU_FLAGS}
 
 
@@ -46,9 +45,8 @@ def read_cpu_flags(path: str | Path = "/proc/cpuinfo") -> dict[str, bool] | None
         text = Path(path).read_text()
     except OSError:
         return None
-    if _flags_line(text) is None:
-        return None  # reading "no flags line" as "no bf16" would be a guess, not a fact
-    return parse_cpu_flags(text)
+    # reading "no flags line" as "no bf16" would be a guess, not a fact
+    return parse_cpu_flags(text) if proc_field(text, "flags") is not None else None
 
 
 @functools.cache
@@ -87,9 +85,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-# --------------------------------------------------------------------------------------------------
-# The tables: which low-precision matrix units each device has, and the peaks of known GPU models
-# --------------------------------------------------------------------------------------------------
+# --- The tables: which low-precision matrix units each device has, and the peaks of known GPU models ---
 
 #: The facts ampkit knows per device, by the dtype they concern: hardware that runs matmuls in that
 #: dtype faster than fp32 (on GPUs, matrix units for it: Tensor Cores, AMD matrix cores; on CPUs,
@@ -174,19 +170,15 @@ class GPUModel:
 #: nvidia.com/en-us/data-center/{tesla-t4,l4,a100,h100}/ (dense figures: half the "with sparsity"
 #: ones; A100 SXM4 80GB, H100 SXM5) and the Ada Lovelace whitepaper's appendix table (RTX 4090).
 GPU_MODELS: dict[str, GPUModel] = {g.name: g for g in (
-    # FP32 8.1 TFLOPS, mixed FP16/FP32 65, 320 GB/s GDDR6; Turing (7.5) has no bf16 or tf32.
+    # Turing (7.5) has no bf16 or tf32 Tensor Cores.
     GPUModel(name="T4", compute_capability=(7, 5), fp32_tflops=8.1, tf32_tflops=None, bf16_tflops=None,
              fp16_tflops=65.0, memory_gbps=320.0, source="NVIDIA T4 datasheet"),
-    # FP32 30.3, TF32 60, BF16/FP16 121 dense (the datasheet's 120/242/485 are with sparsity), 300 GB/s.
     GPUModel(name="L4", compute_capability=(8, 9), fp32_tflops=30.3, tf32_tflops=60.0, bf16_tflops=121.0,
              fp16_tflops=121.0, memory_gbps=300.0, source="NVIDIA L4 datasheet (dense = sparse / 2)"),
-    # FP32 19.5, TF32 156, BF16/FP16 312 dense, 2,039 GB/s HBM2e.
     GPUModel(name="A100", compute_capability=(8, 0), fp32_tflops=19.5, tf32_tflops=156.0, bf16_tflops=312.0,
              fp16_tflops=312.0, memory_gbps=2039.0, source="NVIDIA A100 datasheet (SXM4 80GB)"),
-    # FP32 82.6, FP16/BF16 Tensor with FP32 accumulate 165.2 dense, TF32 82.6, 1,008 GB/s.
     GPUModel(name="RTX 4090", compute_capability=(8, 9), fp32_tflops=82.6, tf32_tflops=82.6, bf16_tflops=165.2,
              fp16_tflops=165.2, memory_gbps=1008.0, source="NVIDIA Ada Lovelace whitepaper (RTX 4090)"),
-    # FP32 67, TF32 494.5, BF16/FP16 989.5 dense, 3.35 TB/s HBM3.
     GPUModel(name="H100", compute_capability=(9, 0), fp32_tflops=67.0, tf32_tflops=494.5, bf16_tflops=989.5,
              fp16_tflops=989.5, memory_gbps=3350.0, source="NVIDIA H100 datasheet (SXM, dense = sparse / 2)"),
 )}
@@ -270,9 +262,7 @@ def device_capabilities(device: torch.device) -> dict[str, Fact]:
     return cpu_capabilities(cpu_flags())
 
 
-# --------------------------------------------------------------------------------------------------
-# What runs, what is fast, and what `auto` picks: derived from the facts above
-# --------------------------------------------------------------------------------------------------
+# --- What runs, what is fast, and what `auto` picks: derived from the facts above ---
 
 
 @dataclass(frozen=True)
@@ -363,13 +353,9 @@ def auto_precision(device: torch.device) -> tuple[str, str]:
 
 def cpu_name() -> str:
     """The CPU's model name as the OS reports it, or the platform's guess."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        if name := proc_field(Path("/proc/cpuinfo").read_text(), "model name"):
+            return name
     return platform.processor() or platform.machine() or "unknown"
 
 
@@ -383,15 +369,7 @@ def describe(device: torch.device) -> dict[str, Any]:
                "memory_bytes": int(props.total_memory)}
     have = [f for f, on in (flags or {}).items() if on]
     name = gpu["name"] if gpu else f"{cpu_name()} ({', '.join(have) if have else 'no avx512_bf16/amx'})"
-    return {
-        "device": str(device),
-        "device_name": name,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "threads": torch.get_num_threads(),
-        "cpu_flags": flags,
-        "gpu": gpu,
-    }
+    return {"device": str(device), "device_name": name, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "python": platform.python_version(), "platform": platform.platform(), "threads": torch.get_num_threads(),
+            "cpu_flags": flags, "gpu": gpu}
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import math
 import platform
 import time
@@ -18,8 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from rich import box
-from rich.console import Console
+from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 from torch.utils import benchmark
@@ -31,9 +29,7 @@ from ampkit.version import versions
 
 Info = dict[str, Any]
 
-# --------------------------------------------------------------------------------------------------
-# The schema
-# --------------------------------------------------------------------------------------------------
+# --- The schema ---
 
 def _object(properties: dict[str, Any], **extra: Any) -> dict[str, Any]:
     """A JSON object with exactly `properties`, each one required."""
@@ -110,9 +106,7 @@ INFO_SCHEMA: dict[str, Any] = {
 }
 
 
-# --------------------------------------------------------------------------------------------------
-# Collecting
-# --------------------------------------------------------------------------------------------------
+# --- Collecting ---
 
 
 def collect_info(device: str | torch.device = "auto", bench: bool = False, bench_seconds: float = 2.0) -> Info:
@@ -127,15 +121,11 @@ def collect_info(device: str | torch.device = "auto", bench: bool = False, bench
     flags = hardware.cpu_flags()
     gpus = []
     for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
-        props = torch.cuda.get_device_properties(i)
-        gpus.append({
-            "device": f"cuda:{i}",
-            "name": props.name,
-            "compute_capability": hardware.rocm_arch(torch.device("cuda", i)) or f"{props.major}.{props.minor}",
-            "memory_bytes": int(props.total_memory),
-            "sm_count": int(props.multi_processor_count),
-            "capabilities": _facts(hardware.device_capabilities(torch.device("cuda", i))),
-        })
+        props, gpu = torch.cuda.get_device_properties(i), torch.device("cuda", i)
+        gpus.append({"device": str(gpu), "name": props.name,
+                     "compute_capability": hardware.rocm_arch(gpu) or f"{props.major}.{props.minor}",
+                     "memory_bytes": int(props.total_memory), "sm_count": int(props.multi_processor_count),
+                     "capabilities": _facts(hardware.device_capabilities(gpu))})
     mps = torch.backends.mps.is_available()
     preset, reason = hardware.auto_precision(dev)
     v = versions()
@@ -145,13 +135,9 @@ def collect_info(device: str | torch.device = "auto", bench: bool = False, bench
         **{key: v[key] for key in ("torch", "cuda", "cudnn", "hip", "python")},
         "platform": platform.platform(),
         "device": str(dev),
-        "cpu": {
-            "name": hardware.cpu_name(),
-            "threads": torch.get_num_threads(),
-            "flags": flags,
-            "flags_source": "/proc/cpuinfo" if flags is not None else "unknown: no x86 flags line in /proc/cpuinfo",
-            "capabilities": _facts(hardware.cpu_capabilities(flags)),
-        },
+        "cpu": {"name": hardware.cpu_name(), "threads": torch.get_num_threads(), "flags": flags,
+                "flags_source": "/proc/cpuinfo" if flags is not None else "unknown: no x86 flags line in /proc/cpuinfo",
+                "capabilities": _facts(hardware.cpu_capabilities(flags))},
         "gpus": gpus,
         "mps": {"capabilities": _facts(hardware.device_capabilities(torch.device("mps")))} if mps else None,
         "recommended": {"preset": preset, "reason": reason},
@@ -163,9 +149,7 @@ def _facts(facts: dict[str, hardware.Fact]) -> dict[str, dict[str, Any]]:
     return {name: dataclasses.asdict(fact) for name, fact in facts.items()}
 
 
-# --------------------------------------------------------------------------------------------------
-# The benchmark
-# --------------------------------------------------------------------------------------------------
+# --- The benchmark ---
 
 BENCH_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 """What `--bench` measures, fp32 first: the others are reported as a ratio to it."""
@@ -208,13 +192,8 @@ def bench_matmul(device: str | torch.device, dtypes: Sequence[torch.dtype] = BEN
         if fp32 and r["flops_per_s"]:
             r["ratio_to_fp32"] = r["flops_per_s"] / fp32
             r["fast_here"] = None if r["dtype"] == "fp32" else r["ratio_to_fp32"] >= FAST_RATIO
-    return {
-        "device": str(dev),
-        "seconds": float(seconds),
-        "threads": torch.get_num_threads(),
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "results": results,
-    }
+    return {"device": str(dev), "seconds": float(seconds), "threads": torch.get_num_threads(),
+            "float32_matmul_precision": torch.get_float32_matmul_precision(), "results": results}
 
 
 def _matmul_timer(n: int, dtype: torch.dtype, device: torch.device) -> benchmark.Timer:
@@ -251,9 +230,7 @@ def _bench_one(device: torch.device, dtype: torch.dtype, budget: float) -> dict[
     return result
 
 
-# --------------------------------------------------------------------------------------------------
-# Presenting: one list of blocks, rendered by rich (to the terminal, or as plain text)
-# --------------------------------------------------------------------------------------------------
+# --- Presenting: one list of blocks, rendered by rich (to the terminal, or as plain text) ---
 
 
 def _versions(info: Info) -> str:
@@ -301,13 +278,7 @@ def _bench_rows(info: Info) -> list[list[str]]:
 
 
 def _table(title: str, header: list[str], rows: list[list[str]]) -> Table:
-    """Strings go in as `Text`, never markup, so a device name with "[...]" prints as written."""
-    table = Table(title=Text(title, style="bold"), title_justify="left", box=box.SIMPLE_HEAD, collapse_padding=True)
-    for name in header:
-        table.add_column(Text(name))
-    for row in rows:
-        table.add_row(*(Text(cell) for cell in row))
-    return table
+    return present.table(header, rows, title=title, numeric_from=len(header), heading=True, wrap=True)
 
 
 def _renderables(info: Info) -> list[Any]:
@@ -336,16 +307,9 @@ def _renderables(info: Info) -> list[Any]:
 
 def format_info_text(info: Info) -> str:
     """The report as plain text (what the terminal shows, without colour): for logs and tests."""
-    buffer = io.StringIO()
-    render_info(info, Console(file=buffer, width=160, color_system=None))
-    return buffer.getvalue()
+    return present.as_text(*_renderables(info))
 
 
 def render_info(info: Info, console: Console | None = None) -> None:
     """Print the report with rich on `console` (default: stdout)."""
-    if console is None:
-        console = Console()
-        if not console.is_terminal:  # a log file has no width: keep lines whole, not squeezed to 80
-            console = Console(width=max(console.width, 160))
-    for renderable in _renderables(info):
-        console.print(renderable)
+    (console or present.console()).print(Group(*_renderables(info)))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -59,7 +58,7 @@ def seed_everything(seed: int) -> None:
 
 
 def train_task(acc: Accelerator, spec: RunSpec, steps: int, memory: Memory) -> dict[str, float]:
-    """The built-in loop: the four-line conversion of a plain loop, run for `steps` optimizer steps."""
+    """The built-in task's loop (`Task.training`), run for `steps` optimizer steps."""
     task = get_task(spec.task or "")
     data = task.make_data(spec.seed, spec.batch_size or task.default_batch_size)
     memory.mark()
@@ -69,20 +68,10 @@ def train_task(acc: Accelerator, spec: RunSpec, steps: int, memory: Memory) -> d
     every = max(1, steps // 10)
     if spec.checkpoints is not None:
         acc.resume(spec.checkpoints)
-    done = optimizer.attempted_steps  # > 0 when resumed
-    for _ in acc.epochs(sys.maxsize):
-        if done >= steps:
-            break
-        for x, y in loader:
-            loss = task.loss_fn(model(x), y)
-            acc.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            done += 1
-            if spec.checkpoints is not None and done % every == 0 and done < steps:
-                acc.save_checkpoint(spec.checkpoints, keep=2)
-            if done == steps:
-                break
+    steps_left = range(optimizer.attempted_steps + 1, steps + 1)  # from the step a resumed run reached
+    for done, _ in zip(steps_left, task.training(acc, model, optimizer, loader)):  # zip: no step past the last
+        if spec.checkpoints is not None and done % every == 0 and done < steps:
+            acc.save_checkpoint(spec.checkpoints, keep=2)
     memory.freeze()
     if spec.probe:
         return {}

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import resource
 import sys
+from pathlib import Path
 
 import torch
+
+from ampkit.hardware import proc_field
 
 
 def proc_status(key: str) -> int | None:
     """A byte figure from /proc/self/status ("VmRSS", "VmHWM"), or None where there is no /proc."""
     try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
+        value = proc_field(Path("/proc/self/status").read_text(), key)
     except OSError:
-        pass
-    return None
+        return None
+    return int(value.split()[0]) * 1024 if value else None
 
 
 def reset_peak_rss() -> bool:

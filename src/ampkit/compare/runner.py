@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import inspect
-import importlib.metadata
 import json
 import pickle
 import shutil
@@ -33,6 +32,7 @@ from ampkit.files import atomic_write
 from ampkit.hardware import auto_precision, capability, describe, resolve_device
 from ampkit.precision import PRESETS, dtype_name, resolve_precision
 from ampkit.tasks import get_task
+from ampkit.version import ampkit_version
 
 
 def default_precisions(device: torch.device) -> tuple[list[str], list[str]]:
@@ -122,7 +122,7 @@ def compare(
         if not resume:
             shutil.rmtree(state_dir, ignore_errors=True)  # a new comparison: forget an old one's runs
     kept = _finished_runs(state_dir, [p for p, _ in plan]) if resume and state_dir is not None else {}
-    report = Report(ampkit_version=_version(), command=command or "ampkit.compare(...)", task=task_info,
+    report = Report(ampkit_version=ampkit_version(), command=command or "ampkit.compare(...)", task=task_info,
                     created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     machine=describe(dev), baseline=plan[0][0])
     base = RunSpec(precision="", device=str(dev), seed=seed, task=task, steps=steps, batch_size=batch_size,
@@ -243,13 +243,6 @@ def _finished_runs(state_dir: Path, names: list[str]) -> dict[str, Run]:
                 raise ValueError(f"cannot resume: {path} is not a finished run's record ({exc}); delete it "
                                  f"to run {name} again") from None
     return kept
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("ampkit")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def _blank_run(precision: str, status: str, reason: str, device: torch.device) -> Run:

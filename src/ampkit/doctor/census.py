@@ -20,12 +20,12 @@ whether fp16 holds them with scaling, the second whether it would without.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 FP16_MAX = 65504.0
 FP16_MIN_NORMAL = 2.0**-14
@@ -44,13 +44,7 @@ UNDERFLOW_RISK_SHARE = 0.10
 
 def float_tensors(obj: Any) -> list[torch.Tensor]:
     """Every floating-point tensor inside `obj` (tensors, lists, tuples, dicts, nested)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj] if obj.is_floating_point() else []
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in float_tensors(item)]
-    if isinstance(obj, Mapping):
-        return [t for item in obj.values() for t in float_tensors(item)]
-    return []
+    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
 def measure(t: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,6 +103,12 @@ class ModuleStats:
     created: torch.Tensor | None = None  # forwards whose output overflowed/NaN'd from a clean input
 
 
+def _tally(stats: ModuleStats, kind: str, tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """Tally `tensors` as `kind`; their overflowing and NaN elements together (on the device), None without any."""
+    bad = [counts[0] + counts[5] for counts, _ in (stats.tallies[kind].add(t) for t in tensors)]
+    return sum(bad[1:], bad[0]) if bad else None
+
+
 class RangeCensus:
     """Hooks every module of `models` and tallies value ranges until `remove()`.
 
@@ -147,17 +147,10 @@ class RangeCensus:
                 stats = self.modules[name] = ModuleStats(name, type(module).__name__, self._order)
                 self._order += 1
             stats.calls += 1
-            bad_in = None
-            for t in float_tensors((args, kwargs)):
-                counts, _ = stats.tallies["input"].add(t)
-                bad = counts[0] + counts[5]
-                bad_in = bad if bad_in is None else bad_in + bad
-            bad_out = None
+            bad_in = _tally(stats, "input", float_tensors((args, kwargs)))
             outputs = float_tensors(output)
+            bad_out = _tally(stats, "output", outputs)
             for t in outputs:
-                counts, _ = stats.tallies["output"].add(t)
-                bad = counts[0] + counts[5]
-                bad_out = bad if bad_out is None else bad_out + bad
                 if t.requires_grad and torch.is_grad_enabled():
                     t.register_hook(self._grad_hook(stats))
             if outputs:

@@ -24,6 +24,7 @@ produced, from the output toward the input.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from ampkit.doctor.census import float_tensors
+from ampkit.precision import dtype_name
 
 
 @dataclass
@@ -40,8 +42,7 @@ class Capture:
     model: nn.Module
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    rng_cpu: torch.Tensor
-    rng_cuda: tuple[int, torch.Tensor] | None
+    rng: tuple[torch.Tensor, tuple[int, torch.Tensor] | None]  # the CPU's and the device's, before the forward
     output_grads: list[torch.Tensor | None] = field(default_factory=list)  # per output tensor that needs grad
 
 
@@ -93,8 +94,7 @@ class BatchKeeper:
     def _before(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not self.enabled or not torch.is_grad_enabled():
             return  # an evaluation forward has no backward to replay
-        cpu, cuda = _rng_state(self.device)
-        self.captures.append(Capture(model, args, dict(kwargs), cpu, cuda))
+        self.captures.append(Capture(model, args, dict(kwargs), _rng_state(self.device)))
         if self.keep_weights and model not in self.weights:  # micro-batches of a step share its weights
             self.weights[model] = [(p, p.detach().clone()) for p in model.parameters()]
 
@@ -126,12 +126,13 @@ class _Event:
     before: torch.Tensor | None = None  # forward: the largest finite |input|
 
 
-def _stats(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _stats(t: torch.Tensor) -> tuple[list[int], str, torch.Tensor, torch.Tensor]:
+    """`_Event`'s shape, dtype, counts and absmax of `t` (the last two on the device: no sync)."""
     x = t.detach().float()
     finite = torch.isfinite(x)
     counts = torch.stack([(~finite).sum(), torch.isnan(x).sum(), torch.isinf(x).sum()])
     absmax = torch.where(finite, x.abs(), torch.zeros((), device=x.device)).amax() if x.numel() else x.new_zeros(())
-    return counts, absmax
+    return list(t.shape), dtype_name(t.dtype), counts, absmax
 
 
 def replay(capture: Capture, names: dict[nn.Module, str], device: torch.device,
@@ -150,8 +151,7 @@ def replay(capture: Capture, names: dict[nn.Module, str], device: torch.device,
 
     def on_grad(name: str, mtype: str, what: str) -> Any:
         def hook(grad: torch.Tensor) -> None:
-            counts, absmax = _stats(grad)
-            events.append(_Event("backward", name, mtype, what, list(grad.shape), _dtype(grad), counts, absmax))
+            events.append(_Event("backward", name, mtype, what, *_stats(grad)))
         return hook
 
     def on_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
@@ -159,13 +159,12 @@ def replay(capture: Capture, names: dict[nn.Module, str], device: torch.device,
         inputs = float_tensors((args, kwargs))
         before = None
         for t in inputs:
-            _, m = _stats(t)
+            m = _stats(t)[3]
             before = m if before is None else torch.maximum(before, m)
             if t.requires_grad:
                 t.register_hook(on_grad(name, mtype, "grad_input"))
         for t in float_tensors(output):
-            counts, absmax = _stats(t)
-            events.append(_Event("forward", name, mtype, "output", list(t.shape), _dtype(t), counts, absmax, before))
+            events.append(_Event("forward", name, mtype, "output", *_stats(t), before))
             if t.requires_grad:
                 t.register_hook(on_grad(name, mtype, "grad_output"))
 
@@ -182,7 +181,7 @@ def replay(capture: Capture, names: dict[nn.Module, str], device: torch.device,
         with torch.no_grad():
             for param, before in weights or ():
                 param.copy_(before)
-        _set_rng_state(capture.rng_cpu, capture.rng_cuda)
+        _set_rng_state(*capture.rng)
         with torch.enable_grad():
             output = model(*capture.args, **capture.kwargs)
         outs = [t for t in float_tensors(output) if t.requires_grad]
@@ -232,13 +231,6 @@ def _first_nonfinite(events: list[_Event], note: str | None) -> dict[str, Any]:
 
 
 def _culprit(e: _Event, counts: list[int], before: float | None) -> dict[str, Any]:
-    elements = 1
-    for n in e.shape:
-        elements *= n
     return {"module": e.module, "type": e.type, "what": e.what, "shape": e.shape, "dtype": e.dtype,
             "max_finite_before": before, "nonfinite": int(counts[0]), "nan": int(counts[1]), "inf": int(counts[2]),
-            "elements": elements}
-
-
-def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
+            "elements": math.prod(e.shape)}

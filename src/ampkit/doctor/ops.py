@@ -16,6 +16,7 @@ the size of the largest input), which is enough for a roofline estimate, not for
 from __future__ import annotations
 
 import functools
+import math
 import re
 import statistics
 from collections import defaultdict
@@ -58,20 +59,11 @@ def is_kernel(name: str, overload: str = "") -> bool:
     return not any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)  # a view
 
 
-def _input_bytes(shapes: Any, dtypes: Any) -> int:
-    total = 0
-    for shape, dtype in zip(shapes or (), dtypes or ()):
-        if isinstance(shape, list) and shape and all(isinstance(s, int) for s in shape):
-            numel = 1
-            for s in shape:
-                numel *= s
-            total += numel * _ELEMENT_BYTES.get(str(dtype), 4)
-    return total
-
-
-def _largest(shapes: Any, dtypes: Any) -> int:
-    sizes = [_input_bytes([s], [d]) for s, d in zip(shapes or (), dtypes or ())]
-    return max(sizes, default=0)
+def _input_bytes(event: Any) -> list[int]:
+    """The bytes of each input the profiler recorded for `event` (0 for one that is not a tensor)."""
+    return [math.prod(shape) * _ELEMENT_BYTES.get(str(dtype), 4)
+            if isinstance(shape, list) and shape and all(isinstance(s, int) for s in shape) else 0
+            for shape, dtype in zip(event.input_shapes or (), getattr(event, "input_dtypes", None) or ())]
 
 
 @dataclass(frozen=True)
@@ -224,12 +216,12 @@ def analyse(events: list[Any], steps: int) -> OpStats:
             flops[id(owner)] += f
     kernels = []
     for e in outer:
-        shapes, dtypes = e.input_shapes, getattr(e, "input_dtypes", None)
-        moved = _input_bytes(shapes, dtypes)
+        inputs = _input_bytes(e)
+        moved = sum(inputs)
         if moved:
-            moved += _largest(shapes, dtypes)  # the output
+            moved += max(inputs)  # the output
         else:  # a TensorList op (foreach) records no shapes: what its inner ops touched
-            moved = sum(_input_bytes(d.input_shapes, getattr(d, "input_dtypes", None)) for d in descendants(e))
+            moved = sum(sum(_input_bytes(d)) for d in descendants(e))
         kernels.append(KernelOp(e.name, float(e.cpu_time_total), flops.get(id(e), 0), moved,
                                 bool(MATMUL_OPS.search(e.name))))
     cuda_kernels = cuda_us = None

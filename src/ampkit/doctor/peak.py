@@ -9,6 +9,7 @@ slower, never faster.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -24,23 +25,29 @@ def _sync(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
-def matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = 0.3, repeats: int = 5) -> float:
-    """FLOP/s of the fastest of up to `repeats` n×n matmuls in `dtype` on `device` (within ~`seconds`)."""
-    n = SIZE.get(device.type, 1024)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    a @ b  # warm-up: library init and kernel choice stay out of the timing
+def _fastest(run: Callable[[], object], device: torch.device, seconds: float, repeats: int) -> float:
+    """Seconds of the fastest of up to `repeats` calls of `run` (within ~`seconds`), after a warm-up call:
+    library init, kernel choice and the first touch of the pages stay out of the timing."""
+    run()
     _sync(device)
     best = float("inf")
     deadline = time.perf_counter() + seconds
     for _ in range(repeats):
         start = time.perf_counter()
-        a @ b
+        run()
         _sync(device)
         best = min(best, time.perf_counter() - start)
         if time.perf_counter() > deadline:
             break
-    return 2 * n**3 / best
+    return best
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = 0.3, repeats: int = 5) -> float:
+    """FLOP/s of the fastest of up to `repeats` n×n matmuls in `dtype` on `device` (within ~`seconds`)."""
+    n = SIZE.get(device.type, 1024)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    return 2 * n**3 / _fastest(lambda: a @ b, device, seconds, repeats)
 
 
 def copy_bandwidth(device: torch.device, seconds: float = 0.1, repeats: int = 5, mib: int = 64) -> float:
@@ -48,18 +55,7 @@ def copy_bandwidth(device: torch.device, seconds: float = 0.1, repeats: int = 5,
     n = mib * 2**20 // 4
     src = torch.empty(n, device=device, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
-    dst.copy_(src)  # warm-up: first touch of the pages
-    _sync(device)
-    best = float("inf")
-    deadline = time.perf_counter() + seconds
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-        if time.perf_counter() > deadline:
-            break
-    return 2 * n * 4 / best
+    return 2 * n * 4 / _fastest(lambda: dst.copy_(src), device, seconds, repeats)
 
 
 def matmul_peaks(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -> dict[int, float]:

@@ -22,9 +22,7 @@ def get_task(name: str) -> Task:
     try:
         return TASKS[name]
     except KeyError:
-        raise ValueError(
-            f"unknown task {name!r}; choose one of: {', '.join(sorted(TASKS))}"
-        ) from None
+        raise ValueError(f"unknown task {name!r}; choose one of: {', '.join(sorted(TASKS))}") from None
 
 
 __all__ = ["TASKS", "Task", "TaskData", "get_task"]

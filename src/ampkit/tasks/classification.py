@@ -6,7 +6,7 @@ data, so `import ampkit.tasks` and the `tiny-lm` task work without it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import ModuleType
 
 import numpy as np
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from .task import TaskData, check_batch_size, input_dtype, seeded_generator
+from .task import Task, TaskData, check_batch_size, input_dtype, seeded_generator
 
 SPLIT_SEED = 0
 """The train/test split is fixed, not drawn from the run seed: runs with different seeds
@@ -31,44 +31,25 @@ def import_sklearn(task: str) -> tuple[ModuleType, ModuleType]:
         import sklearn.datasets as datasets
         import sklearn.model_selection as model_selection
     except ImportError as err:
-        raise ImportError(
-            f"task {task!r} needs scikit-learn for its bundled dataset; "
-            "install it with: pip install 'ampkit[tasks]'"
-        ) from err
+        raise ImportError(f"task {task!r} needs scikit-learn for its bundled dataset; "
+                          "install it with: pip install 'ampkit[tasks]'") from err
     return datasets, model_selection
 
 
-def stratified_split(
-    task: str, x: np.ndarray, y: np.ndarray, test_fraction: float
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """A deterministic stratified split: (x_train, x_test, y_train, y_test)."""
-    _, model_selection = import_sklearn(task)
-    return model_selection.train_test_split(
-        x, y, test_size=test_fraction, stratify=y, random_state=SPLIT_SEED
-    )
-
-
-def make_task_data(
-    task: str,
-    *,
-    x_train: Tensor,
-    y_train: Tensor,
-    x_test: Tensor,
-    y_test: Tensor,
-    seed: int,
-    batch_size: int,
-    info: dict[str, object],
-) -> TaskData:
-    """Wrap tensors in a seeded, shuffled, drop-last loader plus the held-out split."""
+def sklearn_data(task: str, load: str, test_fraction: float, seed: int, batch_size: int,
+                 inputs: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> TaskData:
+    """`sklearn.datasets.<load>()` split stratified and deterministically, each split's features as
+    `inputs(x, x_train)` in fp32, the training split in a seeded, shuffled, drop-last loader."""
+    datasets, model_selection = import_sklearn(task)
+    bunch = getattr(datasets, load)()
+    x_train, x_test, y_train, y_test = model_selection.train_test_split(
+        bunch.data, bunch.target, test_size=test_fraction, stratify=bunch.target, random_state=SPLIT_SEED)
+    x_train, x_test = (torch.tensor(inputs(x, x_train), dtype=torch.float32) for x in (x_train, x_test))
+    y_train, y_test = (torch.tensor(y, dtype=torch.int64) for y in (y_train, y_test))
     check_batch_size(task, batch_size, len(x_train))
-    loader = DataLoader(
-        TensorDataset(x_train, y_train),
-        batch_size=batch_size,
-        shuffle=True,
-        generator=seeded_generator(seed),
-        drop_last=True,
-    )
-    info = {"train_examples": len(x_train), "eval_examples": len(x_test), **info}
+    loader = DataLoader(TensorDataset(x_train, y_train), batch_size=batch_size, shuffle=True,
+                        generator=seeded_generator(seed), drop_last=True)
+    info = {"train_examples": len(x_train), "eval_examples": len(x_test), "source": f"sklearn.datasets.{load}"}
     return TaskData(train_loader=loader, eval_inputs=x_test, eval_targets=y_test, info=info)
 
 
@@ -90,9 +71,7 @@ def evaluate_accuracy(model: nn.Module, data: TaskData, device: torch.device | s
     try:
         dtype = input_dtype(model)
         correct = torch.zeros((), dtype=torch.int64, device=device)  # stays on device
-        for x, y in zip(
-            data.eval_inputs.split(EVAL_BATCH_SIZE), data.eval_targets.split(EVAL_BATCH_SIZE)
-        ):
+        for x, y in zip(data.eval_inputs.split(EVAL_BATCH_SIZE), data.eval_targets.split(EVAL_BATCH_SIZE)):
             x = x.to(device=device, dtype=dtype)
             y = y.to(device=device)
             logits = model(x).float()
@@ -101,3 +80,9 @@ def evaluate_accuracy(model: nn.Module, data: TaskData, device: torch.device | s
         return {"accuracy": correct.item() / total}  # sync: the evaluation's one read, after training
     finally:
         model.train(was_training)
+
+
+def classification_task(**fields: object) -> Task:
+    """A `Task` scored by accuracy, trained with `adamw` on `cross_entropy`."""
+    return Task(metric="accuracy", higher_is_better=True, make_optimizer=adamw, loss_fn=cross_entropy,
+                evaluate=evaluate_accuracy, **fields)  # type: ignore[arg-type]

@@ -7,18 +7,10 @@ ground between the overhead-bound iris MLP and the GEMM-bound tiny LM.
 from __future__ import annotations
 
 import numpy as np
-import torch
 from torch import nn
 
-from .classification import (
-    adamw,
-    cross_entropy,
-    evaluate_accuracy,
-    import_sklearn,
-    make_task_data,
-    stratified_split,
-)
-from .task import Task, TaskData, seeded
+from .classification import classification_task, sklearn_data
+from .task import TaskData, seeded
 
 NAME = "digits-cnn"
 TEST_FRACTION = 0.2
@@ -45,40 +37,22 @@ def make_model(seed: int) -> nn.Module:
         )
 
 
+def images(x: np.ndarray, x_train: np.ndarray) -> np.ndarray:
+    """The flat 64-pixel rows as (N, 1, 8, 8) images scaled to [0, 1]."""
+    return (x / PIXEL_MAX).reshape(-1, 1, 8, 8)
+
+
 def make_data(seed: int, batch_size: int) -> TaskData:
     """Stratified 80/20 split (1,437 / 360 images), pixels scaled to [0, 1]."""
-    datasets, _ = import_sklearn(NAME)
-    digits = datasets.load_digits()
-    x_train, x_test, y_train, y_test = stratified_split(
-        NAME, digits.images, digits.target, TEST_FRACTION
-    )
-
-    def to_images(x: np.ndarray) -> torch.Tensor:
-        return torch.tensor(x / PIXEL_MAX, dtype=torch.float32).unsqueeze(1)
-
-    return make_task_data(
-        NAME,
-        x_train=to_images(x_train),
-        y_train=torch.tensor(y_train, dtype=torch.int64),
-        x_test=to_images(x_test),
-        y_test=torch.tensor(y_test, dtype=torch.int64),
-        seed=seed,
-        batch_size=batch_size,
-        info={"source": "sklearn.datasets.load_digits"},
-    )
+    return sklearn_data(NAME, "load_digits", TEST_FRACTION, seed, batch_size, images)
 
 
-TASK = Task(
+TASK = classification_task(
     name=NAME,
     description="small CNN on 8x8 digits (1,797 images): convolutions at a size a CPU can train",
-    metric="accuracy",
-    higher_is_better=True,
     default_steps=500,
     default_batch_size=64,
     default_lr=2e-3,
     make_model=make_model,
     make_data=make_data,
-    make_optimizer=adamw,
-    loss_fn=cross_entropy,
-    evaluate=evaluate_accuracy,
 )

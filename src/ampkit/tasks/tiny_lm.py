@@ -1,8 +1,7 @@
 """tiny-lm: a byte-level transformer language model trained on Python's own stdlib source.
 
-Most of its time is in matrix multiplies (QKV, attention, MLP, the vocab head; about
-two thirds of an fp32 CPU step at the default size, by torch.profiler), which is where
-mixed precision pays on hardware that has fast half-precision units.
+Most of its time is in matrix multiplies (QKV, attention, MLP, the vocab head), which is
+where mixed precision pays on hardware that has fast half-precision units.
 The text is CPython's standard library, present on every machine that runs ampkit,
 and the vocabulary is the 256 byte values, so it never depends on the text.
 """
@@ -18,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset, RandomSampler
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from .task import Task, TaskData, check_batch_size, seeded, seeded_generator
 
@@ -54,36 +53,18 @@ def load_corpus() -> tuple[bytes, list[str]]:
     root = Path(sysconfig.get_paths()["stdlib"])
     found = [name for name in STDLIB_FILES if (root / name).is_file()]
     if not found:
-        raise FileNotFoundError(
-            f"task {NAME!r} trains on Python's standard-library source, but none of "
-            f"{', '.join(STDLIB_FILES)} exists under {str(root)!r} "
-            f"(sysconfig stdlib path of {sys.executable})"
-        )
+        raise FileNotFoundError(f"task {NAME!r} trains on Python's standard-library source, but none of "
+                                f"{', '.join(STDLIB_FILES)} exists under {str(root)!r} "
+                                f"(sysconfig stdlib path of {sys.executable})")
     text = b"\n\n".join((root / name).read_bytes() for name in found)
     return text, found
 
 
-class ByteWindows(Dataset):
-    """Item i is the window starting at byte i: (x, y) with y shifted one byte right."""
-
-    def __init__(self, data: Tensor, block: int) -> None:
-        self.data = data
-        self.block = block
-
-    def __len__(self) -> int:
-        return len(self.data) - self.block
-
-    def __getitem__(self, start: int) -> tuple[Tensor, Tensor]:
-        chunk = self.data[start : start + self.block + 1]
-        return chunk[:-1], chunk[1:]
-
-
-def eval_windows(data: Tensor, block: int) -> tuple[Tensor, Tensor]:
-    """Fixed, non-overlapping windows over the held-out bytes: (inputs, targets)."""
-    n = (len(data) - 1) // block
-    x = data[: n * block].view(n, block)
-    y = data[1 : n * block + 1].view(n, block)
-    return x, y
+def windows(data: Tensor, step: int) -> tuple[Tensor, Tensor]:
+    """The `BLOCK`-byte windows of `data` that start `step` bytes apart, as (inputs, targets): each target
+    is the next byte. Views of `data`: with step 1 a copy would hold every byte `BLOCK` times."""
+    w = data.unfold(0, BLOCK + 1, step)
+    return w[:, :-1], w[:, 1:]
 
 
 def make_data(seed: int, batch_size: int) -> TaskData:
@@ -98,12 +79,10 @@ def make_data(seed: int, batch_size: int) -> TaskData:
     train, held_out = data[:split], data[split:]
     windows_per_epoch = len(train) // BLOCK
     check_batch_size(NAME, batch_size, windows_per_epoch)
-    dataset = ByteWindows(train, BLOCK)
-    sampler = RandomSampler(
-        dataset, replacement=True, num_samples=windows_per_epoch, generator=seeded_generator(seed)
-    )
+    dataset = TensorDataset(*windows(train, 1))  # item i: the window starting at byte i
+    sampler = RandomSampler(dataset, replacement=True, num_samples=windows_per_epoch, generator=seeded_generator(seed))
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
-    eval_x, eval_y = eval_windows(held_out, BLOCK)
+    eval_x, eval_y = windows(held_out, BLOCK)  # fixed and non-overlapping
     info = {
         "source": "python stdlib " + sys.version.split()[0],
         "files": ", ".join(files),
@@ -143,9 +122,7 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(d_model)
         self.attn = CausalSelfAttention(d_model, n_heads)
         self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(
-            nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
-        )
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln1(x))
@@ -223,13 +200,9 @@ def evaluate(model: nn.Module, data: TaskData, device: torch.device | str) -> di
     model.eval()
     try:
         total = torch.zeros((), dtype=torch.float64, device=device)  # stays on device
-        for x, y in zip(
-            data.eval_inputs.split(EVAL_BATCH_SIZE), data.eval_targets.split(EVAL_BATCH_SIZE)
-        ):
+        for x, y in zip(data.eval_inputs.split(EVAL_BATCH_SIZE), data.eval_targets.split(EVAL_BATCH_SIZE)):
             logits = model(x.to(device)).float()
-            total += F.cross_entropy(
-                logits.flatten(0, 1), y.to(device).flatten(), reduction="sum"
-            ).double()
+            total += F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten(), reduction="sum").double()
         eval_loss = total.item() / data.eval_targets.numel()  # sync: the evaluation's one read, after training
         return {"perplexity": math.exp(eval_loss), "eval_loss": eval_loss}
     finally:
