@@ -110,8 +110,7 @@ class NestedDDPCheck:
     """A one-time forward pre-hook on ampkit's DDP: raise if the script's own DDP encloses it."""
 
     def __init__(self, ddp: nn.parallel.DistributedDataParallel) -> None:
-        self.ddp = ddp
-        self.handle = ddp.register_forward_pre_hook(self)
+        self.ddp, self.handle = ddp, ddp.register_forward_pre_hook(self)
 
     def __call__(self, module: nn.Module, _inputs: Any) -> None:
         self.handle.remove()  # the wrapping is fixed once the loop runs: one look is enough

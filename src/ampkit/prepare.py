@@ -145,13 +145,11 @@ class Prepared:
         policy = self.acc.policy
         if self.optimizers or not (policy.loss_scaling or policy.low_precision_params):
             return
-        # Refused rather than supported: a manual update (p.data.add_(p.grad, alpha=-lr)) would need
-        # the unscale, the skip of overflowing steps and the scale update (fp16), or the fp32 update of
-        # low-precision weights (-master, bf16-true): the prepared optimizer is that code.
+        # Refused, not supported: a manual update would have to unscale, skip overflowing steps and update
+        # the scale (fp16), or update low-precision weights in fp32: the prepared optimizer is that code.
         what = ("scales the loss (by 65536 at first) and only a prepared optimizer unscales the gradients and skips "
-                "overflowing steps" if policy.loss_scaling else
-                f"stores the weights in {dtype_name(policy.param_dtype)}, where a manual update loses the small steps; "
-                f"only a prepared optimizer applies it in fp32")
+                "overflowing steps" if policy.loss_scaling else f"stores the weights in {dtype_name(policy.param_dtype)}, "
+                f"where a manual update loses the small steps; only a prepared optimizer applies it in fp32")
         raise StepOrderError(
             f"precision {policy.name!r} {what}, and no optimizer was prepared. Prepare one: model, optimizer = "
             f"acc.prepare(model, optimizer) (torch.optim.SGD(model.parameters(), lr=lr) is the manual update "

@@ -84,9 +84,8 @@ class Analysis:
         self.sync_sites = syncs.sites + syncs.cuda_sites
         self.cuda_debug = syncs.cuda_debug
         self.synced_steps = len(profiled)  # the sync watcher watches the profiled window
-        # A site that read in every watched step (one step's slack: a read after the step's end lands
-        # in the next) is the training step's; one that read in fewer is evaluation or logging that
-        # runs every few steps, reported apart with its own rate.
+        # A site that read in every watched step (one's slack: a read after a step's end lands in the next)
+        # is the training step's; one that read in fewer is evaluation or logging, reported apart.
         self.site_steps = {site: len(syncs.site_steps.get(site, ())) for site in self.sync_sites}
         self.every_step = {site for site, seen in self.site_steps.items() if seen >= max(1, self.synced_steps - 1)}
         self.syncs_per_step = sum(n for site, n in self.sync_sites.items() if site in self.every_step) / self.synced_steps

@@ -13,11 +13,9 @@ from other threads (a DataLoader's pin-memory thread) or from C++ without a Pyth
 indexing with a tensor (`__index__`). A read nested in another (`print` → `__repr__` → `item`) is
 one sync: the mode does not see what torch runs inside the call it is handling.
 
-On a CPU every tensor would live on a GPU's device, except those the script makes on the host
-itself: a tensor made by a factory (`torch.zeros(n)`, `torch.tensor(...)`) without a `device=`,
-and whatever is computed from such tensors alone, is marked as host-born and its reads are not
-counted (`losses = torch.zeros(k)` filled with `.item()` values, then `losses.mean()` printed), when
-the watcher is made with `host_born=True` (the doctor's session is).
+With `host_born=True` (the doctor's session) a CPU run leaves out reads of tensors a GPU run would
+keep on the host too: made by a factory without `device=` (`losses = torch.zeros(k)`), or computed
+from such tensors alone.
 
 On CUDA it also turns on `torch.cuda.set_sync_debug_mode("warn")`, which reports every
 synchronizing operation torch itself performs (ground truth for the device); its warnings are
@@ -193,7 +191,6 @@ class SyncWatcher:
         self.calls = 0  # tensor functions the mode saw (each pays `call_overhead()` for it)
         self.step = 0  # the owner's step index: `site_steps` says in which steps each site read
         self.site_steps: dict[SyncSite, set[int]] = {}
-        # On a CPU: id -> weak reference of the tensors the script made on the host (see the docstring).
         self.host: dict[int, weakref.ref[torch.Tensor]] | None = {} if device.type == "cpu" and host_born else None
         self.log: list[warnings.WarningMessage] | None = None  # warnings recorded while the debugger is on
         self._mode: _Mode | None = None
