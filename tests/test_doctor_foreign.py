@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampkit
-from ampkit.doctor import NumericsSession, summarize
+from ampkit.doctor import NumericsSession, summarize, validate_numerics
 from ampkit.doctor.numerics_findings import lost_update_fix
 from ampkit.doctor.numerics_report import format_text
 
@@ -127,3 +127,37 @@ def test_the_header_shows_a_long_argument_list_on_one_line_cut():
     line = subject_line({"kind": "script", "name": "train.py", "argv": argv})
     assert "\n" not in line and line.startswith("train.py --batch_size=12 --compile=False")
     assert line.endswith("…") and len(line) <= len("train.py ") + 60
+
+
+class WithLoss(nn.Module):
+    """nanoGPT / Hugging Face: the model returns (logits, loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Deep()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor):
+        logits = self.net(x)
+        return logits, F.cross_entropy(logits, y)
+
+
+@pytest.mark.parametrize("divides", [True, False])
+def test_the_numerics_doctor_names_a_loss_divided_twice_under_accumulation(divides):
+    acc = ampkit.Accelerator("fp32", device="cpu", grad_accum_steps=2, divide_loss=True)
+    model = WithLoss()
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-2))
+    session = NumericsSession(acc, steps=2)
+    for x, y in data(4):
+        _, loss = model(x, y)
+        if divides:
+            loss = loss / 2  # the script's own accumulation division, kept after the conversion
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    validate_numerics(session.result)
+    found = [f for f in session.result["findings"] if f["id"] == "double-division"]
+    if divides:
+        assert found and found[0]["title"] == "the loss is divided by 2 twice: every gradient is 2x too small"
+        assert summarize(session.result)["problem"] == found[0]["title"]
+    else:
+        assert not found and summarize(session.result)["problem"] is None

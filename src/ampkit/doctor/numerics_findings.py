@@ -164,6 +164,8 @@ def _problem(r: Result) -> str | None:
     keep = r["census"]["keep_fp32"]
     scale, lost = r["loss_scale"], r["lost_updates"]
     for f in r["findings"]:
+        if f["id"] == "double-division":
+            return f["title"]
         if f["id"] in ("forward-overflow", "backward-overflow"):
             loc = r["localizer"]
             from_replay = loc is not None and (loc["forward"] or loc["backward"])

@@ -90,7 +90,8 @@ NUMERICS_SCHEMA: dict[str, Any] = {
             "min_scale": NUM_OR_NULL, "diagnosis": {"type": "string", "minLength": 1}},
             history="The scale each watched step used.", scale="The scale the last watched step used.")),
         "findings": {"type": "array", "items": obj({
-            "id": {"enum": ["forward-overflow", "backward-overflow", "grad-underflow", "lost-updates", "loss-scale"]},
+            "id": {"enum": ["forward-overflow", "backward-overflow", "grad-underflow", "lost-updates", "loss-scale",
+                            "double-division"]},
             "title": {"type": "string", "minLength": 1}, "evidence": {"type": "string", "minLength": 1},
             "fix": {"type": "string", "minLength": 1}})},
         "notes": {"type": "array", "items": _STR},
