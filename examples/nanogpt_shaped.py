@@ -151,6 +151,7 @@ def train(precision: str, c: Config = Config(), out_dir: Path | None = None, log
         if log and it % c.eval_interval == 0:
             acc.print(f"iter {it}: loss {loss.item():.4f}")
     if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
         # A whole-model save loads like the plain module's, without ampkit (torch.load(weights_only=False)).
         torch.save(acc.unwrap(model), out_dir / "model.pt")
         acc.save_checkpoint(out_dir / "checkpoints")  # was: torch.save({'model': ..., 'optimizer': ...}, ckpt.pt)
