@@ -91,6 +91,48 @@ def accumulation(out: Path) -> dict:
     return {"allreduces": len(calls), "steps": acc.state.applied_steps, "metrics": metrics_seen}
 
 
+def script_ddp(out: Path) -> dict:
+    """A script converted from its own DDP code: a leftover DDP, and its own no-sync micro-steps."""
+    from contextlib import nullcontext
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    errors = {}
+    _, leftover, _, loader = setup("fp32")  # a model of its own: the two DDPs' hooks stay on its parameters
+    x, y = next(iter(loader))
+    try:
+        DDP(leftover)(x)  # the script's own `model = DDP(model)` after prepare
+    except ampkit.StepOrderError as exc:
+        errors["nested"] = str(exc)
+    try:
+        ampkit.Accelerator(precision="fp32", device="cpu").prepare(DDP(model()))
+    except ampkit.StepOrderError as exc:
+        errors["prewrapped"] = str(exc)
+    acc, m, opt, loader = setup("fp32", sgd=True)
+    calls = []
+
+    def counting_allreduce(state, bucket):
+        calls.append(1)
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        return allreduce_hook(state, bucket)
+
+    m.register_comm_hook(None, counting_allreduce)
+    batches = iter(loader)
+    for step in range(4):  # its own accumulation of 2 micro-steps, grad_accum_steps=1
+        for micro in range(2):
+            x, y = next(batches)
+            if step % 2:  # nanoGPT sets the flag itself
+                m.require_backward_grad_sync = micro == 1
+                context = nullcontext()
+            else:
+                context = m.no_sync() if micro == 0 else nullcontext()
+            with context:
+                acc.backward(F.cross_entropy(m(x), y) / 2)
+        opt.step()
+        opt.zero_grad()
+    return {"errors": errors, "allreduces": len(calls)}
+
+
 def files(out: Path) -> dict:
     writes = []
     real = ampkit_files.atomic_write
@@ -155,7 +197,7 @@ def sharded(out: Path, stop_after: int | None, precision: str = "fp16-mixed") ->
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
     runs = {"equiv-fp32": lambda: equivalence(out, "fp32"), "equiv-bf16": lambda: equivalence(out, "bf16-mixed"),
-            "overflow": lambda: overflow(out), "accum": lambda: accumulation(out), "files": lambda: files(out),
+            "overflow": lambda: overflow(out), "accum": lambda: accumulation(out), "script-ddp": lambda: script_ddp(out), "files": lambda: files(out),
             "resumable": lambda: resumable(out), "fsdp-clean": lambda: sharded(out, None),
             "fsdp-crash": lambda: sharded(out, 13), "fsdp-resume": lambda: sharded(out, None)}
     result = runs[mode]()

@@ -52,6 +52,16 @@ def test_two_ranks_of_batch_b_equal_one_process_of_batch_2b(tmp_path, precision)
         torch.testing.assert_close(a, b.detach(), rtol=0, atol=tol)
 
 
+def test_a_converted_scripts_leftover_ddp_is_refused_and_its_own_no_sync_is_respected(tmp_path):
+    torchrun("script-ddp", tmp_path)
+    for r in ranks(tmp_path):
+        errors = r["errors"]
+        assert "the prepared model runs inside another DistributedDataParallel: under torchrun ampkit wraps" in errors["nested"]
+        assert errors["prewrapped"].startswith("prepare() got a model already wrapped in DistributedDataParallel")
+        assert "strategy='none'" in errors["nested"]
+        assert r["allreduces"] == 4  # one per optimizer step: the script's no-sync micro-steps did not sync
+
+
 def test_an_overflow_on_one_rank_is_skipped_by_every_rank(tmp_path):
     torchrun("overflow", tmp_path)
     r0, r1 = ranks(tmp_path)

@@ -51,8 +51,11 @@ class Accelerator:
         precision: "auto" (chosen from the hardware; `acc.policy.reason` says why), a preset name
             ("fp32", "bf16-mixed", "fp16-mixed", "fp16-master", "bf16-master", "bf16-true") or an
             `ampkit.Precision`.
-        grad_accum_steps: micro-batches per optimizer step. The loss is divided by it, and the
-            prepared optimizer and scheduler act only on every k-th call.
+        grad_accum_steps: micro-batches per optimizer step. The loss is divided by it (see
+            divide_loss), and the prepared optimizer and scheduler act only on every k-th call.
+        divide_loss: whether acc.backward divides the loss by grad_accum_steps. None (default)
+            divides and says so once (a script that still divides its own loss divides twice);
+            True divides silently; False leaves the division to the loop.
         device: "auto" (cuda, then mps, then cpu), or e.g. "cpu", "cuda:1".
         scaler: a custom `LossScaler` for the fp16 presets (default: dynamic, 2**16, growth every 2000).
         keep_fp32: module types or name patterns (fnmatch, e.g. "head", "blocks.*.attn") that run and
@@ -79,6 +82,9 @@ class Accelerator:
             allocator keeps the freed memory, so this costs nothing; on a CPU it goes back to the
             OS and is faulted in again at the next step, which costs time on large models. False
             keeps them (18 bytes per parameter more) for that speed.
+        cast_outputs: cast a prepared model's bf16/fp16 outputs to fp32, so that a loss computed
+            outside the model runs in fp32. False returns them as the model made them: for a model
+            that computes its loss itself and returns large logits beside it (that copy is never used).
     """
 
     def __init__(
@@ -96,6 +102,8 @@ class Accelerator:
         channels_last: bool = False,
         cuda_graphs: bool = False,
         free_step_buffers: bool = True,
+        cast_outputs: bool = True,
+        divide_loss: bool | None = None,
     ) -> None:
         check_steps(grad_accum_steps)
         if isinstance(keep_fp32, (str, type)):
@@ -126,7 +134,7 @@ class Accelerator:
                 f"loss scaling is for fp16: use precision='fp16-mixed' or 'fp16-master', or drop scaler="
             )
         self.scaler = (scaler or LossScaler()).to(self.device) if self.policy.loss_scaling else None
-        self.cycle = AccumulationCycle(grad_accum_steps, self.scaler)
+        self.cycle = AccumulationCycle(grad_accum_steps, self.scaler, divide_loss)
         self.events = Events()  # listeners: ampkit.events.Listener
         self.compile_options = compile_setup(self.device, compile, cuda_graphs)  # torch.compile kwargs, or None
         self.cuda_graphs = cuda_graphs and self.compile_options is not None
@@ -134,9 +142,11 @@ class Accelerator:
         if not isinstance(channels_last, bool):
             raise TypeError(f"channels_last={channels_last!r}: expected True or False")
         self.channels_last = channels_last
-        if not isinstance(free_step_buffers, bool):
-            raise TypeError(f"free_step_buffers={free_step_buffers!r}: expected True or False")
+        for name, flag in (("free_step_buffers", free_step_buffers), ("cast_outputs", cast_outputs)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name}={flag!r}: expected True or False")
         self.free_step_buffers = free_step_buffers
+        self.cast_outputs = cast_outputs
         self.grad_accum_steps = grad_accum_steps
         self.keep_fp32 = list(keep_fp32)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
@@ -165,13 +175,11 @@ class Accelerator:
         count as a micro-step."""
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"acc.backward(loss) expects the loss tensor the model's output produced; got a {type(loss).__name__} ({loss!r})")
-        for opt in self._prepared.optimizers:
-            opt.check_backward()
+        self._prepared.check_backward()
         if self.events:
             self.events.emit(Listener.on_backward_start, self, loss)
         finite = None
-        if self.grad_accum_steps > 1:
-            loss = loss / self.grad_accum_steps
+        loss = self.cycle.micro_loss(loss)
         if self.scaler is not None:
             finite = torch.isfinite(loss.detach()).all()  # a device flag, read only to explain a collapse
             self.cycle.flush_scale_update()
@@ -194,24 +202,13 @@ class Accelerator:
         return self.cycle.at_end
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
-        """Clip the unscaled gradients of every prepared optimizer; return the total norm.
+        """Clip the unscaled gradients of the prepared optimizers (or models, with none); return the
+        total norm, summed in model-parameter order as a hand-written `clip_grad_norm_(model.parameters())`.
 
-        On an overflowing step the norm is inf/NaN: nothing raises and the step is skipped, so no
-        weight changes. The norm stays on the device (no sync). On a micro-step that does not end
-        an accumulation cycle there is nothing to clip yet: it does nothing and returns None, so
-        the loop needs no `if` around it.
-        """
-        if not self._prepared.optimizers:
-            raise StepOrderError("acc.clip_grad_norm_() needs a prepared optimizer: acc.prepare(model, optimizer)")
-        if not self.cycle.started:
-            raise StepOrderError("acc.clip_grad_norm_() was called before acc.backward(loss)")
-        if not self.cycle.at_end:
-            return None
-        params: list[torch.Tensor] = []
-        for opt in self._prepared.optimizers:
-            opt.unscale_()
-            params.extend(p for g in opt.param_groups for p in g["params"] if p.grad is not None)
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=True)
+        On an overflowing step the norm is inf/NaN: nothing raises and the step is skipped. The norm
+        stays on the device (no sync). On a micro-step that does not end an accumulation cycle it
+        does nothing and returns None, so the loop needs no `if` around it."""
+        return self._prepared.clip_grad_norm_(max_norm, norm_type)
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """The policy's autocast, for computation outside the prepared model (e.g. a loss)."""

@@ -15,6 +15,7 @@ forward itself) and the first backward's are kept apart from the steady-state st
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import time
@@ -114,8 +115,7 @@ def unavailable_reason(device: torch.device, options: Mapping[str, Any]) -> str 
 class CompiledForward:
     """A module's forward, compiled on first use; eager (with one warning) if compiling fails.
 
-    A class rather than a closure so a prepared model stays picklable (the compiled function is
-    rebuilt after unpickling).
+    A class rather than a closure so a prepared model stays picklable and deep-copyable.
     """
 
     def __init__(self, forward: Any, options: Mapping[str, Any], stats: CompileStats, label: str) -> None:
@@ -150,10 +150,15 @@ class CompiledForward:
         self.stats.first_forward_s = time.perf_counter() - start
         return out
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_compiled"], state["_first"] = None, True
-        return state
+    def __reduce__(self) -> Any:
+        # `torch.save(model)` pickles the module's own forward (see `PolicyForward.__reduce__`).
+        return self.forward.__reduce__()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CompiledForward:
+        # A deep copy is compiled again on its first call (the compiled function is not copied).
+        clone = object.__new__(CompiledForward)
+        clone.__dict__.update(copy.deepcopy({**self.__dict__, "_compiled": None, "_first": True}, memo))
+        return clone
 
 
 def uncompiled(forward: Any) -> Any:

@@ -10,6 +10,7 @@ reader of `acc.state.scale` needs the current scale.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -26,10 +27,14 @@ def check_steps(steps: Any) -> None:
 class AccumulationCycle:
     """The position in a cycle of `steps` micro-steps (0 before the first backward, then 1..steps)."""
 
-    def __init__(self, steps: int, scaler: LossScaler | None) -> None:
+    def __init__(self, steps: int, scaler: LossScaler | None, divide_loss: bool | None = None) -> None:
         check_steps(steps)
+        if divide_loss not in (None, True, False):
+            raise TypeError(f"divide_loss={divide_loss!r}: expected True, False or None")
         self.steps = steps
         self.scaler = scaler
+        self.divide_loss = divide_loss is not False
+        self._tell = divide_loss is None and steps > 1  # say once that the loss is divided
         self.position = 0
         self._owed: list[torch.Tensor] = []  # found_inf flags of steps whose scale update is owed
 
@@ -63,6 +68,24 @@ class AccumulationCycle:
     def next_is_last(self) -> bool:
         """The next backward will complete the cycle (DDP all-reduces in that one only)."""
         return self.position % self.steps + 1 == self.steps
+
+    def micro_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The share of `loss` one micro-step contributes: `loss / steps` unless `divide_loss=False`.
+
+        A script converted from its own accumulation often still divides its loss: divided twice, the
+        gradients are k times too small and nothing fails. So unless the choice was made explicitly,
+        the first division says so once."""
+        if self.steps == 1 or not self.divide_loss:
+            return loss
+        if self._tell:
+            self._tell = False
+            warnings.warn(
+                f"grad_accum_steps={self.steps}: acc.backward(loss) divides each micro-batch's loss by {self.steps}, so "
+                f"the accumulated gradient is the mean over the cycle. If the loop divides its loss by its accumulation "
+                f"steps too (loss = loss / gradient_accumulation_steps), remove that line: divided twice, every gradient "
+                f"is {self.steps}x too small. Accelerator(divide_loss=True) says this is intended (no notice); "
+                f"divide_loss=False keeps the loop's own division", stacklevel=3)
+        return loss / self.steps
 
     # --- owed loss-scale updates ------------------------------------------------------------------
     def owe_scale_update(self, found_inf: torch.Tensor) -> None:

@@ -11,6 +11,7 @@ things ranks must agree on (the overflow flag, tracked metrics) on the device.
 from __future__ import annotations
 
 import atexit
+import inspect
 import io
 import os
 import warnings
@@ -21,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+
+from ampkit.errors import StepOrderError
 
 
 @dataclass(frozen=True)
@@ -86,9 +89,39 @@ def _destroy() -> None:
 
 
 def wrap_ddp(model: nn.Module, device: torch.device) -> nn.parallel.DistributedDataParallel:
-    """DDP over `model` on this rank's device (gradients are averaged across ranks in backward)."""
+    """DDP over `model` on this rank's device (gradients are averaged across ranks in backward).
+
+    A script converted from its own DDP code may still wrap the result in a DDP of its own: both
+    would all-reduce every gradient. The first forward looks for an enclosing DDP and raises."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise StepOrderError(_NESTED.format(where="prepare() got a model already wrapped in DistributedDataParallel"))
     device_ids = [device.index] if device.type == "cuda" else None
-    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    NestedDDPCheck(ddp)
+    return ddp
+
+
+_NESTED = ("{where}: under torchrun ampkit wraps the model in DDP itself, so two DDPs would all-reduce every "
+           "gradient. Drop the script's own DDP(model) line (acc.unwrap(model) is the plain module, as "
+           "model.module was), or pass strategy='none' to keep the script's DDP")
+
+
+class NestedDDPCheck:
+    """A one-time forward pre-hook on ampkit's DDP: raise if the script's own DDP encloses it."""
+
+    def __init__(self, ddp: nn.parallel.DistributedDataParallel) -> None:
+        self.ddp, self.handle = ddp, ddp.register_forward_pre_hook(self)
+
+    def __call__(self, module: nn.Module, _inputs: Any) -> None:
+        self.handle.remove()  # the wrapping is fixed once the loop runs: one look is enough
+        ours = {id(p) for p in self.ddp.parameters()}
+        frame = inspect.currentframe()
+        while frame is not None:  # the callers' frames: an enclosing DDP's forward is one of them
+            outer = frame.f_locals.get("self")
+            if (isinstance(outer, nn.parallel.DistributedDataParallel) and outer is not self.ddp
+                    and any(id(p) in ours for p in outer.parameters())):
+                raise StepOrderError(_NESTED.format(where="the prepared model runs inside another DistributedDataParallel"))
+            frame = frame.f_back
 
 
 def shard_loader(loader: DataLoader, ctx: DistributedContext) -> DataLoader:

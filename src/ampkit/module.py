@@ -1,12 +1,16 @@
 """Preparing a model for a precision policy: device, parameter dtypes, autocast, kept-fp32 layers.
 
 `prepare_module` returns the user's own module object (same class, same state_dict keys) with its
-`forward` run under the policy's autocast and floating outputs cast back to fp32, so a loss
-computed outside the model sees what `torch.autocast` would give it.
+`forward` run under the policy's autocast and (with `cast_outputs`) its bf16/fp16 outputs cast to
+fp32, so a loss computed outside the model, outside any autocast region, runs in fp32 rather than
+in the low precision. That is what `torch.autocast` gives the losses on its fp32 list
+(cross_entropy, nll_loss, ...); for one autocast would run in low precision, compute the loss under
+`acc.autocast()` on uncast outputs to get autocast's numerics exactly.
 """
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -26,7 +30,8 @@ class PolicyForward:
     A class rather than a closure so a prepared model stays picklable and deep-copyable.
     """
 
-    def __init__(self, forward: Any, device_type: str, dtype: torch.dtype, fp32: bool, cast_inputs: bool = False) -> None:
+    def __init__(self, forward: Any, device_type: str, dtype: torch.dtype, fp32: bool, cast_inputs: bool = False,
+                 cast_outputs: bool = True) -> None:
         self.forward = forward
         self.device_type = device_type
         self.dtype = dtype
@@ -35,6 +40,7 @@ class PolicyForward:
         # boundary (as apex O2 and Lightning's bf16-true do), so that ops autocast leaves alone (a
         # residual add, then LayerNorm with bf16 weights on a CPU) never meet fp32 data and bf16 weights.
         self.cast_inputs = cast_inputs
+        self.cast_outputs = cast_outputs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.fp32:
@@ -44,7 +50,18 @@ class PolicyForward:
             args, kwargs = _cast_fp32(args, self.dtype), _cast_fp32(kwargs, self.dtype)
         with torch.autocast(self.device_type, dtype=self.dtype):
             out = self.forward(*args, **kwargs)
-        return _to_fp32(out)
+        return _to_fp32(out) if self.cast_outputs else out
+
+    def __reduce__(self) -> Any:
+        # `torch.save(model)` pickles the module's own bound forward in place of this wrapper: the file
+        # holds no ampkit object and loads like the plain module's, in a process without ampkit.
+        return self.forward.__reduce__()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PolicyForward:
+        # `copy.deepcopy(model)` (an EMA copy, say) keeps the policy: the copy runs like the original.
+        clone = object.__new__(PolicyForward)
+        clone.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return clone
 
 
 def _cast(obj: Any, sources: tuple[torch.dtype, ...], target: torch.dtype) -> Any:
@@ -104,7 +121,7 @@ def kept_fp32_roots(model: nn.Module, keep_fp32: KeepSpec) -> list[nn.Module]:
 
 
 def prepare_module(
-    model: nn.Module, policy: Precision, device: torch.device, keep_fp32: KeepSpec
+    model: nn.Module, policy: Precision, device: torch.device, keep_fp32: KeepSpec, cast_outputs: bool = True
 ) -> dict[nn.Parameter, torch.Tensor]:
     """Move `model` to `device`, store its parameters as `policy` says and wrap its forward.
 
@@ -133,7 +150,7 @@ def prepare_module(
                         buf.data = buf.data.to(policy.param_dtype)
     if policy.autocast:
         model.forward = PolicyForward(model.forward, device.type, policy.compute_dtype, fp32=False,
-                                      cast_inputs=policy.low_precision_params)
+                                      cast_inputs=policy.low_precision_params, cast_outputs=cast_outputs)
         for root in roots:
             if root is not model:
                 root.forward = PolicyForward(root.forward, device.type, policy.compute_dtype, fp32=True)

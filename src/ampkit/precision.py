@@ -107,7 +107,7 @@ def resolve_precision(precision: str | Precision, device: torch.device) -> Preci
     """Return the policy for `precision` ("auto", a preset name or a `Precision`) on `device`.
 
     Raises `PrecisionError` for an unknown name or a preset the device cannot run. fp16 on a CPU
-    without fp16 instructions runs but warns: it is correct, only far slower than fp32.
+    without fp16 instructions warns: it is far slower than fp32, and some CPU kernels lack it.
     """
     if isinstance(precision, Precision):
         policy = precision
@@ -145,10 +145,13 @@ def _check_runs(policy: Precision, device: torch.device) -> None:
     if not fast[dtype] and device.type == "cpu":
         warnings.warn(
             f"precision {policy.name!r} on {support.device}: this CPU has no {_dtype_name(dtype)} "
-            f"instructions, so it runs far slower than fp32 (correct, but use it only to test); "
-            f"precision='auto' picks what is fast here",
+            f"instructions, so it runs far slower than fp32{_FP16_CPU_OPS if dtype == _fp16 else ''}. Use it only "
+            f"to test; precision='auto' picks what is fast here",
             stacklevel=3,
         )
+
+
+_FP16_CPU_OPS = ", and some ops may not run at all (oneDNN's LSTM has no fp16 forward on CPUs: it raises)"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -23,6 +23,7 @@ from ampkit.errors import StepOrderError
 from ampkit.lowp_weights import LowPrecisionWeights, stand_in_weights
 from ampkit.module import prepare_module
 from ampkit.optim import AmpOptimizer
+from ampkit.precision import dtype_name
 from ampkit.scheduler import AmpScheduler
 
 if TYPE_CHECKING:
@@ -112,9 +113,10 @@ class Prepared:
             self.compiled(model)
             self.originals[id(model)] = _Model({})
             self.models.append(model)
-            model.register_forward_pre_hook(self._set_grad_sync)
+            if self.acc.grad_accum_steps > 1:
+                model.register_forward_pre_hook(self._set_grad_sync)
             return model
-        originals = prepare_module(model, self.acc.policy, self.acc.device, self.acc.keep_fp32)
+        originals = prepare_module(model, self.acc.policy, self.acc.device, self.acc.keep_fp32, self.acc.cast_outputs)
         self._to_channels_last(model)
         self.compiled(model)
         self.originals[id(model)] = _Model(originals)
@@ -123,7 +125,9 @@ class Prepared:
             ddp = wrap_ddp(model, self.acc.device)
             # DDP reads this flag in forward: only the forward whose backward ends an accumulation
             # cycle all-reduces (no_sync on the others), so there is one all-reduce per optimizer step.
-            ddp.register_forward_pre_hook(self._set_grad_sync)
+            # Without accumulation the flag stays the script's (its own no_sync() micro-steps work).
+            if self.acc.grad_accum_steps > 1:
+                ddp.register_forward_pre_hook(self._set_grad_sync)
             return ddp
         return model
 
@@ -133,6 +137,50 @@ class Prepared:
             model.set_requires_gradient_sync(sync)  # type: ignore[operator]
         else:
             model.require_backward_grad_sync = sync
+
+    def check_backward(self) -> None:
+        """Raise if a backward now could not give the update the loop means (before it runs)."""
+        for opt in self.optimizers:
+            opt.check_backward()
+        policy = self.acc.policy
+        if self.optimizers or not (policy.loss_scaling or policy.low_precision_params):
+            return
+        # Refused, not supported: a manual update would have to unscale, skip overflowing steps and update
+        # the scale (fp16), or update low-precision weights in fp32: the prepared optimizer is that code.
+        what = ("scales the loss (by 65536 at first) and only a prepared optimizer unscales the gradients and skips "
+                "overflowing steps" if policy.loss_scaling else f"stores the weights in {dtype_name(policy.param_dtype)}, "
+                f"where a manual update loses the small steps; only a prepared optimizer applies it in fp32")
+        raise StepOrderError(
+            f"precision {policy.name!r} {what}, and no optimizer was prepared. Prepare one: model, optimizer = "
+            f"acc.prepare(model, optimizer) (torch.optim.SGD(model.parameters(), lr=lr) is the manual update "
+            f"p.data.add_(p.grad, alpha=-lr)); or train a manual update with precision='bf16-mixed' or 'fp32'"
+        )
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor | None:
+        """`Accelerator.clip_grad_norm_`: unscale, then clip in the prepared models' parameter order."""
+        cycle = self.acc.cycle
+        if not cycle.started:
+            raise StepOrderError("acc.clip_grad_norm_() was called before acc.backward(loss)")
+        if not cycle.at_end:
+            return None
+        order: dict[int, int] = {}
+        for model in self.models:
+            for p in model.parameters():
+                order.setdefault(id(p), len(order))
+        if not self.optimizers:  # fp32 / bf16-mixed: the gradients are the models' own, unscaled
+            params = [p for model in self.models for p in model.parameters() if p.grad is not None]
+        else:
+            stands: dict[int, nn.Parameter] = {}  # an fp32 stand-in -> the model parameter it updates
+            params = []
+            for opt in self.optimizers:
+                opt.unscale_()
+                stands.update((id(stand), p) for p, stand in (opt.weights.pairs if opt.weights is not None else []))
+                params.extend(p for g in opt.param_groups for p in g["params"] if p.grad is not None)
+            # The order of model.parameters(), as a hand-written clip_grad_norm_(model.parameters())
+            # sums the norm: a different order rounds differently.
+            params.sort(key=lambda p: order.get(id(stands.get(id(p), p)), len(order)))
+        params = list({id(p): p for p in params}.values())
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=True)
 
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AmpOptimizer:
         weights = None

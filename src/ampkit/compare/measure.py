@@ -10,6 +10,7 @@ import random
 import time
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,6 +48,7 @@ class RunSpec:
     checkpoints: str | None = None  # folder to checkpoint into and resume from (built-in tasks)
     nproc: int = 1  # > 1: run under torchrun with this many processes (data parallel)
     numerics_steps: int = 0  # > 0: after the timed run, a pass of this many steps under the numerics doctor
+    accelerator_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # this precision's, resolved
 
 
 def seed_everything(seed: int) -> None:
@@ -83,7 +85,7 @@ def run_one(spec: RunSpec, progress: Callable[[int], None] | None = None) -> Run
     memory = Memory(device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        acc = Accelerator(precision=spec.precision, device=device)
+        acc = Accelerator(precision=spec.precision, device=device, **spec.accelerator_kwargs)
     notes = [str(w.message) for w in caught]
     recorder = Recorder(acc, on_step=progress)
     acc.events.add(recorder)
@@ -129,7 +131,8 @@ def numerics_pass(spec: RunSpec, device: torch.device) -> Numerics:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the run has recorded the Accelerator's warnings already
             if spec.train_fn is not None:
-                result = numerics_train_fn(spec.train_fn, steps=steps, precision=spec.precision, device=device)
+                result = numerics_train_fn(spec.train_fn, steps=steps, precision=spec.precision, device=device,
+                                           accelerator_kwargs=spec.accelerator_kwargs)
             else:
                 result = numerics_task(spec.task or "", steps=steps, precision=spec.precision, device=str(device),
                                        batch_size=spec.batch_size, seed=spec.seed)

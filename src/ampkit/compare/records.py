@@ -115,7 +115,7 @@ class Run:
 
 @dataclass(kw_only=True)
 class Task:
-    """The built-in task, or null for a user's own train_fn."""
+    """The built-in task, or the user's train_fn (its function's name; steps 0: the loop decides)."""
 
     OPEN: ClassVar[bool] = True
     name: str = field()

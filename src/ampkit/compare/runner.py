@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import inspect
 import json
 import pickle
 import shutil
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ampkit.accelerator import Accelerator
 from ampkit.compare.measure import NUMERICS_STEPS, PROBE_STEPS, RunSpec, TrainFn, run_one
 from ampkit.compare.records import Report, Run, Task, json_safe, validate_run
 from ampkit.compare.spawn import RunFailed, run_isolated, run_torchrun
@@ -66,6 +68,8 @@ def compare(
     resume: bool = False,
     nproc: int = 1,
     numerics: bool = True,
+    accelerator_kwargs: dict[str, Any] | None = None,
+    metric_direction: str | None = None,
 ) -> dict[str, Any]:
     """Run `train_fn` (or a built-in `task`) once per precision and return the report dict.
 
@@ -81,6 +85,7 @@ def compare(
         out: folder for report.json, the PNG plots and report.html (None: write nothing). Checked
             before any training: a comparison is never lost to a folder it cannot write.
         metric: which key of `train_fn`'s dict is the headline metric (default: the first key).
+        metric_direction: "higher" or "lower": which way the metric is better (val_loss: "lower").
         samples_per_step: for `train_fn`, to report samples/s.
         isolate: run each precision in its own process (clean memory figures). False runs in-process.
         resume: continue an interrupted comparison in `out`: finished runs are kept, an unfinished
@@ -91,14 +96,23 @@ def compare(
             same training, on a fresh model with the same seed, under the numerics doctor (layers at
             risk, lost updates, loss-scale health): `runs[i].numerics`. A separate pass: the run's
             time and memory figures do not include it.
+        accelerator_kwargs: more `Accelerator` arguments for every run (`grad_accum_steps`,
+            `keep_fp32`, `compile`, ...); a key that names a preset holds that preset's own, e.g.
+            {"grad_accum_steps": 4, "fp16-mixed": {"keep_fp32": ["head"]}}.
     """
     _check_args(train_fn, task, steps, batch_size, nproc, isolate, resume, out)
-    task_info = None
+    kwargs_of = _accelerator_kwargs(accelerator_kwargs)
+    if metric_direction not in (None, "higher", "lower"):
+        raise ValueError(f"metric_direction={metric_direction!r}: expected 'higher' or 'lower'")
     if task is not None:
         t = get_task(task)
         metric, samples_per_step = t.metric, batch_size or t.default_batch_size
         task_info = Task(name=t.name, metric=t.metric, higher_is_better=t.higher_is_better,
                          steps=steps or t.default_steps, batch_size=samples_per_step, seed=seed)
+    else:  # steps 0: the loop decides how many it runs
+        task_info = Task(name=getattr(train_fn, "__name__", "train_fn"), metric=metric, steps=steps or 0, seed=seed,
+                         higher_is_better=None if metric_direction is None else metric_direction == "higher",
+                         batch_size=samples_per_step)
     dev = resolve_device(device)
     plan = _plan(precisions, dev)
     state_dir = None
@@ -122,9 +136,13 @@ def compare(
                 continue
             ckpt = str(state_dir / f"{name}.ckpt") if state_dir is not None and task is not None and not probe else None
             spec = dataclasses.replace(base, precision=name, probe=probe, checkpoints=ckpt,
-                                       numerics_steps=0 if probe else base.numerics_steps)
-            run = _run_planned(spec, dev, isolate, progress, PROBE_STEPS if probe else task_info and task_info.steps)
+                                       numerics_steps=0 if probe else base.numerics_steps, accelerator_kwargs=kwargs_of(name))
+            # A train_fn's step count is known once one run has finished: every run trains the same loop.
+            known = task_info.steps or next((r.steps for r in report.runs if r.status == "ok" and r.steps), None)
+            run = _run_planned(spec, dev, isolate, progress, PROBE_STEPS if probe else known)
             run.finish(metric)
+            if task_info.metric is None and run.eval:
+                task_info.metric = metric = next(iter(run.eval))
             report.runs.append(run)
             if state_dir is not None and run.status != "failed":
                 state_dir.mkdir(parents=True, exist_ok=True)
@@ -173,6 +191,19 @@ def _check_args(train_fn: TrainFn | None, task: str | None, steps: int | None, b
                 f"train_fn={train_fn!r} cannot be sent to a fresh process ({exc}); define it at module level "
                 f"(not a lambda or a nested function), or pass isolate=False to run every precision in this process"
             ) from None
+
+
+def _accelerator_kwargs(given: dict[str, Any] | None) -> Any:
+    """`compare(accelerator_kwargs=)` checked up front, as a function: preset name -> its Accelerator kwargs."""
+    given = dict(given or {})
+    allowed = set(inspect.signature(Accelerator).parameters) - {"precision", "device"}
+    common = {k: v for k, v in given.items() if k not in PRESETS}
+    for name, value in [("", common), *((k, v) for k, v in given.items() if k in PRESETS)]:
+        if not isinstance(value, dict) or set(value) - allowed:
+            where = f"[{name!r}]" if name else ""
+            raise ValueError(f"accelerator_kwargs{where}={value!r}: expected Accelerator arguments "
+                             f"({', '.join(sorted(allowed))}); precision and device are compare()'s own")
+    return lambda name: {**common, **given.get(name, {})}
 
 
 def _plan(precisions: list[str] | tuple[str, ...] | None, dev: torch.device) -> list[tuple[str, bool]]:

@@ -5,6 +5,7 @@ Shared by the terminal table, the HTML page and the plots' labels, so they never
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ampkit.compare.records import MEMORY_KINDS, Report, Run, Task
@@ -136,8 +137,9 @@ def policy_lines(report: Report) -> list[str]:
 def title(report: Report) -> str:
     if report.task is None:
         return "ampkit compare: custom training function"
+    steps = f", {report.task.steps} steps" if report.task.steps else ""  # 0: a train_fn's loop decides
     batch = f", batch {report.task.batch_size}" if report.task.batch_size else ""
-    return f"ampkit compare: {report.task.name}, {report.task.steps} steps{batch}"
+    return f"ampkit compare: {report.task.name}{steps}{batch}"
 
 
 def notes(report: Report) -> list[str]:
@@ -167,8 +169,19 @@ def rows(report: Report) -> list[list[str]]:
         return NONE if value is None else fmt(value)
 
     baseline, task = report.baseline_run(), report.task
+    loss = _column([run.final_train_loss for run in report.runs])
+    metric = (lambda x: metric_value(x, task)) if is_accuracy(task) else _column([run.metric for run in report.runs])
     return [[run.precision, run.status, opt(run.step_time_median_s, lambda s: sig(s * 1e3)),
              opt(run.samples_per_s, sig), opt(run.speedup_vs_baseline, times), opt(run.peak_memory_bytes, size),
-             opt(run.memory_ratio_vs_baseline, times), opt(run.final_train_loss, lambda x: f"{x:.4g}"),
-             opt(run.metric, lambda x: metric_value(x, task)), metric_delta(run, baseline, task) or NONE,
+             opt(run.memory_ratio_vs_baseline, times), opt(run.final_train_loss, loss),
+             opt(run.metric, metric), metric_delta(run, baseline, task) or NONE,
              str(run.skipped_steps)] for run in report.runs]
+
+
+def _column(values: list[float | None]) -> Any:
+    """One number format for a whole column: 4 significant digits of its largest value, the same
+    decimals in every row ("3.210" beside "3.211", never "3.21")."""
+    finite = [abs(v) for v in values if v is not None and math.isfinite(v)]
+    top = max(finite, default=0.0)
+    decimals = min(6, max(0, 3 - math.floor(math.log10(top)))) if top > 0 else 3
+    return lambda x: f"{x:.{decimals}f}" if math.isfinite(x) else str(x)

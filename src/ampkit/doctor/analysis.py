@@ -84,7 +84,11 @@ class Analysis:
         self.sync_sites = syncs.sites + syncs.cuda_sites
         self.cuda_debug = syncs.cuda_debug
         self.synced_steps = len(profiled)  # the sync watcher watches the profiled window
-        self.syncs_per_step = sum(self.sync_sites.values()) / self.synced_steps
+        # A site that read in every watched step (one's slack: a read after a step's end lands in the next)
+        # is the training step's; one that read in fewer is evaluation or logging, reported apart.
+        self.site_steps = {site: len(syncs.site_steps.get(site, ())) for site in self.sync_sites}
+        self.every_step = {site for site, seen in self.site_steps.items() if seen >= max(1, self.synced_steps - 1)}
+        self.syncs_per_step = sum(n for site, n in self.sync_sites.items() if site in self.every_step) / self.synced_steps
 
         self.thread_peaks: dict[int, float] = {}  # fp32 matmul FLOP/s by thread count
         self.peaks = self._peaks() if session.bench else {}
@@ -223,8 +227,11 @@ class Analysis:
             "per_step": self.syncs_per_step,
             "method": self.sync_method,
             "real": self.device.type != "cpu",
+            "watched_steps": self.synced_steps,
             "sites": [{"file": site.file, "line": site.line, "code": site.code, "call": site.call,
-                       "via": site.via, "per_step": n / self.synced_steps} for site, n in sites],
+                       "via": site.via, "per_step": n / self.synced_steps, "reads": n,
+                       "steps_seen": self.site_steps[site], "every_step": site in self.every_step}
+                      for site, n in sites],
             "cuda_debug": self.cuda_debug,
         }
 

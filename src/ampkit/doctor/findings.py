@@ -313,16 +313,35 @@ _CALL_NAMES = {"__float__": "float()", "__int__": "int()", "__bool__": "bool() /
                "__format__": "an f-string/format", "cuda-sync": "a synchronizing CUDA op"}
 
 
+def occasional_rate(site: dict[str, Any], watched: int) -> str:
+    """"40 reads in 1 of 5 watched steps": a site that does not read in every step, at its own rate."""
+    reads = "1 read" if site["reads"] == 1 else f"{site['reads']} reads"
+    return f"{reads} in {site['steps_seen']} of {watched} watched steps"
+
+
 def syncs(result: dict[str, Any], ctx: Context) -> list[Finding]:
-    """One finding per site (the three most frequent), the rest in one."""
+    """One finding per site of the training step (the three most frequent), the rest in one; the
+    sites that read only in some steps (evaluation, logging every N steps) in one of their own."""
     section = result["syncs"]
-    sites = section["sites"]
+    occasional = [s for s in section["sites"] if not s["every_step"]]
+    sites = [s for s in section["sites"] if s["every_step"]]
     total = section["per_step"]
-    if not sites or total <= 0:
-        return []
     cost_gpu = advisor.sync_cost(ctx.work, ctx.gpu)
     cost_here = advisor.sync_cost(ctx.work, ctx.device_gpu) if ctx.device_gpu and section["real"] else 0.0
     out = []
+    if occasional:
+        first = occasional[0]
+        out.append(Finding(
+            id="sync",
+            title=(f"{occasional_rate(first, section['watched_steps'])} at {where(first['file'], first['line'])} "
+                   f"(`{first['code']}`)" + (f", and {len(occasional) - 1} other line(s) like it" if occasional[1:] else "")),
+            evidence=("code that runs every few steps, not in every training step (evaluation or logging): "
+                      + ", ".join(f"{where(s['file'], s['line'])} {occasional_rate(s, section['watched_steps'])}"
+                                  for s in occasional[:4])),
+            fix=("nothing per step; each time it runs it waits for the device once per read: gather the values "
+                 "on the device and read them once (torch.stack(values).tolist())"), saved_s=0.0, saved_on_gpu_s=0.0))
+    if not sites or total <= 0:
+        return out
     for site in sites[:3]:
         share = site["per_step"] / total
         n = site["per_step"]

@@ -14,8 +14,10 @@ detector compares the *effective* weight before and after:
 
 Among the elements the optimizer wanted to move (nonzero gradient), it counts those whose effective
 weight did not change at all (**lost**), and those whose update is below half an ulp of the weight
-in the model's storage dtype (**below half an ulp**: lost without masters or compensation). Counts
-stay on the device until `result()`.
+in the model's storage dtype (**below half an ulp**: lost without masters or compensation). A group
+whose update was exactly zero by intent is not counted for that step: a learning rate of 0 (a
+warm-up from 0), or no element of the group moving at all. Counts stay on the device until
+`result()`.
 """
 
 from __future__ import annotations
@@ -86,16 +88,26 @@ class LostUpdateDetector:
         if snapshot is None or not applied:
             return
         self.steps += 1
+        lrs = [g.get("lr") for g in self.optimizer.param_groups]
+        step: list[torch.Tensor | None] = [None] * self._groups
+        moved: list[torch.Tensor | None] = [None] * self._groups
         with torch.no_grad():
             for (index, param, get), before in zip(self._params, snapshot):
                 grad = param.grad
-                if grad is None or not param.is_floating_point():
-                    continue
+                if grad is None or not param.is_floating_point() or (isinstance(lrs[index], (int, float)) and lrs[index] == 0):
+                    continue  # no update was meant (a learning rate of 0: a warm-up that starts at 0)
                 update = get().float() - before
                 wanted = grad != 0
                 lost = wanted & (update == 0)
                 small = wanted & (update.abs() < half_ulp(before, param.dtype))
                 counts = torch.stack([wanted.sum(), lost.sum(), small.sum()])
+                step[index] = counts if step[index] is None else step[index] + counts
+                any_moved = (update != 0).any()
+                moved[index] = any_moved if moved[index] is None else moved[index] | any_moved
+            for index, counts in enumerate(step):
+                if counts is None:
+                    continue
+                counts = counts * moved[index]  # a group no element of which moved: an update of exactly 0
                 self._counts[index] = counts if self._counts[index] is None else self._counts[index] + counts
 
     def result(self) -> dict[str, Any]:

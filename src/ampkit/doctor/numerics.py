@@ -40,6 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from ampkit.version import ampkit_version
 from ampkit.accelerator import Accelerator
@@ -87,6 +88,8 @@ class NumericsSession(Watch):
         self._replayed = False  # the first troubled step (skipped, or a non-finite loss) has been replayed
         self._partial = False  # the hooks went on mid-step: that step is not watched
         self._loss_bad: torch.Tensor | None = None  # the step's losses so far: any inf/NaN? (no loss scaling)
+        self._model_loss: torch.Tensor | None = None  # a loss the model returned itself (nanoGPT, Hugging Face)
+        self._divided: list[torch.Tensor] = []  # per micro-step: acc.backward got the model's loss / k (device flags)
         self.attach()
 
     # --- the hooks on and off -------------------------------------------------------------------
@@ -116,6 +119,7 @@ class NumericsSession(Watch):
         self._lost = LostUpdateDetector(self.acc.optimizers[0])
         for model in models:  # the weights before each step: taken at the step's first forward
             self.hooks.callback(model.register_forward_pre_hook(self._snapshot).remove)
+            self.hooks.callback(model.register_forward_hook(self._returned_loss).remove)
 
     def _snapshot(self, *_: Any) -> None:
         replaying = self._census is None or not self._census.enabled
@@ -138,8 +142,17 @@ class NumericsSession(Watch):
         if self._census is not None and self.is_first(optimizer):
             self.outcomes.append(outcome)
 
+    def _returned_loss(self, _module: Any, _inputs: Any, out: Any) -> None:
+        losses = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dim() == 0 and t.requires_grad]
+        self._model_loss = losses[0] if len(losses) == 1 else None
+
     def on_backward_start(self, acc: Accelerator, loss: torch.Tensor) -> None:
-        """Each loss passed to `acc.backward`: without loss scaling, flag an inf/NaN one (on the device)."""
+        """Each loss passed to `acc.backward`: without loss scaling, flag an inf/NaN one (on the device);
+        under accumulation, flag a loss that is the model's own divided by k (ampkit divides it again)."""
+        model_loss, self._model_loss = self._model_loss, None
+        k = acc.cycle.steps
+        if model_loss is not None and k > 1 and acc.cycle.divide_loss and loss is not model_loss and self.result is None:
+            self._divided.append(torch.isclose(loss.detach().float() * k, model_loss.detach().float()))
         self._maybe_open(mid_step=True)
         keeper = self._keeper
         if keeper is not None and keeper.keep_weights and keeper.enabled and self.result is None:
@@ -281,6 +294,14 @@ class NumericsSession(Watch):
             "notes": [],
         }
         result["findings"] = findings(result)
+        divided = int(torch.stack(self._divided).sum()) if self._divided else 0  # sync: once, after the watch
+        if divided and divided == len(self._divided):
+            k = acc.cycle.steps
+            result["findings"].insert(0, {
+                "id": "double-division", "title": f"the loss is divided by {k} twice: every gradient is {k}x too small",
+                "evidence": f"in all {divided} watched micro-steps acc.backward got the model's own loss / {k}, and "
+                            f"grad_accum_steps={k} divides it by {k} again",
+                "fix": "remove the loop's own `loss = loss / gradient_accumulation_steps` line (or pass divide_loss=False)"})
         if acc.strategy == "ddp":
             result["notes"].append("under DDP the doctor watches this rank's model; the replay runs the unwrapped "
                                    "module")

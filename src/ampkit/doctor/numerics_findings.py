@@ -57,23 +57,28 @@ def _diagnose_scale(h: Result, localized: Result | None, census: Result) -> str:
     return f"{head}; the replay did not name a layer ({note})" + (f"; the census suggests {fix}" if keep else "")
 
 
+def lost_update_fix(precision: str, param_dtype: str, effective: str) -> tuple[str, str]:
+    """(short, long) remedy for updates lost in the effective weights; never the preset in use."""
+    if effective == "master" or param_dtype == "float32":  # the effective weights are fp32 already
+        return "a larger learning rate", "a larger learning rate: even fp32 weights cannot hold these updates"
+    if param_dtype == "bfloat16":
+        options = [("bf16-master", "fp32 master weights"), ("bf16-true", "Kahan-compensated bf16")]
+    else:
+        options = [("fp16-master", "fp32 master weights")]
+    options = [(name, what) for name, what in options if name != precision]
+    return (f"use {' or '.join(n for n, _ in options)}",
+            "use " + " or ".join(f"precision={n!r} ({what})" for n, what in options))
+
+
 def with_recommendation(lost: Result, acc: Accelerator) -> Result:
     worst = max((g["lost_share"] or 0.0 for g in lost["groups"]), default=0.0)
-    below = max((g["below_half_ulp_share"] or 0.0 for g in lost["groups"]), default=0.0)
     lost["recommendation"] = None
     if worst > LOST_SHARE_ALARM:
-        low = acc.policy.param_dtype != torch.float32
-        if low and acc.policy.param_dtype == torch.bfloat16:
-            options = "precision='bf16-master' (fp32 master weights) or 'bf16-true' (Kahan-compensated bf16)"
-        elif low:
-            options = "precision='fp16-master' (fp32 master weights)"
-        else:
-            options = "a larger learning rate: even fp32 storage cannot hold these updates"
-        lost["recommendation"] = (f"{worst:.0%} of the updates the optimizer made were rounded away by "
-                                  f"{dtype_name(acc.policy.param_dtype)} storage: use {options}")
-    elif below > LOST_SHARE_ALARM and lost["effective"] in ("master", "compensated"):
-        lost["recommendation"] = None  # the masters / compensation are doing their job; said in the findings
-    return lost
+        dtype = dtype_name(acc.policy.param_dtype)
+        storage = "fp32 master" if lost["effective"] == "master" else dtype
+        lost["recommendation"] = (f"{worst:.0%} of the updates the optimizer made were rounded away by {storage} "
+                                  f"storage: {lost_update_fix(acc.policy.name, dtype, lost['effective'])[1]}")
+    return lost  # lost below half an ulp but kept by masters / compensation: said in the findings
 
 
 def findings(r: Result) -> list[Result]:
@@ -122,10 +127,10 @@ def findings(r: Result) -> list[Result]:
                         "evidence": f"over {lost['steps']} applied steps, storage {r['device']['param_dtype']}",
                         "fix": lost["recommendation"]})
         elif below > LOST_SHARE_ALARM and lost["effective"] in ("master", "compensated"):
-            kind = "fp32 master weights" if lost["effective"] == "master" else "the Kahan compensation"
+            kind = "fp32 master weights keep" if lost["effective"] == "master" else "the Kahan compensation keeps"
             out.append({"id": "lost-updates",
                         "title": f"{below:.0%} of updates are below half a {r['device']['param_dtype']} ulp",
-                        "evidence": f"{kind} keep them: {worst:.1%} are lost in the effective weights",
+                        "evidence": f"{kind} them: {worst:.1%} are lost in the effective weights",
                         "fix": "nothing to do: this is what the preset is for"})
     if scale is not None and scale["skipped"]:
         out.append({"id": "loss-scale", "title": f"the loss scale backed off {scale['halvings']} time(s)",
@@ -159,6 +164,8 @@ def _problem(r: Result) -> str | None:
     keep = r["census"]["keep_fp32"]
     scale, lost = r["loss_scale"], r["lost_updates"]
     for f in r["findings"]:
+        if f["id"] == "double-division":
+            return f["title"]
         if f["id"] in ("forward-overflow", "backward-overflow"):
             loc = r["localizer"]
             from_replay = loc is not None and (loc["forward"] or loc["backward"])
@@ -169,9 +176,8 @@ def _problem(r: Result) -> str | None:
         elif f["id"] == "grad-underflow" and fp16 and scale is None:
             return f"{f['title']}: use loss scaling (fp16-mixed)"
         elif f["id"] == "lost-updates" and lost is not None and lost["recommendation"]:
-            dtype = r["device"]["param_dtype"]
-            fix = {"bfloat16": "bf16-master or bf16-true", "float16": "fp16-master"}.get(dtype)
-            return f"{f['title']}: " + (f"use {fix}" if fix else "a larger learning rate")
+            short, _ = lost_update_fix(r["device"]["precision"], r["device"]["param_dtype"], lost["effective"])
+            return f"{f['title']}: {short}"
         elif f["id"] == "loss-scale" and scale is not None and 2 * scale["skipped"] > len(scale["history"]):
             return f"{scale['skipped']} of {len(scale['history'])} steps skipped on overflow"
     return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
+from ampkit.doctor.report import subject_line
 from ampkit.doctor.schema import NUM, NUM_OR_NULL, obj
 
 Result = dict[str, Any]
@@ -89,7 +90,8 @@ NUMERICS_SCHEMA: dict[str, Any] = {
             "min_scale": NUM_OR_NULL, "diagnosis": {"type": "string", "minLength": 1}},
             history="The scale each watched step used.", scale="The scale the last watched step used.")),
         "findings": {"type": "array", "items": obj({
-            "id": {"enum": ["forward-overflow", "backward-overflow", "grad-underflow", "lost-updates", "loss-scale"]},
+            "id": {"enum": ["forward-overflow", "backward-overflow", "grad-underflow", "lost-updates", "loss-scale",
+                            "double-division"]},
             "title": {"type": "string", "minLength": 1}, "evidence": {"type": "string", "minLength": 1},
             "fix": {"type": "string", "minLength": 1}})},
         "notes": {"type": "array", "items": _STR},
@@ -114,13 +116,18 @@ def num(x: float | None) -> str:
 
 
 def _share(x: float | None) -> str:
-    return "—" if x is None else (f"{x:.1%}" if x >= 0.001 or x == 0 else f"{x:.2e}")
+    """A share as a percentage, always (a tiny one with two significant digits, never in e-notation)."""
+    if x is None:
+        return "—"
+    if x == 0 or x >= 0.001:
+        return f"{x:.1%}"
+    return "<0.0001%" if x < 1e-6 else f"{x * 100:.2g}%"
 
 
 def _lines(r: Result) -> list[tuple[str, list[str]]]:
     """(heading, lines) sections shared by the text and HTML forms."""
     s, d = r["steps"], r["device"]
-    subject = r["subject"]["name"] + (" " + " ".join(r["subject"]["argv"]) if r["subject"]["argv"] else "")
+    subject = subject_line(r["subject"])
     head = [f"{s['watched']} steps watched on {d['device']}, {d['precision']} "
             f"(params {d['param_dtype']}, compute {d['compute_dtype']})"
             + ("" if s["complete"] else f" — the loop ended before the {s['requested']} asked for")]
@@ -133,9 +140,11 @@ def _lines(r: Result) -> list[tuple[str, list[str]]]:
         risk.append(f"suggested: Accelerator(..., keep_fp32={census['keep_fp32']!r})")
     sections.append(("layers at risk", risk))
     rows = []
+    width = max((len(label(m["name"])) for m in census["modules"]), default=0)  # names are never cut
+    types = max((len(m["type"]) for m in census["modules"]), default=0)
     for m in census["modules"]:
         act, grad, true = m["output"] or {}, m["grad"] or {}, m["grad_unscaled"] or {}
-        row = (f"{label(m['name'])[:24]:<24} {m['type'][:12]:<12} act max {num(act.get('abs_max')):>9} "
+        row = (f"{label(m['name']):<{width}} {m['type']:<{types}} act max {num(act.get('abs_max')):>9} "
                f"over {_share(act.get('over_fp16_share')):>6} · grad max {num(true.get('abs_max')):>9} "
                f"under {_share(true.get('under_fp16_share')):>6}")
         if grad and grad != true:  # loss-scaled: also what fp16 holds with the scale

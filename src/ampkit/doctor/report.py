@@ -8,6 +8,7 @@ never interpreted — not as rich markup, not as HTML.
 from __future__ import annotations
 
 import html
+import shlex
 from typing import Any
 
 from ampkit.present import article, count, flop, seconds, times, where
@@ -17,9 +18,20 @@ Result = dict[str, Any]
 _BAR = 24  # characters of the widest phase bar
 
 
+#: Characters of a script's arguments a report's header shows (a long config override list is cut).
+ARGV_WIDTH = 60
+
+
+def subject_line(subject: Result) -> str:
+    """The script and its arguments on one line, the arguments cut to `ARGV_WIDTH` characters."""
+    args = " ".join(shlex.quote(a) for a in subject["argv"]).replace("\n", " ")
+    if len(args) > ARGV_WIDTH:
+        args = args[:ARGV_WIDTH - 1].rstrip() + "…"
+    return subject["name"] + (" " + args if args else "")
+
+
 def _title(r: Result) -> str:
-    subject = r["subject"]
-    name = subject["name"] + (" " + " ".join(subject["argv"]) if subject["argv"] else "")
+    name = subject_line(r["subject"])
     dev = r["device"]
     return f"ampkit doctor — {name} on {dev['device']} ({dev['name']}), {dev['precision']}"
 
@@ -72,12 +84,20 @@ def _sync_line(r: Result) -> str:
     if not s["sites"]:
         return "syncs: none in the measured steps"
     kind = "on the device" if s["real"] else "free on this CPU, each would make a GPU's host wait"
-    return f"syncs: {count(s['per_step'])} per step ({kind})"
+    occasional = sum(x["reads"] for x in s["sites"] if not x["every_step"])
+    extra = (f"; {count(occasional)} more in code that ran in only some of the {s['watched_steps']} watched steps "
+             f"(evaluation, logging)") if occasional else ""
+    return f"syncs: {count(s['per_step'])} per training step ({kind}){extra}"
+
+
+def _rate(s: Result, watched: int) -> str:
+    return count(s["per_step"]) if s["every_step"] else f"{s['reads']} in {s['steps_seen']}/{watched} steps"
 
 
 def _sync_rows(r: Result) -> list[list[str]]:
+    watched = r["syncs"]["watched_steps"]
     return [[where(s["file"], s["line"]), s["code"], s["call"] + (f" via {s['via']}" if s["via"] else ""),
-             count(s["per_step"])] for s in r["syncs"]["sites"][:8]]
+             _rate(s, watched)] for s in r["syncs"]["sites"][:8]]
 
 
 def _advisor_rows(r: Result) -> list[list[str]]:
@@ -224,7 +244,7 @@ def render_html_section(r: Result) -> str:
                    f'<span class="bar" style="width:{12 * p["share"] / widest:.2f}rem"></span>']
                   for p in r["phases"]]
     sync_rows = [[f"<code>{_e(where(s['file'], s['line']))}</code>", f"<code>{_e(s['code'])}</code>",
-                  _e(s["call"] + (f" via {s['via']}" if s["via"] else "")), _e(count(s["per_step"]))]
+                  _e(s["call"] + (f" via {s['via']}" if s["via"] else "")), _e(_rate(s, r["syncs"]["watched_steps"]))]
                  for s in r["syncs"]["sites"][:8]]
     findings = "".join(
         f"<li><strong>{_e(f['title'])}</strong><br><span class=muted>evidence:</span> {_e(f['evidence'])}"

@@ -203,14 +203,14 @@ def numerics_task(task: str = "iris-mlp", *, steps: int = 20, warmup: int = 0, p
 
 
 def numerics_train_fn(train_fn: Callable[[Accelerator], Any], *, steps: int = 20, precision: str = "auto",
-                      device: str | torch.device = "auto") -> Result:
+                      device: str | torch.device = "auto", accelerator_kwargs: dict[str, Any] | None = None) -> Result:
     """Run `train_fn(acc)` (a loop as `ampkit.compare` takes it) under the numerics doctor for `steps` steps.
 
     The session puts its hooks on once `train_fn` has prepared a model and an optimizer, and ends
     the loop (StopTraining) after its last watched step; a loop that ends first gives a partial result.
     """
     check_counts(steps, 0, "the optimizer steps to watch")
-    acc = Accelerator(precision=precision, device=device)
+    acc = Accelerator(precision=precision, device=device, **(accelerator_kwargs or {}))
     subject = {"kind": "loop", "name": getattr(train_fn, "__name__", "train_fn"), "argv": []}
     session = NumericsSession(acc, steps=steps, stop=True, subject=subject)
     try:

@@ -17,11 +17,18 @@ def obj(required: dict[str, Any], **described: str) -> dict[str, Any]:
 
 _SITE = obj(
     {"file": {"type": "string"}, "line": {"type": "integer", "minimum": 0}, "code": {"type": "string"},
-     "call": {"type": "string"}, "via": {"type": ["string", "null"]}, "per_step": NUM},
+     "call": {"type": "string"}, "via": {"type": ["string", "null"]}, "per_step": NUM,
+     "reads": {"type": "integer", "minimum": 1}, "steps_seen": {"type": "integer", "minimum": 0},
+     "every_step": {"type": "boolean"}},
     file="The user's file that caused the sync.",
     code="The source line there.",
     call="The Tensor method that read the value (item, __float__, __format__, ...) or 'cuda-sync'.",
     via="The library line that made the read on the user's behalf (e.g. ampkit/optim.py:245); null: the user's.",
+    per_step="Its reads over the watched steps, per step.",
+    reads="Its reads in the watched steps.",
+    steps_seen="In how many of the watched steps it read.",
+    every_step="It read in (about) every watched step: the training step's own; false: evaluation or logging "
+               "that runs every few steps.",
 )
 
 _ESTIMATE = obj(
@@ -77,8 +84,10 @@ DOCTOR_SCHEMA: dict[str, Any] = {
                             "copy bandwidth; null: not measured.",
             profiler_scale="Factor applied to profiled op times to match the unprofiled step."),
         "syncs": obj({"per_step": NUM, "method": {"enum": ["tensor-reads", "cuda-sync-debug"]},
-                       "real": {"type": "boolean"}, "sites": {"type": "array", "items": _SITE},
+                       "real": {"type": "boolean"}, "watched_steps": {"type": "integer", "minimum": 1},
+                       "sites": {"type": "array", "items": _SITE},
                        "cuda_debug": {"type": ["string", "null"]}},
+                      per_step="Syncs per training step, of the sites that read in every watched step.",
                       real="True on a GPU (the syncs happened); false on a CPU (they would happen on a GPU)."),
         "utilisation": obj({"achieved_flops_per_s": NUM, "peak_flops_per_s": NUM_OR_NULL,
                              "fraction": NUM_OR_NULL, "peak_source": {"type": "string"}}),

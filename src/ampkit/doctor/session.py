@@ -67,7 +67,7 @@ class DoctorSession(Watch):
         self.profiled_target = max(1, min(MAX_PROFILED_STEPS, steps // 4))
         self.bench = bench
         self.clock = PhaseClock()
-        self.syncs = SyncWatcher(acc.device, ignore=lambda: self.clock.in_data)
+        self.syncs = SyncWatcher(acc.device, ignore=lambda: self.clock.in_data, host_born=True)
         self.profiled_events: list[Any] | None = None  # torch.profiler's, of the profiled steps
         self.rows: dict[str, list[Result]] = {"profiled": [], "timed": []}  # per measured step
         self.cuda_marks: list[torch.cuda.Event] = []  # CUDA events at the timed steps' ends
@@ -103,6 +103,8 @@ class DoctorSession(Watch):
 
     def _close_step(self, now: float) -> None:
         seconds, samples, batch_bytes = self.clock.take()
+        if self._window == "profiled":
+            self.syncs.step += 1  # the reads from here on belong to the next step
         self.rows[self._window].append({"host_s": now - self._step_start, "phases": seconds,
                                          "samples": samples, "batch_bytes": batch_bytes})
         if self.acc.device.type == "cuda" and self._window == "timed":

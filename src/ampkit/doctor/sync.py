@@ -13,6 +13,10 @@ from other threads (a DataLoader's pin-memory thread) or from C++ without a Pyth
 indexing with a tensor (`__index__`). A read nested in another (`print` → `__repr__` → `item`) is
 one sync: the mode does not see what torch runs inside the call it is handling.
 
+With `host_born=True` (the doctor's session) a CPU run leaves out reads of tensors a GPU run would
+keep on the host too: made by a factory without `device=` (`losses = torch.zeros(k)`), or computed
+from such tensors alone.
+
 On CUDA it also turns on `torch.cuda.set_sync_debug_mode("warn")`, which reports every
 synchronizing operation torch itself performs (ground truth for the device); its warnings are
 recorded with `warnings.catch_warnings(record=True)` and placed at the line of the tensor call
@@ -28,6 +32,7 @@ import sys
 import sysconfig
 import time
 import warnings
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -43,6 +48,10 @@ SYNC_METHODS: tuple[str, ...] = (
     "item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy", "__repr__", "__format__",
 )
 _READS = {getattr(torch.Tensor, name): name for name in SYNC_METHODS}
+#: Factories whose result lives where `device=` says: on the host when it is not given.
+_FACTORIES = frozenset(getattr(torch, name) for name in (
+    "zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", "linspace", "rand", "randn", "randint", "eye"))
+_MOVES = frozenset((torch.Tensor.to, torch.Tensor.cuda))  # an explicit move: the result is the script's device's
 
 _CUDA_SYNC_MESSAGE = "called a synchronizing CUDA operation"
 
@@ -140,7 +149,10 @@ class _Mode(TorchFunctionMode):
         name = _READS.get(func)
         log = watcher.log
         if not watcher.active or (name is None and log is None):
-            return func(*args, **(kwargs or {}))
+            result = func(*args, **(kwargs or {}))
+            if watcher.active and watcher.host is not None and isinstance(result, torch.Tensor):
+                watcher.track_host(func, args, kwargs, result)
+            return result
         logged = len(log) if log is not None else 0
         counted = name is not None and watcher.counts(args[0]) and not watcher.ignore()
         try:
@@ -151,7 +163,7 @@ class _Mode(TorchFunctionMode):
                 frame = _caller(sys._getframe(1), getattr(func, "__name__", ""))
                 site = locate(frame, name, watcher.skip) if counted else None
                 if site is not None:
-                    watcher.sites[site] += 1
+                    watcher.record(site)
                 if warned:
                     watcher.cuda_syncs(log, logged, frame, quiet=counted or watcher.ignore())
 
@@ -163,11 +175,12 @@ class SyncWatcher:
     `finally`). `device` decides what counts: on CUDA only reads of non-CPU tensors (the ones that
     really sync); on a CPU every read, as "would sync on a GPU". `ignore()` is a predicate the
     owner uses to mute reads it knows are host-side (e.g. inside the data loader); `skip`, the
-    folders whose frames are the watcher's owner's (never a site).
+    folders whose frames are the watcher's owner's (never a site); `host_born` (on a CPU), leave
+    out the reads of tensors the script made on the host (see the module docstring).
     """
 
     def __init__(self, device: torch.device, ignore: Callable[[], bool] = lambda: False,
-                 skip: tuple[str, ...] = (DOCTOR_DIR,)) -> None:
+                 skip: tuple[str, ...] = (DOCTOR_DIR,), host_born: bool = False) -> None:
         self.device = device
         self.active = False
         self.sites: Counter[SyncSite] = Counter()
@@ -176,6 +189,9 @@ class SyncWatcher:
         self.ignore = ignore
         self.skip = skip
         self.calls = 0  # tensor functions the mode saw (each pays `call_overhead()` for it)
+        self.step = 0  # the owner's step index: `site_steps` says in which steps each site read
+        self.site_steps: dict[SyncSite, set[int]] = {}
+        self.host: dict[int, weakref.ref[torch.Tensor]] | None = {} if device.type == "cpu" and host_born else None
         self.log: list[warnings.WarningMessage] | None = None  # warnings recorded while the debugger is on
         self._mode: _Mode | None = None
         self._stack = contextlib.ExitStack()
@@ -188,6 +204,8 @@ class SyncWatcher:
 
     def uninstall(self) -> None:
         self.stop_cuda_debug()
+        if self.host is not None:
+            self.host.clear()
         if self._mode is not None:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)
@@ -216,8 +234,29 @@ class SyncWatcher:
         if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
             return False
         if self.device.type == "cpu":
-            return True  # on a GPU this tensor would live on the device
+            return not self.is_host(tensor)  # on a GPU this tensor would live on the device
         return tensor.device.type != "cpu"
+
+    def is_host(self, tensor: torch.Tensor) -> bool:
+        ref = self.host.get(id(tensor)) if self.host is not None else None
+        return ref is not None and ref() is tensor
+
+    def track_host(self, func: Any, args: Any, kwargs: Any, result: torch.Tensor) -> None:
+        """Mark `result` host-born if a factory made it without `device=`, or it was computed from
+        host-born tensors alone (never through an explicit `.to()`/`.cuda()`)."""
+        assert self.host is not None
+        if func in _FACTORIES:
+            born = not (kwargs and kwargs.get("device") is not None)
+        elif func in _MOVES or not args or not isinstance(args[0], torch.Tensor) or not self.is_host(args[0]):
+            return
+        else:
+            born = all(self.is_host(a) for a in args[1:] if isinstance(a, torch.Tensor))
+        if born:
+            self.host[id(result)] = weakref.ref(result)
+
+    def record(self, site: SyncSite) -> None:
+        self.sites[site] += 1
+        self.site_steps.setdefault(site, set()).add(self.step)
 
     @contextlib.contextmanager
     def muted(self) -> Iterator[None]:
@@ -255,6 +294,7 @@ class SyncWatcher:
             site = locate(frame, "cuda-sync", self.skip)
             if site is not None:
                 self.cuda_sites[site] += 1
+                self.site_steps.setdefault(site, set()).add(self.step)
         log[start:] = kept
 
     def _replay_warnings(self) -> None:

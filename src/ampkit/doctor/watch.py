@@ -27,6 +27,10 @@ Result = dict[str, Any]
 
 _WATCHING: set[str] = set()  # the kinds of session hooked into this process: one of each at a time
 
+#: Optimizer steps' worth of backward passes with no prepared optimizer after which a session says
+#: it cannot count steps (rather than after the whole training).
+NO_OPTIMIZER_AFTER = 3
+
 
 class StopTraining(BaseException):
     """Raised from `optimizer.step()` once a `stop=True` session has measured enough.
@@ -73,6 +77,7 @@ class Watch(Listener):
         self.on_done = on_done
         self.result: Result | None = None
         self.seen_steps = 0  # optimizer steps since attach (warm-up included)
+        self.backwards = 0  # acc.backward calls since attach
         self.hooks = contextlib.ExitStack()  # everything to take off when the session ends
 
     def attach(self) -> None:
@@ -112,6 +117,18 @@ class Watch(Listener):
         raise NotImplementedError
 
     # --- events -------------------------------------------------------------------------------
+    def on_backward_end(self, acc: Accelerator) -> None:
+        self.backwards += 1
+        if self.acc.optimizers or self.backwards != NO_OPTIMIZER_AFTER * self.acc.cycle.steps:
+            return
+        message = (f"{self.name}: {self.backwards} backward passes ran and no optimizer was prepared: the doctor "
+                   f"counts steps at optimizer.step() of the optimizer acc.prepare() returns, so it would watch "
+                   f"nothing; prepare the optimizer: model, optimizer = acc.prepare(model, optimizer)")
+        if self.stop:  # the doctor runs the script: end it now rather than after its whole training
+            self.close()
+            raise DoctorError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
     def on_step_end(self, optimizer: AmpOptimizer, stepped: bool) -> None:
         if stepped and self.result is None and self.is_first(optimizer):
             self.seen_steps += 1
