@@ -181,13 +181,15 @@ class DeviceLoader:
 
     # --- checkpointing ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Where the loader is: epoch, batches handed out, and the pass's starting random state."""
+        """Where the loader is: epoch, batches handed out, the pass's starting random state, and its
+        generators' state now (a finished pass is not replayed: the next one starts from that)."""
         return {
             "epoch": self.epoch,
             "batch_index": self.batch_index,
             "finished": self._finished,
             "started": self._started,
             "epoch_rng": dict(self._epoch_rng),
+            "generators": {name: gen.get_state() for name, gen in self._generators().items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -199,7 +201,10 @@ class DeviceLoader:
         if self._started and not self._finished and state["epoch_rng"]:
             self._resume = (self.batch_index, dict(state["epoch_rng"]))
         elif self._started and self._finished:
-            self._resume = None  # the pass ended: the next one starts fresh
+            self._resume = None  # the pass ended: the next one starts fresh, from the generators' end state
+            for name, gen in self._generators().items():
+                if name in state.get("generators", {}):
+                    gen.set_state(state["generators"][name])
 
     def __len__(self) -> int:
         return len(self.loader)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ampkit import files
-from ampkit.checkpoint import sharded
+from ampkit.checkpoint import payload, sharded
 from ampkit.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ def save_checkpoint(acc: Accelerator, folder: Path, keep: int, save: Any) -> Pat
         )
     name = f"step-{acc.state.applied_steps:08d}{'' if acc.strategy == 'fsdp' else '.pt'}"
     path = folder / name
-    if path.exists() and name not in manifest["checkpoints"]:
+    if path.exists() and name not in manifest["checkpoints"] and not _this_runs(path, acc.run_id):
         raise CheckpointError(f"{path} exists and was not written by this run: ampkit does not overwrite it; move it or save elsewhere")
     save(acc, path)
     if acc.is_main:
@@ -97,6 +97,15 @@ def save_checkpoint(acc: Accelerator, folder: Path, keep: int, save: Any) -> Pat
         _prune(folder, manifest, keep)  # only now: the new checkpoint is durable
         _remove_stale_temp_files(folder)
     return path
+
+
+def _this_runs(path: Path, run_id: str) -> bool:
+    """Whether `path` is a checkpoint this run wrote (a kill can land between writing it and recording it)."""
+    try:
+        data = payload.read(path / sharded.META if path.is_dir() else path)
+    except CheckpointError:
+        return False
+    return data["accelerator"].get("run_id") == run_id
 
 
 def _write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
