@@ -1,4 +1,4 @@
-"""The doctor's report: a terminal view (rich if installed, else plain text) and an HTML section.
+"""The doctor's report: a terminal view (rich), plain text (logs) and an HTML section.
 
 Each takes the result dict (`DOCTOR_SCHEMA`) and decides nothing: the figures and findings are
 computed by `ampkit.doctor.analysis` and `ampkit.doctor.findings`. Strings that come from the user's code (file names, source lines) are
@@ -7,11 +7,15 @@ never interpreted — not as rich markup, not as HTML.
 
 from __future__ import annotations
 
-import html
 import shlex
 from typing import Any
 
-from ampkit.present import article, count, flop, seconds, times, where
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ampkit.present import article, count, escape, flop, seconds, times, where
 
 Result = dict[str, Any]
 
@@ -160,18 +164,9 @@ def format_text(r: Result) -> str:
 
 
 def render_report(r: Result, console: Any = None) -> None:
-    """Print the report to the terminal: rich tables where rich is installed, else `format_text`."""
-    try:
-        from rich import box
-        from rich.console import Console
-        from rich.table import Table
-        from rich.text import Text
-    except ImportError:
-        print(format_text(r))
-        return
-    console = console or Console()
-
-    def table(title: str, header: list[str], rows: list[list[str]], right: tuple[int, ...] = ()) -> Table:
+    """Print the report to the terminal with rich tables."""
+    def table(title: str, header: list[str], rows: list[list[str]], right: tuple[int, ...]) -> Table:
+        # not `present.table`: that one collapses the padding and aligns every column after the first right
         t = Table(title=Text(title, style="bold"), title_justify="left", box=box.SIMPLE_HEAD)
         for i, h in enumerate(header):
             t.add_column(Text(h), justify="right" if i in right else "left")
@@ -179,29 +174,27 @@ def render_report(r: Result, console: Any = None) -> None:
             t.add_row(*(Text(str(c)) for c in row))
         return t
 
-    console.print(Text(_title(r), style="bold"))
-    console.print(Text(_measured(r), style="dim"))
-    console.print(Text(_step_line(r)))
-    console.print(Text(_bound_line(r), style="bold yellow" if r["bound"]["kind"] != "compute" else "bold green"))
-    console.print(table("where the step goes (host time)", _PHASE_HEADER, _phase_rows(r), right=(1, 2)))
-    console.print(Text(_ops_line(r)))
-    console.print(table("top kernel ops", _OP_HEADER, _op_rows(r), right=(1, 2, 3, 4)))
-    console.print(Text(_sync_line(r), style="bold"))
-    if r["syncs"]["sites"]:
-        console.print(table("", _SYNC_HEADER, _sync_rows(r), right=(3,)))
-    console.print(Text("device advisor: " + r["advisor"]["verdict"], style="bold"))
-    console.print(table("", _ADVISOR_HEADER, _advisor_rows(r), right=(1, 2, 3, 4, 6)))
-    console.print(Text("assumptions: " + r["advisor"]["assumptions"], style="dim"))
-    console.print(Text("\nfindings, ranked by estimated time saved", style="bold"))
-    if not r["findings"]:
-        console.print(Text("  none: nothing in the measured steps stands out"))
+    bound_style = "bold yellow" if r["bound"]["kind"] != "compute" else "bold green"
+    lines: list[Any] = [
+        Text(_title(r), style="bold"), Text(_measured(r), style="dim"), Text(_step_line(r)),
+        Text(_bound_line(r), style=bound_style),
+        table("where the step goes (host time)", _PHASE_HEADER, _phase_rows(r), (1, 2)),
+        Text(_ops_line(r)), table("top kernel ops", _OP_HEADER, _op_rows(r), (1, 2, 3, 4)),
+        Text(_sync_line(r), style="bold"),
+        table("", _SYNC_HEADER, _sync_rows(r), (3,)) if r["syncs"]["sites"] else None,
+        Text("device advisor: " + r["advisor"]["verdict"], style="bold"),
+        table("", _ADVISOR_HEADER, _advisor_rows(r), (1, 2, 3, 4, 6)),
+        Text("assumptions: " + r["advisor"]["assumptions"], style="dim"),
+        Text("\nfindings, ranked by estimated time saved", style="bold"),
+        None if r["findings"] else Text("  none: nothing in the measured steps stands out")]
     for i, f in enumerate(r["findings"], 1):
-        console.print(Text(f"{i}. {f['title']}", style="bold cyan"))
-        console.print(Text(f"   evidence: {f['evidence']}"))
-        console.print(Text(f"   fix: {f['fix']}", style="green"))
-        console.print(Text(f"   {_saving(f, r)}", style="dim"))
-    for note in r["notes"]:
-        console.print(Text(f"note: {note}", style="dim"))
+        lines += [Text(f"{i}. {f['title']}", style="bold cyan"), Text(f"   evidence: {f['evidence']}"),
+                  Text(f"   fix: {f['fix']}", style="green"), Text(f"   {_saving(f, r)}", style="dim")]
+    lines += [Text(f"note: {note}", style="dim") for note in r["notes"]]
+    console = console or Console()
+    for line in lines:
+        if line is not None:
+            console.print(line)
 
 
 # --- HTML -------------------------------------------------------------------------------------------
@@ -219,16 +212,12 @@ _CSS = """
 """
 
 
-def _e(value: Any) -> str:
-    return html.escape(str(value), quote=True)
-
-
 def _html_table(header: list[str], rows: list[list[str]], numeric: tuple[int, ...] = (),
                 raw: tuple[int, ...] = ()) -> str:
-    head = "".join(f"<th>{_e(h)}</th>" for h in header)
+    head = "".join(f"<th>{escape(h)}</th>" for h in header)
     body = "".join(
         "<tr>" + "".join(
-            f"<td{' class=n' if i in numeric else ''}>{c if i in raw else _e(c)}</td>" for i, c in enumerate(row)
+            f"<td{' class=n' if i in numeric else ''}>{c if i in raw else escape(c)}</td>" for i, c in enumerate(row)
         ) + "</tr>" for row in rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
@@ -243,34 +232,34 @@ def render_html_section(r: Result) -> str:
     phase_rows = [[p["name"], seconds(p["seconds"]), f"{p['share']:.0%}",
                    f'<span class="bar" style="width:{12 * p["share"] / widest:.2f}rem"></span>']
                   for p in r["phases"]]
-    sync_rows = [[f"<code>{_e(where(s['file'], s['line']))}</code>", f"<code>{_e(s['code'])}</code>",
-                  _e(s["call"] + (f" via {s['via']}" if s["via"] else "")), _e(_rate(s, r["syncs"]["watched_steps"]))]
+    sync_rows = [[f"<code>{escape(where(s['file'], s['line']))}</code>", f"<code>{escape(s['code'])}</code>",
+                  escape(s["call"] + (f" via {s['via']}" if s["via"] else "")), escape(_rate(s, r["syncs"]["watched_steps"]))]
                  for s in r["syncs"]["sites"][:8]]
     findings = "".join(
-        f"<li><strong>{_e(f['title'])}</strong><br><span class=muted>evidence:</span> {_e(f['evidence'])}"
-        f"<br><span class=muted>fix:</span> {_e(f['fix'])}<br><span class=muted>{_e(_saving(f, r))}</span></li>"
+        f"<li><strong>{escape(f['title'])}</strong><br><span class=muted>evidence:</span> {escape(f['evidence'])}"
+        f"<br><span class=muted>fix:</span> {escape(f['fix'])}<br><span class=muted>{escape(_saving(f, r))}</span></li>"
         for f in r["findings"]) or "<li>none: nothing in the measured steps stands out</li>"
     parts = [
         f'<section class="ampkit-doctor"><style>{_CSS}</style>',
-        f"<h2>{_e(_title(r))}</h2>",
-        f"<p class=muted>{_e(_measured(r))}</p>",
-        f"<p>{_e(_step_line(r))}<br><strong>{_e(_bound_line(r))}</strong></p>",
+        f"<h2>{escape(_title(r))}</h2>",
+        f"<p class=muted>{escape(_measured(r))}</p>",
+        f"<p>{escape(_step_line(r))}<br><strong>{escape(_bound_line(r))}</strong></p>",
         "<h3>Findings, ranked by estimated time saved</h3>",
         f"<ol class=findings>{findings}</ol>",
         "<h3>Where the step goes (host time)</h3>",
         _html_table(_PHASE_HEADER, phase_rows, numeric=(1, 2), raw=(3,)),
         "<h3>Kernel ops</h3>",
-        f"<p>{_e(_ops_line(r))}</p>",
+        f"<p>{escape(_ops_line(r))}</p>",
         _html_table(_OP_HEADER, _op_rows(r), numeric=(1, 2, 3, 4)),
         "<h3>Host↔device syncs</h3>",
-        f"<p>{_e(_sync_line(r))}</p>",
+        f"<p>{escape(_sync_line(r))}</p>",
         _html_table(_SYNC_HEADER, sync_rows, numeric=(3,), raw=(0, 1, 2, 3)) if sync_rows else "",
         "<h3>Device advisor</h3>",
-        f"<p>{_e(r['advisor']['verdict'])}</p>",
+        f"<p>{escape(r['advisor']['verdict'])}</p>",
         _html_table(_ADVISOR_HEADER, _advisor_rows(r), numeric=(1, 2, 3, 4, 6)),
-        f"<p class=muted>{_e(r['advisor']['assumptions'])}. Peaks: "
-        + "; ".join(f"{_e(g['name'])}: {_e(g['source'])}" for g in r["advisor"]["gpus"]) + "</p>",
-        *(f"<p class=muted>note: {_e(n)}</p>" for n in r["notes"]),
+        f"<p class=muted>{escape(r['advisor']['assumptions'])}. Peaks: "
+        + "; ".join(f"{escape(g['name'])}: {escape(g['source'])}" for g in r["advisor"]["gpus"]) + "</p>",
+        *(f"<p class=muted>note: {escape(n)}</p>" for n in r["notes"]),
         "</section>",
     ]
     return "\n".join(p for p in parts if p)

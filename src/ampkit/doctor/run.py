@@ -244,12 +244,8 @@ def train_task_under(task: str, start: Callable[[Accelerator], Watch], *, precis
     model, optimizer, loader = acc.prepare(model, optimizer, data.train_loader)
     session = start(acc)
     try:
-        for _ in acc.epochs(sys.maxsize):  # until the session stops it
-            for x, y in loader:
-                loss = spec.loss_fn(model(x), y)
-                acc.backward(loss)
-                optimizer.step()
-                optimizer.zero_grad()
+        for _ in spec.training(acc, model, optimizer, loader):
+            pass  # until the session stops it
     except StopTraining:
         pass
     except BaseException:
