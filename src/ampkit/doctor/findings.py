@@ -111,13 +111,11 @@ def data_wait(result: dict[str, Any], ctx: Context) -> Finding | None:
     # k workers hide loading as long as each batch is ready before the step needs it.
     saved = data["seconds"] - max(0.0, data["seconds"] / k - ctx.compute_s)
     return Finding(
-        id="data-wait",
-        title=f"{data['share']:.0%} of the step waiting for data",
+        id="data-wait", title=f"{data['share']:.0%} of the step waiting for data",
         evidence=(f"the DataLoader's next() took {seconds(data['seconds'])} of a {seconds(result['step']['host_s'])} "
                   f"step (num_workers={workers}, pin_memory={pinned}); the model waits for every batch"),
         fix=fix,
-        saved_s=max(0.0, saved),
-    )
+        saved_s=max(0.0, saved))
 
 
 # --- threads ------------------------------------------------------------------------------------
@@ -179,8 +177,7 @@ def busy_threads(result: dict[str, Any], ctx: Context) -> Finding | None:
         fix=(f"torch.set_num_threads({free}) (or OMP_NUM_THREADS={free}) so parallel ops never wait for a "
              f"descheduled thread, or run on an idle machine; then run the doctor again — the other findings "
              f"measure this busy state"),
-        saved_s=ctx.stall_s,
-    )
+        saved_s=ctx.stall_s)
 
 
 # --- overhead -----------------------------------------------------------------------------------
@@ -203,8 +200,7 @@ def overhead_bound(result: dict[str, Any], ctx: Context) -> Finding | None:
         evidence=result["bound"]["reason"] + (
             f"; {seconds(overhead)} of the {seconds(ctx.compute_s)} compute time is outside kernels" if overhead else ""),
         fix=fix,
-        saved_s=OVERHEAD_REMOVED * overhead,
-    )
+        saved_s=OVERHEAD_REMOVED * overhead)
 
 
 def small_batch(result: dict[str, Any], ctx: Context) -> Finding | None:
@@ -215,14 +211,12 @@ def small_batch(result: dict[str, Any], ctx: Context) -> Finding | None:
     per = f"{count(samples)} samples per step, " if samples else ""
     overhead = max(0.0, ctx.compute_s - ctx.kernel_s)
     return Finding(
-        id="small-batch",
-        title=f"the batch fills {percent(util['fraction'])} of the device",
+        id="small-batch", title=f"the batch fills {percent(util['fraction'])} of the device",
         evidence=(f"{per}{flops(util['achieved_flops_per_s'])} achieved vs {flops(util['peak_flops_per_s'])} "
                   f"measured matmul peak here ({util['peak_source']})"),
         fix=("raise the batch size (and the learning rate with it) until the step time starts to grow with it: "
              "per-step overhead is then spread over more samples (the saving is per sample)"),
-        saved_s=OVERHEAD_REMOVED * overhead,
-    )
+        saved_s=OVERHEAD_REMOVED * overhead)
 
 
 # --- precision ----------------------------------------------------------------------------------
@@ -249,27 +243,22 @@ def precision(result: dict[str, Any], ctx: Context) -> Finding | None:
         if dev["bf16_fast"] and r and r > 1:
             speedup = 1 / ((1 - share) + share / r)
             return Finding(
-                id="precision",
-                title=f"matmul/conv share {share:.0%} → bf16-mixed should give ~{speedup:.2g}× here",
+                id="precision", title=f"matmul/conv share {share:.0%} → bf16-mixed should give ~{speedup:.2g}× here",
                 evidence=f"bf16 matmuls measured {r:.2g}× fp32 on {where_}; matmul/conv/attention kernels take "
                          f"{seconds(matmul_s)} of the {seconds(step)} step",
                 fix="Accelerator(precision='bf16-mixed'), or 'auto' which picks it on this hardware",
-                saved_s=step * (1 - 1 / speedup),
-            )
+                saved_s=step * (1 - 1 / speedup))
         slower = f"~{1 / r:.0f}× slower than fp32" if r and r < 1 else "slower than fp32 (no fast bf16 unit)"
         measured = ""
         if r is not None:  # a ratio above 1 on a device without bf16 units is a busy machine, not a fact
             measured = (f"; bf16 matmuls measured {r:.2g}× fp32 here" if r < 1 else
                         f"; the matmul benchmark was inconclusive here (bf16 {r:.2g}× fp32: a busy machine?)")
         return Finding(
-            id="precision",
-            title=f"matmul/conv share {share:.0%}, but bf16 is {slower} on {where_}: stay on fp32",
+            id="precision", title=f"matmul/conv share {share:.0%}, but bf16 is {slower} on {where_}: stay on fp32",
             evidence=f"{where_} has no fast bf16 ({dev['name']}){measured}; {on_gpu}",
             fix=("keep precision='auto' (fp32 here); bf16-mixed pays on a GPU with bf16 (compute capability 8.0+) "
                  "or a CPU with AMX/AVX512-BF16"),
-            saved_s=0.0,
-            saved_on_gpu_s=max(0.0, gpu_fp32.step_s - gpu_mixed.step_s),
-        )
+            saved_s=0.0, saved_on_gpu_s=max(0.0, gpu_fp32.step_s - gpu_mixed.step_s))
     dtype = "bf16" if "bf16" in dev["precision"] else "fp16"
     fast = dev["bf16_fast"] if dtype == "bf16" else None
     r_low = _ratio(ctx, dtype)
@@ -283,8 +272,7 @@ def precision(result: dict[str, Any], ctx: Context) -> Finding | None:
                       f"{seconds(matmul_s)} of the {seconds(step)} step" if r_low else
                       f"{where_} has no fast {dtype} ({dev['name']})"),
             fix="Accelerator(precision='auto') picks fp32 here; keep the low precision for a device that runs it fast",
-            saved_s=saved,
-        )
+            saved_s=saved)
     return None
 
 
@@ -356,23 +344,17 @@ def syncs(result: dict[str, Any], ctx: Context) -> list[Finding]:
                     f"the device has finished everything queued: est. {seconds(cost_gpu * share)} per step, host "
                     f"and device no longer overlap")
         out.append(Finding(
-            id="sync",
-            title=f"{every} at {where(site['file'], site['line'])} (`{site['code']}`)",
+            id="sync", title=f"{every} at {where(site['file'], site['line'])} (`{site['code']}`)",
             evidence=f"{call}{via} reads a tensor's value on the host; {cost}",
             fix=_sync_fix(site),
-            saved_s=cost_here * share,
-            saved_on_gpu_s=cost_gpu * share,
-        ))
+            saved_s=cost_here * share, saved_on_gpu_s=cost_gpu * share))
     rest = sites[3:]
     if rest:
         n = sum(s["per_step"] for s in rest)
         share = n / total
         out.append(Finding(
-            id="sync",
-            title=f"{count(n)} more syncs per step at {len(rest)} other lines",
+            id="sync", title=f"{count(n)} more syncs per step at {len(rest)} other lines",
             evidence=", ".join(f"{where(s['file'], s['line'])} (`{s['code']}`)" for s in rest[:5]),
             fix="the same as above: read values every N steps, not every step",
-            saved_s=cost_here * share,
-            saved_on_gpu_s=cost_gpu * share,
-        ))
+            saved_s=cost_here * share, saved_on_gpu_s=cost_gpu * share))
     return out

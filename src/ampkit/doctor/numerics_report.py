@@ -6,11 +6,11 @@ come from the user's model and are never interpreted (escaped in HTML).
 
 from __future__ import annotations
 
-import html
 from typing import Any
 
 from ampkit.doctor.report import subject_line
-from ampkit.doctor.schema import NUM, NUM_OR_NULL, obj
+from ampkit.doctor.schema import NUM, NUM_OR_NULL, STR, SUBJECT, obj, validate_result
+from ampkit.present import escape
 
 Result = dict[str, Any]
 
@@ -19,7 +19,6 @@ Result = dict[str, Any]
 _SHARE = {"type": "number", "minimum": 0, "maximum": 1}
 _SHARE_OR_NULL = {"type": ["number", "null"], "minimum": 0, "maximum": 1}
 _INT = {"type": "integer", "minimum": 0}
-_STR = {"type": "string"}
 
 
 def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
@@ -34,8 +33,8 @@ _TALLY = _nullable(obj({"abs_max": NUM, "elements": _INT, "over_fp16_share": _SH
                         under_fp16_share="Share of nonzero values below fp16's smallest normal, 2**-14.",
                         flush_fp16_share="Share of nonzero values below fp16's smallest subnormal, 2**-24 "
                                          "(they flush to 0)."))
-_CULPRIT = _nullable(obj({"module": _STR, "type": _STR, "what": _STR, "shape": {"type": "array", "items": _INT},
-                           "dtype": _STR, "max_finite_before": NUM_OR_NULL, "nonfinite": _INT, "nan": _INT,
+_CULPRIT = _nullable(obj({"module": STR, "type": STR, "what": STR, "shape": {"type": "array", "items": _INT},
+                           "dtype": STR, "max_finite_before": NUM_OR_NULL, "nonfinite": _INT, "nan": _INT,
                            "inf": _INT, "elements": _INT},
                           module="Module name in the model ('' is the model itself).",
                           what="output (forward), grad_output, grad_input or grad_<parameter> (backward).",
@@ -50,16 +49,14 @@ NUMERICS_SCHEMA: dict[str, Any] = {
     **obj({
         "schema_version": {"const": 1},
         "kind": {"const": "numerics"},
-        "ampkit_version": _STR,
-        "torch": _STR,
-        "subject": obj({"kind": {"enum": ["script", "task", "loop"]}, "name": _STR,
-                         "argv": {"type": "array", "items": _STR}}),
-        "device": obj({"device": _STR, "precision": _STR, "param_dtype": _STR, "compute_dtype": _STR}),
+        "ampkit_version": STR, "torch": STR,
+        "subject": SUBJECT,
+        "device": obj({"device": STR, "precision": STR, "param_dtype": STR, "compute_dtype": STR}),
         "steps": obj({"requested": {"type": "integer", "minimum": 1}, "warmup": _INT, "watched": _INT,
                        "complete": {"type": "boolean"}}),
         "census": obj({
             "modules": {"type": "array", "items": obj({
-                "name": _STR, "type": _STR, "calls": _INT, "dtype": {"type": ["string", "null"]},
+                "name": STR, "type": STR, "calls": _INT, "dtype": {"type": ["string", "null"]},
                 "shape": {"type": ["array", "null"], "items": _INT}, "input": _TALLY, "output": _TALLY, "grad": _TALLY,
                 "grad_unscaled": _TALLY, "created_nonfinite": _INT},
                 grad="Gradients reaching the module's output, as seen (loss-scaled under fp16 presets).",
@@ -67,17 +64,17 @@ NUMERICS_SCHEMA: dict[str, Any] = {
                               "gradient is not counted as an overflow here: its true size is unknown).",
                 created_nonfinite="Forwards whose output overflowed or went NaN while its inputs were clean.")},
             "at_risk": {"type": "array", "description": "Ranked, most severe first.", "items": obj({
-                "name": _STR, "type": _STR, "reasons": {"type": "array", "items": _STR, "minItems": 1},
+                "name": STR, "type": STR, "reasons": {"type": "array", "items": STR, "minItems": 1},
                 "overflow": {"type": "boolean"}, "activation_abs_max": NUM_OR_NULL, "grad_abs_max": NUM_OR_NULL})},
-            "keep_fp32": {"type": "array", "items": _STR,
+            "keep_fp32": {"type": "array", "items": STR,
                           "description": "Module names to pass as Accelerator(keep_fp32=...) against the overflows."},
         }),
         "localizer": _nullable(obj({"forward": _CULPRIT, "backward": _CULPRIT, "note": {"type": ["string", "null"]},
-                                     "trigger": _STR, "micro_batch": _INT})),
+                                     "trigger": STR, "micro_batch": _INT})),
         "lost_updates": _nullable(obj({
             "steps": _INT, "effective": {"enum": ["param", "master", "compensated"]},
             "groups": {"type": "array", "items": obj({
-                "index": _INT, "elements": _INT, "storage_dtype": _STR, "wanted": _INT,
+                "index": _INT, "elements": _INT, "storage_dtype": STR, "wanted": _INT,
                 "lost_share": _SHARE_OR_NULL, "below_half_ulp_share": _SHARE_OR_NULL},
                 wanted="Element updates the optimizer wanted (nonzero gradient), over the applied steps.",
                 lost_share="Share of those the effective weight did not take at all.",
@@ -94,16 +91,14 @@ NUMERICS_SCHEMA: dict[str, Any] = {
                             "double-division"]},
             "title": {"type": "string", "minLength": 1}, "evidence": {"type": "string", "minLength": 1},
             "fix": {"type": "string", "minLength": 1}})},
-        "notes": {"type": "array", "items": _STR},
+        "notes": {"type": "array", "items": STR},
     }),
 }
 
 
 def validate_numerics(result: Result) -> None:
     """Raise `jsonschema.ValidationError` if `result` breaks `NUMERICS_SCHEMA` (needs jsonschema)."""
-    import jsonschema
-
-    jsonschema.validate(result, NUMERICS_SCHEMA, cls=jsonschema.Draft202012Validator)
+    validate_result(result, NUMERICS_SCHEMA)
 
 
 # --- the report ---------------------------------------------------------------------------------
@@ -200,8 +195,8 @@ def render_html_section(r: Result, level: int = 2) -> str:
     parts = ['<section class="ampkit-numerics">']
     for i, (heading, lines) in enumerate(_lines(r)):
         h = level if i == 0 else level + 1
-        parts.append(f"<h{h}>{html.escape(heading)}</h{h}>")
+        parts.append(f"<h{h}>{escape(heading)}</h{h}>")
         if lines:
-            parts.append("<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>")
+            parts.append("<ul>" + "".join(f"<li>{escape(line)}</li>" for line in lines) + "</ul>")
     parts.append("</section>")
     return "\n".join(parts)

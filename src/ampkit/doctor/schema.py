@@ -8,6 +8,7 @@ from ampkit.doctor.phases import PHASES
 
 NUM = {"type": "number", "minimum": 0}
 NUM_OR_NULL = {"type": ["number", "null"], "minimum": 0}
+STR = {"type": "string"}
 
 
 def obj(required: dict[str, Any], **described: str) -> dict[str, Any]:
@@ -15,11 +16,12 @@ def obj(required: dict[str, Any], **described: str) -> dict[str, Any]:
     return {"type": "object", "additionalProperties": False, "required": list(required), "properties": props}
 
 
+SUBJECT = obj({"kind": {"enum": ["script", "task", "loop"]}, "name": STR, "argv": {"type": "array", "items": STR}})
+
 _SITE = obj(
-    {"file": {"type": "string"}, "line": {"type": "integer", "minimum": 0}, "code": {"type": "string"},
-     "call": {"type": "string"}, "via": {"type": ["string", "null"]}, "per_step": NUM,
-     "reads": {"type": "integer", "minimum": 1}, "steps_seen": {"type": "integer", "minimum": 0},
-     "every_step": {"type": "boolean"}},
+    {"file": STR, "line": {"type": "integer", "minimum": 0}, "code": STR, "call": STR,
+     "via": {"type": ["string", "null"]}, "per_step": NUM, "reads": {"type": "integer", "minimum": 1},
+     "steps_seen": {"type": "integer", "minimum": 0}, "every_step": {"type": "boolean"}},
     file="The user's file that caused the sync.",
     code="The source line there.",
     call="The Tensor method that read the value (item, __float__, __format__, ...) or 'cuda-sync'.",
@@ -32,7 +34,7 @@ _SITE = obj(
 )
 
 _ESTIMATE = obj(
-    {"gpu": {"type": "string"}, "dtype": {"enum": ["fp32", "bf16", "fp16"]}, "step_s": NUM, "host_s": NUM,
+    {"gpu": STR, "dtype": {"enum": ["fp32", "bf16", "fp16"]}, "step_s": NUM, "host_s": NUM,
      "device_s": NUM, "bound": {"enum": ["host", "device"]}, "speedup": NUM},
     speedup="Measured step time here over the estimate (> 1: the GPU is faster).",
 )
@@ -53,13 +55,10 @@ DOCTOR_SCHEMA: dict[str, Any] = {
     "description": "`ampkit doctor --json`: where a training step's time goes, and what to change.",
     **obj({
         "schema_version": {"const": 1},
-        "ampkit_version": {"type": "string"},
-        "torch": {"type": "string"},
-        "subject": obj({"kind": {"enum": ["script", "task", "loop"]}, "name": {"type": "string"},
-                         "argv": {"type": "array", "items": {"type": "string"}}}),
-        "device": obj({"device": {"type": "string"}, "name": {"type": "string"},
-                        "threads": {"type": "integer", "minimum": 1}, "precision": {"type": "string"},
-                        "precision_reason": {"type": "string"}, "bf16_fast": {"type": "boolean"}}),
+        "ampkit_version": STR, "torch": STR,
+        "subject": SUBJECT,
+        "device": obj({"device": STR, "name": STR, "threads": {"type": "integer", "minimum": 1}, "precision": STR,
+                        "precision_reason": STR, "bf16_fast": {"type": "boolean"}}),
         "steps": obj({"warmup": {"type": "integer", "minimum": 0}, "profiled": {"type": "integer", "minimum": 1},
                        "timed": {"type": "integer", "minimum": 0}, "requested": {"type": "integer", "minimum": 1},
                        "complete": {"type": "boolean"}}),
@@ -75,7 +74,7 @@ DOCTOR_SCHEMA: dict[str, Any] = {
             "per_step": NUM, "mean_us": NUM, "floor_us": NUM, "seconds_per_step": NUM, "work_s_per_step": NUM_OR_NULL,
             "kernel_share": NUM, "flops_per_step": NUM, "bytes_per_step": NUM, "matmul_share": NUM,
             "profiler_scale": NUM, "cuda_kernels_per_step": NUM_OR_NULL, "cuda_kernel_mean_us": NUM_OR_NULL,
-            "top": {"type": "array", "items": obj({"name": {"type": "string"}, "per_step": NUM,
+            "top": {"type": "array", "items": obj({"name": STR, "per_step": NUM,
                                                     "us_per_step": NUM, "median_us": NUM, "share": NUM,
                                                     "matmul": {"type": "boolean"}})},
         }, per_step="Kernel ops per step: the outermost ops that do work on a backend (about one GPU kernel each).",
@@ -90,27 +89,27 @@ DOCTOR_SCHEMA: dict[str, Any] = {
                       per_step="Syncs per training step, of the sites that read in every watched step.",
                       real="True on a GPU (the syncs happened); false on a CPU (they would happen on a GPU)."),
         "utilisation": obj({"achieved_flops_per_s": NUM, "peak_flops_per_s": NUM_OR_NULL,
-                             "fraction": NUM_OR_NULL, "peak_source": {"type": "string"}}),
-        "bound": obj({"kind": {"enum": ["overhead", "compute", "data"]}, "reason": {"type": "string"}}),
+                             "fraction": NUM_OR_NULL, "peak_source": STR}),
+        "bound": obj({"kind": {"enum": ["overhead", "compute", "data"]}, "reason": STR}),
         "advisor": obj({
-            "here": obj({"device": {"type": "string"}, "name": {"type": "string"}, "step_s": NUM}),
-            "reference_gpu": {"type": "string"},
+            "here": obj({"device": STR, "name": STR, "step_s": NUM}),
+            "reference_gpu": STR,
             "estimates": {"type": "array", "items": _ESTIMATE},
             "verdict": {"type": "string", "minLength": 1},
-            "assumptions": {"type": "string"},
+            "assumptions": STR,
             "gpus": {"type": "array", "items": obj({
-                "name": {"type": "string"}, "fp32_tflops": NUM, "bf16_tflops": NUM_OR_NULL,
-                "fp16_tflops": NUM, "memory_gbps": NUM, "launch_us": NUM, "source": {"type": "string"}})},
+                "name": STR, "fp32_tflops": NUM, "bf16_tflops": NUM_OR_NULL,
+                "fp16_tflops": NUM, "memory_gbps": NUM, "launch_us": NUM, "source": STR})},
         }),
         "findings": {"type": "array", "items": _FINDING,
                      "description": "Ranked: most time saved on this device first, then most saved on the GPU."},
-        "notes": {"type": "array", "items": {"type": "string"}},
+        "notes": {"type": "array", "items": STR},
     }),
 }
 
 
-def validate_result(result: dict[str, Any]) -> None:
-    """Raise `jsonschema.ValidationError` if `result` breaks `DOCTOR_SCHEMA` (needs jsonschema)."""
+def validate_result(result: dict[str, Any], schema: dict[str, Any] = DOCTOR_SCHEMA) -> None:
+    """Raise `jsonschema.ValidationError` if `result` breaks `schema` (needs jsonschema)."""
     import jsonschema
 
-    jsonschema.validate(result, DOCTOR_SCHEMA, cls=jsonschema.Draft202012Validator)
+    jsonschema.validate(result, schema, cls=jsonschema.Draft202012Validator)
