@@ -1,17 +1,8 @@
 """`ampkit doctor --numerics`: the layer that overflows, the gradients that underflow, the updates that are lost.
 
-    ampkit doctor --numerics --task iris-mlp --precision fp16-mixed
-    ampkit doctor --numerics train.py --epochs 1
-
-From Python, on a loop you already have (training goes on; the report prints when done):
-
-    session = ampkit.doctor.numerics(acc, steps=20)
-    ...                                   # the unchanged training loop
-    result = session.finish()             # or session.result after `steps` optimizer steps
-
-`NumericsSession` listens to the Accelerator's events (`ampkit.doctor.watch.Watch`, as
-`DoctorSession` does), watches `steps` optimizer steps with four instruments, then takes every
-hook off:
+`NumericsSession` (made by the entry points in `run`) listens to the Accelerator's events
+(`ampkit.doctor.watch.Watch`), watches `steps` optimizer steps with four instruments, then takes
+every hook off:
 
 * the range census (`census`): per-module value ranges against fp16's and bf16's limits;
 * the overflow localizer (`localizer`): on the first skipped step (or, without loss scaling, the
@@ -57,13 +48,7 @@ from ampkit.outcomes import Outcome
 class NumericsSession(Watch):
     """Watches `steps` optimizer steps of `acc` for numerical trouble (see the module docstring).
 
-    Args:
-        acc: the Accelerator whose loop to watch (it may have nothing prepared yet).
-        steps: optimizer steps to watch (skipped steps count).
-        warmup: steps to let pass before the hooks go on.
-        stop: raise `StopTraining` after the last watched step (`ampkit doctor --numerics` ends the script).
-        subject: what is being diagnosed, for the report: {"kind", "name", "argv"}.
-        on_done: called with the result when the session finishes by itself.
+    Args as `Watch`'s; `steps` counts skipped steps too, and the hooks go on after `warmup`.
     """
 
     name = "ampkit doctor --numerics"

@@ -45,15 +45,10 @@ def _sync_device(device: torch.device) -> None:
 class DoctorSession(Watch):
     """Measures `steps` optimizer steps of `acc` after `warmup` steps (see the module docstring).
 
-    Args:
-        acc: the Accelerator whose loop to watch (it may have nothing prepared yet).
+    Args (beyond `Watch`'s):
         steps: measured steps: a few profiled (up to `MAX_PROFILED_STEPS`, a quarter of them),
             the rest timed.
-        warmup: steps to skip before measuring; 0 starts measuring at once.
         gpu: the GPU whose costs findings quote (a name in `advisor.GPUS`); default A100.
-        stop: raise `StopTraining` after the last measured step (`ampkit doctor` ends the script).
-        subject: what is being diagnosed, for the report: {"kind", "name", "argv"}.
-        on_done: called with the result when the session finishes by itself.
         bench: measure this device's matmul peak and copy bandwidth (`analysis.BENCH_SECONDS`) for
             the utilisation, precision and thread findings; without it those figures are "unknown".
     """
@@ -164,8 +159,6 @@ class DoctorSession(Watch):
 
     def build(self) -> Result:
         if not self.rows["profiled"]:
-            raise DoctorError(
-                f"no step was measured: the loop ran {self.seen_steps} optimizer step(s) and the doctor skips "
-                f"the first {self.warmup} as warm-up; run more steps or lower warmup"
-            )
+            raise DoctorError(f"no step was measured: the loop ran {self.seen_steps} optimizer step(s) and the doctor "
+                              f"skips the first {self.warmup} as warm-up; run more steps or lower warmup")
         return Analysis(self).result()

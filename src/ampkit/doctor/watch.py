@@ -56,7 +56,7 @@ class Watch(Listener):
     """Base of the doctors' sessions (see the module docstring).
 
     Args:
-        acc: the Accelerator whose loop to watch.
+        acc: the Accelerator whose loop to watch (it may have nothing prepared yet).
         steps: optimizer steps to measure after the warm-up.
         warmup: steps to let pass first.
         stop: raise `StopTraining` after the last step (`ampkit doctor` ends the script).
