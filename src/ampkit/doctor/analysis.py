@@ -1,9 +1,9 @@
 """From a finished session's measurements to the result (`DOCTOR_SCHEMA`): figures, bound, advice.
 
-Two windows feed it. The *profiled* steps give the ops and, measured together with them, the
-share of the step spent inside kernel ops — both slowed alike by the profiler, so their ratio holds —
-and the syncs per step. The *timed* steps give the step and phase times without that overhead. Figures are medians: on a
-busy machine one step that waited for a core must not set them.
+Two windows feed it. The *profiled* steps give the ops and, measured together with them, the share of the
+step spent inside kernel ops — both slowed alike by the profiler, so their ratio holds — and the syncs
+per step. The *timed* steps give the step and phase times without that overhead. Figures are medians: on
+a busy machine one step that waited for a core must not set them.
 
 Device speeds are measured too: the fastest matmul per dtype (at torch's thread count and at one
 thread) and a large copy's bandwidth (`ampkit.doctor.peak`). With them the doctor knows how long
@@ -162,34 +162,18 @@ class Analysis:
         if not acc.loaders:
             self.notes.append("no prepared DataLoader: time spent loading batches is counted in 'other'")
         result: dict[str, Any] = {
-            "schema_version": 1,
-            "ampkit_version": ampkit_version(),
-            "torch": torch.__version__,
+            "schema_version": 1, "ampkit_version": ampkit_version(), "torch": torch.__version__,
             "subject": s.subject,
-            "device": {
-                "device": str(self.device),
-                "name": describe(self.device)["device_name"],
-                "threads": torch.get_num_threads(),
-                "precision": acc.policy.name,
-                "precision_reason": acc.policy.reason,
-                "bf16_fast": capability(self.device).bf16_fast,
-            },
+            "device": {"device": str(self.device), "name": describe(self.device)["device_name"],
+                       "threads": torch.get_num_threads(), "precision": acc.policy.name,
+                       "precision_reason": acc.policy.reason, "bf16_fast": capability(self.device).bf16_fast},
             "steps": {"warmup": s.warmup, "profiled": len(s.rows["profiled"]), "timed": len(s.rows["timed"]),
                       "requested": s.steps, "complete": self.measured >= s.steps},
-            "step": {
-                "time_s": self.step_s,
-                "host_s": self.host_s,
-                "samples": self.samples,
-                "samples_per_s": self.samples / self.step_s if self.samples and self.step_s > 0 else None,
-            },
+            "step": {"time_s": self.step_s, "host_s": self.host_s, "samples": self.samples,
+                     "samples_per_s": self.samples / self.step_s if self.samples and self.step_s > 0 else None},
             "phases": [{"name": p, "seconds": self.phases[p], "share": share[p]} for p in (*PHASES, "other")],
-            "ops": self._ops(),
-            "syncs": self._syncs(),
-            "utilisation": self._utilisation(),
-            "bound": self._bound(share),
-            "advisor": self._advisor(),
-            "findings": [],
-            "notes": self.notes,
+            "ops": self._ops(), "syncs": self._syncs(), "utilisation": self._utilisation(),
+            "bound": self._bound(share), "advisor": self._advisor(), "findings": [], "notes": self.notes,
         }
         context = findings.Context(
             work=self.work, gpu=s.gpu, device_gpu=advisor.gpu_for_device(self.device), peaks=self.peaks,
@@ -205,18 +189,11 @@ class Analysis:
         mean_cuda = (ops.cuda_kernel_us / ops.cuda_kernels
                      if ops.cuda_kernels and ops.cuda_kernel_us is not None else None)
         return {
-            "per_step": ops.per_step,
-            "mean_us": ops.mean_us * self.scale,
-            "floor_us": ops.floor_us * self.scale,
-            "seconds_per_step": self.kernel_s,
-            "work_s_per_step": self.work_s,
-            "kernel_share": self.kernel_share,
-            "flops_per_step": ops.flops_per_step,
-            "bytes_per_step": ops.bytes_per_step,
-            "matmul_share": ops.matmul_share,
-            "profiler_scale": self.scale,
-            "cuda_kernels_per_step": per_step_cuda,
-            "cuda_kernel_mean_us": mean_cuda,
+            "per_step": ops.per_step, "mean_us": ops.mean_us * self.scale, "floor_us": ops.floor_us * self.scale,
+            "seconds_per_step": self.kernel_s, "work_s_per_step": self.work_s, "kernel_share": self.kernel_share,
+            "flops_per_step": ops.flops_per_step, "bytes_per_step": ops.bytes_per_step,
+            "matmul_share": ops.matmul_share, "profiler_scale": self.scale,
+            "cuda_kernels_per_step": per_step_cuda, "cuda_kernel_mean_us": mean_cuda,
             "top": [dict(row, median_us=row["median_us"] * self.scale, us_per_step=row["us_per_step"] * self.scale)
                     for row in ops.top()],
         }
@@ -224,9 +201,7 @@ class Analysis:
     def _syncs(self) -> dict[str, Any]:
         sites = sorted(self.sync_sites.items(), key=lambda kv: -kv[1])
         return {
-            "per_step": self.syncs_per_step,
-            "method": self.sync_method,
-            "real": self.device.type != "cpu",
+            "per_step": self.syncs_per_step, "method": self.sync_method, "real": self.device.type != "cpu",
             "watched_steps": self.synced_steps,
             "sites": [{"file": site.file, "line": site.line, "code": site.code, "call": site.call,
                        "via": site.via, "per_step": n / self.synced_steps, "reads": n,
@@ -240,8 +215,7 @@ class Analysis:
         achieved = self.ops.flops_per_step / self.compute_s
         peak = self.peaks.get(dtype)
         return {
-            "achieved_flops_per_s": achieved,
-            "peak_flops_per_s": peak,
+            "achieved_flops_per_s": achieved, "peak_flops_per_s": peak,
             "fraction": min(1.0, achieved / peak) if peak else None,
             "peak_source": (f"fastest {dtype} {SIZE.get(self.device.type, 1024)}² matmul measured on {self.device}"
                             if peak else "unknown (no matmul benchmark)"),
@@ -299,9 +273,7 @@ class Analysis:
             verdict += f" — {self.ops.per_step:.0f} kernel launches and the Python around them keep the device waiting"
         return {
             "here": {"device": here_name, "name": describe(self.device)["device_name"], "step_s": here},
-            "reference_gpu": ref.name,
-            "estimates": rows,
-            "verdict": verdict,
+            "reference_gpu": ref.name, "estimates": rows, "verdict": verdict,
             "assumptions": (
                 f"host time outside kernels carries over; each kernel costs dispatch + {advisor.LAUNCH_US:g} µs launch "
                 f"on the host, and on the device max(FLOPs/peak, bytes/bandwidth, {advisor.MIN_KERNEL_US:g} µs) at "

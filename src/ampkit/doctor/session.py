@@ -42,6 +42,12 @@ def _sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)  # sync: the doctor's own, at window edges, never inside a step
 
 
+def _cuda_mark() -> torch.cuda.Event:
+    mark = torch.cuda.Event(enable_timing=True)
+    mark.record()
+    return mark
+
+
 class DoctorSession(Watch):
     """Measures `steps` optimizer steps of `acc` after `warmup` steps (see the module docstring).
 
@@ -103,9 +109,7 @@ class DoctorSession(Watch):
         self.rows[self._window].append({"host_s": now - self._step_start, "phases": seconds,
                                          "samples": samples, "batch_bytes": batch_bytes})
         if self.acc.device.type == "cuda" and self._window == "timed":
-            mark = torch.cuda.Event(enable_timing=True)
-            mark.record()
-            self.cuda_marks.append(mark)
+            self.cuda_marks.append(_cuda_mark())
 
     def _open(self, window: str) -> None:
         self._window = window
@@ -118,9 +122,7 @@ class DoctorSession(Watch):
             self._start_profiler()
             self.syncs.active = True
         elif window == "timed" and self.acc.device.type == "cuda":
-            mark = torch.cuda.Event(enable_timing=True)
-            mark.record()
-            self.cuda_marks = [mark]
+            self.cuda_marks = [_cuda_mark()]
         self.clock.take()
         self.clock.active = True
         self._step_start = time.perf_counter()

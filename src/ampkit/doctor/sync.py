@@ -34,7 +34,7 @@ import time
 import warnings
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -254,18 +254,9 @@ class SyncWatcher:
         if born:
             self.host[id(result)] = weakref.ref(result)
 
-    def record(self, site: SyncSite) -> None:
-        self.sites[site] += 1
+    def record(self, site: SyncSite, sites: Counter[SyncSite] | None = None) -> None:
+        (self.sites if sites is None else sites)[site] += 1
         self.site_steps.setdefault(site, set()).add(self.step)
-
-    @contextlib.contextmanager
-    def muted(self) -> Iterator[None]:
-        """Count nothing in this block: the doctor's own syncs (at window edges) are not the user's."""
-        active, self.active = self.active, False
-        try:
-            yield
-        finally:
-            self.active = active
 
     # --- CUDA ground truth --------------------------------------------------------------------
     def start_cuda_debug(self) -> None:
@@ -293,8 +284,7 @@ class SyncWatcher:
                 frame = frame.f_back  # the debugger reports real syncs only: torch's own count too
             site = locate(frame, "cuda-sync", self.skip)
             if site is not None:
-                self.cuda_sites[site] += 1
-                self.site_steps.setdefault(site, set()).add(self.step)
+                self.record(site, self.cuda_sites)
         log[start:] = kept
 
     def _replay_warnings(self) -> None:
