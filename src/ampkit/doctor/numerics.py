@@ -255,29 +255,20 @@ class NumericsSession(Watch):
             raise DoctorError(f"no step was watched: the loop ran {self.seen_steps} optimizer step(s) and the numerics "
                               f"doctor lets the first {self.warmup} pass; run more steps or lower warmup")
         acc = self.acc
-        assert self._census is not None
         census = self._census.result(scaled=acc.scaler is not None)
         lost = self._lost.result() if self._lost is not None else None
-        outcomes = self.outcomes
-        health = loss_scale_health(outcomes, acc, self._localized, census) if acc.scaler is not None else None
+        health = loss_scale_health(self.outcomes, acc, self._localized, census) if acc.scaler is not None else None
         result: Result = {
-            "schema_version": 1,
-            "kind": "numerics",
-            "ampkit_version": ampkit_version(),
-            "torch": torch.__version__,
+            "schema_version": 1, "kind": "numerics", "ampkit_version": ampkit_version(), "torch": torch.__version__,
             "subject": self.subject,
             "device": {"device": str(acc.device), "precision": acc.policy.name,
                        "param_dtype": dtype_name(acc.policy.param_dtype),
                        "compute_dtype": dtype_name(acc.policy.compute_dtype)},
             "steps": {"requested": self.steps, "warmup": self.warmup, "watched": self.watched_steps,
                       "complete": self.watched_steps >= self.steps},
-            "census": census,
-            "localizer": self._localized,
+            "census": census, "localizer": self._localized,
             "lost_updates": with_recommendation(lost, acc) if lost is not None else None,
-            "loss_scale": health,
-            "findings": [],
-            "notes": [],
-        }
+            "loss_scale": health, "findings": [], "notes": []}
         result["findings"] = findings(result)
         divided = int(torch.stack(self._divided).sum()) if self._divided else 0  # sync: once, after the watch
         if divided and divided == len(self._divided):

@@ -124,14 +124,10 @@ class PhaseClock(Listener):
     def on_step_start(self, optimizer: AmpOptimizer) -> None:
         self._start("optimizer")
 
-    def on_step_end(self, optimizer: AmpOptimizer, stepped: bool) -> None:
+    def on_step_end(self, optimizer: AmpOptimizer, stepped: bool = True) -> None:
         self._end("optimizer")
 
-    def on_zero_grad_start(self, optimizer: AmpOptimizer) -> None:
-        self._start("optimizer")
-
-    def on_zero_grad_end(self, optimizer: AmpOptimizer) -> None:
-        self._end("optimizer")
+    on_zero_grad_start, on_zero_grad_end = on_step_start, on_step_end  # both are the optimizer's phase
 
     # --- torch's module hooks -----------------------------------------------------------------
     def _forward_pre(self, module: nn.Module, args: Any) -> None:
