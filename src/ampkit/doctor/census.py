@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from ampkit.precision import dtype_name
+
 FP16_MAX = 65504.0
 FP16_MIN_NORMAL = 2.0**-14
 FP16_MIN_SUBNORMAL = 2.0**-24
@@ -154,7 +156,7 @@ class RangeCensus:
                 if t.requires_grad and torch.is_grad_enabled():
                     t.register_hook(self._grad_hook(stats))
             if outputs:
-                stats.dtype = str(outputs[0].dtype).removeprefix("torch.")
+                stats.dtype = dtype_name(outputs[0].dtype)
                 stats.shape = list(outputs[0].shape)
             if bad_out is not None:
                 created = (bad_out > 0) if bad_in is None else (bad_out > 0) & (bad_in == 0)

@@ -23,7 +23,6 @@ warm-up from 0), or no element of the group moving at all. Counts stay on the de
 from __future__ import annotations
 
 import functools
-
 import math
 from typing import Any
 
@@ -31,6 +30,7 @@ import torch
 from torch import nn
 
 from ampkit.optim import AmpOptimizer
+from ampkit.precision import dtype_name
 
 #: Lost share above which the doctor recommends master weights or compensation.
 LOST_SHARE_ALARM = 0.10
@@ -118,18 +118,13 @@ class LostUpdateDetector:
         dtypes: list[set[str]] = [set() for _ in range(self._groups)]
         sizes = [0] * self._groups
         for index, param, _ in self._params:
-            dtypes[index].add(str(param.dtype).removeprefix("torch."))
+            dtypes[index].add(dtype_name(param.dtype))
             sizes[index] += param.numel()
         for index in range(self._groups):
             wanted = lost = small = 0
             if self._counts[index] is not None:
                 wanted, lost, small = next(values)
-            groups.append({
-                "index": index,
-                "elements": sizes[index],
-                "storage_dtype": ",".join(sorted(dtypes[index])),
-                "wanted": int(wanted),
-                "lost_share": lost / wanted if wanted else None,
-                "below_half_ulp_share": small / wanted if wanted else None,
-            })
+            groups.append({"index": index, "elements": sizes[index], "storage_dtype": ",".join(sorted(dtypes[index])),
+                           "wanted": int(wanted), "lost_share": lost / wanted if wanted else None,
+                           "below_half_ulp_share": small / wanted if wanted else None})
         return {"steps": self.steps, "effective": self.effective, "groups": groups}

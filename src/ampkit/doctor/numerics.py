@@ -38,11 +38,12 @@ from ampkit.accelerator import Accelerator
 from ampkit.doctor.census import RangeCensus
 from ampkit.doctor.localizer import BatchKeeper, replay
 from ampkit.doctor.lost_updates import LostUpdateDetector
-from ampkit.doctor.numerics_findings import dtype_name, findings, loss_scale_health, with_recommendation
+from ampkit.doctor.numerics_findings import findings, loss_scale_health, with_recommendation
 from ampkit.doctor.watch import DoctorError, Result, Watch, check_counts
 from ampkit.errors import LossScaleCollapse
 from ampkit.optim import AmpOptimizer
 from ampkit.outcomes import Outcome
+from ampkit.precision import dtype_name
 
 
 class NumericsSession(Watch):

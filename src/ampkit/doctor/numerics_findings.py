@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from ampkit.accelerator import Accelerator
 from ampkit.doctor.lost_updates import LOST_SHARE_ALARM
 from ampkit.doctor.numerics_report import label, num
+from ampkit.precision import dtype_name
 
 Result = dict[str, Any]
 
@@ -148,15 +147,11 @@ def summarize(r: Result) -> Result:
     (the full result, kept as `detail`, still says them)."""
     census, lost, scale = r["census"], r["lost_updates"], r["loss_scale"]
     shares = [g["lost_share"] for g in lost["groups"] if g["lost_share"] is not None] if lost else []
-    return {"steps": r["steps"]["watched"],
-            "at_risk": [m["name"] for m in census["at_risk"]],
-            "keep_fp32": list(census["keep_fp32"]),
-            "lost_update_share": max(shares) if shares else None,
+    return {"steps": r["steps"]["watched"], "at_risk": [m["name"] for m in census["at_risk"]],
+            "keep_fp32": list(census["keep_fp32"]), "lost_update_share": max(shares) if shares else None,
             "loss_scale": scale["diagnosis"] if scale is not None else None,
-            "top_finding": r["findings"][0]["title"] if r["findings"] else None,
-            "problem": _problem(r),
-            "error": None,
-            "detail": r}
+            "top_finding": r["findings"][0]["title"] if r["findings"] else None, "problem": _problem(r),
+            "error": None, "detail": r}
 
 
 def _problem(r: Result) -> str | None:
@@ -181,7 +176,3 @@ def _problem(r: Result) -> str | None:
         elif f["id"] == "loss-scale" and scale is not None and 2 * scale["skipped"] > len(scale["history"]):
             return f"{scale['skipped']} of {len(scale['history'])} steps skipped on overflow"
     return None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
