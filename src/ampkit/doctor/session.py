@@ -1,8 +1,6 @@
 """`DoctorSession`: watch an Accelerator for a few steps, then say where the step time goes.
 
-The session listens to the Accelerator's events (`ampkit.doctor.watch.Watch`): the first prepared
-optimizer's steps end the steps it measures, without a change to the training loop. It runs three
-windows:
+A `Watch` (`ampkit.doctor.watch` says how it listens and ends) that runs three windows:
 
 1. **warm-up** (`warmup` steps): nothing is measured — allocator, caches and lazy init settle.
 2. **profiled** (a few steps): `torch.profiler` records every op with FLOPs and shapes, and the
@@ -11,9 +9,7 @@ windows:
    measured and taken off.
 3. **timed** (the rest of `steps`): step and phase times, with neither watching.
 
-After the last step the session takes its hooks off, analyses, and builds the result
-(`DOCTOR_SCHEMA`); with `stop=True` it then ends the training by raising `StopTraining` from
-inside `optimizer.step()`.
+After the last step `analysis.Analysis` builds the result (`DOCTOR_SCHEMA`).
 """
 
 from __future__ import annotations
