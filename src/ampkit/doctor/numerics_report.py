@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ampkit.doctor.report import subject_line
-from ampkit.doctor.schema import NUM, NUM_OR_NULL, STR, SUBJECT, obj, validate_result
+from ampkit.doctor.schema import INT, NUM, NUM_OR_NULL, STR, SUBJECT, TEXT, obj, validate_result
 from ampkit.present import escape
 
 Result = dict[str, Any]
@@ -18,14 +18,13 @@ Result = dict[str, Any]
 # --- the schema (built with the performance doctor's schema parts) -----------------------------
 _SHARE = {"type": "number", "minimum": 0, "maximum": 1}
 _SHARE_OR_NULL = {"type": ["number", "null"], "minimum": 0, "maximum": 1}
-_INT = {"type": "integer", "minimum": 0}
 
 
 def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
     return {"anyOf": [schema, {"type": "null"}]}
 
 
-_TALLY = _nullable(obj({"abs_max": NUM, "elements": _INT, "over_fp16_share": _SHARE, "under_fp16_share": _SHARE,
+_TALLY = _nullable(obj({"abs_max": NUM, "elements": INT, "over_fp16_share": _SHARE, "under_fp16_share": _SHARE,
                          "flush_fp16_share": _SHARE, "over_bf16_share": _SHARE, "under_bf16_share": _SHARE,
                          "nan_share": _SHARE},
                         abs_max="Largest finite |value| seen.",
@@ -33,9 +32,9 @@ _TALLY = _nullable(obj({"abs_max": NUM, "elements": _INT, "over_fp16_share": _SH
                         under_fp16_share="Share of nonzero values below fp16's smallest normal, 2**-14.",
                         flush_fp16_share="Share of nonzero values below fp16's smallest subnormal, 2**-24 "
                                          "(they flush to 0)."))
-_CULPRIT = _nullable(obj({"module": STR, "type": STR, "what": STR, "shape": {"type": "array", "items": _INT},
-                           "dtype": STR, "max_finite_before": NUM_OR_NULL, "nonfinite": _INT, "nan": _INT,
-                           "inf": _INT, "elements": _INT},
+_CULPRIT = _nullable(obj({"module": STR, "type": STR, "what": STR, "shape": {"type": "array", "items": INT},
+                           "dtype": STR, "max_finite_before": NUM_OR_NULL, "nonfinite": INT, "nan": INT, "inf": INT,
+                           "elements": INT},
                           module="Module name in the model ('' is the model itself).",
                           what="output (forward), grad_output, grad_input or grad_<parameter> (backward).",
                           max_finite_before="Forward: largest finite |input|; backward: largest finite gradient "
@@ -47,18 +46,16 @@ NUMERICS_SCHEMA: dict[str, Any] = {
     "title": "ampkit doctor --numerics",
     "description": "`ampkit doctor --numerics --json`: value ranges, overflows, lost updates and loss-scale health.",
     **obj({
-        "schema_version": {"const": 1},
-        "kind": {"const": "numerics"},
-        "ampkit_version": STR, "torch": STR,
+        "schema_version": {"const": 1}, "kind": {"const": "numerics"}, "ampkit_version": STR, "torch": STR,
         "subject": SUBJECT,
         "device": obj({"device": STR, "precision": STR, "param_dtype": STR, "compute_dtype": STR}),
-        "steps": obj({"requested": {"type": "integer", "minimum": 1}, "warmup": _INT, "watched": _INT,
+        "steps": obj({"requested": {"type": "integer", "minimum": 1}, "warmup": INT, "watched": INT,
                        "complete": {"type": "boolean"}}),
         "census": obj({
             "modules": {"type": "array", "items": obj({
-                "name": STR, "type": STR, "calls": _INT, "dtype": {"type": ["string", "null"]},
-                "shape": {"type": ["array", "null"], "items": _INT}, "input": _TALLY, "output": _TALLY, "grad": _TALLY,
-                "grad_unscaled": _TALLY, "created_nonfinite": _INT},
+                "name": STR, "type": STR, "calls": INT, "dtype": {"type": ["string", "null"]},
+                "shape": {"type": ["array", "null"], "items": INT}, "input": _TALLY, "output": _TALLY, "grad": _TALLY,
+                "grad_unscaled": _TALLY, "created_nonfinite": INT},
                 grad="Gradients reaching the module's output, as seen (loss-scaled under fp16 presets).",
                 grad_unscaled="The same divided by that step's loss scale: the true gradients (an inf of the scaled "
                               "gradient is not counted as an overflow here: its true size is unknown).",
@@ -70,11 +67,11 @@ NUMERICS_SCHEMA: dict[str, Any] = {
                           "description": "Module names to pass as Accelerator(keep_fp32=...) against the overflows."},
         }),
         "localizer": _nullable(obj({"forward": _CULPRIT, "backward": _CULPRIT, "note": {"type": ["string", "null"]},
-                                     "trigger": STR, "micro_batch": _INT})),
+                                     "trigger": STR, "micro_batch": INT})),
         "lost_updates": _nullable(obj({
-            "steps": _INT, "effective": {"enum": ["param", "master", "compensated"]},
+            "steps": INT, "effective": {"enum": ["param", "master", "compensated"]},
             "groups": {"type": "array", "items": obj({
-                "index": _INT, "elements": _INT, "storage_dtype": STR, "wanted": _INT,
+                "index": INT, "elements": INT, "storage_dtype": STR, "wanted": INT,
                 "lost_share": _SHARE_OR_NULL, "below_half_ulp_share": _SHARE_OR_NULL},
                 wanted="Element updates the optimizer wanted (nonzero gradient), over the applied steps.",
                 lost_share="Share of those the effective weight did not take at all.",
@@ -82,15 +79,14 @@ NUMERICS_SCHEMA: dict[str, Any] = {
             "recommendation": {"type": ["string", "null"]},
         }, effective="What counts as the weight: the parameter, its fp32 master, or bf16 + Kahan compensation.")),
         "loss_scale": _nullable(obj({
-            "history": {"type": "array", "items": NUM}, "skipped": _INT, "applied": _INT, "halvings": _INT,
+            "history": {"type": "array", "items": NUM}, "skipped": INT, "applied": INT, "halvings": INT,
             "steps_since_overflow": {"type": ["integer", "null"], "minimum": 0}, "scale": NUM,
-            "min_scale": NUM_OR_NULL, "diagnosis": {"type": "string", "minLength": 1}},
+            "min_scale": NUM_OR_NULL, "diagnosis": TEXT},
             history="The scale each watched step used.", scale="The scale the last watched step used.")),
         "findings": {"type": "array", "items": obj({
             "id": {"enum": ["forward-overflow", "backward-overflow", "grad-underflow", "lost-updates", "loss-scale",
                             "double-division"]},
-            "title": {"type": "string", "minLength": 1}, "evidence": {"type": "string", "minLength": 1},
-            "fix": {"type": "string", "minLength": 1}})},
+            "title": TEXT, "evidence": TEXT, "fix": TEXT})},
         "notes": {"type": "array", "items": STR},
     }),
 }

@@ -9,6 +9,8 @@ from ampkit.doctor.phases import PHASES
 NUM = {"type": "number", "minimum": 0}
 NUM_OR_NULL = {"type": ["number", "null"], "minimum": 0}
 STR = {"type": "string"}
+TEXT = {"type": "string", "minLength": 1}
+INT = {"type": "integer", "minimum": 0}
 
 
 def obj(required: dict[str, Any], **described: str) -> dict[str, Any]:
@@ -19,9 +21,8 @@ def obj(required: dict[str, Any], **described: str) -> dict[str, Any]:
 SUBJECT = obj({"kind": {"enum": ["script", "task", "loop"]}, "name": STR, "argv": {"type": "array", "items": STR}})
 
 _SITE = obj(
-    {"file": STR, "line": {"type": "integer", "minimum": 0}, "code": STR, "call": STR,
-     "via": {"type": ["string", "null"]}, "per_step": NUM, "reads": {"type": "integer", "minimum": 1},
-     "steps_seen": {"type": "integer", "minimum": 0}, "every_step": {"type": "boolean"}},
+    {"file": STR, "line": INT, "code": STR, "call": STR, "via": {"type": ["string", "null"]}, "per_step": NUM,
+     "reads": {"type": "integer", "minimum": 1}, "steps_seen": INT, "every_step": {"type": "boolean"}},
     file="The user's file that caused the sync.",
     code="The source line there.",
     call="The Tensor method that read the value (item, __float__, __format__, ...) or 'cuda-sync'.",
@@ -41,9 +42,7 @@ _ESTIMATE = obj(
 
 _FINDING = obj(
     {"id": {"enum": ["data-wait", "busy-threads", "overhead-bound", "small-batch", "precision", "sync"]},
-     "title": {"type": "string", "minLength": 1}, "evidence": {"type": "string", "minLength": 1},
-     "fix": {"type": "string", "minLength": 1}, "saved_s": NUM, "saved_share": NUM,
-     "saved_on_gpu_s": NUM_OR_NULL},
+     "title": TEXT, "evidence": TEXT, "fix": TEXT, "saved_s": NUM, "saved_share": NUM, "saved_on_gpu_s": NUM_OR_NULL},
     saved_s="Estimated seconds saved per step on this device (0: the issue costs nothing here).",
     saved_on_gpu_s="Estimated seconds saved per step on the reference GPU, where that differs.",
 )
@@ -54,14 +53,11 @@ DOCTOR_SCHEMA: dict[str, Any] = {
     "title": "ampkit doctor",
     "description": "`ampkit doctor --json`: where a training step's time goes, and what to change.",
     **obj({
-        "schema_version": {"const": 1},
-        "ampkit_version": STR, "torch": STR,
-        "subject": SUBJECT,
+        "schema_version": {"const": 1}, "ampkit_version": STR, "torch": STR, "subject": SUBJECT,
         "device": obj({"device": STR, "name": STR, "threads": {"type": "integer", "minimum": 1}, "precision": STR,
                         "precision_reason": STR, "bf16_fast": {"type": "boolean"}}),
-        "steps": obj({"warmup": {"type": "integer", "minimum": 0}, "profiled": {"type": "integer", "minimum": 1},
-                       "timed": {"type": "integer", "minimum": 0}, "requested": {"type": "integer", "minimum": 1},
-                       "complete": {"type": "boolean"}}),
+        "steps": obj({"warmup": INT, "profiled": {"type": "integer", "minimum": 1}, "timed": INT,
+                       "requested": {"type": "integer", "minimum": 1}, "complete": {"type": "boolean"}}),
         "step": obj({"time_s": NUM, "host_s": NUM, "samples": NUM_OR_NULL, "samples_per_s": NUM_OR_NULL},
                      time_s="Median step time (on CUDA from device events; else the host clock).",
                      host_s="Median host time per step; the phases (medians too) add up to it.",
@@ -95,7 +91,7 @@ DOCTOR_SCHEMA: dict[str, Any] = {
             "here": obj({"device": STR, "name": STR, "step_s": NUM}),
             "reference_gpu": STR,
             "estimates": {"type": "array", "items": _ESTIMATE},
-            "verdict": {"type": "string", "minLength": 1},
+            "verdict": TEXT,
             "assumptions": STR,
             "gpus": {"type": "array", "items": obj({
                 "name": STR, "fp32_tflops": NUM, "bf16_tflops": NUM_OR_NULL,
