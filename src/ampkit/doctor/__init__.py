@@ -36,5 +36,4 @@ __all__ = [
     "DOCTOR_SCHEMA", "DoctorError", "DoctorSession", "GPUS", "GPUSpec", "NUMERICS_SCHEMA", "NumericsSession",
     "StopTraining", "diagnose_script", "diagnose_task", "estimate", "find_gpu", "format_text", "numerics",
     "numerics_script", "numerics_task", "numerics_train_fn", "profile", "render_html_section", "render_report",
-    "script_traceback", "summarize", "validate_numerics", "validate_result"
-]
+    "script_traceback", "summarize", "validate_numerics", "validate_result"]

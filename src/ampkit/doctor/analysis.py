@@ -173,8 +173,7 @@ class Analysis:
                      "samples_per_s": self.samples / self.step_s if self.samples and self.step_s > 0 else None},
             "phases": [{"name": p, "seconds": self.phases[p], "share": share[p]} for p in (*PHASES, "other")],
             "ops": self._ops(), "syncs": self._syncs(), "utilisation": self._utilisation(),
-            "bound": self._bound(share), "advisor": self._advisor(), "findings": [], "notes": self.notes,
-        }
+            "bound": self._bound(share), "advisor": self._advisor(), "findings": [], "notes": self.notes}
         context = findings.Context(
             work=self.work, gpu=s.gpu, device_gpu=advisor.gpu_for_device(self.device), peaks=self.peaks,
             thread_peaks=self.thread_peaks,
@@ -195,8 +194,7 @@ class Analysis:
             "matmul_share": ops.matmul_share, "profiler_scale": self.scale,
             "cuda_kernels_per_step": per_step_cuda, "cuda_kernel_mean_us": mean_cuda,
             "top": [dict(row, median_us=row["median_us"] * self.scale, us_per_step=row["us_per_step"] * self.scale)
-                    for row in ops.top()],
-        }
+                    for row in ops.top()]}
 
     def _syncs(self) -> dict[str, Any]:
         sites = sorted(self.sync_sites.items(), key=lambda kv: -kv[1])
@@ -207,8 +205,7 @@ class Analysis:
                        "via": site.via, "per_step": n / self.synced_steps, "reads": n,
                        "steps_seen": self.site_steps[site], "every_step": site in self.every_step}
                       for site, n in sites],
-            "cuda_debug": self.cuda_debug,
-        }
+            "cuda_debug": self.cuda_debug}
 
     def _utilisation(self) -> dict[str, Any]:
         dtype = self.compute_dtype
@@ -218,8 +215,7 @@ class Analysis:
             "achieved_flops_per_s": achieved, "peak_flops_per_s": peak,
             "fraction": min(1.0, achieved / peak) if peak else None,
             "peak_source": (f"fastest {dtype} {SIZE.get(self.device.type, 1024)}² matmul measured on {self.device}"
-                            if peak else "unknown (no matmul benchmark)"),
-        }
+                            if peak else "unknown (no matmul benchmark)")}
 
     def _bound(self, share: dict[str, float]) -> dict[str, Any]:
         """data, overhead or compute, with the measured reason (`OVERHEAD_BOUND_SHARE`, `findings.OP_FIXED_US`)."""
@@ -280,5 +276,4 @@ class Analysis:
                 f"datasheet peaks (a lower bound); a sync per step adds host and device instead of overlapping them"),
             "gpus": [{"name": g.name, "fp32_tflops": g.fp32_tflops, "bf16_tflops": g.bf16_tflops,
                       "fp16_tflops": g.fp16_tflops, "memory_gbps": g.memory_gbps, "launch_us": g.launch_us,
-                      "source": g.source} for g in advisor.GPUS.values()],
-        }
+                      "source": g.source} for g in advisor.GPUS.values()]}

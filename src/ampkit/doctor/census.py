@@ -68,8 +68,7 @@ def measure(t: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.T
         (nonzero & (a < FP16_MIN_SUBNORMAL)).sum(),
         (a > BF16_MAX).sum() if scale is None else ((a > BF16_MAX) & torch.isfinite(a)).sum(),
         (nonzero & (a < BF16_MIN_NORMAL)).sum(),
-        torch.isnan(x).sum(),
-    ])
+        torch.isnan(x).sum()])
     zero = torch.zeros((), device=a.device)
     finite_max = torch.where(torch.isfinite(a), a, zero).amax() if a.numel() else zero
     return counts, finite_max

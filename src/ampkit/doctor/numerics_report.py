@@ -64,8 +64,7 @@ NUMERICS_SCHEMA: dict[str, Any] = {
                 "name": STR, "type": STR, "reasons": {"type": "array", "items": STR, "minItems": 1},
                 "overflow": {"type": "boolean"}, "activation_abs_max": NUM_OR_NULL, "grad_abs_max": NUM_OR_NULL})},
             "keep_fp32": {"type": "array", "items": STR,
-                          "description": "Module names to pass as Accelerator(keep_fp32=...) against the overflows."},
-        }),
+                          "description": "Module names to pass as Accelerator(keep_fp32=...) against the overflows."}}),
         "localizer": _nullable(obj({"forward": _CULPRIT, "backward": _CULPRIT, "note": {"type": ["string", "null"]},
                                      "trigger": STR, "micro_batch": INT})),
         "lost_updates": _nullable(obj({
@@ -87,9 +86,7 @@ NUMERICS_SCHEMA: dict[str, Any] = {
             "id": {"enum": ["forward-overflow", "backward-overflow", "grad-underflow", "lost-updates", "loss-scale",
                             "double-division"]},
             "title": TEXT, "evidence": TEXT, "fix": TEXT})},
-        "notes": {"type": "array", "items": STR},
-    }),
-}
+        "notes": {"type": "array", "items": STR}})}
 
 
 def validate_numerics(result: Result) -> None:

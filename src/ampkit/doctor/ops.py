@@ -32,8 +32,7 @@ MATMUL_OPS = re.compile(r"(^|::)_?(addmm|mm|bmm|baddbmm|addbmm|addmv|mv|dot|vdot
 _ELEMENT_BYTES = {
     "float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "long": 8, "int": 4,
     "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1, "c10::complex<float>": 8,
-    "c10::complex<double>": 16, "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1,
-}
+    "c10::complex<double>": 16, "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1}
 
 _DATA_RANGE = "enumerate(DataLoader)"
 _DATA_OPS = {"aten::pin_memory", "aten::_pin_memory", "aten::is_pinned"}

@@ -260,6 +260,5 @@ def render_html_section(r: Result) -> str:
         f"<p class=muted>{escape(r['advisor']['assumptions'])}. Peaks: "
         + "; ".join(f"{escape(g['name'])}: {escape(g['source'])}" for g in r["advisor"]["gpus"]) + "</p>",
         *(f"<p class=muted>note: {escape(n)}</p>" for n in r["notes"]),
-        "</section>",
-    ]
+        "</section>"]
     return "\n".join(p for p in parts if p)

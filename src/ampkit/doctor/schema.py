@@ -31,21 +31,18 @@ _SITE = obj(
     reads="Its reads in the watched steps.",
     steps_seen="In how many of the watched steps it read.",
     every_step="It read in (about) every watched step: the training step's own; false: evaluation or logging "
-               "that runs every few steps.",
-)
+               "that runs every few steps.")
 
 _ESTIMATE = obj(
     {"gpu": STR, "dtype": {"enum": ["fp32", "bf16", "fp16"]}, "step_s": NUM, "host_s": NUM,
      "device_s": NUM, "bound": {"enum": ["host", "device"]}, "speedup": NUM},
-    speedup="Measured step time here over the estimate (> 1: the GPU is faster).",
-)
+    speedup="Measured step time here over the estimate (> 1: the GPU is faster).")
 
 _FINDING = obj(
     {"id": {"enum": ["data-wait", "busy-threads", "overhead-bound", "small-batch", "precision", "sync"]},
      "title": TEXT, "evidence": TEXT, "fix": TEXT, "saved_s": NUM, "saved_share": NUM, "saved_on_gpu_s": NUM_OR_NULL},
     saved_s="Estimated seconds saved per step on this device (0: the issue costs nothing here).",
-    saved_on_gpu_s="Estimated seconds saved per step on the reference GPU, where that differs.",
-)
+    saved_on_gpu_s="Estimated seconds saved per step on the reference GPU, where that differs.")
 
 DOCTOR_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -64,8 +61,7 @@ DOCTOR_SCHEMA: dict[str, Any] = {
                      samples="Samples per step from the prepared DataLoader's batches; null: unknown."),
         "phases": {
             "type": "array", "minItems": len(PHASES) + 1, "maxItems": len(PHASES) + 1,
-            "items": obj({"name": {"enum": [*PHASES, "other"]}, "seconds": NUM, "share": NUM}),
-        },
+            "items": obj({"name": {"enum": [*PHASES, "other"]}, "seconds": NUM, "share": NUM})},
         "ops": obj({
             "per_step": NUM, "mean_us": NUM, "floor_us": NUM, "seconds_per_step": NUM, "work_s_per_step": NUM_OR_NULL,
             "kernel_share": NUM, "flops_per_step": NUM, "bytes_per_step": NUM, "matmul_share": NUM,
@@ -95,13 +91,10 @@ DOCTOR_SCHEMA: dict[str, Any] = {
             "assumptions": STR,
             "gpus": {"type": "array", "items": obj({
                 "name": STR, "fp32_tflops": NUM, "bf16_tflops": NUM_OR_NULL,
-                "fp16_tflops": NUM, "memory_gbps": NUM, "launch_us": NUM, "source": STR})},
-        }),
+                "fp16_tflops": NUM, "memory_gbps": NUM, "launch_us": NUM, "source": STR})}}),
         "findings": {"type": "array", "items": _FINDING,
                      "description": "Ranked: most time saved on this device first, then most saved on the GPU."},
-        "notes": {"type": "array", "items": STR},
-    }),
-}
+        "notes": {"type": "array", "items": STR}})}
 
 
 def validate_result(result: dict[str, Any], schema: dict[str, Any] = DOCTOR_SCHEMA) -> None:

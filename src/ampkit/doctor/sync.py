@@ -45,8 +45,7 @@ from torch.overrides import TorchFunctionMode
 #: `torch.Tensor` methods that read a tensor's value on the host. `__repr__`/`__format__` cover
 #: `print(t)`, `str(t)` and f-strings.
 SYNC_METHODS: tuple[str, ...] = (
-    "item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy", "__repr__", "__format__",
-)
+    "item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy", "__repr__", "__format__")
 _READS = {getattr(torch.Tensor, name): name for name in SYNC_METHODS}
 #: Factories whose result lives where `device=` says: on the host when it is not given.
 _FACTORIES = frozenset(getattr(torch, name) for name in (
@@ -63,8 +62,7 @@ _DISPATCH = (os.path.join(_TORCH_DIR, "overrides.py"), os.path.join(_TORCH_DIR, 
 _LIBRARY_DIRS = tuple(
     os.path.realpath(p) + os.sep
     for key in ("stdlib", "platstdlib", "purelib", "platlib")
-    if (p := sysconfig.get_paths().get(key))
-)
+    if (p := sysconfig.get_paths().get(key)))
 
 
 @dataclass(frozen=True)
