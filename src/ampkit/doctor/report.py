@@ -1,8 +1,8 @@
 """The doctor's report: a terminal view (rich), plain text (logs) and an HTML section.
 
 Each takes the result dict (`DOCTOR_SCHEMA`) and decides nothing: the figures and findings are
-computed by `ampkit.doctor.analysis` and `ampkit.doctor.findings`. Strings that come from the user's code (file names, source lines) are
-never interpreted — not as rich markup, not as HTML.
+computed by `ampkit.doctor.analysis` and `ampkit.doctor.findings`. Strings that come from the
+user's code (file names, source lines) are never interpreted — not as rich markup, not as HTML.
 """
 
 from __future__ import annotations
@@ -232,9 +232,8 @@ def render_html_section(r: Result) -> str:
     phase_rows = [[p["name"], seconds(p["seconds"]), f"{p['share']:.0%}",
                    f'<span class="bar" style="width:{12 * p["share"] / widest:.2f}rem"></span>']
                   for p in r["phases"]]
-    sync_rows = [[f"<code>{escape(where(s['file'], s['line']))}</code>", f"<code>{escape(s['code'])}</code>",
-                  escape(s["call"] + (f" via {s['via']}" if s["via"] else "")), escape(_rate(s, r["syncs"]["watched_steps"]))]
-                 for s in r["syncs"]["sites"][:8]]
+    sync_rows = [[f"<code>{escape(cell)}</code>" if i < 2 else escape(cell) for i, cell in enumerate(row)]
+                 for row in _sync_rows(r)]
     findings = "".join(
         f"<li><strong>{escape(f['title'])}</strong><br><span class=muted>evidence:</span> {escape(f['evidence'])}"
         f"<br><span class=muted>fix:</span> {escape(f['fix'])}<br><span class=muted>{escape(_saving(f, r))}</span></li>"
