@@ -114,8 +114,7 @@ def data_wait(result: dict[str, Any], ctx: Context) -> Finding | None:
         id="data-wait", title=f"{data['share']:.0%} of the step waiting for data",
         evidence=(f"the DataLoader's next() took {seconds(data['seconds'])} of a {seconds(result['step']['host_s'])} "
                   f"step (num_workers={workers}, pin_memory={pinned}); the model waits for every batch"),
-        fix=fix,
-        saved_s=max(0.0, saved))
+        fix=fix, saved_s=max(0.0, saved))
 
 
 # --- threads ------------------------------------------------------------------------------------
@@ -199,8 +198,7 @@ def overhead_bound(result: dict[str, Any], ctx: Context) -> Finding | None:
         title=f"overhead-bound: {count(ops['per_step'])} kernels/step at {seconds(ops['mean_us'] * 1e-6)}",
         evidence=result["bound"]["reason"] + (
             f"; {seconds(overhead)} of the {seconds(ctx.compute_s)} compute time is outside kernels" if overhead else ""),
-        fix=fix,
-        saved_s=OVERHEAD_REMOVED * overhead)
+        fix=fix, saved_s=OVERHEAD_REMOVED * overhead)
 
 
 def small_batch(result: dict[str, Any], ctx: Context) -> Finding | None:
@@ -346,8 +344,7 @@ def syncs(result: dict[str, Any], ctx: Context) -> list[Finding]:
         out.append(Finding(
             id="sync", title=f"{every} at {where(site['file'], site['line'])} (`{site['code']}`)",
             evidence=f"{call}{via} reads a tensor's value on the host; {cost}",
-            fix=_sync_fix(site),
-            saved_s=cost_here * share, saved_on_gpu_s=cost_gpu * share))
+            fix=_sync_fix(site), saved_s=cost_here * share, saved_on_gpu_s=cost_gpu * share))
     rest = sites[3:]
     if rest:
         n = sum(s["per_step"] for s in rest)
