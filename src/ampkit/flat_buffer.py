@@ -61,3 +61,54 @@ _storage_users = getattr(torch._C, "_storage_Use_Count", None)
 
 
 EMPTY_FP32 = torch.empty(0, dtype=torch.float32)
+
+
+def cut_chunks(sizes: list[int], kept: list[int], splittable: list[bool], capacity: int,
+               align: int = 64) -> list[list[tuple[int, int, int]]]:
+    """Cut the kept tensors, in order, into chunks of at most `capacity` elements.
+
+    A chunk is a list of pieces `(tensor index, start, stop)` over the tensor's flattened elements.
+    A splittable tensor that does not fit in what is left of a chunk is cut at a multiple of `align`
+    elements from its start (so each piece's vectorised loops cover the same elements as the whole
+    tensor's); any other tensor starts a new chunk (a chunk holding only it may exceed `capacity`).
+    """
+    chunks: list[list[tuple[int, int, int]]] = []
+    current: list[tuple[int, int, int]] = []
+    room = capacity
+    for i in kept:
+        start, size = 0, sizes[i]
+        while start < size:
+            take = size - start
+            if take > room:
+                take = room // align * align if splittable[i] else 0
+                if take == 0 and not current:  # alone in a chunk and still too big
+                    take = (capacity // align * align or size - start) if splittable[i] else size - start
+            if take == 0:
+                chunks.append(current)
+                current, room = [], capacity
+                continue
+            current.append((i, start, start + take))
+            start += take
+            room -= take
+            if room == 0:
+                chunks.append(current)
+                current, room = [], capacity
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def runs(pieces: list[tuple[int, int, int]], offsets: dict[int, int]) -> list[tuple[int, int, int]]:
+    """Merge consecutive pieces that lie end to end in a flat buffer (`offsets`: each tensor's start there,
+    missing for tensors that buffer lacks) into `(position in the chunk, position in the buffer, length)`."""
+    merged: list[list[int]] = []
+    at = 0
+    for i, start, stop in pieces:
+        if i in offsets:
+            flat = offsets[i] + start
+            if merged and merged[-1][0] + merged[-1][2] == at and merged[-1][1] + merged[-1][2] == flat:
+                merged[-1][2] += stop - start
+            else:
+                merged.append([at, flat, stop - start])
+        at += stop - start
+    return [(a, b, n) for a, b, n in merged]

@@ -16,14 +16,15 @@ Both own their state (`state_dict()`, exact, bit for bit) and say what each weig
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from itertools import accumulate
 from typing import Any
 
 import torch
 from torch import nn
 
 from ampkit.errors import PrecisionError, StepOrderError
-from ampkit.flat_buffer import EMPTY_FP32, FlatBuffer
+from ampkit.flat_buffer import EMPTY_FP32, FlatBuffer, cut_chunks, runs
 from ampkit.precision import Precision
 
 
@@ -117,15 +118,22 @@ class CompensatedWeights:
     """bf16 weights updated in fp32 with a bf16 Kahan buffer (the `bf16-true` preset).
 
     Between steps this preset holds, per parameter, the bf16 weight, its bf16 compensation and the
-    optimizer's per-element state in bf16 (AdamW: 2 + 2 + 2 + 2 = 8 bytes). For the update only,
-    fp32 working copies of weights, gradients and state are made in flat buffers (a few kernels in
-    all), the user's optimizer steps them, and the results are rounded back.
+    optimizer's per-element state in bf16 (AdamW: 2 + 2 + 2 + 2 = 8 bytes). The update runs chunk
+    by chunk through a fixed fp32 workspace: for each chunk, fp32 working copies of weights
+    (weight + compensation), gradients and state are made, the user's optimizer steps them (its
+    parameter groups narrowed to the chunk's stand-ins, per-step scalars such as Adam's `step`
+    advanced once per real step), and the results are rounded back with the new rounding error
+    kept. Only optimizers whose update is elementwise (`ELEMENTWISE`) are stepped in chunks; any
+    other, and each parameter's first step (when the optimizer creates its state), steps all
+    parameters at once in a full-size workspace that exists for that step only. Clipping
+    (`grads_in`) materialises fp32 gradients for the whole model until the step ends.
     """
 
     def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]], optimizer: torch.optim.Optimizer,
-                 free_step_buffers: bool = True) -> None:
+                 free_step_buffers: bool = True, chunk: int = 1 << 17) -> None:
         self.pairs = pairs  # (model parameter in bf16, fp32 stand-in the optimizer steps; empty between steps)
         self.optimizer = optimizer
+        self.chunk = chunk  # elements per chunk of the update
         self._free = free_step_buffers
         self._params = [p for p, _ in pairs]
         self._shadows = [s for _, s in pairs]
@@ -134,83 +142,149 @@ class CompensatedWeights:
         with torch.no_grad():
             for (param, initial), comp in zip(pairs, self.compensation):
                 comp.copy_(initial - param.to(torch.float32))
-        self._work = FlatBuffer(self._params, torch.float32, self._free)  # fp32 weights during the step
-        self._grad = FlatBuffer(self._params, torch.float32, self._free)  # fp32 gradients during the step
-        self._round = FlatBuffer(self._params, self._comp.buffer.dtype, self._free)  # the updated weights, rounded
+        self._offsets = dict(enumerate(accumulate([0] + self._comp.sizes[:-1])))
+        self._grad = FlatBuffer(self._params, torch.float32, self._free)  # fp32 gradients, only when clipping
+        self._grads_in = False
+        self._stepped = [False] * len(pairs)  # stepped once: the optimizer's state exists (chunking needs it)
         self._state: dict[str, _StateBuffers] = {}  # per-element optimizer state, by key
         self._state_count = -1  # len(optimizer.state) when the state buffers were last built
-        self._kept: list[int] = []
+        self._plan: _Plan | None = None
         self.release()
 
     @property
     def optimizer_params(self) -> Iterator[nn.Parameter]:
         return iter(self._shadows)
 
-    def grads_in(self) -> list[torch.Tensor]:
-        """Materialise fp32 weights (bf16 weight + compensation), gradients and state for the update."""
-        kept, grads = _grads(self._params)
-        self._kept = kept
-        every = len(kept) == len(self._params)
-        self._work.alloc()
-        self._grad.alloc()
-        work = self._work.views if every else [self._work.views[i] for i in kept]
-        grad_views = self._grad.views if every else [self._grad.views[i] for i in kept]
-        params = self._params if every else [self._params[i] for i in kept]
-        if grads:
-            with torch.no_grad():
-                torch._foreach_copy_(work, params)
-                self._work.buffer.add_(self._comp.buffer)  # flat: unfilled entries are unused garbage
-                torch._foreach_copy_(grad_views, grads)
-        for i in kept:
-            shadow = self._shadows[i]
-            shadow.data = self._work.views[i]
-            shadow.grad = self._grad.views[i]
-        for buffers in self._state.values():
-            buffers.to_fp32(self.optimizer.state)
-        return grad_views
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes of the fp32/bf16 workspace the chunked update keeps between steps (fixed: a few MB)."""
+        plan = self._plan
+        return 0 if plan is None or plan.single else plan.nbytes
 
-    def weights_out(self) -> None:
-        """Round the updated fp32 weights into bf16 and keep the rounding error (Kahan)."""
-        kept = self._kept
+    def grads_in(self) -> list[torch.Tensor]:
+        """Give the stand-ins fp32 gradients (for clipping); the step then uses them. Return them."""
+        kept, grads = _grads(self._params)
+        self._grad.alloc()
+        views = [self._grad.views[i] for i in kept]
+        if grads:
+            torch._foreach_copy_(views, grads)
+        for i, view in zip(kept, views):
+            self._shadows[i].data = view  # the stand-in carries only its gradient until the step
+            self._shadows[i].grad = view
+        self._grads_in = True
+        return views
+
+    def step(self, step_fn: Callable[[], Any]) -> Any:
+        """Run the user's optimizer step over every weight with a gradient, chunk by chunk."""
+        kept = [i for i, p in enumerate(self._params) if p.grad is not None]
         if not kept:
-            return
-        every = len(kept) == len(self._params)
-        self._round.alloc()
-        with torch.no_grad():
-            # Round flat, copy same-dtype per tensor, and keep what rounding lost (flat again): the
-            # mixed-dtype arithmetic runs on whole buffers, never tensor by tensor.
-            self._round.buffer.copy_(self._work.buffer)
-            rounded = self._round.views if every else [self._round.views[i] for i in kept]
-            torch._foreach_copy_(self._params if every else [self._params[i] for i in kept], rounded)
-            self._work.buffer.sub_(self._round.buffer)
-            if every:
-                self._comp.buffer.copy_(self._work.buffer)
-            else:
-                torch._foreach_copy_([self.compensation[i] for i in kept], [self._work.views[i] for i in kept])
-        del rounded  # a list of the round buffer's views: it must not count as a holder in free()
-        self._round.free()
-        if len(self.optimizer.state) != self._state_count:
+            return step_fn()
+        plan = self._plan_for(kept)
+        state, groups = self.optimizer.state, self.optimizer.param_groups
+        scalars = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state[self._shadows[i]].items()
+                       if not _per_element(k, v, self._params[i])} for i in plan.split}
+        originals = [g["params"] for g in groups]
+        result = None
+        try:
+            for chunk in plan.chunks:
+                self._load(chunk, plan)
+                for i in chunk.resume:  # a weight stepped in pieces: its step counter etc. advance once
+                    for k, v in scalars[i].items():
+                        if isinstance(v, torch.Tensor):
+                            state[self._shadows[i]][k].copy_(v)
+                        else:
+                            state[self._shadows[i]][k] = v
+                if not plan.single:
+                    for g, params in zip(groups, chunk.groups):
+                        g["params"] = params
+                result = step_fn()
+                self._store(chunk, plan)
+        finally:
+            for g, params in zip(groups, originals):
+                g["params"] = params
+            self.release()
+        for i in kept:
+            self._stepped[i] = True
+        if plan.single and self._free:
+            self._plan = None  # its full-size workspace goes with it
+        if len(state) != self._state_count:
             self._build_state()  # the optimizer created state (its first step, or a new parameter's)
-        else:
-            for buffers in self._state.values():
-                buffers.to_low(self.optimizer.state)
+        return result
+
+    def _load(self, chunk: _Chunk, plan: _Plan) -> None:
+        """fp32 working copies of the chunk's weights (+ compensation), gradients and state; point the stand-ins at them."""
+        state = self.optimizer.state
+        with torch.no_grad():
+            torch._foreach_copy_(chunk.work, [p if whole else p.detach().view(-1)[s:e] for p, whole, s, e in chunk.sources])
+            for at, flat, n in chunk.comp_runs:
+                plan.work[at:at + n].add_(self._comp.buffer[flat:flat + n])
+            if self._grads_in:
+                grads = [self._grad.views[i] if whole else self._grad.buffer[self._offsets[i] + s:self._offsets[i] + e]
+                         for (i, s, e), (_, whole, _, _) in zip(chunk.pieces, chunk.sources)]
+            else:
+                grads = chunk.grad
+                torch._foreach_copy_(grads, [p.grad if whole else p.grad.reshape(-1)[s:e] for p, whole, s, e in chunk.sources])
+            for key, (views, key_runs) in chunk.state.items():
+                store, work = self._state[key].store.buffer, plan.state[key]
+                for at, flat, n in key_runs:
+                    work[at:at + n].copy_(store[flat:flat + n])
+        for (i, _, _), data, grad in zip(chunk.pieces, chunk.work, grads):
+            shadow = self._shadows[i]
+            shadow.grad = None
+            shadow.data = data
+            shadow.grad = grad
+        for key, (views, _) in chunk.state.items():
+            for (i, _, _), view in zip(chunk.pieces, views):
+                if view is not None:
+                    state[self._shadows[i]][key] = view
+
+    def _store(self, chunk: _Chunk, plan: _Plan) -> None:
+        """Round the chunk's updated weights into bf16, keep the rounding error, store the state in bf16."""
+        state = self.optimizer.state
+        n = chunk.size
+        with torch.no_grad():
+            for key, (views, key_runs) in chunk.state.items():
+                buffers = self._state[key]
+                for (i, _, _), view in zip(chunk.pieces, views):
+                    if view is not None:
+                        entry = state[self._shadows[i]]
+                        if entry[key] is not view:  # the optimizer replaced the tensor, not updated it
+                            view.copy_(entry[key])
+                        entry[key] = buffers.views[i]
+                store, work = buffers.store.buffer, plan.state[key]
+                for at, flat, length in key_runs:
+                    store[flat:flat + length].copy_(work[at:at + length])
+            # Round flat, copy same-dtype per tensor, and keep what rounding lost (flat again).
+            plan.low[:n].copy_(plan.work[:n])
+            torch._foreach_copy_([p if whole else p.detach().view(-1)[s:e] for p, whole, s, e in chunk.sources], chunk.low)
+            plan.work[:n].sub_(plan.low[:n])
+            for at, flat, length in chunk.comp_runs:
+                self._comp.buffer[flat:flat + length].copy_(plan.work[at:at + length])
+
+    def _plan_for(self, kept: list[int]) -> _Plan:
+        single = not isinstance(self.optimizer, ELEMENTWISE) or not all(self._stepped[i] for i in kept)
+        sizes = self._comp.sizes
+        capacity = sum(sizes[i] for i in kept) if single else self.chunk
+        if self._plan is None or (self._plan.kept, self._plan.single, self._plan.capacity) != (kept, single, capacity):
+            splittable = [p.is_contiguous() for p in self._params]
+            pieces = cut_chunks(sizes, kept, splittable, capacity)
+            self._plan = _Plan(pieces, capacity, kept, single, self.pairs, self.optimizer.param_groups, self._offsets,
+                               self._state, self._comp.buffer.dtype)
+        return self._plan
 
     def release(self) -> None:
-        """Free the fp32 working copies: between steps bf16-true holds no fp32 copy of anything."""
+        """Between steps bf16-true holds no fp32 copy of anything (the stand-ins are empty)."""
         for shadow in self._shadows:
             shadow.grad = None
             shadow.data = EMPTY_FP32
-        self._kept = []
-        self._work.free()
-        self._grad.free()
-        self._round.free()
-        for buffers in self._state.values():
-            if buffers.active:  # a step unscaled the gradients but did not run: the state is unchanged
-                buffers.to_low(self.optimizer.state, copy=False)
+        if self._grads_in:
+            self._grads_in = False
+            self._grad.free()
 
     def store_state_low(self) -> None:
         """Store per-element optimizer state in bf16 (after loading a state_dict, which casts it to fp32)."""
         self._state_count = -1
+        self._stepped = [bool(self.optimizer.state.get(s)) for s in self._shadows]
         self._build_state()
 
     def _build_state(self) -> None:
@@ -224,13 +298,14 @@ class CompensatedWeights:
                     holders.setdefault(key, []).append(i)
         self._state = {}
         for key, indices in holders.items():
-            shadows = [self._shadows[i] for i in indices]
-            buffers = _StateBuffers(key, shadows, [self._params[i] for i in indices], low, self._free)
+            buffers = _StateBuffers(indices, [self._params[i] for i in indices], low)
             with torch.no_grad():
-                torch._foreach_copy_(buffers.store.views, [state[s][key] for s in shadows])
-            buffers.to_low(state, copy=False)
+                torch._foreach_copy_(buffers.store.views, [state[self._shadows[i]][key] for i in indices])
+            for i in indices:
+                state[self._shadows[i]][key] = buffers.views[i]
             self._state[key] = buffers
         self._state_count = len(state)
+        self._plan = None
 
     # --- state ----------------------------------------------------------------------------------
     kind = "compensated"
@@ -288,35 +363,69 @@ def _per_element(key: str, value: Any, param: torch.Tensor) -> bool:
 
 class _StateBuffers:
     """One per-element optimizer state key (e.g. AdamW's exp_avg) of the bf16-true parameters that
-    have it: stored flat in bf16 between steps, worked on flat in fp32 during the step."""
+    have it, stored flat in bf16 between steps."""
 
-    def __init__(self, key: str, shadows: list[nn.Parameter], like: list[torch.Tensor], low: torch.dtype,
-                 free_step_buffers: bool) -> None:
-        self.key = key
-        self.shadows = shadows
+    def __init__(self, indices: list[int], like: list[torch.Tensor], low: torch.dtype) -> None:
         self.store = FlatBuffer(like, low, releasable=False)
-        self.work = FlatBuffer(like, torch.float32, free_step_buffers)
-        self.active = False  # True while the optimizer's state points at the fp32 work buffer
+        self.views = dict(zip(indices, self.store.views))  # parameter index -> its stored state
+        self.offsets = dict(zip(indices, accumulate([0] + self.store.sizes[:-1])))
 
-    def to_fp32(self, state: Any) -> None:
-        self.active = True
-        self.work.alloc()
-        self.work.buffer.copy_(self.store.buffer)
-        for shadow, view in zip(self.shadows, self.work.views):
-            state[shadow][self.key] = view
 
-    def to_low(self, state: Any, copy: bool = True) -> None:
-        if copy:
-            for shadow, view in zip(self.shadows, self.work.views):
-                if state[shadow][self.key] is not view:  # the optimizer replaced the tensor, not updated it
-                    view.copy_(state[shadow][self.key])
-            self.store.buffer.copy_(self.work.buffer)
-        for shadow, view in zip(self.shadows, self.store.views):
-            state[shadow][self.key] = view
-        del view  # the loop variable must not count as a holder of the work buffer in free()
-        self.work.free()
-        self.active = False
+class _Chunk:
+    """One chunk of the update: its pieces of weights, and the views of the workspace they use."""
 
+    def __init__(self, plan: _Plan, pieces: list[tuple[int, int, int]], last: bool) -> None:
+        self.pieces = pieces
+        self.size = sum(e - s for _, s, e in pieces)
+        params = plan.params
+        self.sources = [(params[i], s == 0 and e == params[i].numel(), s, e) for i, s, e in pieces]
+        shapes = [p.shape if whole else (e - s,) for p, whole, s, e in self.sources]
+        self.work = _views(plan.work, pieces, shapes)
+        self.grad = _views(plan.grad, pieces, shapes)
+        self.low = _views(plan.low, pieces, shapes)
+        self.comp_runs = runs(pieces, plan.offsets)
+        self.state = {key: ([view if p[0] in b.views else None for p, view in zip(pieces, _views(plan.state[key], pieces, shapes))],
+                            runs(pieces, b.offsets)) for key, b in plan.stores.items()}
+        self.resume = [i for i, s, _ in pieces if s > 0]  # weights whose earlier pieces were stepped already
+        mine = {id(plan.shadows[i]) for i, _, _ in pieces}
+        shadows = {id(s) for s in plan.shadows}
+        self.groups = [[p for p in g["params"] if id(p) in mine or (last and id(p) not in shadows)] for g in plan.groups]
+
+
+class _Plan:
+    """The chunks of one set of weights with gradients, and the workspace they share."""
+
+    def __init__(self, pieces: list[list[tuple[int, int, int]]], capacity: int, kept: list[int], single: bool, pairs: list[tuple[nn.Parameter, nn.Parameter]],
+                 groups: list[dict[str, Any]], offsets: dict[int, int], stores: dict[str, _StateBuffers], low: torch.dtype) -> None:
+        self.kept, self.single, self.groups, self.offsets, self.stores = kept, single, groups, offsets, stores
+        self.capacity = capacity
+        self.params, self.shadows = [p for p, _ in pairs], [s for _, s in pairs]
+        size = max(sum(e - s for _, s, e in chunk) for chunk in pieces)
+        work = torch.empty((2 + len(stores)) * size, dtype=torch.float32, device=self.params[0].device)
+        self.work, self.grad = work[:size], work[size:2 * size]
+        self.state = {key: work[(2 + k) * size:(3 + k) * size] for k, key in enumerate(stores)}
+        self.low = torch.empty(size, dtype=low, device=work.device)
+        self.nbytes = work.nbytes + self.low.nbytes
+        counts: dict[int, int] = {}
+        for chunk in pieces:
+            for i, _, _ in chunk:
+                counts[i] = counts.get(i, 0) + 1
+        self.split = [i for i, c in counts.items() if c > 1]
+        self.chunks = [_Chunk(self, chunk, n == len(pieces) - 1) for n, chunk in enumerate(pieces)]
+
+
+def _views(flat: torch.Tensor, pieces: list[tuple[int, int, int]], shapes: list[Any]) -> list[torch.Tensor]:
+    out, at = [], 0
+    for (_, s, e), shape in zip(pieces, shapes):
+        out.append(flat[at:at + e - s].view(shape))
+        at += e - s
+    return out
+
+
+#: Optimizers whose update is elementwise and per parameter, so that stepping the weights in
+#: chunks (pieces of a tensor in separate calls, per-step scalars restored) is exactly one step.
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+               torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adadelta, torch.optim.Rprop, torch.optim.ASGD)
 
 
 #: What the prepared optimizer keeps for a low-precision-weight preset.

@@ -18,7 +18,7 @@ from torch import nn
 from ampkit.distributed import agree_on_overflow
 from ampkit.errors import LossScaleCollapse, StepOrderError
 from ampkit.events import Listener
-from ampkit.lowp_weights import CompensatedWeights, LowPrecisionWeights
+from ampkit.lowp_weights import CompensatedWeights, LowPrecisionWeights, MasterWeights
 from ampkit.outcomes import StepOutcomes
 
 if TYPE_CHECKING:
@@ -218,11 +218,13 @@ class AmpOptimizer(torch.optim.Optimizer):
         return result
 
     def _update(self) -> Any:
-        self.unscale_()
+        compensated = isinstance(self.weights, CompensatedWeights)
+        if not compensated or self._stage is not Stage.BACKWARD:
+            self.unscale_()  # bf16-true unclipped: the chunked update reads the bf16 gradients itself
         result = None
         scaler = self._acc.scaler
         if scaler is None:
-            result = self.optimizer.step()
+            result = self.weights.step(self.optimizer.step) if compensated else self.optimizer.step()
         else:
             found_inf = self._found_inf
             assert found_inf is not None
@@ -238,7 +240,7 @@ class AmpOptimizer(torch.optim.Optimizer):
             self._acc.cycle.owe_scale_update(found_inf)
             assert self._outcomes is not None
             self._outcomes.record(found_inf, scaler.scale_tensor)
-        if self.weights is not None:
+        if isinstance(self.weights, MasterWeights):
             self.weights.weights_out()
             self.weights.release()
         self._stage = Stage.STEPPED
