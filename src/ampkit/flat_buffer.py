@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 
@@ -112,3 +113,57 @@ def runs(pieces: list[tuple[int, int, int]], offsets: dict[int, int]) -> list[tu
                 merged.append([at, flat, stop - start])
         at += stop - start
     return [(a, b, n) for a, b, n in merged]
+
+
+class Chunk:
+    """One chunk: its pieces of tensors, and the views of the plan's workspace that hold them."""
+
+    def __init__(self, plan: ChunkPlan, pieces: list[tuple[int, int, int]], last: bool) -> None:
+        self.pieces = pieces
+        self.size = sum(e - s for _, s, e in pieces)
+        params = plan.params
+        self.whole = [s == 0 and e == params[i].numel() for i, s, e in pieces]
+        # the tensors' pieces (a whole tensor is itself; a piece of one is a view of its storage)
+        self.targets = [params[i] if whole else params[i].detach().view(-1)[s:e] for (i, s, e), whole in zip(pieces, self.whole)]
+        shapes = [params[i].shape if whole else (e - s,) for (i, s, e), whole in zip(pieces, self.whole)]
+        self.work = _views(plan.work, pieces, shapes)
+        self.grad = _views(plan.grad, pieces, shapes)
+        self.low = _views(plan.low, pieces, shapes)
+        self.comp_runs = runs(pieces, plan.offsets)
+        self.state = {key: ([view if p[0] in offsets else None for p, view in zip(pieces, _views(plan.state[key], pieces, shapes))],
+                            runs(pieces, offsets)) for key, offsets in plan.stores.items()}
+        self.resume = [i for i, s, _ in pieces if s > 0]  # tensors whose earlier pieces came in earlier chunks
+        mine = {id(plan.shadows[i]) for i, _, _ in pieces}
+        shadows = {id(s) for s in plan.shadows}
+        self.groups = [[p for p in g["params"] if id(p) in mine or (last and id(p) not in shadows)] for g in plan.groups]
+
+
+class ChunkPlan:
+    """Tensors with stand-ins an optimizer steps, cut into chunks (`cut_chunks`), and one workspace
+    for all chunks: per element, fp32 for the tensor, its gradient and each state key, and a
+    low-precision copy for rounding. `offsets`: each tensor's start in its flat buffer; `stores`:
+    per state key, the same for the tensors that have that key. Each chunk also narrows the
+    optimizer's parameter `groups` to its stand-ins (and, in the last chunk, the other parameters)."""
+
+    def __init__(self, params: list[torch.Tensor], shadows: list[torch.Tensor], groups: list[dict[str, Any]],
+                 kept: list[int], capacity: int, single: bool, offsets: dict[int, int], stores: dict[str, dict[int, int]],
+                 low: torch.dtype) -> None:
+        self.kept, self.capacity, self.single, self.offsets, self.stores = kept, capacity, single, offsets, stores
+        self.params, self.shadows, self.groups = params, shadows, groups
+        pieces = cut_chunks([p.numel() for p in params], kept, [p.is_contiguous() for p in params], capacity)
+        size = max(sum(e - s for _, s, e in chunk) for chunk in pieces)
+        work = torch.empty((2 + len(stores)) * size, dtype=torch.float32, device=self.params[0].device)
+        self.work, self.grad = work[:size], work[size:2 * size]
+        self.state = {key: work[(2 + k) * size:(3 + k) * size] for k, key in enumerate(stores)}
+        self.low = torch.empty(size, dtype=low, device=work.device)
+        self.nbytes = work.nbytes + self.low.nbytes
+        self.chunks = [Chunk(self, chunk, n == len(pieces) - 1) for n, chunk in enumerate(pieces)]
+        self.split = sorted({i for chunk in self.chunks for i in chunk.resume})  # tensors cut into pieces
+
+
+def _views(flat: torch.Tensor, pieces: list[tuple[int, int, int]], shapes: list[Any]) -> list[torch.Tensor]:
+    out, at = [], 0
+    for (_, s, e), shape in zip(pieces, shapes):
+        out.append(flat[at:at + e - s].view(shape))
+        at += e - s
+    return out

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ampkit.errors import PrecisionError, StepOrderError
-from ampkit.flat_buffer import EMPTY_FP32, FlatBuffer, cut_chunks, runs
+from ampkit.flat_buffer import EMPTY_FP32, Chunk, ChunkPlan, FlatBuffer
 from ampkit.precision import Precision
 
 
@@ -148,7 +148,7 @@ class CompensatedWeights:
         self._stepped = [False] * len(pairs)  # stepped once: the optimizer's state exists (chunking needs it)
         self._state: dict[str, _StateBuffers] = {}  # per-element optimizer state, by key
         self._state_count = -1  # len(optimizer.state) when the state buffers were last built
-        self._plan: _Plan | None = None
+        self._plan: ChunkPlan | None = None
         self.release()
 
     @property
@@ -211,19 +211,20 @@ class CompensatedWeights:
             self._build_state()  # the optimizer created state (its first step, or a new parameter's)
         return result
 
-    def _load(self, chunk: _Chunk, plan: _Plan) -> None:
+    def _load(self, chunk: Chunk, plan: ChunkPlan) -> None:
         """fp32 working copies of the chunk's weights (+ compensation), gradients and state; point the stand-ins at them."""
         state = self.optimizer.state
         with torch.no_grad():
-            torch._foreach_copy_(chunk.work, [p if whole else p.detach().view(-1)[s:e] for p, whole, s, e in chunk.sources])
+            torch._foreach_copy_(chunk.work, chunk.targets)
             for at, flat, n in chunk.comp_runs:
                 plan.work[at:at + n].add_(self._comp.buffer[flat:flat + n])
             if self._grads_in:
                 grads = [self._grad.views[i] if whole else self._grad.buffer[self._offsets[i] + s:self._offsets[i] + e]
-                         for (i, s, e), (_, whole, _, _) in zip(chunk.pieces, chunk.sources)]
+                         for (i, s, e), whole in zip(chunk.pieces, chunk.whole)]
             else:
                 grads = chunk.grad
-                torch._foreach_copy_(grads, [p.grad if whole else p.grad.reshape(-1)[s:e] for p, whole, s, e in chunk.sources])
+                torch._foreach_copy_(grads, [self._params[i].grad if whole else self._params[i].grad.reshape(-1)[s:e]
+                                             for (i, s, e), whole in zip(chunk.pieces, chunk.whole)])
             for key, (views, key_runs) in chunk.state.items():
                 store, work = self._state[key].store.buffer, plan.state[key]
                 for at, flat, n in key_runs:
@@ -238,7 +239,7 @@ class CompensatedWeights:
                 if view is not None:
                     state[self._shadows[i]][key] = view
 
-    def _store(self, chunk: _Chunk, plan: _Plan) -> None:
+    def _store(self, chunk: Chunk, plan: ChunkPlan) -> None:
         """Round the chunk's updated weights into bf16, keep the rounding error, store the state in bf16."""
         state = self.optimizer.state
         n = chunk.size
@@ -256,20 +257,19 @@ class CompensatedWeights:
                     store[flat:flat + length].copy_(work[at:at + length])
             # Round flat, copy same-dtype per tensor, and keep what rounding lost (flat again).
             plan.low[:n].copy_(plan.work[:n])
-            torch._foreach_copy_([p if whole else p.detach().view(-1)[s:e] for p, whole, s, e in chunk.sources], chunk.low)
+            torch._foreach_copy_(chunk.targets, chunk.low)
             plan.work[:n].sub_(plan.low[:n])
             for at, flat, length in chunk.comp_runs:
                 self._comp.buffer[flat:flat + length].copy_(plan.work[at:at + length])
 
-    def _plan_for(self, kept: list[int]) -> _Plan:
+    def _plan_for(self, kept: list[int]) -> ChunkPlan:
         single = not isinstance(self.optimizer, ELEMENTWISE) or not all(self._stepped[i] for i in kept)
         sizes = self._comp.sizes
         capacity = sum(sizes[i] for i in kept) if single else self.chunk
         if self._plan is None or (self._plan.kept, self._plan.single, self._plan.capacity) != (kept, single, capacity):
-            splittable = [p.is_contiguous() for p in self._params]
-            pieces = cut_chunks(sizes, kept, splittable, capacity)
-            self._plan = _Plan(pieces, capacity, kept, single, self.pairs, self.optimizer.param_groups, self._offsets,
-                               self._state, self._comp.buffer.dtype)
+            stores = {key: b.offsets for key, b in self._state.items()}
+            self._plan = ChunkPlan(self._params, self._shadows, self.optimizer.param_groups, kept, capacity, single,
+                                   self._offsets, stores, self._comp.buffer.dtype)
         return self._plan
 
     def release(self) -> None:
@@ -369,57 +369,6 @@ class _StateBuffers:
         self.store = FlatBuffer(like, low, releasable=False)
         self.views = dict(zip(indices, self.store.views))  # parameter index -> its stored state
         self.offsets = dict(zip(indices, accumulate([0] + self.store.sizes[:-1])))
-
-
-class _Chunk:
-    """One chunk of the update: its pieces of weights, and the views of the workspace they use."""
-
-    def __init__(self, plan: _Plan, pieces: list[tuple[int, int, int]], last: bool) -> None:
-        self.pieces = pieces
-        self.size = sum(e - s for _, s, e in pieces)
-        params = plan.params
-        self.sources = [(params[i], s == 0 and e == params[i].numel(), s, e) for i, s, e in pieces]
-        shapes = [p.shape if whole else (e - s,) for p, whole, s, e in self.sources]
-        self.work = _views(plan.work, pieces, shapes)
-        self.grad = _views(plan.grad, pieces, shapes)
-        self.low = _views(plan.low, pieces, shapes)
-        self.comp_runs = runs(pieces, plan.offsets)
-        self.state = {key: ([view if p[0] in b.views else None for p, view in zip(pieces, _views(plan.state[key], pieces, shapes))],
-                            runs(pieces, b.offsets)) for key, b in plan.stores.items()}
-        self.resume = [i for i, s, _ in pieces if s > 0]  # weights whose earlier pieces were stepped already
-        mine = {id(plan.shadows[i]) for i, _, _ in pieces}
-        shadows = {id(s) for s in plan.shadows}
-        self.groups = [[p for p in g["params"] if id(p) in mine or (last and id(p) not in shadows)] for g in plan.groups]
-
-
-class _Plan:
-    """The chunks of one set of weights with gradients, and the workspace they share."""
-
-    def __init__(self, pieces: list[list[tuple[int, int, int]]], capacity: int, kept: list[int], single: bool, pairs: list[tuple[nn.Parameter, nn.Parameter]],
-                 groups: list[dict[str, Any]], offsets: dict[int, int], stores: dict[str, _StateBuffers], low: torch.dtype) -> None:
-        self.kept, self.single, self.groups, self.offsets, self.stores = kept, single, groups, offsets, stores
-        self.capacity = capacity
-        self.params, self.shadows = [p for p, _ in pairs], [s for _, s in pairs]
-        size = max(sum(e - s for _, s, e in chunk) for chunk in pieces)
-        work = torch.empty((2 + len(stores)) * size, dtype=torch.float32, device=self.params[0].device)
-        self.work, self.grad = work[:size], work[size:2 * size]
-        self.state = {key: work[(2 + k) * size:(3 + k) * size] for k, key in enumerate(stores)}
-        self.low = torch.empty(size, dtype=low, device=work.device)
-        self.nbytes = work.nbytes + self.low.nbytes
-        counts: dict[int, int] = {}
-        for chunk in pieces:
-            for i, _, _ in chunk:
-                counts[i] = counts.get(i, 0) + 1
-        self.split = [i for i, c in counts.items() if c > 1]
-        self.chunks = [_Chunk(self, chunk, n == len(pieces) - 1) for n, chunk in enumerate(pieces)]
-
-
-def _views(flat: torch.Tensor, pieces: list[tuple[int, int, int]], shapes: list[Any]) -> list[torch.Tensor]:
-    out, at = [], 0
-    for (_, s, e), shape in zip(pieces, shapes):
-        out.append(flat[at:at + e - s].view(shape))
-        at += e - s
-    return out
 
 
 #: Optimizers whose update is elementwise and per parameter, so that stepping the weights in
