@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -20,11 +21,14 @@ class FlatBuffer:
     view of it): if something does, the buffer is left to its holder and the next step makes a new one.
     """
 
-    def __init__(self, like: list[torch.Tensor], dtype: torch.dtype, releasable: bool = True) -> None:
+    def __init__(self, like: list[torch.Tensor], dtype: torch.dtype, releasable: bool = True,
+                 indices: list[int] | None = None) -> None:
         self.device = like[0].device if like else torch.device("cpu")
         self.dtype = dtype
         self.shapes = [t.shape for t in like]
         self.sizes = [t.numel() for t in like]
+        self.indices = list(range(len(like))) if indices is None else indices  # what each tensor is called
+        self.offsets = dict(zip(self.indices, accumulate([0] + self.sizes[:-1])))  # index -> start in the buffer
         self.releasable = releasable  # False: kept between steps (see Accelerator(free_step_buffers=))
         self.buffer: torch.Tensor = EMPTY_FP32
         self.views: list[torch.Tensor] = []
@@ -130,8 +134,11 @@ class Chunk:
         self.grad = _views(plan.grad, pieces, shapes)
         self.low = _views(plan.low, pieces, shapes)
         self.comp_runs = runs(pieces, plan.offsets)
-        self.state = {key: ([view if p[0] in offsets else None for p, view in zip(pieces, _views(plan.state[key], pieces, shapes))],
-                            runs(pieces, offsets)) for key, offsets in plan.stores.items()}
+        self.state = {}  # state key -> (workspace views, runs in its store, the store's views at rest), per piece
+        for key, store in plan.stores.items():
+            at_rest = dict(zip(store.indices, store.views))
+            self.state[key] = ([view if p[0] in at_rest else None for p, view in zip(pieces, _views(plan.state[key], pieces, shapes))],
+                               runs(pieces, store.offsets), [at_rest.get(i) for i, _, _ in pieces])
         self.resume = [i for i, s, _ in pieces if s > 0]  # tensors whose earlier pieces came in earlier chunks
         mine = {id(plan.shadows[i]) for i, _, _ in pieces}
         shadows = {id(s) for s in plan.shadows}
@@ -142,11 +149,11 @@ class ChunkPlan:
     """Tensors with stand-ins an optimizer steps, cut into chunks (`cut_chunks`), and one workspace
     for all chunks: per element, fp32 for the tensor, its gradient and each state key, and a
     low-precision copy for rounding. `offsets`: each tensor's start in its flat buffer; `stores`:
-    per state key, the same for the tensors that have that key. Each chunk also narrows the
+    per state key, the flat buffer of the tensors that have that key. Each chunk also narrows the
     optimizer's parameter `groups` to its stand-ins (and, in the last chunk, the other parameters)."""
 
     def __init__(self, params: list[torch.Tensor], shadows: list[torch.Tensor], groups: list[dict[str, Any]],
-                 kept: list[int], capacity: int, single: bool, offsets: dict[int, int], stores: dict[str, dict[int, int]],
+                 kept: list[int], capacity: int, single: bool, offsets: dict[int, int], stores: dict[str, FlatBuffer],
                  low: torch.dtype) -> None:
         self.kept, self.capacity, self.single, self.offsets, self.stores = kept, capacity, single, offsets, stores
         self.params, self.shadows, self.groups = params, shadows, groups

@@ -5,10 +5,8 @@ that ampkit keeps in step with the model:
 
 * `MasterWeights` (`*-master`, apex O2): persistent fp32 copies; the update lands on them and is
   copied into the model's low-precision weights.
-* `CompensatedWeights` (`bf16-true`): no persistent fp32 copy. For the update only, an fp32 view of
-  each weight is made from the bf16 weight plus a bf16 Kahan buffer holding what rounding lost; the
-  optimizer steps it, the result is rounded back into the weight and the new rounding error into the
-  buffer. Optimizer state tensors are stored in bf16 between steps.
+* `CompensatedWeights` (`bf16-true`): no persistent fp32 copy; the update works chunk by chunk on
+  fp32 values made from the bf16 weight plus a bf16 Kahan buffer holding what rounding lost.
 
 Both own their state (`state_dict()`, exact, bit for bit) and say what each weight stands for
 (`fp32_values()`), which is how checkpoints convert between presets.
@@ -17,7 +15,6 @@ Both own their state (`state_dict()`, exact, bit for bit) and say what each weig
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from itertools import accumulate
 from typing import Any
 
 import torch
@@ -79,7 +76,6 @@ class MasterWeights:
             master.grad = None
         self._grad.free()
 
-
     # --- state ----------------------------------------------------------------------------------
     kind = "master"
 
@@ -117,16 +113,14 @@ class MasterWeights:
 class CompensatedWeights:
     """bf16 weights updated in fp32 with a bf16 Kahan buffer (the `bf16-true` preset).
 
-    Between steps this preset holds, per parameter, the bf16 weight, its bf16 compensation and the
-    optimizer's per-element state in bf16 (AdamW: 2 + 2 + 2 + 2 = 8 bytes). The update runs chunk
-    by chunk through a fixed fp32 workspace: for each chunk, fp32 working copies of weights
-    (weight + compensation), gradients and state are made, the user's optimizer steps them (its
-    parameter groups narrowed to the chunk's stand-ins, per-step scalars such as Adam's `step`
-    advanced once per real step), and the results are rounded back with the new rounding error
-    kept. Only optimizers whose update is elementwise (`ELEMENTWISE`) are stepped in chunks; any
-    other, and each parameter's first step (when the optimizer creates its state), steps all
-    parameters at once in a full-size workspace that exists for that step only. Clipping
-    (`grads_in`) materialises fp32 gradients for the whole model until the step ends.
+    Between steps: the bf16 weight, its bf16 compensation and the optimizer's per-element state in
+    bf16 (AdamW: 8 bytes per parameter). The update runs chunk by chunk in one fixed workspace, so
+    no full-size fp32 buffer ever exists: fp32 copies of a chunk's weights (+ compensation),
+    gradients and state are made, the user's optimizer steps them (its groups narrowed to the
+    chunk's stand-ins; per-step scalars such as Adam's `step` advance once per step), and the
+    results are rounded back, the new rounding error kept. Optimizers outside `ELEMENTWISE`, and a
+    weight's first step (the optimizer creates its state), step everything in one call and a
+    full-size workspace for that step; clipping (`grads_in`) makes full-size fp32 gradients.
     """
 
     def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]], optimizer: torch.optim.Optimizer,
@@ -142,13 +136,13 @@ class CompensatedWeights:
         with torch.no_grad():
             for (param, initial), comp in zip(pairs, self.compensation):
                 comp.copy_(initial - param.to(torch.float32))
-        self._offsets = dict(enumerate(accumulate([0] + self._comp.sizes[:-1])))
         self._grad = FlatBuffer(self._params, torch.float32, self._free)  # fp32 gradients, only when clipping
         self._grads_in = False
         self._stepped = [False] * len(pairs)  # stepped once: the optimizer's state exists (chunking needs it)
-        self._state: dict[str, _StateBuffers] = {}  # per-element optimizer state, by key
+        self._state: dict[str, FlatBuffer] = {}  # per-element optimizer state in bf16, by key (indexed by weight)
         self._state_count = -1  # len(optimizer.state) when the state buffers were last built
         self._plan: ChunkPlan | None = None
+        self._pointed = list(self._shadows)  # stand-ins pointed at fp32 tensors since the last release()
         self.release()
 
     @property
@@ -169,8 +163,8 @@ class CompensatedWeights:
         if grads:
             torch._foreach_copy_(views, grads)
         for i, view in zip(kept, views):
-            self._shadows[i].data = view  # the stand-in carries only its gradient until the step
-            self._shadows[i].grad = view
+            self._shadows[i].data = self._shadows[i].grad = view  # the stand-in carries only its gradient
+            self._pointed.append(self._shadows[i])
         self._grads_in = True
         return views
 
@@ -179,7 +173,12 @@ class CompensatedWeights:
         kept = [i for i, p in enumerate(self._params) if p.grad is not None]
         if not kept:
             return step_fn()
-        plan = self._plan_for(kept)
+        single = not isinstance(self.optimizer, ELEMENTWISE) or not all(self._stepped[i] for i in kept)
+        capacity = sum(self._comp.sizes[i] for i in kept) if single else self.chunk
+        if self._plan is None or (self._plan.kept, self._plan.single, self._plan.capacity) != (kept, single, capacity):
+            self._plan = ChunkPlan(self._params, self._shadows, self.optimizer.param_groups, kept, capacity, single,
+                                   self._comp.offsets, self._state, self._comp.buffer.dtype)
+        plan = self._plan
         state, groups = self.optimizer.state, self.optimizer.param_groups
         scalars = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state[self._shadows[i]].items()
                        if not _per_element(k, v, self._params[i])} for i in plan.split}
@@ -189,11 +188,8 @@ class CompensatedWeights:
             for chunk in plan.chunks:
                 self._load(chunk, plan)
                 for i in chunk.resume:  # a weight stepped in pieces: its step counter etc. advance once
-                    for k, v in scalars[i].items():
-                        if isinstance(v, torch.Tensor):
-                            state[self._shadows[i]][k].copy_(v)
-                        else:
-                            state[self._shadows[i]][k] = v
+                    entry = state[self._shadows[i]]
+                    entry.update({k: entry[k].copy_(v) if isinstance(v, torch.Tensor) else v for k, v in scalars[i].items()})
                 if not plan.single:
                     for g, params in zip(groups, chunk.groups):
                         g["params"] = params
@@ -219,22 +215,21 @@ class CompensatedWeights:
             for at, flat, n in chunk.comp_runs:
                 plan.work[at:at + n].add_(self._comp.buffer[flat:flat + n])
             if self._grads_in:
-                grads = [self._grad.views[i] if whole else self._grad.buffer[self._offsets[i] + s:self._offsets[i] + e]
+                grads = [self._grad.views[i] if whole else self._grad.buffer[self._comp.offsets[i] + s:self._comp.offsets[i] + e]
                          for (i, s, e), whole in zip(chunk.pieces, chunk.whole)]
             else:
                 grads = chunk.grad
                 torch._foreach_copy_(grads, [self._params[i].grad if whole else self._params[i].grad.reshape(-1)[s:e]
                                              for (i, s, e), whole in zip(chunk.pieces, chunk.whole)])
-            for key, (views, key_runs) in chunk.state.items():
-                store, work = self._state[key].store.buffer, plan.state[key]
+            for key, (_, key_runs, _) in chunk.state.items():
+                store, work = self._state[key].buffer, plan.state[key]
                 for at, flat, n in key_runs:
                     work[at:at + n].copy_(store[flat:flat + n])
         for (i, _, _), data, grad in zip(chunk.pieces, chunk.work, grads):
             shadow = self._shadows[i]
-            shadow.grad = None
-            shadow.data = data
-            shadow.grad = grad
-        for key, (views, _) in chunk.state.items():
+            shadow.data, shadow.grad = data, grad
+            self._pointed.append(shadow)
+        for key, (views, _, _) in chunk.state.items():
             for (i, _, _), view in zip(chunk.pieces, views):
                 if view is not None:
                     state[self._shadows[i]][key] = view
@@ -244,15 +239,14 @@ class CompensatedWeights:
         state = self.optimizer.state
         n = chunk.size
         with torch.no_grad():
-            for key, (views, key_runs) in chunk.state.items():
-                buffers = self._state[key]
-                for (i, _, _), view in zip(chunk.pieces, views):
+            for key, (views, key_runs, at_rest) in chunk.state.items():
+                for (i, _, _), view, rest in zip(chunk.pieces, views, at_rest):
                     if view is not None:
                         entry = state[self._shadows[i]]
                         if entry[key] is not view:  # the optimizer replaced the tensor, not updated it
                             view.copy_(entry[key])
-                        entry[key] = buffers.views[i]
-                store, work = buffers.store.buffer, plan.state[key]
+                        entry[key] = rest
+                store, work = self._state[key].buffer, plan.state[key]
                 for at, flat, length in key_runs:
                     store[flat:flat + length].copy_(work[at:at + length])
             # Round flat, copy same-dtype per tensor, and keep what rounding lost (flat again).
@@ -262,21 +256,11 @@ class CompensatedWeights:
             for at, flat, length in chunk.comp_runs:
                 self._comp.buffer[flat:flat + length].copy_(plan.work[at:at + length])
 
-    def _plan_for(self, kept: list[int]) -> ChunkPlan:
-        single = not isinstance(self.optimizer, ELEMENTWISE) or not all(self._stepped[i] for i in kept)
-        sizes = self._comp.sizes
-        capacity = sum(sizes[i] for i in kept) if single else self.chunk
-        if self._plan is None or (self._plan.kept, self._plan.single, self._plan.capacity) != (kept, single, capacity):
-            stores = {key: b.offsets for key, b in self._state.items()}
-            self._plan = ChunkPlan(self._params, self._shadows, self.optimizer.param_groups, kept, capacity, single,
-                                   self._offsets, stores, self._comp.buffer.dtype)
-        return self._plan
-
     def release(self) -> None:
         """Between steps bf16-true holds no fp32 copy of anything (the stand-ins are empty)."""
-        for shadow in self._shadows:
-            shadow.grad = None
-            shadow.data = EMPTY_FP32
+        for shadow in self._pointed:
+            shadow.grad, shadow.data = None, EMPTY_FP32
+        self._pointed = []
         if self._grads_in:
             self._grads_in = False
             self._grad.free()
@@ -298,11 +282,11 @@ class CompensatedWeights:
                     holders.setdefault(key, []).append(i)
         self._state = {}
         for key, indices in holders.items():
-            buffers = _StateBuffers(indices, [self._params[i] for i in indices], low)
+            buffers = FlatBuffer([self._params[i] for i in indices], low, releasable=False, indices=indices)
             with torch.no_grad():
-                torch._foreach_copy_(buffers.store.views, [state[self._shadows[i]][key] for i in indices])
-            for i in indices:
-                state[self._shadows[i]][key] = buffers.views[i]
+                torch._foreach_copy_(buffers.views, [state[self._shadows[i]][key] for i in indices])
+            for i, view in zip(indices, buffers.views):
+                state[self._shadows[i]][key] = view
             self._state[key] = buffers
         self._state_count = len(state)
         self._plan = None
@@ -359,16 +343,6 @@ def _check_values(state: Any, kind: str, like: list[torch.Tensor]) -> str | None
 def _per_element(key: str, value: Any, param: torch.Tensor) -> bool:
     # Per-element state (moments, momentum buffers) only; scalar step counters stay exact.
     return key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == param.shape
-
-
-class _StateBuffers:
-    """One per-element optimizer state key (e.g. AdamW's exp_avg) of the bf16-true parameters that
-    have it, stored flat in bf16 between steps."""
-
-    def __init__(self, indices: list[int], like: list[torch.Tensor], low: torch.dtype) -> None:
-        self.store = FlatBuffer(like, low, releasable=False)
-        self.views = dict(zip(indices, self.store.views))  # parameter index -> its stored state
-        self.offsets = dict(zip(indices, accumulate([0] + self.store.sizes[:-1])))
 
 
 #: Optimizers whose update is elementwise and per parameter, so that stepping the weights in
