@@ -40,6 +40,7 @@ class FlatBuffer:
         if not self.views:
             self.buffer = torch.empty(sum(self.sizes), dtype=self.dtype, device=self.device)
             self.views = [v.view(shape) for v, shape in zip(self.buffer.split(self.sizes), self.shapes)]
+            self.by_index = dict(zip(self.indices, self.views))
             self._nbytes = self.buffer.untyped_storage().nbytes()
             self._holders = self._count_holders()
         elif self.buffer.untyped_storage().nbytes() != self._nbytes:
@@ -136,7 +137,7 @@ class Chunk:
         self.comp_runs = runs(pieces, plan.offsets)
         self.state = {}  # state key -> (workspace views, runs in its store, the store's views at rest), per piece
         for key, store in plan.stores.items():
-            at_rest = dict(zip(store.indices, store.views))
+            at_rest = store.by_index
             self.state[key] = ([view if p[0] in at_rest else None for p, view in zip(pieces, _views(plan.state[key], pieces, shapes))],
                                runs(pieces, store.offsets), [at_rest.get(i) for i, _, _ in pieces])
         self.resume = [i for i, s, _ in pieces if s > 0]  # tensors whose earlier pieces came in earlier chunks
@@ -153,11 +154,11 @@ class ChunkPlan:
     optimizer's parameter `groups` to its stand-ins (and, in the last chunk, the other parameters)."""
 
     def __init__(self, params: list[torch.Tensor], shadows: list[torch.Tensor], groups: list[dict[str, Any]],
-                 kept: list[int], capacity: int, single: bool, offsets: dict[int, int], stores: dict[str, FlatBuffer],
+                 kept: list[int], capacity: int, split: bool, offsets: dict[int, int], stores: dict[str, FlatBuffer],
                  low: torch.dtype) -> None:
-        self.kept, self.capacity, self.single, self.offsets, self.stores = kept, capacity, single, offsets, stores
+        self.kept, self.capacity, self.split, self.offsets, self.stores = kept, capacity, split, offsets, stores
         self.params, self.shadows, self.groups = params, shadows, groups
-        pieces = cut_chunks([p.numel() for p in params], kept, [p.is_contiguous() for p in params], capacity)
+        pieces = cut_chunks([p.numel() for p in params], kept, [split and p.is_contiguous() for p in params], capacity)
         size = max(sum(e - s for _, s, e in chunk) for chunk in pieces)
         work = torch.empty((2 + len(stores)) * size, dtype=torch.float32, device=self.params[0].device)
         self.work, self.grad = work[:size], work[size:2 * size]
@@ -165,7 +166,7 @@ class ChunkPlan:
         self.low = torch.empty(size, dtype=low, device=work.device)
         self.nbytes = work.nbytes + self.low.nbytes
         self.chunks = [Chunk(self, chunk, n == len(pieces) - 1) for n, chunk in enumerate(pieces)]
-        self.split = sorted({i for chunk in self.chunks for i in chunk.resume})  # tensors cut into pieces
+        self.cut = sorted({i for chunk in self.chunks for i in chunk.resume})  # tensors cut into pieces
 
 
 def _views(flat: torch.Tensor, pieces: list[tuple[int, int, int]], shapes: list[Any]) -> list[torch.Tensor]:

@@ -135,7 +135,7 @@ class CompensatedWeights:
         self.compensation = self._comp.views  # what rounding each weight lost, in its own dtype
         with torch.no_grad():
             for (param, initial), comp in zip(pairs, self.compensation):
-                comp.copy_(initial - param.to(torch.float32))
+                torch.sub(initial, param, out=comp)  # in fp32 (type promotion), no full-size temporaries
         self._grad = FlatBuffer(self._params, torch.float32, self._free)  # fp32 gradients, only when clipping
         self._grads_in = False
         self._stepped = [False] * len(pairs)  # stepped once: the optimizer's state exists (chunking needs it)
@@ -153,7 +153,7 @@ class CompensatedWeights:
     def workspace_bytes(self) -> int:
         """Bytes of the fp32/bf16 workspace the chunked update keeps between steps (fixed: a few MB)."""
         plan = self._plan
-        return 0 if plan is None or plan.single else plan.nbytes
+        return 0 if plan is None or not plan.split else plan.nbytes
 
     def grads_in(self) -> list[torch.Tensor]:
         """Give the stand-ins fp32 gradients (for clipping); the step then uses them. Return them."""
@@ -173,15 +173,17 @@ class CompensatedWeights:
         kept = [i for i, p in enumerate(self._params) if p.grad is not None]
         if not kept:
             return step_fn()
-        single = not isinstance(self.optimizer, ELEMENTWISE) or not all(self._stepped[i] for i in kept)
+        # A weight's first step goes in whole tensors: the optimizer creates its state in their shapes.
+        single = not isinstance(self.optimizer, ELEMENTWISE)
+        split = not single and all(self._stepped[i] for i in kept)
         capacity = sum(self._comp.sizes[i] for i in kept) if single else self.chunk
-        if self._plan is None or (self._plan.kept, self._plan.single, self._plan.capacity) != (kept, single, capacity):
-            self._plan = ChunkPlan(self._params, self._shadows, self.optimizer.param_groups, kept, capacity, single,
+        if self._plan is None or (self._plan.kept, self._plan.split, self._plan.capacity) != (kept, split, capacity):
+            self._plan = ChunkPlan(self._params, self._shadows, self.optimizer.param_groups, kept, capacity, split,
                                    self._comp.offsets, self._state, self._comp.buffer.dtype)
         plan = self._plan
         state, groups = self.optimizer.state, self.optimizer.param_groups
         scalars = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state[self._shadows[i]].items()
-                       if not _per_element(k, v, self._params[i])} for i in plan.split}
+                       if not _per_element(k, v, self._params[i])} for i in plan.cut}
         originals = [g["params"] for g in groups]
         result = None
         try:
@@ -190,7 +192,7 @@ class CompensatedWeights:
                 for i in chunk.resume:  # a weight stepped in pieces: its step counter etc. advance once
                     entry = state[self._shadows[i]]
                     entry.update({k: entry[k].copy_(v) if isinstance(v, torch.Tensor) else v for k, v in scalars[i].items()})
-                if not plan.single:
+                if len(plan.chunks) > 1:
                     for g, params in zip(groups, chunk.groups):
                         g["params"] = params
                 result = step_fn()
@@ -201,8 +203,8 @@ class CompensatedWeights:
             self.release()
         for i in kept:
             self._stepped[i] = True
-        if plan.single and self._free:
-            self._plan = None  # its full-size workspace goes with it
+        if not plan.split:
+            self._plan = None  # its workspace may be as large as a tensor, or all of them
         if len(state) != self._state_count:
             self._build_state()  # the optimizer created state (its first step, or a new parameter's)
         return result
@@ -255,6 +257,17 @@ class CompensatedWeights:
             plan.work[:n].sub_(plan.low[:n])
             for at, flat, length in chunk.comp_runs:
                 self._comp.buffer[flat:flat + length].copy_(plan.work[at:at + length])
+            if not plan.split:  # state the optimizer just created: into bf16 now, not after the last chunk
+                for i, _, _ in chunk.pieces:
+                    entry = state[self._shadows[i]]
+                    for key, value in entry.items():
+                        if _per_element(key, value, self._params[i]) and value.dtype != self._comp.buffer.dtype:
+                            if key not in self._state:
+                                self._state[key] = FlatBuffer([self._params[j] for j in plan.kept], self._comp.buffer.dtype,
+                                                              releasable=False, indices=plan.kept)
+                            at_rest = self._state[key].by_index.get(i)
+                            if at_rest is not None:
+                                entry[key] = at_rest.copy_(value)
 
     def release(self) -> None:
         """Between steps bf16-true holds no fp32 copy of anything (the stand-ins are empty)."""
@@ -280,8 +293,12 @@ class CompensatedWeights:
             for key, value in state.get(shadow, {}).items():
                 if _per_element(key, value, param):
                     holders.setdefault(key, []).append(i)
-        self._state = {}
+        kept, self._state = self._state, {}
         for key, indices in holders.items():
+            store = kept.get(key)
+            if store is not None and store.indices == indices and all(state[self._shadows[i]][key] is v for i, v in zip(indices, store.views)):
+                self._state[key] = store  # already there (state moved into bf16 chunk by chunk)
+                continue
             buffers = FlatBuffer([self._params[i] for i in indices], low, releasable=False, indices=indices)
             with torch.no_grad():
                 torch._foreach_copy_(buffers.views, [state[self._shadows[i]][key] for i in indices])
