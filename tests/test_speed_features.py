@@ -309,6 +309,13 @@ def test_chunked_bf16_true_update_equals_the_per_parameter_reference(unused, chu
     assert_bitwise_equal(ampkit_run("bf16-true", 6, unused, True, chunk=chunk, clip=clip), reference_run("bf16-true", 6, unused))
 
 
+@pytest.mark.parametrize("chunk", [64, 200])
+@pytest.mark.parametrize("unused", [False, True], ids=["all-used", "one-layer-unused"])
+def test_chunked_bf16_master_update_equals_the_per_parameter_reference(unused, chunk):
+    """bf16-master makes its fp32 gradients chunk by chunk of whole tensors: still the same step."""
+    assert_bitwise_equal(ampkit_run("bf16-master", 6, unused, True, chunk=chunk), reference_run("bf16-master", 6, unused))
+
+
 @pytest.mark.parametrize("make_opt", [
     lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-4),
     lambda ps: torch.optim.NAdam(ps, lr=1e-3),  # a per-step scalar (mu_product) besides the step

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from itertools import accumulate
 from typing import Any
 
@@ -133,7 +134,7 @@ class Chunk:
         shapes = [params[i].shape if whole else (e - s,) for (i, s, e), whole in zip(pieces, self.whole)]
         self.work = _views(plan.work, pieces, shapes)
         self.grad = _views(plan.grad, pieces, shapes)
-        self.low = _views(plan.low, pieces, shapes)
+        self.low = _views(plan.low, pieces, shapes) if plan.low.numel() else []
         self.comp_runs = runs(pieces, plan.offsets)
         self.state = {}  # state key -> (workspace views, runs in its store, the store's views at rest), per piece
         for key, store in plan.stores.items():
@@ -155,18 +156,34 @@ class ChunkPlan:
 
     def __init__(self, params: list[torch.Tensor], shadows: list[torch.Tensor], groups: list[dict[str, Any]],
                  kept: list[int], capacity: int, split: bool, offsets: dict[int, int], stores: dict[str, FlatBuffer],
-                 low: torch.dtype) -> None:
+                 low: torch.dtype | None) -> None:
         self.kept, self.capacity, self.split, self.offsets, self.stores = kept, capacity, split, offsets, stores
         self.params, self.shadows, self.groups = params, shadows, groups
         pieces = cut_chunks([p.numel() for p in params], kept, [split and p.is_contiguous() for p in params], capacity)
         size = max(sum(e - s for _, s, e in chunk) for chunk in pieces)
-        work = torch.empty((2 + len(stores)) * size, dtype=torch.float32, device=self.params[0].device)
-        self.work, self.grad = work[:size], work[size:2 * size]
+        work = torch.empty((2 + len(stores) if low else 1) * size, dtype=torch.float32, device=self.params[0].device)
+        self.work, self.grad = work[:size], work[size:2 * size] if low else work  # low=None: gradients only
         self.state = {key: work[(2 + k) * size:(3 + k) * size] for k, key in enumerate(stores)}
-        self.low = torch.empty(size, dtype=low, device=work.device)
+        self.low = torch.empty(size if low else 0, dtype=low or torch.float32, device=work.device)
         self.nbytes = work.nbytes + self.low.nbytes
         self.chunks = [Chunk(self, chunk, n == len(pieces) - 1) for n, chunk in enumerate(pieces)]
         self.cut = sorted({i for chunk in self.chunks for i in chunk.resume})  # tensors cut into pieces
+
+    def run(self, step_fn: Callable[[], Any], load: Callable[[Chunk], None], store: Callable[[Chunk], None]) -> Any:
+        """`load(chunk)`, `step_fn()` with the groups narrowed to the chunk, `store(chunk)`: chunk by chunk."""
+        originals, result = [g["params"] for g in self.groups], None
+        try:
+            for chunk in self.chunks:
+                load(chunk)
+                if len(self.chunks) > 1:
+                    for g, params in zip(self.groups, chunk.groups):
+                        g["params"] = params
+                result = step_fn()
+                store(chunk)
+        finally:
+            for g, params in zip(self.groups, originals):
+                g["params"] = params
+        return result
 
 
 def _views(flat: torch.Tensor, pieces: list[tuple[int, int, int]], shapes: list[Any]) -> list[torch.Tensor]:

@@ -20,9 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit.errors import PrecisionError, StepOrderError
 from ampkit.flat_buffer import EMPTY_FP32, Chunk, ChunkPlan, FlatBuffer
-from ampkit.precision import Precision
 
 
 def _grads(params: list[nn.Parameter]) -> tuple[list[int], list[torch.Tensor]]:
@@ -37,12 +35,16 @@ def _grads(params: list[nn.Parameter]) -> tuple[list[int], list[torch.Tensor]]:
 class MasterWeights:
     """Persistent fp32 master copies of low-precision parameters (the `*-master` presets).
 
-    The fp32 gradients the masters receive live in one flat buffer that exists only during the
-    step; copying gradients in and weights out are single foreach kernels.
+    Without loss scaling or clipping (`step`), the masters' fp32 gradients are made chunk by chunk
+    of whole tensors in a fixed workspace, each chunk stepped as it is made. Otherwise (`grads_in`)
+    they live in one flat buffer that exists only during the step.
     """
 
-    def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]], free_step_buffers: bool = True) -> None:
+    def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]], optimizer: torch.optim.Optimizer,
+                 free_step_buffers: bool = True, chunk: int = 1 << 17) -> None:
         self.pairs = pairs  # (model parameter in bf16/fp16, its fp32 master)
+        self.optimizer, self.chunk = optimizer, chunk
+        self._plan: ChunkPlan | None = None
         self._params = [p for p, _ in pairs]
         self._masters = [m for _, m in pairs]
         self._grad = FlatBuffer(self._masters, torch.float32, free_step_buffers)
@@ -63,6 +65,23 @@ class MasterWeights:
         for i, master in enumerate(self._masters):
             master.grad = self._grad.views[i] if present is None or i in present else None
         return views
+
+    def step(self, step_fn: Callable[[], Any]) -> Any:
+        """Run the user's optimizer step, the masters' fp32 gradients made one chunk at a time."""
+        kept = [i for i, p in enumerate(self._params) if p.grad is not None]
+        if not kept or not isinstance(self.optimizer, ELEMENTWISE):
+            self.grads_in()
+            return step_fn()
+        groups = self.optimizer.param_groups
+        if self._plan is None or self._plan.kept != kept:
+            self._plan = ChunkPlan(self._params, self._masters, groups, kept, self.chunk, False, {}, {}, None)
+        return self._plan.run(step_fn, self._load, lambda chunk: None)
+
+    def _load(self, chunk: Chunk) -> None:
+        with torch.no_grad():
+            torch._foreach_copy_(chunk.grad, [self._params[i].grad for i, _, _ in chunk.pieces])
+        for (i, _, _), grad in zip(chunk.pieces, chunk.grad):
+            self._masters[i].grad = grad
 
     def weights_out(self) -> None:
         """Round the (possibly updated) masters into the model's parameters."""
@@ -137,6 +156,7 @@ class CompensatedWeights:
             for (param, initial), comp in zip(pairs, self.compensation):
                 torch.sub(initial, param, out=comp)  # in fp32 (type promotion), no full-size temporaries
         self._grad = FlatBuffer(self._params, torch.float32, self._free)  # fp32 gradients, only when clipping
+        self._grad.free()
         self._grads_in = False
         self._stepped = [False] * len(pairs)  # stepped once: the optimizer's state exists (chunking needs it)
         self._state: dict[str, FlatBuffer] = {}  # per-element optimizer state in bf16, by key (indexed by weight)
@@ -180,26 +200,12 @@ class CompensatedWeights:
         if self._plan is None or (self._plan.kept, self._plan.split, self._plan.capacity) != (kept, split, capacity):
             self._plan = ChunkPlan(self._params, self._shadows, self.optimizer.param_groups, kept, capacity, split,
                                    self._comp.offsets, self._state, self._comp.buffer.dtype)
-        plan = self._plan
-        state, groups = self.optimizer.state, self.optimizer.param_groups
+        plan, state = self._plan, self.optimizer.state
         scalars = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state[self._shadows[i]].items()
                        if not _per_element(k, v, self._params[i])} for i in plan.cut}
-        originals = [g["params"] for g in groups]
-        result = None
         try:
-            for chunk in plan.chunks:
-                self._load(chunk, plan)
-                for i in chunk.resume:  # a weight stepped in pieces: its step counter etc. advance once
-                    entry = state[self._shadows[i]]
-                    entry.update({k: entry[k].copy_(v) if isinstance(v, torch.Tensor) else v for k, v in scalars[i].items()})
-                if len(plan.chunks) > 1:
-                    for g, params in zip(groups, chunk.groups):
-                        g["params"] = params
-                result = step_fn()
-                self._store(chunk, plan)
+            result = plan.run(step_fn, lambda chunk: self._load(chunk, plan, scalars), lambda chunk: self._store(chunk, plan))
         finally:
-            for g, params in zip(groups, originals):
-                g["params"] = params
             self.release()
         for i in kept:
             self._stepped[i] = True
@@ -209,9 +215,12 @@ class CompensatedWeights:
             self._build_state()  # the optimizer created state (its first step, or a new parameter's)
         return result
 
-    def _load(self, chunk: Chunk, plan: ChunkPlan) -> None:
+    def _load(self, chunk: Chunk, plan: ChunkPlan, scalars: dict[int, dict[str, Any]]) -> None:
         """fp32 working copies of the chunk's weights (+ compensation), gradients and state; point the stand-ins at them."""
         state = self.optimizer.state
+        for i in chunk.resume:  # a weight stepped in pieces: its step counter etc. advance once
+            entry = state[self._shadows[i]]
+            entry.update({k: entry[k].copy_(v) if isinstance(v, torch.Tensor) else v for k, v in scalars[i].items()})
         with torch.no_grad():
             torch._foreach_copy_(chunk.work, chunk.targets)
             for at, flat, n in chunk.comp_runs:
@@ -370,48 +379,3 @@ ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim
 
 #: What the prepared optimizer keeps for a low-precision-weight preset.
 LowPrecisionWeights = MasterWeights | CompensatedWeights
-
-
-def stand_in_weights(optimizer: torch.optim.Optimizer, policy: Precision, prepared: set[int],
-                     originals: dict[nn.Parameter, torch.Tensor], free_step_buffers: bool,
-                     ) -> tuple[LowPrecisionWeights | None, list[nn.Parameter]]:
-    """Point `optimizer` at fp32 parameters standing in for the model's low-precision ones.
-
-    `prepared`: ids of the prepared models' parameters; `originals`: their exact fp32 initial values
-    (taken, not copied). Returns the weight store and the parameters whose original was taken.
-    """
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    low = [p for p in params if p.is_floating_point() and p.dtype != torch.float32]
-    if any(id(p) not in prepared for p in low):
-        raise StepOrderError(
-            f"precision {policy.name!r}: prepare the model together with (or before) its optimizer, "
-            f"e.g. model, optimizer = acc.prepare(model, optimizer)"
-        )
-    if optimizer.state:
-        raise StepOrderError(
-            f"precision {policy.name!r}: the optimizer already has state; prepare it before its first step "
-            f"(load its state_dict after prepare)"
-        )
-    devices = sorted({str(p.device) for p in low})
-    if len(devices) > 1:  # the update's flat fp32 buffers live on one device
-        raise PrecisionError(
-            f"precision {policy.name!r} keeps its fp32 update buffers on one device, but this optimizer's "
-            f"parameters are on {', '.join(devices)}: use one optimizer per device, or precision='bf16-mixed'"
-        )
-    pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
-    stand_in: dict[int, nn.Parameter] = {}
-    taken = []
-    for p in low:
-        init = originals.get(p)
-        if init is None:  # a weight already low-precision before prepare: its value is all there is
-            init = p.detach().to(torch.float32)
-        else:
-            taken.append(p)
-        fp32 = nn.Parameter(init, requires_grad=p.requires_grad)
-        pairs.append((p, fp32))
-        stand_in[id(p)] = fp32
-    for group in optimizer.param_groups:
-        group["params"] = [stand_in.get(id(p), p) for p in group["params"]]
-    if policy.master_weights:
-        return MasterWeights(pairs, free_step_buffers), taken
-    return CompensatedWeights(pairs, optimizer, free_step_buffers), taken

@@ -218,13 +218,15 @@ class AmpOptimizer(torch.optim.Optimizer):
         return result
 
     def _update(self) -> Any:
-        compensated = isinstance(self.weights, CompensatedWeights)
-        if not compensated or self._stage is not Stage.BACKWARD:
-            self.unscale_()  # bf16-true unclipped: the chunked update reads the bf16 gradients itself
-        result = None
         scaler = self._acc.scaler
+        # bf16-true always, bf16-master unclipped: the chunked update reads the model's gradients itself
+        chunked = isinstance(self.weights, CompensatedWeights) or (
+            self.weights is not None and scaler is None and self._stage is Stage.BACKWARD)
+        if not chunked or self._stage is not Stage.BACKWARD:
+            self.unscale_()
+        result = None
         if scaler is None:
-            result = self.weights.step(self.optimizer.step) if compensated else self.optimizer.step()
+            result = self.weights.step(self.optimizer.step) if chunked else self.optimizer.step()  # type: ignore[union-attr]
         else:
             found_inf = self._found_inf
             assert found_inf is not None
