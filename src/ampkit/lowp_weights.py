@@ -41,7 +41,7 @@ class MasterWeights:
     """
 
     def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]], optimizer: torch.optim.Optimizer,
-                 free_step_buffers: bool = True, chunk: int = 1 << 17) -> None:
+                 free_step_buffers: bool = True, chunk: int = 1 << 18) -> None:
         self.pairs = pairs  # (model parameter in bf16/fp16, its fp32 master)
         self.optimizer, self.chunk = optimizer, chunk
         self._plan: ChunkPlan | None = None
@@ -143,7 +143,7 @@ class CompensatedWeights:
     """
 
     def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]], optimizer: torch.optim.Optimizer,
-                 free_step_buffers: bool = True, chunk: int = 1 << 17) -> None:
+                 free_step_buffers: bool = True, chunk: int = 1 << 18) -> None:
         self.pairs = pairs  # (model parameter in bf16, fp32 stand-in the optimizer steps; empty between steps)
         self.optimizer = optimizer
         self.chunk = chunk  # elements per chunk of the update
@@ -199,7 +199,7 @@ class CompensatedWeights:
         capacity = sum(self._comp.sizes[i] for i in kept) if single else self.chunk
         if self._plan is None or (self._plan.kept, self._plan.split, self._plan.capacity) != (kept, split, capacity):
             self._plan = ChunkPlan(self._params, self._shadows, self.optimizer.param_groups, kept, capacity, split,
-                                   self._comp.offsets, self._state, self._comp.buffer.dtype)
+                                   self._comp.offsets, self._state, self._comp.buffer)
         plan, state = self._plan, self.optimizer.state
         scalars = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state[self._shadows[i]].items()
                        if not _per_element(k, v, self._params[i])} for i in plan.cut}
@@ -248,7 +248,6 @@ class CompensatedWeights:
     def _store(self, chunk: Chunk, plan: ChunkPlan) -> None:
         """Round the chunk's updated weights into bf16, keep the rounding error, store the state in bf16."""
         state = self.optimizer.state
-        n = chunk.size
         with torch.no_grad():
             for key, (views, key_runs, at_rest) in chunk.state.items():
                 for (i, _, _), view, rest in zip(chunk.pieces, views, at_rest):
@@ -260,12 +259,10 @@ class CompensatedWeights:
                 store, work = self._state[key].buffer, plan.state[key]
                 for at, flat, length in key_runs:
                     store[flat:flat + length].copy_(work[at:at + length])
-            # Round flat, copy same-dtype per tensor, and keep what rounding lost (flat again).
-            plan.low[:n].copy_(plan.work[:n])
-            torch._foreach_copy_(chunk.targets, chunk.low)
-            plan.work[:n].sub_(plan.low[:n])
-            for at, flat, length in chunk.comp_runs:
-                self._comp.buffer[flat:flat + length].copy_(plan.work[at:at + length])
+            # Round into the weights, and keep what rounding lost (computed in fp32, stored in bf16).
+            torch._foreach_copy_(chunk.targets, chunk.work)
+            for work, weight, comp in zip(chunk.work, chunk.targets, chunk.flat):
+                torch.sub(work, weight, out=comp)
             if not plan.split:  # state the optimizer just created: into bf16 now, not after the last chunk
                 for i, _, _ in chunk.pieces:
                     entry = state[self._shadows[i]]
