@@ -134,8 +134,6 @@ class Chunk:
         shapes = [params[i].shape if whole else (e - s,) for (i, s, e), whole in zip(pieces, self.whole)]
         self.work = _views(plan.work, pieces, shapes)
         self.grad = _views(plan.grad, pieces, shapes)
-        if plan.flat is not None:  # the pieces' views of the flat buffer that `offsets` is about
-            self.flat = [plan.flat[plan.offsets[i] + s:plan.offsets[i] + e].view(shape) for (i, s, e), shape in zip(pieces, shapes)]
         self.comp_runs = runs(pieces, plan.offsets)
         self.state = {}  # state key -> (workspace views, runs in its store, the store's views at rest), per piece
         for key, store in plan.stores.items():
@@ -149,22 +147,21 @@ class Chunk:
 
 
 class ChunkPlan:
-    """Tensors with stand-ins an optimizer steps, cut into chunks (`cut_chunks`), and one workspace
-    for all chunks: per element, fp32 for the tensor, its gradient and each state key, and a
-    `flat` (None: the workspace holds only gradients) a flat buffer of all tensors, at `offsets`; `stores`:
-    per state key, the flat buffer of the tensors that have that key. Each chunk also narrows the
-    optimizer's parameter `groups` to its stand-ins (and, in the last chunk, the other parameters)."""
+    """Tensors with stand-ins an optimizer steps, cut into chunks (`cut_chunks`, pieces of a tensor
+    if `split`), and one workspace for all chunks: per element, fp32 for the tensor, its gradient
+    and each state key (or only the gradient). `offsets`: each tensor's start in a flat buffer of
+    all of them; `stores`: per state key, the flat buffer of the tensors that have it. Each chunk
+    narrows the optimizer's parameter `groups` to its stand-ins (the last also keeps the others)."""
 
     def __init__(self, params: list[torch.Tensor], shadows: list[torch.Tensor], groups: list[dict[str, Any]],
                  kept: list[int], capacity: int, split: bool, offsets: dict[int, int], stores: dict[str, FlatBuffer],
-                 flat: torch.Tensor | None) -> None:
+                 grads_only: bool = False) -> None:
         self.kept, self.capacity, self.split, self.offsets, self.stores = kept, capacity, split, offsets, stores
         self.params, self.shadows, self.groups = params, shadows, groups
         pieces = cut_chunks([p.numel() for p in params], kept, [split and p.is_contiguous() for p in params], capacity)
         size = max(sum(e - s for _, s, e in chunk) for chunk in pieces)
-        self.flat = flat
-        work = torch.empty((2 + len(stores) if flat is not None else 1) * size, dtype=torch.float32, device=self.params[0].device)
-        self.work, self.grad = work[:size], work[size:2 * size] if flat is not None else work
+        work = torch.empty((1 if grads_only else 2 + len(stores)) * size, dtype=torch.float32, device=params[0].device)
+        self.work, self.grad = work[:size], work if grads_only else work[size:2 * size]
         self.state = {key: work[(2 + k) * size:(3 + k) * size] for k, key in enumerate(stores)}
         self.nbytes = work.nbytes
         self.chunks = [Chunk(self, chunk, n == len(pieces) - 1) for n, chunk in enumerate(pieces)]

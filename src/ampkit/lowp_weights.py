@@ -74,7 +74,7 @@ class MasterWeights:
             return step_fn()
         groups = self.optimizer.param_groups
         if self._plan is None or self._plan.kept != kept:
-            self._plan = ChunkPlan(self._params, self._masters, groups, kept, self.chunk, False, {}, {}, None)
+            self._plan = ChunkPlan(self._params, self._masters, groups, kept, self.chunk, False, {}, {}, grads_only=True)
         return self._plan.run(step_fn, self._load, lambda chunk: None)
 
     def _load(self, chunk: Chunk) -> None:
@@ -199,7 +199,7 @@ class CompensatedWeights:
         capacity = sum(self._comp.sizes[i] for i in kept) if single else self.chunk
         if self._plan is None or (self._plan.kept, self._plan.split, self._plan.capacity) != (kept, split, capacity):
             self._plan = ChunkPlan(self._params, self._shadows, self.optimizer.param_groups, kept, capacity, split,
-                                   self._comp.offsets, self._state, self._comp.buffer)
+                                   self._comp.offsets, self._state)
         plan, state = self._plan, self.optimizer.state
         scalars = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state[self._shadows[i]].items()
                        if not _per_element(k, v, self._params[i])} for i in plan.cut}
@@ -261,8 +261,9 @@ class CompensatedWeights:
                     store[flat:flat + length].copy_(work[at:at + length])
             # Round into the weights, and keep what rounding lost (computed in fp32, stored in bf16).
             torch._foreach_copy_(chunk.targets, chunk.work)
-            for work, weight, comp in zip(chunk.work, chunk.targets, chunk.flat):
-                torch.sub(work, weight, out=comp)
+            torch._foreach_sub_(chunk.work, chunk.targets)
+            for at, flat, length in chunk.comp_runs:
+                self._comp.buffer[flat:flat + length].copy_(plan.work[at:at + length])
             if not plan.split:  # state the optimizer just created: into bf16 now, not after the last chunk
                 for i, _, _ in chunk.pieces:
                     entry = state[self._shadows[i]]
