@@ -126,7 +126,6 @@ class Chunk:
 
     def __init__(self, plan: ChunkPlan, pieces: list[tuple[int, int, int]], last: bool) -> None:
         self.pieces = pieces
-        self.size = sum(e - s for _, s, e in pieces)
         params = plan.params
         self.whole = [s == 0 and e == params[i].numel() for i, s, e in pieces]
         # the tensors' pieces (a whole tensor is itself; a piece of one is a view of its storage)
