@@ -23,21 +23,23 @@ from torch import nn
 from ampkit.flat_buffer import EMPTY_FP32, Chunk, ChunkPlan, FlatBuffer
 
 
-def _grads(params: list[nn.Parameter]) -> tuple[list[int], list[torch.Tensor]]:
-    """Indices and gradients of the parameters that have one (an unused layer has none)."""
-    grads = [p.grad for p in params]
-    if all(g is not None for g in grads):
-        return list(range(len(params))), grads  # type: ignore[return-value]
-    kept = [i for i, g in enumerate(grads) if g is not None]
-    return kept, [grads[i] for i in kept]  # type: ignore[misc]
+def _fp32_grads(params: list[nn.Parameter], buffer: FlatBuffer) -> tuple[list[int], list[torch.Tensor]]:
+    """Copy the gradients the parameters have (an unused layer has none) into `buffer`: (indices, views)."""
+    kept = [i for i, p in enumerate(params) if p.grad is not None]
+    buffer.alloc()
+    views = [buffer.views[i] for i in kept]
+    if kept:
+        torch._foreach_copy_(views, [params[i].grad for i in kept])
+    return kept, views
 
 
 class MasterWeights:
     """Persistent fp32 master copies of low-precision parameters (the `*-master` presets).
 
     Without loss scaling or clipping (`step`), the masters' fp32 gradients are made chunk by chunk
-    of whole tensors in a fixed workspace, each chunk stepped as it is made. Otherwise (`grads_in`)
-    they live in one flat buffer that exists only during the step.
+    in a fixed workspace, each chunk stepped as it is made (a tensor cut in pieces is stepped as
+    views of its master and state, its per-step scalars advanced once). Otherwise (`grads_in`) they
+    live in one flat buffer that exists only during the step.
     """
 
     def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]], optimizer: torch.optim.Optimizer,
@@ -45,6 +47,7 @@ class MasterWeights:
         self.pairs = pairs  # (model parameter in bf16/fp16, its fp32 master)
         self.optimizer, self.chunk = optimizer, chunk
         self._plan: ChunkPlan | None = None
+        self._stepped = [False] * len(pairs)  # stepped once: the optimizer's state exists (pieces need it)
         self._params = [p for p, _ in pairs]
         self._masters = [m for _, m in pairs]
         self._grad = FlatBuffer(self._masters, torch.float32, free_step_buffers)
@@ -56,14 +59,9 @@ class MasterWeights:
 
     def grads_in(self) -> list[torch.Tensor]:
         """Give each master the fp32 copy of its model parameter's gradient; return those grads."""
-        kept, grads = _grads(self._params)
-        self._grad.alloc()
-        views = [self._grad.views[i] for i in kept] if len(kept) != len(self._params) else self._grad.views
-        if grads:
-            torch._foreach_copy_(views, grads)
-        present = set(kept) if len(kept) != len(self._params) else None
-        for i, master in enumerate(self._masters):
-            master.grad = self._grad.views[i] if present is None or i in present else None
+        kept, views = _fp32_grads(self._params, self._grad)
+        for i, view in zip(kept, views):
+            self._masters[i].grad = view
         return views
 
     def step(self, step_fn: Callable[[], Any]) -> Any:
@@ -72,16 +70,43 @@ class MasterWeights:
         if not kept or not isinstance(self.optimizer, ELEMENTWISE):
             self.grads_in()
             return step_fn()
-        groups = self.optimizer.param_groups
-        if self._plan is None or self._plan.kept != kept:
-            self._plan = ChunkPlan(self._params, self._masters, groups, kept, self.chunk, False, {}, {}, grads_only=True)
-        return self._plan.run(step_fn, self._load, lambda chunk: None)
+        state, split = self.optimizer.state, all(self._stepped[i] for i in kept)  # first steps: whole tensors
+        if self._plan is None or (self._plan.kept, self._plan.split) != (kept, split):
+            self._plan = ChunkPlan(self._params, self._masters, self.optimizer.param_groups, kept, self.chunk, split, {}, {}, True)
+        full = {i: (self._masters[i].data, dict(state[self._masters[i]])) for i in self._plan.cut}
+        scalars = {i: {k: v.clone() for k, v in entries.items() if isinstance(v, torch.Tensor) and not _per_element(k, v, data)}
+                   for i, (data, entries) in full.items()}
+        try:
+            return self._plan.run(step_fn, lambda chunk: self._load(chunk, full, scalars), lambda chunk: self._store(chunk, full))
+        finally:
+            for i, (data, entries) in full.items():  # the weights stepped in pieces get their whole tensors back
+                self._masters[i].grad, self._masters[i].data = None, data
+                state[self._masters[i]].update({k: v for k, v in entries.items() if _per_element(k, v, data)})
+            for i in kept:
+                self._stepped[i] = True
 
-    def _load(self, chunk: Chunk) -> None:
+    def _load(self, chunk: Chunk, full: dict[int, Any], scalars: dict[int, dict[str, torch.Tensor]]) -> None:
         with torch.no_grad():
-            torch._foreach_copy_(chunk.grad, [self._params[i].grad for i, _, _ in chunk.pieces])
-        for (i, _, _), grad in zip(chunk.pieces, chunk.grad):
-            self._masters[i].grad = grad
+            torch._foreach_copy_(chunk.grad, [self._params[i].grad if whole else self._params[i].grad.reshape(-1)[s:e]
+                                              for (i, s, e), whole in zip(chunk.pieces, chunk.whole)])
+        for (i, s, e), whole, grad in zip(chunk.pieces, chunk.whole, chunk.grad):
+            master = self._masters[i]
+            if not whole:  # a piece: the master and its per-element state are views of the whole tensors
+                data, entries = full[i]
+                master.grad, master.data = None, data.view(-1)[s:e]
+                entry = self.optimizer.state[master]
+                entry.update({k: v.view(-1)[s:e] for k, v in entries.items() if _per_element(k, v, data)})
+                for key, value in scalars[i].items() if s > 0 else ():  # step counters etc. advance once per step
+                    entry[key].copy_(value)
+            master.grad = grad
+
+    def _store(self, chunk: Chunk, full: dict[int, Any]) -> None:
+        for (i, s, e), whole in zip(chunk.pieces, chunk.whole):
+            if not whole:
+                entry, (data, entries) = self.optimizer.state[self._masters[i]], full[i]
+                for key, value in entries.items():
+                    if _per_element(key, value, data) and entry[key].data_ptr() != value.view(-1)[s:e].data_ptr():
+                        value.view(-1)[s:e].copy_(entry[key])  # the optimizer replaced the tensor, not updated it
 
     def weights_out(self) -> None:
         """Round the (possibly updated) masters into the model's parameters."""
@@ -177,11 +202,7 @@ class CompensatedWeights:
 
     def grads_in(self) -> list[torch.Tensor]:
         """Give the stand-ins fp32 gradients (for clipping); the step then uses them. Return them."""
-        kept, grads = _grads(self._params)
-        self._grad.alloc()
-        views = [self._grad.views[i] for i in kept]
-        if grads:
-            torch._foreach_copy_(views, grads)
+        kept, views = _fp32_grads(self._params, self._grad)
         for i, view in zip(kept, views):
             self._shadows[i].data = self._shadows[i].grad = view  # the stand-in carries only its gradient
             self._pointed.append(self._shadows[i])
