@@ -110,12 +110,12 @@ class Accelerator:
         cuda_graphs: replay each step's forward and backward kernels as CUDA graphs (torch.compile's
             "reduce-overhead" mode), for small launch-bound models. CUDA only; input shapes should
             be static (each new shape records a new graph).
-        free_step_buffers: free between steps the full-size fp32 gradient buffer that the
-            `-master` presets use with loss scaling or clipping, and bf16-true after
-            `clip_grad_norm_`. On a GPU the caching allocator keeps freed memory, so this costs
-            nothing; on a CPU it goes back to the OS and is faulted in again at the next step.
-            The chunked updates (bf16-true, unclipped bf16-master) work in a fixed workspace of a
-            few MB and have nothing to free.
+        free_step_buffers: free between steps the full-size fp32 buffers of the updates that are
+            not chunked: the `-master` presets' gradients with loss scaling or clipping, and
+            bf16-true's after `clip_grad_norm_` or with an optimizer it cannot step in chunks. On
+            a GPU the caching allocator keeps freed memory, so this costs nothing; on a CPU it goes
+            back to the OS and is faulted in again at the next step. The chunked updates work in a
+            fixed workspace of a few MB and have nothing to free.
     """
 
     def __init__(

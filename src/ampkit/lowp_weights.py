@@ -230,7 +230,7 @@ class CompensatedWeights:
             self.release()
         for i in kept:
             self._stepped[i] = True
-        if not plan.split:
+        if not plan.split and (self._free or isinstance(self.optimizer, ELEMENTWISE)):
             self._plan = None  # its workspace may be as large as a tensor, or all of them
         if len(state) != self._state_count:
             self._build_state()  # the optimizer created state (its first step, or a new parameter's)
