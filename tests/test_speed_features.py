@@ -327,6 +327,18 @@ def test_chunked_bf16_true_update_equals_one_whole_step_for_elementwise_optimize
     assert_bitwise_equal(ampkit_run("bf16-true", 5, True, True, chunk=64, make_opt=make_opt), whole)
 
 
+class SubclassedAdamW(torch.optim.AdamW):
+    """Not one of torch's own optimizers: ampkit cannot know its step is elementwise."""
+
+
+@pytest.mark.parametrize("free", [True, False], ids=["free-step-buffers", "keep-step-buffers"])
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-master"])
+def test_an_optimizer_not_known_to_be_elementwise_is_stepped_whole(precision, free):
+    make_opt = lambda ps: SubclassedAdamW(ps, lr=1e-3, weight_decay=0.01)  # noqa: E731
+    got = ampkit_run(precision, 6, True, free, chunk=64, make_opt=make_opt)
+    assert_bitwise_equal(got, reference_run(precision, 6, True))
+
+
 def test_a_bf16_true_step_makes_no_full_size_fp32_buffer():
     """Every fp32 tensor a steady-state step creates or works in is at most one chunk."""
     from torch.utils._python_dispatch import TorchDispatchMode

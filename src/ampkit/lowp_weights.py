@@ -67,7 +67,7 @@ class MasterWeights:
     def step(self, step_fn: Callable[[], Any]) -> Any:
         """Run the user's optimizer step, the masters' fp32 gradients made one chunk at a time."""
         kept = [i for i, p in enumerate(self._params) if p.grad is not None]
-        if not kept or not isinstance(self.optimizer, ELEMENTWISE):
+        if not kept or type(self.optimizer) not in ELEMENTWISE:
             self.grads_in()
             return step_fn()
         state, split = self.optimizer.state, all(self._stepped[i] for i in kept)  # first steps: whole tensors
@@ -197,8 +197,7 @@ class CompensatedWeights:
     @property
     def workspace_bytes(self) -> int:
         """Bytes of the fp32/bf16 workspace the chunked update keeps between steps (fixed: a few MB)."""
-        plan = self._plan
-        return 0 if plan is None or not plan.split else plan.nbytes
+        return self._plan.nbytes if self._plan is not None and self._plan.split else 0
 
     def grads_in(self) -> list[torch.Tensor]:
         """Give the stand-ins fp32 gradients (for clipping); the step then uses them. Return them."""
@@ -215,7 +214,7 @@ class CompensatedWeights:
         if not kept:
             return step_fn()
         # A weight's first step goes in whole tensors: the optimizer creates its state in their shapes.
-        single = not isinstance(self.optimizer, ELEMENTWISE)
+        single = type(self.optimizer) not in ELEMENTWISE
         split = not single and all(self._stepped[i] for i in kept)
         capacity = sum(self._comp.sizes[i] for i in kept) if single else self.chunk
         if self._plan is None or (self._plan.kept, self._plan.split, self._plan.capacity) != (kept, split, capacity):
@@ -230,7 +229,7 @@ class CompensatedWeights:
             self.release()
         for i in kept:
             self._stepped[i] = True
-        if not plan.split and (self._free or isinstance(self.optimizer, ELEMENTWISE)):
+        if not plan.split and (self._free or type(self.optimizer) in ELEMENTWISE):
             self._plan = None  # its workspace may be as large as a tensor, or all of them
         if len(state) != self._state_count:
             self._build_state()  # the optimizer created state (its first step, or a new parameter's)
@@ -390,8 +389,9 @@ def _per_element(key: str, value: Any, param: torch.Tensor) -> bool:
     return key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == param.shape
 
 
-#: Optimizers whose update is elementwise and per parameter, so that stepping the weights in
-#: chunks (pieces of a tensor in separate calls, per-step scalars restored) is exactly one step.
+#: Optimizers whose update is elementwise and per parameter, so that stepping the weights in chunks
+#: (pieces of a tensor in separate calls, per-step scalars restored) is exactly one step. These
+#: classes exactly: a subclass may step differently.
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
                torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adadelta, torch.optim.Rprop, torch.optim.ASGD)
 
