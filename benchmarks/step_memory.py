@@ -93,7 +93,8 @@ def main() -> None:
             peaks.setdefault(preset, []).append(rows[preset]["peak_mib"])
         rows[preset]["peak_mib"] = statistics.median(peaks[preset])
     fp32 = rows.get("fp32", {}).get("peak_mib")
-    lines = [f"`python benchmarks/step_memory.py` — {machine()}", "",
+    lines = ["## Peak memory of a training step, per preset (`benchmarks/step_memory.py`)", "",
+             f"`python benchmarks/step_memory.py --repeat {args.repeat}` — {machine()}", "",
              f"{next(iter(rows.values()))['params'] / 1e6:.1f}M parameters, AdamW, batch {BATCH}; {args.repeat} processes "
              "per preset, median (range) of the peak: the allocator's reuse of freed memory moves it by tens of MiB.", "",
              "| preset | peak step memory (MiB) | vs fp32 | at rest (B/param) | with gradients (B/param) |",
