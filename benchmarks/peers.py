@@ -207,8 +207,6 @@ VARIANTS: list[Variant] = [
     Variant("ampkit fp32 channels_last", "ampkit", "fp32", "fp32", (("channels_last", True),), only=("cnn",)),
     Variant("ampkit bf16-mixed cuda_graphs", "ampkit", "bf16-mixed", "bf16", (("cuda_graphs", True),),
             compiled=True, cuda_only=True),
-    # bf16-true frees its fp32 step buffers between steps (8 B/param); keeping them trades memory for CPU speed
-    Variant("ampkit bf16-true keep_step_buffers", "ampkit", "bf16-true", "bf16", (("free_step_buffers", False),)),
 ]
 
 #: The hand-written loop each precision is compared with ("vs matching hand-written").
@@ -727,16 +725,15 @@ def targets(results: dict[str, list[Row]], header: dict[str, Any]) -> list[str]:
         r = by["iris"]["hand-written autocast bf16"].vs_fp32
         out.append(f"- honest regime, iris MLP: bf16 runs at {1 / r:.2f}× the speed of fp32 here (the table shows it)")
     for m, rows in by.items():
-        for name in ("ampkit bf16-true", "ampkit bf16-true keep_step_buffers"):
+        for name in ("ampkit bf16-true",):
             x = rows.get(name)
             if not (x and x.memory):
                 continue
             mem = x.memory
             tot, g = mem["total_bytes_per_param"], mem["grads_bytes_per_param"]
             parts = "; ".join(f"`{k}` {v:.1f}" for k, v in mem["optimizer_state_breakdown"].items() if v >= 0.05)
-            kept = " (free_step_buffers=False: the fp32 step buffers stay between steps, for speed)" if "keep" in name else ""
             out.append(
-                f"- {m}: {name}{kept} holds weights + optimizer-side state {tot - g:.1f} B/param "
+                f"- {m}: {name} holds weights + optimizer-side state {tot - g:.1f} B/param "
                 f"(weights {mem['weights_bytes_per_param']:.1f}; {parts}), {tot:.1f} with gradients "
                 f"(fp32 AdamW: {_fp32_total(rows)}); ≤ 8 B/param for weights + state (per-tensor step counters aside): {verdict(tot - g <= 8.0 + 0.05)}"
             )

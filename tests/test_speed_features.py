@@ -268,14 +268,19 @@ def reference_run(precision: str, steps: int, unused: bool) -> list[torch.Tensor
     return out
 
 
-def ampkit_run(precision: str, steps: int, unused: bool, free: bool) -> list[torch.Tensor]:
+def ampkit_run(precision: str, steps: int, unused: bool, free: bool, chunk: int | None = None, clip: bool = False,
+               make_opt=lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)) -> list[torch.Tensor]:
     model = WithUnused(unused)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    opt = make_opt(model.parameters())
     acc = ampkit.Accelerator(precision, device="cpu", free_step_buffers=free)
     model, opt = acc.prepare(model, opt)
+    if chunk is not None:
+        opt.weights.chunk = chunk
     loader = make_loader(batch_size=32)
     for _, (x, y) in zip(range(steps), loader):
         acc.backward(F.cross_entropy(model(x), y))
+        if clip:
+            acc.clip_grad_norm_(1e9)  # a clip coefficient of 1: the gradients stay as they are
         opt.step()
         opt.zero_grad()
     out = [p.detach().clone() for p in model.parameters()]
@@ -292,6 +297,75 @@ def ampkit_run(precision: str, steps: int, unused: bool, free: bool) -> list[tor
 @pytest.mark.parametrize("precision", ["bf16-true", "bf16-master"])
 def test_fused_low_precision_updates_equal_the_per_parameter_reference(precision, unused, free):
     assert_bitwise_equal(ampkit_run(precision, 6, unused, free), reference_run(precision, 6, unused))
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["no-clip", "clip"])
+@pytest.mark.parametrize("chunk", [64, 100, 200])
+@pytest.mark.parametrize("unused", [False, True], ids=["all-used", "one-layer-unused"])
+def test_chunked_bf16_true_update_equals_the_per_parameter_reference(unused, chunk, clip):
+    """Weights cut into pieces stepped in separate optimizer calls: still exactly one AdamW step
+    per step (a step counter advanced per call would change the bias correction), with or without
+    clipping's fp32 gradients."""
+    assert_bitwise_equal(ampkit_run("bf16-true", 6, unused, True, chunk=chunk, clip=clip), reference_run("bf16-true", 6, unused))
+
+
+@pytest.mark.parametrize("chunk", [64, 200])
+@pytest.mark.parametrize("unused", [False, True], ids=["all-used", "one-layer-unused"])
+def test_chunked_bf16_master_update_equals_the_per_parameter_reference(unused, chunk):
+    """bf16-master makes its fp32 gradients chunk by chunk of whole tensors: still the same step."""
+    assert_bitwise_equal(ampkit_run("bf16-master", 6, unused, True, chunk=chunk), reference_run("bf16-master", 6, unused))
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-4),
+    lambda ps: torch.optim.NAdam(ps, lr=1e-3),  # a per-step scalar (mu_product) besides the step
+    lambda ps: torch.optim.ASGD(ps, lr=1e-2, t0=2),  # three of them
+    lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+], ids=["sgd-nesterov", "nadam", "asgd", "adamw-fused"])
+def test_chunked_bf16_true_update_equals_one_whole_step_for_elementwise_optimizers(make_opt):
+    whole = ampkit_run("bf16-true", 5, True, True, chunk=1 << 20, make_opt=make_opt)
+    assert_bitwise_equal(ampkit_run("bf16-true", 5, True, True, chunk=64, make_opt=make_opt), whole)
+
+
+class SubclassedAdamW(torch.optim.AdamW):
+    """Not one of torch's own optimizers: ampkit cannot know its step is elementwise."""
+
+
+@pytest.mark.parametrize("free", [True, False], ids=["free-step-buffers", "keep-step-buffers"])
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-master"])
+def test_an_optimizer_not_known_to_be_elementwise_is_stepped_whole(precision, free):
+    make_opt = lambda ps: SubclassedAdamW(ps, lr=1e-3, weight_decay=0.01)  # noqa: E731
+    got = ampkit_run(precision, 6, True, free, chunk=64, make_opt=make_opt)
+    assert_bitwise_equal(got, reference_run(precision, 6, True))
+
+
+def test_a_bf16_true_step_makes_no_full_size_fp32_buffer():
+    """Every fp32 tensor a steady-state step creates or works in is at most one chunk."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                    self.numel = max(self.numel, t.numel())
+            return out
+
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    acc = ampkit.Accelerator("bf16-true", device="cpu")
+    model, opt = acc.prepare(model, opt)
+    opt.weights.chunk = 4096
+    x, y = torch.randn(8, 256), torch.randint(0, 4, (8,))
+    for step in range(3):
+        acc.backward(F.cross_entropy(model(x), y))
+        with Largest() as largest:
+            opt.step()
+        opt.zero_grad()
+    assert 0 < largest.numel <= 4096 < 256 * 256
+    assert opt.weights.workspace_bytes == 4096 * 4 * 4  # fp32 weight, gradient and two moments
 
 
 @pytest.mark.parametrize("free", [True, False], ids=["free-step-buffers", "keep-step-buffers"])
@@ -314,11 +388,9 @@ def test_bf16_true_holds_8_bytes_per_parameter_between_adamw_steps(free):
     # no fp32 copy of the weights outlives prepare, and the optimizer sees none between steps
     assert all(not m.originals for m in acc._prepared.originals.values())
     assert all(s.numel() == 0 and s.grad is None for _, s in opt.weights.pairs)
-    # the fp32 buffers the update works in: freed between steps, or kept (16 bytes/param) for speed
-    weights = opt.weights
-    scratch = [weights._work, weights._grad, weights._round] + [b.work for b in weights._state.values()]
-    held = sum(f.buffer.untyped_storage().nbytes() for f in scratch)
-    assert held == (0 if free else n * (4 + 4 + 2 + 4 + 4))
+    # the update works chunk by chunk in one fixed workspace (fp32 weight, gradient and two moments,
+    # per element): its size follows the chunk, not the model, with or without free_step_buffers
+    assert 0 < opt.weights.workspace_bytes <= opt.weights.chunk * 4 * 4
     assert acc.free_step_buffers is free
 
 

@@ -38,7 +38,7 @@ def count_syncs(counter: list[str]):
             setattr(torch.Tensor, name, fn)
 
 
-@pytest.mark.parametrize("precision", ["fp16-mixed", "fp16-master", "bf16-mixed", "fp32"])
+@pytest.mark.parametrize("precision", ["fp16-mixed", "fp16-master", "bf16-mixed", "fp32", "bf16-true", "bf16-master"])
 def test_fused_step_makes_no_syncs(precision):
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)

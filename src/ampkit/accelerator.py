@@ -76,12 +76,12 @@ class Accelerator:
         cuda_graphs: replay each step's forward and backward kernels as CUDA graphs (torch.compile's
             "reduce-overhead" mode), for small launch-bound models. CUDA only; input shapes should
             be static (each new shape records a new graph).
-        free_step_buffers: for the `-master` and `bf16-true` presets, free the fp32 buffers the
-            update works in (gradients, and for bf16-true weights and optimizer state) between
-            steps, so that bf16-true holds 8 bytes per parameter with AdamW. On a GPU the caching
-            allocator keeps the freed memory, so this costs nothing; on a CPU it goes back to the
-            OS and is faulted in again at the next step, which costs time on large models. False
-            keeps them (18 bytes per parameter more) for that speed.
+        free_step_buffers: free between steps the full-size fp32 buffers of the updates that are
+            not chunked: the `-master` presets' gradients with loss scaling or clipping, and
+            bf16-true's after `clip_grad_norm_` or with an optimizer it cannot step in chunks. On
+            a GPU the caching allocator keeps freed memory, so this costs nothing; on a CPU it goes
+            back to the OS and is faulted in again at the next step. The chunked updates work in a
+            fixed workspace of a few MB and have nothing to free.
         cast_outputs: cast a prepared model's bf16/fp16 outputs to fp32, so that a loss computed
             outside the model runs in fp32. False returns them as the model made them: for a model
             that computes its loss itself and returns large logits beside it (that copy is never used).

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from itertools import accumulate
+from typing import Any
 
 import torch
 
@@ -19,11 +22,14 @@ class FlatBuffer:
     view of it): if something does, the buffer is left to its holder and the next step makes a new one.
     """
 
-    def __init__(self, like: list[torch.Tensor], dtype: torch.dtype, releasable: bool = True) -> None:
+    def __init__(self, like: list[torch.Tensor], dtype: torch.dtype, releasable: bool = True,
+                 indices: list[int] | None = None) -> None:
         self.device = like[0].device if like else torch.device("cpu")
         self.dtype = dtype
         self.shapes = [t.shape for t in like]
         self.sizes = [t.numel() for t in like]
+        self.indices = list(range(len(like))) if indices is None else indices  # what each tensor is called
+        self.offsets = dict(zip(self.indices, accumulate([0] + self.sizes[:-1])))  # index -> start in the buffer
         self.releasable = releasable  # False: kept between steps (see Accelerator(free_step_buffers=))
         self.buffer: torch.Tensor = EMPTY_FP32
         self.views: list[torch.Tensor] = []
@@ -35,6 +41,7 @@ class FlatBuffer:
         if not self.views:
             self.buffer = torch.empty(sum(self.sizes), dtype=self.dtype, device=self.device)
             self.views = [v.view(shape) for v, shape in zip(self.buffer.split(self.sizes), self.shapes)]
+            self.by_index = dict(zip(self.indices, self.views))
             self._nbytes = self.buffer.untyped_storage().nbytes()
             self._holders = self._count_holders()
         elif self.buffer.untyped_storage().nbytes() != self._nbytes:
@@ -61,3 +68,124 @@ _storage_users = getattr(torch._C, "_storage_Use_Count", None)
 
 
 EMPTY_FP32 = torch.empty(0, dtype=torch.float32)
+
+
+def cut_chunks(sizes: list[int], kept: list[int], splittable: list[bool], capacity: int,
+               align: int = 64) -> list[list[tuple[int, int, int]]]:
+    """Cut the kept tensors, in order, into chunks of at most `capacity` elements.
+
+    A chunk is a list of pieces `(tensor index, start, stop)` over the tensor's flattened elements.
+    A splittable tensor that does not fit in what is left of a chunk is cut at a multiple of `align`
+    elements from its start (so each piece's vectorised loops cover the same elements as the whole
+    tensor's); any other tensor starts a new chunk (a chunk holding only it may exceed `capacity`).
+    """
+    chunks: list[list[tuple[int, int, int]]] = []
+    current: list[tuple[int, int, int]] = []
+    room = capacity
+    for i in kept:
+        start, size = 0, sizes[i]
+        while start < size:
+            take = size - start
+            if take > room:
+                take = room // align * align if splittable[i] else 0
+                if take == 0 and not current:  # alone in a chunk and still too big
+                    take = (capacity // align * align or size - start) if splittable[i] else size - start
+            if take == 0:
+                chunks.append(current)
+                current, room = [], capacity
+                continue
+            current.append((i, start, start + take))
+            start += take
+            room -= take
+            if room == 0:
+                chunks.append(current)
+                current, room = [], capacity
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def runs(pieces: list[tuple[int, int, int]], offsets: dict[int, int]) -> list[tuple[int, int, int]]:
+    """Merge consecutive pieces that lie end to end in a flat buffer (`offsets`: each tensor's start there,
+    missing for tensors that buffer lacks) into `(position in the chunk, position in the buffer, length)`."""
+    merged: list[list[int]] = []
+    at = 0
+    for i, start, stop in pieces:
+        if i in offsets:
+            flat = offsets[i] + start
+            if merged and merged[-1][0] + merged[-1][2] == at and merged[-1][1] + merged[-1][2] == flat:
+                merged[-1][2] += stop - start
+            else:
+                merged.append([at, flat, stop - start])
+        at += stop - start
+    return [(a, b, n) for a, b, n in merged]
+
+
+class Chunk:
+    """One chunk: its pieces of tensors, and the views of the plan's workspace that hold them."""
+
+    def __init__(self, plan: ChunkPlan, pieces: list[tuple[int, int, int]], last: bool) -> None:
+        self.pieces = pieces
+        params = plan.params
+        self.whole = [s == 0 and e == params[i].numel() for i, s, e in pieces]
+        # the tensors' pieces (a whole tensor is itself; a piece of one is a view of its storage)
+        self.targets = [params[i] if whole else params[i].detach().view(-1)[s:e] for (i, s, e), whole in zip(pieces, self.whole)]
+        shapes = [params[i].shape if whole else (e - s,) for (i, s, e), whole in zip(pieces, self.whole)]
+        self.work = _views(plan.work, pieces, shapes)
+        self.grad = _views(plan.grad, pieces, shapes)
+        self.comp_runs = runs(pieces, plan.offsets)
+        self.state = {}  # state key -> (workspace views, runs in its store, the store's views at rest), per piece
+        for key, store in plan.stores.items():
+            at_rest = store.by_index
+            self.state[key] = ([view if p[0] in at_rest else None for p, view in zip(pieces, _views(plan.state[key], pieces, shapes))],
+                               runs(pieces, store.offsets), [at_rest.get(i) for i, _, _ in pieces])
+        self.resume = [i for i, s, _ in pieces if s > 0]  # tensors whose earlier pieces came in earlier chunks
+        mine = {id(plan.shadows[i]) for i, _, _ in pieces}
+        shadows = {id(s) for s in plan.shadows}
+        self.groups = [[p for p in g["params"] if id(p) in mine or (last and id(p) not in shadows)] for g in plan.groups]
+
+
+class ChunkPlan:
+    """Tensors with stand-ins an optimizer steps, cut into chunks (`cut_chunks`, pieces of a tensor
+    if `split`), and one workspace for all chunks: per element, fp32 for the tensor, its gradient
+    and each state key (or only the gradient). `offsets`: each tensor's start in a flat buffer of
+    all of them; `stores`: per state key, the flat buffer of the tensors that have it. Each chunk
+    narrows the optimizer's parameter `groups` to its stand-ins (the last also keeps the others)."""
+
+    def __init__(self, params: list[torch.Tensor], shadows: list[torch.Tensor], groups: list[dict[str, Any]],
+                 kept: list[int], capacity: int, split: bool, offsets: dict[int, int], stores: dict[str, FlatBuffer],
+                 grads_only: bool = False) -> None:
+        self.kept, self.capacity, self.split, self.offsets, self.stores = kept, capacity, split, offsets, stores
+        self.params, self.shadows, self.groups = params, shadows, groups
+        pieces = cut_chunks([p.numel() for p in params], kept, [split and p.is_contiguous() for p in params], capacity)
+        size = max(sum(e - s for _, s, e in chunk) for chunk in pieces)
+        work = torch.empty((1 if grads_only else 2 + len(stores)) * size, dtype=torch.float32, device=params[0].device)
+        self.work, self.grad = work[:size], work if grads_only else work[size:2 * size]
+        self.state = {key: work[(2 + k) * size:(3 + k) * size] for k, key in enumerate(stores)}
+        self.nbytes = work.nbytes
+        self.chunks = [Chunk(self, chunk, n == len(pieces) - 1) for n, chunk in enumerate(pieces)]
+        self.cut = sorted({i for chunk in self.chunks for i in chunk.resume})  # tensors cut into pieces
+
+    def run(self, step_fn: Callable[[], Any], load: Callable[[Chunk], None], store: Callable[[Chunk], None]) -> Any:
+        """`load(chunk)`, `step_fn()` with the groups narrowed to the chunk, `store(chunk)`: chunk by chunk."""
+        originals, result = [g["params"] for g in self.groups], None
+        try:
+            for chunk in self.chunks:
+                load(chunk)
+                if len(self.chunks) > 1:
+                    for g, params in zip(self.groups, chunk.groups):
+                        g["params"] = params
+                result = step_fn()
+                store(chunk)
+        finally:
+            for g, params in zip(self.groups, originals):
+                g["params"] = params
+        return result
+
+
+def _views(flat: torch.Tensor, pieces: list[tuple[int, int, int]], shapes: list[Any]) -> list[torch.Tensor]:
+    out, at = [], 0
+    for (_, s, e), shape in zip(pieces, shapes):
+        out.append(flat[at:at + e - s].view(shape))
+        at += e - s
+    return out

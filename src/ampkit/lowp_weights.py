@@ -5,10 +5,8 @@ that ampkit keeps in step with the model:
 
 * `MasterWeights` (`*-master`, apex O2): persistent fp32 copies; the update lands on them and is
   copied into the model's low-precision weights.
-* `CompensatedWeights` (`bf16-true`): no persistent fp32 copy. For the update only, an fp32 view of
-  each weight is made from the bf16 weight plus a bf16 Kahan buffer holding what rounding lost; the
-  optimizer steps it, the result is rounded back into the weight and the new rounding error into the
-  buffer. Optimizer state tensors are stored in bf16 between steps.
+* `CompensatedWeights` (`bf16-true`): no persistent fp32 copy; the update works chunk by chunk on
+  fp32 values made from the bf16 weight plus a bf16 Kahan buffer holding what rounding lost.
 
 Both own their state (`state_dict()`, exact, bit for bit) and say what each weight stands for
 (`fp32_values()`), which is how checkpoints convert between presets.
@@ -16,35 +14,40 @@ Both own their state (`state_dict()`, exact, bit for bit) and say what each weig
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from ampkit.errors import PrecisionError, StepOrderError
-from ampkit.flat_buffer import EMPTY_FP32, FlatBuffer
-from ampkit.precision import Precision
+from ampkit.flat_buffer import EMPTY_FP32, Chunk, ChunkPlan, FlatBuffer
 
 
-def _grads(params: list[nn.Parameter]) -> tuple[list[int], list[torch.Tensor]]:
-    """Indices and gradients of the parameters that have one (an unused layer has none)."""
-    grads = [p.grad for p in params]
-    if all(g is not None for g in grads):
-        return list(range(len(params))), grads  # type: ignore[return-value]
-    kept = [i for i, g in enumerate(grads) if g is not None]
-    return kept, [grads[i] for i in kept]  # type: ignore[misc]
+def _fp32_grads(params: list[nn.Parameter], buffer: FlatBuffer) -> tuple[list[int], list[torch.Tensor]]:
+    """Copy the gradients the parameters have (an unused layer has none) into `buffer`: (indices, views)."""
+    kept = [i for i, p in enumerate(params) if p.grad is not None]
+    buffer.alloc()
+    views = [buffer.views[i] for i in kept]
+    if kept:
+        torch._foreach_copy_(views, [params[i].grad for i in kept])
+    return kept, views
 
 
 class MasterWeights:
     """Persistent fp32 master copies of low-precision parameters (the `*-master` presets).
 
-    The fp32 gradients the masters receive live in one flat buffer that exists only during the
-    step; copying gradients in and weights out are single foreach kernels.
+    Without loss scaling or clipping (`step`), the masters' fp32 gradients are made chunk by chunk
+    in a fixed workspace, each chunk stepped as it is made (a tensor cut in pieces is stepped as
+    views of its master and state, its per-step scalars advanced once). Otherwise (`grads_in`) they
+    live in one flat buffer that exists only during the step.
     """
 
-    def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]], free_step_buffers: bool = True) -> None:
+    def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]], optimizer: torch.optim.Optimizer,
+                 free_step_buffers: bool = True, chunk: int = 1 << 18) -> None:
         self.pairs = pairs  # (model parameter in bf16/fp16, its fp32 master)
+        self.optimizer, self.chunk = optimizer, chunk
+        self._plan: ChunkPlan | None = None
+        self._stepped = [False] * len(pairs)  # stepped once: the optimizer's state exists (pieces need it)
         self._params = [p for p, _ in pairs]
         self._masters = [m for _, m in pairs]
         self._grad = FlatBuffer(self._masters, torch.float32, free_step_buffers)
@@ -56,15 +59,54 @@ class MasterWeights:
 
     def grads_in(self) -> list[torch.Tensor]:
         """Give each master the fp32 copy of its model parameter's gradient; return those grads."""
-        kept, grads = _grads(self._params)
-        self._grad.alloc()
-        views = [self._grad.views[i] for i in kept] if len(kept) != len(self._params) else self._grad.views
-        if grads:
-            torch._foreach_copy_(views, grads)
-        present = set(kept) if len(kept) != len(self._params) else None
-        for i, master in enumerate(self._masters):
-            master.grad = self._grad.views[i] if present is None or i in present else None
+        kept, views = _fp32_grads(self._params, self._grad)
+        for i, view in zip(kept, views):
+            self._masters[i].grad = view
         return views
+
+    def step(self, step_fn: Callable[[], Any]) -> Any:
+        """Run the user's optimizer step, the masters' fp32 gradients made one chunk at a time."""
+        kept = [i for i, p in enumerate(self._params) if p.grad is not None]
+        if not kept or type(self.optimizer) not in ELEMENTWISE:
+            self.grads_in()
+            return step_fn()
+        state, split = self.optimizer.state, all(self._stepped[i] for i in kept)  # first steps: whole tensors
+        if self._plan is None or (self._plan.kept, self._plan.split) != (kept, split):
+            self._plan = ChunkPlan(self._params, self._masters, self.optimizer.param_groups, kept, self.chunk, split, {}, {}, True)
+        full = {i: (self._masters[i].data, dict(state[self._masters[i]])) for i in self._plan.cut}
+        scalars = {i: {k: v.clone() for k, v in entries.items() if isinstance(v, torch.Tensor) and not _per_element(k, v, data)}
+                   for i, (data, entries) in full.items()}
+        try:
+            return self._plan.run(step_fn, lambda chunk: self._load(chunk, full, scalars), lambda chunk: self._store(chunk, full))
+        finally:
+            for i, (data, entries) in full.items():  # the weights stepped in pieces get their whole tensors back
+                self._masters[i].grad, self._masters[i].data = None, data
+                state[self._masters[i]].update({k: v for k, v in entries.items() if _per_element(k, v, data)})
+            for i in kept:
+                self._stepped[i] = True
+
+    def _load(self, chunk: Chunk, full: dict[int, Any], scalars: dict[int, dict[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            torch._foreach_copy_(chunk.grad, [self._params[i].grad if whole else self._params[i].grad.reshape(-1)[s:e]
+                                              for (i, s, e), whole in zip(chunk.pieces, chunk.whole)])
+        for (i, s, e), whole, grad in zip(chunk.pieces, chunk.whole, chunk.grad):
+            master = self._masters[i]
+            if not whole:  # a piece: the master and its per-element state are views of the whole tensors
+                data, entries = full[i]
+                master.grad, master.data = None, data.view(-1)[s:e]
+                entry = self.optimizer.state[master]
+                entry.update({k: v.view(-1)[s:e] for k, v in entries.items() if _per_element(k, v, data)})
+                for key, value in scalars[i].items() if s > 0 else ():  # step counters etc. advance once per step
+                    entry[key].copy_(value)
+            master.grad = grad
+
+    def _store(self, chunk: Chunk, full: dict[int, Any]) -> None:
+        for (i, s, e), whole in zip(chunk.pieces, chunk.whole):
+            if not whole:
+                entry, (data, entries) = self.optimizer.state[self._masters[i]], full[i]
+                for key, value in entries.items():
+                    if _per_element(key, value, data) and entry[key].data_ptr() != value.view(-1)[s:e].data_ptr():
+                        value.view(-1)[s:e].copy_(entry[key])  # the optimizer replaced the tensor, not updated it
 
     def weights_out(self) -> None:
         """Round the (possibly updated) masters into the model's parameters."""
@@ -77,7 +119,6 @@ class MasterWeights:
         for master in self._masters:
             master.grad = None
         self._grad.free()
-
 
     # --- state ----------------------------------------------------------------------------------
     kind = "master"
@@ -116,16 +157,21 @@ class MasterWeights:
 class CompensatedWeights:
     """bf16 weights updated in fp32 with a bf16 Kahan buffer (the `bf16-true` preset).
 
-    Between steps this preset holds, per parameter, the bf16 weight, its bf16 compensation and the
-    optimizer's per-element state in bf16 (AdamW: 2 + 2 + 2 + 2 = 8 bytes). For the update only,
-    fp32 working copies of weights, gradients and state are made in flat buffers (a few kernels in
-    all), the user's optimizer steps them, and the results are rounded back.
+    Between steps: the bf16 weight, its bf16 compensation and the optimizer's per-element state in
+    bf16 (AdamW: 8 bytes per parameter). The update runs chunk by chunk in one fixed workspace, so
+    no full-size fp32 buffer ever exists: fp32 copies of a chunk's weights (+ compensation),
+    gradients and state are made, the user's optimizer steps them (its groups narrowed to the
+    chunk's stand-ins; per-step scalars such as Adam's `step` advance once per step), and the
+    results are rounded back, the new rounding error kept. Optimizers outside `ELEMENTWISE`, and a
+    weight's first step (the optimizer creates its state), step everything in one call and a
+    full-size workspace for that step; clipping (`grads_in`) makes full-size fp32 gradients.
     """
 
     def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]], optimizer: torch.optim.Optimizer,
-                 free_step_buffers: bool = True) -> None:
+                 free_step_buffers: bool = True, chunk: int = 1 << 18) -> None:
         self.pairs = pairs  # (model parameter in bf16, fp32 stand-in the optimizer steps; empty between steps)
         self.optimizer = optimizer
+        self.chunk = chunk  # elements per chunk of the update
         self._free = free_step_buffers
         self._params = [p for p, _ in pairs]
         self._shadows = [s for _, s in pairs]
@@ -133,84 +179,136 @@ class CompensatedWeights:
         self.compensation = self._comp.views  # what rounding each weight lost, in its own dtype
         with torch.no_grad():
             for (param, initial), comp in zip(pairs, self.compensation):
-                comp.copy_(initial - param.to(torch.float32))
-        self._work = FlatBuffer(self._params, torch.float32, self._free)  # fp32 weights during the step
-        self._grad = FlatBuffer(self._params, torch.float32, self._free)  # fp32 gradients during the step
-        self._round = FlatBuffer(self._params, self._comp.buffer.dtype, self._free)  # the updated weights, rounded
-        self._state: dict[str, _StateBuffers] = {}  # per-element optimizer state, by key
+                torch.sub(initial, param, out=comp)  # in fp32 (type promotion), no full-size temporaries
+        self._grad = FlatBuffer(self._params, torch.float32, self._free)  # fp32 gradients, only when clipping
+        self._grad.free()
+        self._grads_in = False
+        self._stepped = [False] * len(pairs)  # stepped once: the optimizer's state exists (chunking needs it)
+        self._state: dict[str, FlatBuffer] = {}  # per-element optimizer state in bf16, by key (indexed by weight)
         self._state_count = -1  # len(optimizer.state) when the state buffers were last built
-        self._kept: list[int] = []
+        self._plan: ChunkPlan | None = None
+        self._pointed = list(self._shadows)  # stand-ins pointed at fp32 tensors since the last release()
         self.release()
 
     @property
     def optimizer_params(self) -> Iterator[nn.Parameter]:
         return iter(self._shadows)
 
-    def grads_in(self) -> list[torch.Tensor]:
-        """Materialise fp32 weights (bf16 weight + compensation), gradients and state for the update."""
-        kept, grads = _grads(self._params)
-        self._kept = kept
-        every = len(kept) == len(self._params)
-        self._work.alloc()
-        self._grad.alloc()
-        work = self._work.views if every else [self._work.views[i] for i in kept]
-        grad_views = self._grad.views if every else [self._grad.views[i] for i in kept]
-        params = self._params if every else [self._params[i] for i in kept]
-        if grads:
-            with torch.no_grad():
-                torch._foreach_copy_(work, params)
-                self._work.buffer.add_(self._comp.buffer)  # flat: unfilled entries are unused garbage
-                torch._foreach_copy_(grad_views, grads)
-        for i in kept:
-            shadow = self._shadows[i]
-            shadow.data = self._work.views[i]
-            shadow.grad = self._grad.views[i]
-        for buffers in self._state.values():
-            buffers.to_fp32(self.optimizer.state)
-        return grad_views
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes of the fp32/bf16 workspace the chunked update keeps between steps (fixed: a few MB)."""
+        return self._plan.nbytes if self._plan is not None and self._plan.split else 0
 
-    def weights_out(self) -> None:
-        """Round the updated fp32 weights into bf16 and keep the rounding error (Kahan)."""
-        kept = self._kept
+    def grads_in(self) -> list[torch.Tensor]:
+        """Give the stand-ins fp32 gradients (for clipping); the step then uses them. Return them."""
+        kept, views = _fp32_grads(self._params, self._grad)
+        for i, view in zip(kept, views):
+            self._shadows[i].data = self._shadows[i].grad = view  # the stand-in carries only its gradient
+            self._pointed.append(self._shadows[i])
+        self._grads_in = True
+        return views
+
+    def step(self, step_fn: Callable[[], Any]) -> Any:
+        """Run the user's optimizer step over every weight with a gradient, chunk by chunk."""
+        kept = [i for i, p in enumerate(self._params) if p.grad is not None]
         if not kept:
-            return
-        every = len(kept) == len(self._params)
-        self._round.alloc()
-        with torch.no_grad():
-            # Round flat, copy same-dtype per tensor, and keep what rounding lost (flat again): the
-            # mixed-dtype arithmetic runs on whole buffers, never tensor by tensor.
-            self._round.buffer.copy_(self._work.buffer)
-            rounded = self._round.views if every else [self._round.views[i] for i in kept]
-            torch._foreach_copy_(self._params if every else [self._params[i] for i in kept], rounded)
-            self._work.buffer.sub_(self._round.buffer)
-            if every:
-                self._comp.buffer.copy_(self._work.buffer)
-            else:
-                torch._foreach_copy_([self.compensation[i] for i in kept], [self._work.views[i] for i in kept])
-        del rounded  # a list of the round buffer's views: it must not count as a holder in free()
-        self._round.free()
-        if len(self.optimizer.state) != self._state_count:
+            return step_fn()
+        # A weight's first step goes in whole tensors: the optimizer creates its state in their shapes.
+        single = type(self.optimizer) not in ELEMENTWISE
+        split = not single and all(self._stepped[i] for i in kept)
+        capacity = sum(self._comp.sizes[i] for i in kept) if single else self.chunk
+        if self._plan is None or (self._plan.kept, self._plan.split, self._plan.capacity) != (kept, split, capacity):
+            self._plan = ChunkPlan(self._params, self._shadows, self.optimizer.param_groups, kept, capacity, split,
+                                   self._comp.offsets, self._state)
+        plan, state = self._plan, self.optimizer.state
+        scalars = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state[self._shadows[i]].items()
+                       if not _per_element(k, v, self._params[i])} for i in plan.cut}
+        try:
+            result = plan.run(step_fn, lambda chunk: self._load(chunk, plan, scalars), lambda chunk: self._store(chunk, plan))
+        finally:
+            self.release()
+        for i in kept:
+            self._stepped[i] = True
+        if not plan.split and (self._free or type(self.optimizer) in ELEMENTWISE):
+            self._plan = None  # its workspace may be as large as a tensor, or all of them
+        if len(state) != self._state_count:
             self._build_state()  # the optimizer created state (its first step, or a new parameter's)
-        else:
-            for buffers in self._state.values():
-                buffers.to_low(self.optimizer.state)
+        return result
+
+    def _load(self, chunk: Chunk, plan: ChunkPlan, scalars: dict[int, dict[str, Any]]) -> None:
+        """fp32 working copies of the chunk's weights (+ compensation), gradients and state; point the stand-ins at them."""
+        state = self.optimizer.state
+        for i in chunk.resume:  # a weight stepped in pieces: its step counter etc. advance once
+            entry = state[self._shadows[i]]
+            entry.update({k: entry[k].copy_(v) if isinstance(v, torch.Tensor) else v for k, v in scalars[i].items()})
+        with torch.no_grad():
+            torch._foreach_copy_(chunk.work, chunk.targets)
+            for at, flat, n in chunk.comp_runs:
+                plan.work[at:at + n].add_(self._comp.buffer[flat:flat + n])
+            if self._grads_in:
+                grads = [self._grad.views[i] if whole else self._grad.buffer[self._comp.offsets[i] + s:self._comp.offsets[i] + e]
+                         for (i, s, e), whole in zip(chunk.pieces, chunk.whole)]
+            else:
+                grads = chunk.grad
+                torch._foreach_copy_(grads, [self._params[i].grad if whole else self._params[i].grad.reshape(-1)[s:e]
+                                             for (i, s, e), whole in zip(chunk.pieces, chunk.whole)])
+            for key, (_, key_runs, _) in chunk.state.items():
+                store, work = self._state[key].buffer, plan.state[key]
+                for at, flat, n in key_runs:
+                    work[at:at + n].copy_(store[flat:flat + n])
+        for (i, _, _), data, grad in zip(chunk.pieces, chunk.work, grads):
+            shadow = self._shadows[i]
+            shadow.data, shadow.grad = data, grad
+            self._pointed.append(shadow)
+        for key, (views, _, _) in chunk.state.items():
+            for (i, _, _), view in zip(chunk.pieces, views):
+                if view is not None:
+                    state[self._shadows[i]][key] = view
+
+    def _store(self, chunk: Chunk, plan: ChunkPlan) -> None:
+        """Round the chunk's updated weights into bf16, keep the rounding error, store the state in bf16."""
+        state = self.optimizer.state
+        with torch.no_grad():
+            for key, (views, key_runs, at_rest) in chunk.state.items():
+                for (i, _, _), view, rest in zip(chunk.pieces, views, at_rest):
+                    if view is not None:
+                        entry = state[self._shadows[i]]
+                        if entry[key] is not view:  # the optimizer replaced the tensor, not updated it
+                            view.copy_(entry[key])
+                        entry[key] = rest
+                store, work = self._state[key].buffer, plan.state[key]
+                for at, flat, length in key_runs:
+                    store[flat:flat + length].copy_(work[at:at + length])
+            # Round into the weights, and keep what rounding lost (computed in fp32, stored in bf16).
+            torch._foreach_copy_(chunk.targets, chunk.work)
+            torch._foreach_sub_(chunk.work, chunk.targets)
+            for at, flat, length in chunk.comp_runs:
+                self._comp.buffer[flat:flat + length].copy_(plan.work[at:at + length])
+            if not plan.split:  # state the optimizer just created: into bf16 now, not after the last chunk
+                for i, _, _ in chunk.pieces:
+                    entry = state[self._shadows[i]]
+                    for key, value in entry.items():
+                        if _per_element(key, value, self._params[i]) and value.dtype != self._comp.buffer.dtype:
+                            if key not in self._state:
+                                self._state[key] = FlatBuffer([self._params[j] for j in plan.kept], self._comp.buffer.dtype,
+                                                              releasable=False, indices=plan.kept)
+                            at_rest = self._state[key].by_index.get(i)
+                            if at_rest is not None:
+                                entry[key] = at_rest.copy_(value)
 
     def release(self) -> None:
-        """Free the fp32 working copies: between steps bf16-true holds no fp32 copy of anything."""
-        for shadow in self._shadows:
-            shadow.grad = None
-            shadow.data = EMPTY_FP32
-        self._kept = []
-        self._work.free()
-        self._grad.free()
-        self._round.free()
-        for buffers in self._state.values():
-            if buffers.active:  # a step unscaled the gradients but did not run: the state is unchanged
-                buffers.to_low(self.optimizer.state, copy=False)
+        """Between steps bf16-true holds no fp32 copy of anything (the stand-ins are empty)."""
+        for shadow in self._pointed:
+            shadow.grad, shadow.data = None, EMPTY_FP32
+        self._pointed = []
+        if self._grads_in:
+            self._grads_in = False
+            self._grad.free()
 
     def store_state_low(self) -> None:
         """Store per-element optimizer state in bf16 (after loading a state_dict, which casts it to fp32)."""
         self._state_count = -1
+        self._stepped = [bool(self.optimizer.state.get(s)) for s in self._shadows]
         self._build_state()
 
     def _build_state(self) -> None:
@@ -222,15 +320,20 @@ class CompensatedWeights:
             for key, value in state.get(shadow, {}).items():
                 if _per_element(key, value, param):
                     holders.setdefault(key, []).append(i)
-        self._state = {}
+        kept, self._state = self._state, {}
         for key, indices in holders.items():
-            shadows = [self._shadows[i] for i in indices]
-            buffers = _StateBuffers(key, shadows, [self._params[i] for i in indices], low, self._free)
+            store = kept.get(key)
+            if store is not None and store.indices == indices and all(state[self._shadows[i]][key] is v for i, v in zip(indices, store.views)):
+                self._state[key] = store  # already there (state moved into bf16 chunk by chunk)
+                continue
+            buffers = FlatBuffer([self._params[i] for i in indices], low, releasable=False, indices=indices)
             with torch.no_grad():
-                torch._foreach_copy_(buffers.store.views, [state[s][key] for s in shadows])
-            buffers.to_low(state, copy=False)
+                torch._foreach_copy_(buffers.views, [state[self._shadows[i]][key] for i in indices])
+            for i, view in zip(indices, buffers.views):
+                state[self._shadows[i]][key] = view
             self._state[key] = buffers
         self._state_count = len(state)
+        self._plan = None
 
     # --- state ----------------------------------------------------------------------------------
     kind = "compensated"
@@ -286,83 +389,12 @@ def _per_element(key: str, value: Any, param: torch.Tensor) -> bool:
     return key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == param.shape
 
 
-class _StateBuffers:
-    """One per-element optimizer state key (e.g. AdamW's exp_avg) of the bf16-true parameters that
-    have it: stored flat in bf16 between steps, worked on flat in fp32 during the step."""
-
-    def __init__(self, key: str, shadows: list[nn.Parameter], like: list[torch.Tensor], low: torch.dtype,
-                 free_step_buffers: bool) -> None:
-        self.key = key
-        self.shadows = shadows
-        self.store = FlatBuffer(like, low, releasable=False)
-        self.work = FlatBuffer(like, torch.float32, free_step_buffers)
-        self.active = False  # True while the optimizer's state points at the fp32 work buffer
-
-    def to_fp32(self, state: Any) -> None:
-        self.active = True
-        self.work.alloc()
-        self.work.buffer.copy_(self.store.buffer)
-        for shadow, view in zip(self.shadows, self.work.views):
-            state[shadow][self.key] = view
-
-    def to_low(self, state: Any, copy: bool = True) -> None:
-        if copy:
-            for shadow, view in zip(self.shadows, self.work.views):
-                if state[shadow][self.key] is not view:  # the optimizer replaced the tensor, not updated it
-                    view.copy_(state[shadow][self.key])
-            self.store.buffer.copy_(self.work.buffer)
-        for shadow, view in zip(self.shadows, self.store.views):
-            state[shadow][self.key] = view
-        del view  # the loop variable must not count as a holder of the work buffer in free()
-        self.work.free()
-        self.active = False
-
+#: Optimizers whose update is elementwise and per parameter, so that stepping the weights in chunks
+#: (pieces of a tensor in separate calls, per-step scalars restored) is exactly one step. These
+#: classes exactly: a subclass may step differently.
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+               torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adadelta, torch.optim.Rprop, torch.optim.ASGD)
 
 
 #: What the prepared optimizer keeps for a low-precision-weight preset.
 LowPrecisionWeights = MasterWeights | CompensatedWeights
-
-
-def stand_in_weights(optimizer: torch.optim.Optimizer, policy: Precision, prepared: set[int],
-                     originals: dict[nn.Parameter, torch.Tensor], free_step_buffers: bool,
-                     ) -> tuple[LowPrecisionWeights | None, list[nn.Parameter]]:
-    """Point `optimizer` at fp32 parameters standing in for the model's low-precision ones.
-
-    `prepared`: ids of the prepared models' parameters; `originals`: their exact fp32 initial values
-    (taken, not copied). Returns the weight store and the parameters whose original was taken.
-    """
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    low = [p for p in params if p.is_floating_point() and p.dtype != torch.float32]
-    if any(id(p) not in prepared for p in low):
-        raise StepOrderError(
-            f"precision {policy.name!r}: prepare the model together with (or before) its optimizer, "
-            f"e.g. model, optimizer = acc.prepare(model, optimizer)"
-        )
-    if optimizer.state:
-        raise StepOrderError(
-            f"precision {policy.name!r}: the optimizer already has state; prepare it before its first step "
-            f"(load its state_dict after prepare)"
-        )
-    devices = sorted({str(p.device) for p in low})
-    if len(devices) > 1:  # the update's flat fp32 buffers live on one device
-        raise PrecisionError(
-            f"precision {policy.name!r} keeps its fp32 update buffers on one device, but this optimizer's "
-            f"parameters are on {', '.join(devices)}: use one optimizer per device, or precision='bf16-mixed'"
-        )
-    pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
-    stand_in: dict[int, nn.Parameter] = {}
-    taken = []
-    for p in low:
-        init = originals.get(p)
-        if init is None:  # a weight already low-precision before prepare: its value is all there is
-            init = p.detach().to(torch.float32)
-        else:
-            taken.append(p)
-        fp32 = nn.Parameter(init, requires_grad=p.requires_grad)
-        pairs.append((p, fp32))
-        stand_in[id(p)] = fp32
-    for group in optimizer.param_groups:
-        group["params"] = [stand_in.get(id(p), p) for p in group["params"]]
-    if policy.master_weights:
-        return MasterWeights(pairs, free_step_buffers), taken
-    return CompensatedWeights(pairs, optimizer, free_step_buffers), taken

@@ -143,7 +143,7 @@ def prepare_module(
                     continue
                 for param in module.parameters(recurse=False):
                     if param.is_floating_point() and param.dtype != policy.param_dtype:
-                        originals[param] = param.detach().to(torch.float32, copy=True)
+                        originals[param] = param.detach().to(torch.float32)  # its storage: the parameter gets a new one
                         param.data = param.data.to(policy.param_dtype)
                 for buf in module.buffers(recurse=False):
                     if buf.is_floating_point():

@@ -18,7 +18,7 @@ from torch import nn
 from ampkit.distributed import agree_on_overflow
 from ampkit.errors import LossScaleCollapse, StepOrderError
 from ampkit.events import Listener
-from ampkit.lowp_weights import CompensatedWeights, LowPrecisionWeights
+from ampkit.lowp_weights import CompensatedWeights, LowPrecisionWeights, MasterWeights
 from ampkit.outcomes import StepOutcomes
 
 if TYPE_CHECKING:
@@ -218,11 +218,15 @@ class AmpOptimizer(torch.optim.Optimizer):
         return result
 
     def _update(self) -> Any:
-        self.unscale_()
-        result = None
         scaler = self._acc.scaler
+        # bf16-true always, bf16-master unclipped: the chunked update reads the model's gradients itself
+        chunked = isinstance(self.weights, CompensatedWeights) or (
+            self.weights is not None and scaler is None and self._stage is Stage.BACKWARD)
+        if not chunked or self._stage is not Stage.BACKWARD:
+            self.unscale_()
+        result = None
         if scaler is None:
-            result = self.optimizer.step()
+            result = self.weights.step(self.optimizer.step) if chunked else self.optimizer.step()  # type: ignore[union-attr]
         else:
             found_inf = self._found_inf
             assert found_inf is not None
@@ -238,7 +242,7 @@ class AmpOptimizer(torch.optim.Optimizer):
             self._acc.cycle.owe_scale_update(found_inf)
             assert self._outcomes is not None
             self._outcomes.record(found_inf, scaler.scale_tensor)
-        if self.weights is not None:
+        if isinstance(self.weights, MasterWeights):
             self.weights.weights_out()
             self.weights.release()
         self._stage = Stage.STEPPED

@@ -19,11 +19,11 @@ from torch.utils.data import DataLoader
 from ampkit.compiler import CompiledForward
 from ampkit.data import DeviceLoader
 from ampkit.distributed import shard_loader, wrap_ddp, wrap_fsdp
-from ampkit.errors import StepOrderError
-from ampkit.lowp_weights import LowPrecisionWeights, stand_in_weights
+from ampkit.errors import PrecisionError, StepOrderError
+from ampkit.lowp_weights import CompensatedWeights, LowPrecisionWeights, MasterWeights
 from ampkit.module import prepare_module
 from ampkit.optim import AmpOptimizer
-from ampkit.precision import dtype_name
+from ampkit.precision import Precision, dtype_name
 from ampkit.scheduler import AmpScheduler
 
 if TYPE_CHECKING:
@@ -229,3 +229,48 @@ class Prepared:
             f"prepare() got the scheduler {scheduler.__class__.__name__} before its optimizer: "
             f"prepare the optimizer in the same call or earlier"
         )
+
+
+def stand_in_weights(optimizer: torch.optim.Optimizer, policy: Precision, prepared: set[int],
+                     originals: dict[nn.Parameter, torch.Tensor], free_step_buffers: bool,
+                     ) -> tuple[LowPrecisionWeights | None, list[nn.Parameter]]:
+    """Point `optimizer` at fp32 parameters standing in for the model's low-precision ones.
+
+    `prepared`: ids of the prepared models' parameters; `originals`: their exact fp32 initial values
+    (taken, not copied). Returns the weight store and the parameters whose original was taken.
+    """
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    low = [p for p in params if p.is_floating_point() and p.dtype != torch.float32]
+    if any(id(p) not in prepared for p in low):
+        raise StepOrderError(
+            f"precision {policy.name!r}: prepare the model together with (or before) its optimizer, "
+            f"e.g. model, optimizer = acc.prepare(model, optimizer)"
+        )
+    if optimizer.state:
+        raise StepOrderError(
+            f"precision {policy.name!r}: the optimizer already has state; prepare it before its first step "
+            f"(load its state_dict after prepare)"
+        )
+    devices = sorted({str(p.device) for p in low})
+    if len(devices) > 1:  # the update's flat fp32 buffers live on one device
+        raise PrecisionError(
+            f"precision {policy.name!r} keeps its fp32 update buffers on one device, but this optimizer's "
+            f"parameters are on {', '.join(devices)}: use one optimizer per device, or precision='bf16-mixed'"
+        )
+    pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+    stand_in: dict[int, nn.Parameter] = {}
+    taken = []
+    for p in low:
+        init = originals.get(p)
+        if init is None:  # a weight already low-precision before prepare: its value is all there is
+            init = p.detach().to(torch.float32)
+        else:
+            taken.append(p)
+        fp32 = nn.Parameter(init, requires_grad=p.requires_grad)
+        pairs.append((p, fp32))
+        stand_in[id(p)] = fp32
+    for group in optimizer.param_groups:
+        group["params"] = [stand_in.get(id(p), p) for p in group["params"]]
+    if policy.master_weights:
+        return MasterWeights(pairs, optimizer, free_step_buffers), taken
+    return CompensatedWeights(pairs, optimizer, free_step_buffers), taken
