@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,12 +18,22 @@ from conftest import assert_bitwise_equal
 from ddp_run import B, data, make_optimizer, model
 
 SCRIPT = Path(__file__).with_name("ddp_run.py")
+_GLOO_ABORT = "terminate called without an active exception"
 
 
 def torchrun(mode: str, out: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *extra, str(SCRIPT), mode, str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, **(env or {})})
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})}  # a C++ abort shows its Python stack
+    start = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    done = all((out / f"rank{r}.pt").exists() and (out / f"rank{r}.pt").stat().st_mtime >= start for r in range(2))
+    if proc.returncode != 0 and done and _GLOO_ABORT in proc.stderr:
+        # Both ranks finished and wrote their results; one then aborted while the interpreter tore
+        # down gloo's threads ("terminate called without an active exception"). Rare, seen on the
+        # untouched code too, and after everything the test checks: keep the log, judge the results.
+        (out / "torchrun-teardown-abort.log").write_text(proc.stdout + proc.stderr)
+        return proc
     if proc.returncode != 0:
         (out / "torchrun.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
