@@ -112,6 +112,8 @@ def test_killed_at_random_moments_then_resumed_equals_the_uninterrupted_run(tmp_
     under fp16-mixed an overflow makes one skipped step on the way.
     """
     every, options = 2, {"loader": "plain"}
+    if kills > 2:
+        options["epochs"] = 10  # room for every kill: each lands a few steps past its target
     if precision == "fp16-mixed":
         options["inject_at"] = 9
     full_losses, full_weights, full_acc = train(precision, 1, **options)
@@ -119,9 +121,12 @@ def test_killed_at_random_moments_then_resumed_equals_the_uninterrupted_run(tmp_
     ckpt, log = tmp_path / "ckpts", tmp_path / "log.txt"
     rng = random.Random(f"{precision}-{kills}")
     targets = sorted(rng.randrange(1, total - 6) for _ in range(kills))  # kill soon after these micro-steps
-    mid_save = 0
+    mid_save = landed = 0
     for target in targets:
-        seen = len(_logged(log, strict=False))
+        logged_so_far = _logged(log, strict=False)
+        if logged_so_far and max(i for i, _ in logged_so_far) >= total - 8:
+            break  # a kill may land a few steps past its target: too near the end for another to land inside the run
+        seen = len(logged_so_far)
         proc = start_fresh(precision=precision, ckpt=str(ckpt), every=every, log=str(log), sleep=0.01, **options)
         deadline = time.time() + 120
         while time.time() < deadline and proc.is_alive() and not any(i >= target for i, _ in _logged(log, strict=False)[seen:]):
@@ -130,6 +135,7 @@ def test_killed_at_random_moments_then_resumed_equals_the_uninterrupted_run(tmp_
         proc.kill()
         proc.join()
         assert proc.exitcode == -signal.SIGKILL, f"the run ended before it was killed (exit code {proc.exitcode}: see its traceback)"
+        landed += 1
         lines = _log_lines(log)
         mid_save += bool(lines) and lines[-1].startswith("save ")  # killed between "save n" and "saved n"
     rest = resume_in_fresh_process(tmp_path, precision, 1, ckpt, every=every, log=log, **options)
@@ -142,7 +148,8 @@ def test_killed_at_random_moments_then_resumed_equals_the_uninterrupted_run(tmp_
     assert rest["losses"] == full_losses[resumed_from:]
     assert_bitwise_equal(rest["weights"], full_weights)
     assert (rest["applied"], rest["skipped"], rest["scale"]) == (full_acc.state.applied_steps, full_acc.state.skipped_steps, full_acc.state.scale)
-    assert kills < 20 or mid_save > 0, f"none of {kills} kills landed inside a save"
+    assert landed >= max(1, kills // 2), f"only {landed} of {kills} kills landed inside the run"
+    assert kills < 20 or mid_save > 0, f"none of {landed} kills landed inside a save"
 
 
 def _tiny(precision: str = "fp32"):
