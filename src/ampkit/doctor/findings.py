@@ -325,7 +325,7 @@ def syncs(result: dict[str, Any], ctx: Context) -> list[Finding]:
                       + ", ".join(f"{where(s['file'], s['line'])} {occasional_rate(s, section['watched_steps'])}"
                                   for s in occasional[:4])),
             fix=("nothing per step; each time it runs it waits for the device once per read: gather the values "
-                 "on the device and read them once (torch.stack(values).tolist())"), saved_s=0.0, saved_on_gpu_s=0.0))
+                 "on the device and read them once (torch.stack(values), then one tolist call)"), saved_s=0.0, saved_on_gpu_s=0.0))
     if not sites or total <= 0:
         return out
     for site in sites[:3]:
