@@ -178,10 +178,9 @@ class Accelerator:
         self._prepared.check_backward()
         if self.events:
             self.events.emit(Listener.on_backward_start, self, loss)
-        finite = None
         loss = self.cycle.micro_loss(loss)
+        unscaled = loss.detach()  # kept by the optimizers, looked at only to explain a loss-scale collapse
         if self.scaler is not None:
-            finite = torch.isfinite(loss.detach()).all()  # a device flag, read only to explain a collapse
             self.cycle.flush_scale_update()
             loss = self.scaler.scale(loss)
         stats = self.compile_stats
@@ -192,7 +191,7 @@ class Accelerator:
             stats.first_backward_s = time.perf_counter() - start
         self.cycle.advance()
         for opt in self._prepared.optimizers:
-            opt.on_backward(finite)
+            opt.on_backward(unscaled)
         if self.events:
             self.events.emit(Listener.on_backward_end, self)
 

@@ -52,7 +52,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         self._acc = acc
         self._stage = Stage.READY
         self._found_inf: torch.Tensor | None = None
-        self._loss_finite: torch.Tensor | None = None  # the latest loss was finite (device flag, fp16 only)
+        self._last_loss: torch.Tensor | None = None  # the latest loss before scaling (explains a collapse)
         # fused Adam/AdamW/SGD take found_inf and skip on the device; others need one host read.
         self._skips_on_device = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         self._outcomes = StepOutcomes(acc.device) if acc.scaler is not None else None
@@ -282,11 +282,10 @@ class AmpOptimizer(torch.optim.Optimizer):
                 "optimizer step: clip once, after the last backward and right before optimizer.step()"
             )
 
-    def on_backward(self, loss_finite: torch.Tensor | None = None) -> None:
-        """A backward completed: the gradients are ready for this step (`loss_finite`: a device flag)."""
+    def on_backward(self, loss: torch.Tensor | None = None) -> None:
+        """A backward completed: the gradients are ready for this step (`loss`: it, detached, unscaled)."""
         self._stage = Stage.BACKWARD
-        if loss_finite is not None:
-            self._loss_finite = loss_finite
+        self._last_loss = loss
 
     # --- outcomes -----------------------------------------------------------------------------
     def watch_outcomes(self, callback: Callable[[int, bool], None]) -> None:
@@ -329,7 +328,7 @@ class AmpOptimizer(torch.optim.Optimizer):
     def _collapse_message(self, min_scale: float) -> str:
         counts = (f"{self._overflows_at_min} optimizer steps in a row overflowed at the minimum scale {min_scale:g} "
                   f"({self.skipped_steps} of {self.attempted_steps} steps skipped in all")
-        if self._loss_finite is not None and not bool(self._loss_finite):  # sync: once, when raising
+        if self._last_loss is not None and not bool(torch.isfinite(self._last_loss).all()):  # sync: once, when raising
             return (
                 f"loss scale collapsed: {counts}), and the loss itself is NaN or inf before any scaling, which loss "
                 f"scaling cannot help. The forward pass produced it: either the data or the model makes NaN in any "

@@ -50,6 +50,8 @@ class Prepared:
         self.schedulers: list[AmpScheduler] = []
         self.loaders: list[DeviceLoader] = []
         self.fsdp_params: dict[int, nn.Parameter] = {}
+        self._clip_key: tuple[Any, ...] | None = None
+        self._clip_params: list[nn.Parameter] = []
 
     def prepare(self, *objs: Any) -> Any:
         kinds = [self._kind(obj, i) for i, obj in enumerate(objs)]
@@ -163,24 +165,28 @@ class Prepared:
             raise StepOrderError("acc.clip_grad_norm_() was called before acc.backward(loss)")
         if not cycle.at_end:
             return None
-        order: dict[int, int] = {}
-        for model in self.models:
-            for p in model.parameters():
-                order.setdefault(id(p), len(order))
-        if not self.optimizers:  # fp32 / bf16-mixed: the gradients are the models' own, unscaled
-            params = [p for model in self.models for p in model.parameters() if p.grad is not None]
-        else:
-            stands: dict[int, nn.Parameter] = {}  # an fp32 stand-in -> the model parameter it updates
-            params = []
-            for opt in self.optimizers:
-                opt.unscale_()
-                stands.update((id(stand), p) for p, stand in (opt.weights.pairs if opt.weights is not None else []))
-                params.extend(p for g in opt.param_groups for p in g["params"] if p.grad is not None)
-            # The order of model.parameters(), as a hand-written clip_grad_norm_(model.parameters())
-            # sums the norm: a different order rounds differently.
-            params.sort(key=lambda p: order.get(id(stands.get(id(p), p)), len(order)))
-        params = list({id(p): p for p in params}.values())
+        for opt in self.optimizers:
+            opt.unscale_()
+        params = [p for p in self._clip_order() if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=True)
+
+    def _clip_order(self) -> list[nn.Parameter]:
+        """What `clip_grad_norm_` sums over, in `model.parameters()` order as a hand-written clip sums the
+        norm (another order rounds differently); built again only when the prepared parameters change."""
+        key = (len(self.models), tuple(len(g["params"]) for opt in self.optimizers for g in opt.param_groups))
+        if self._clip_key != key:
+            order: dict[int, int] = {}
+            for model in self.models:
+                for p in model.parameters():
+                    order.setdefault(id(p), len(order))
+            if not self.optimizers:  # fp32 / bf16-mixed: the gradients are the models' own, unscaled
+                params = [p for model in self.models for p in model.parameters()]
+            else:
+                stands = {id(stand): p for opt in self.optimizers if opt.weights is not None for p, stand in opt.weights.pairs}
+                params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
+                params.sort(key=lambda p: order.get(id(stands.get(id(p), p)), len(order)))
+            self._clip_params, self._clip_key = list({id(p): p for p in params}.values()), key
+        return self._clip_params
 
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AmpOptimizer:
         weights = None
