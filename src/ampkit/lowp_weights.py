@@ -33,7 +33,41 @@ def _fp32_grads(params: list[nn.Parameter], buffer: FlatBuffer) -> tuple[list[in
     return kept, views
 
 
-class MasterWeights:
+class ExactState:
+    """`state_dict()` of a weight store: the tensors `exact_state()` names, by position, bit for bit
+    (loaded after the model's own weights)."""
+
+    kind: str
+
+    def exact_state(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "values": [t.detach() for t in self.exact_state()]}
+
+    def check_state_dict(self, state: Any) -> str | None:
+        kind, like = self.kind, self.exact_state()
+        if not isinstance(state, dict) or state.get("kind") != kind:
+            got = state.get("kind") if isinstance(state, dict) else type(state).__name__
+            return f"it holds {got!r} low-precision-weight state, this optimizer keeps {kind!r}"
+        values = state.get("values")
+        if not isinstance(values, list) or len(values) != len(like):
+            return f"it holds {len(values) if isinstance(values, list) else '?'} {kind} tensors, this optimizer has {len(like)}"
+        for i, (v, t) in enumerate(zip(values, like)):
+            if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(t.shape) or v.dtype != t.dtype:
+                return f"{kind} tensor {i} is {getattr(v, 'dtype', '?')} {tuple(getattr(v, 'shape', ()))}, expected {t.dtype} {tuple(t.shape)}"
+        return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        problem = self.check_state_dict(state)
+        if problem is not None:
+            raise ValueError(problem)
+        targets = self.exact_state()
+        with torch.no_grad():
+            torch._foreach_copy_(targets, [v.to(t.device) for v, t in zip(state["values"], targets)])
+
+
+class MasterWeights(ExactState):
     """Persistent fp32 master copies of low-precision parameters (the `*-master` presets).
 
     Without loss scaling or clipping (`step`), the masters' fp32 gradients are made chunk by chunk
@@ -139,22 +173,12 @@ class MasterWeights:
                     master.copy_(values[p].to(master.device, torch.float32))
                     p.copy_(master)
 
-    def state_dict(self) -> dict[str, Any]:
-        """The fp32 masters, exactly (by position)."""
-        return {"kind": "master", "values": [m.detach() for m in self._masters]}
-
-    def check_state_dict(self, state: dict[str, Any]) -> str | None:
-        return _check_values(state, "master", self._masters)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        problem = self.check_state_dict(state)
-        if problem is not None:
-            raise ValueError(problem)
-        with torch.no_grad():
-            torch._foreach_copy_(self._masters, [v.to(m.device) for v, m in zip(state["values"], self._masters)])
+    def exact_state(self) -> list[torch.Tensor]:
+        """The fp32 masters: with the model's weights, the whole state (`ExactState`)."""
+        return self._masters
 
 
-class CompensatedWeights:
+class CompensatedWeights(ExactState):
     """bf16 weights updated in fp32 with a bf16 Kahan buffer (the `bf16-true` preset).
 
     Between steps: the bf16 weight, its bf16 compensation and the optimizer's per-element state in
@@ -355,33 +379,9 @@ class CompensatedWeights:
                     p.copy_(value)
                     comp.copy_(value - p.float())
 
-    def state_dict(self) -> dict[str, Any]:
-        """The Kahan compensation buffers, exactly (the weights themselves are the model's)."""
-        return {"kind": "compensated", "values": [c.detach() for c in self.compensation]}
-
-    def check_state_dict(self, state: dict[str, Any]) -> str | None:
-        return _check_values(state, "compensated", self.compensation)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load the buffers bit for bit (call after the model's own weights are loaded)."""
-        problem = self.check_state_dict(state)
-        if problem is not None:
-            raise ValueError(problem)
-        with torch.no_grad():
-            torch._foreach_copy_(self.compensation, [v.to(c.device) for v, c in zip(state["values"], self.compensation)])
-
-
-def _check_values(state: Any, kind: str, like: list[torch.Tensor]) -> str | None:
-    if not isinstance(state, dict) or state.get("kind") != kind:
-        got = state.get("kind") if isinstance(state, dict) else type(state).__name__
-        return f"it holds {got!r} low-precision-weight state, this optimizer keeps {kind!r}"
-    values = state.get("values")
-    if not isinstance(values, list) or len(values) != len(like):
-        return f"it holds {len(values) if isinstance(values, list) else '?'} {kind} tensors, this optimizer has {len(like)}"
-    for i, (v, t) in enumerate(zip(values, like)):
-        if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(t.shape) or v.dtype != t.dtype:
-            return f"{kind} tensor {i} is {getattr(v, 'dtype', '?')} {tuple(getattr(v, 'shape', ()))}, expected {t.dtype} {tuple(t.shape)}"
-    return None
+    def exact_state(self) -> list[torch.Tensor]:
+        """The Kahan buffers: with the model's bf16 weights, the whole state (`ExactState`)."""
+        return self.compensation
 
 
 def _per_element(key: str, value: Any, param: torch.Tensor) -> bool:
