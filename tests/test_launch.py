@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import make_loader, make_model
 
 import ampkit
 from ampkit.cli import main
 from ampkit.launch import ENV, launch_settings, read_env
-from conftest import make_loader, make_model
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -82,13 +82,14 @@ def script(tmp_path: Path) -> Path:
 @pytest.fixture
 def no_env(monkeypatch):
     for var in ENV.values():
-        monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv(var, "")  # recorded, so that what a test sets is undone after it
+        monkeypatch.delenv(var)
     return monkeypatch
 
 
 def ampkit_cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "ampkit.cli", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "ampkit.cli", *args], check=False, capture_output=True, text=True, env=env,
                           timeout=300)
 
 
@@ -189,6 +190,8 @@ def test_run_refuses_bad_input_in_one_line_and_keeps_the_scripts_own_exit(tmp_pa
         (["run", "--precision", "fp12", __file__], "ampkit run: --precision 'fp12': unknown precision; choose one of: fp32"),
         (["compare", str(tmp_path / "missing.py")], "ampkit compare: script "),
         (["compare", __file__, "--precisions", "fp32,fp12"], "ampkit compare: unknown precision(s) ['fp12']"),
+        (["compare", __file__, "--steps", "0"], "ampkit compare: --steps 0: expected an integer >= 1"),
+        (["compare", "--nproc", "2", __file__], "ampkit compare: --nproc is for the built-in tasks"),
     ):
         assert main(argv) == 2
         err = capfd.readouterr().err
@@ -245,3 +248,42 @@ def test_compare_says_when_a_script_creates_no_accelerator(tmp_path):
     (run,) = json.loads((out / "report.json").read_text())["runs"]
     assert run["status"] == "failed"
     assert run["reason"].startswith(f"{plain} stepped a SGD before creating an ampkit.Accelerator")
+
+
+UNSEEDED = '''
+import torch, torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+import ampkit
+acc = ampkit.Accelerator(device="cpu")
+model = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.randn(64, 4)
+model, opt, loader = acc.prepare(model, opt, DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=8))
+for epoch in range(1000):  # far past the limit: the first metric after it ends the run
+    for xb, yb in loader:
+        acc.backward(F.cross_entropy(model(xb), yb))
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        acc.report_metric("val_loss", sum(F.cross_entropy(model(xb), yb) for xb, yb in loader) / len(loader),
+                          higher_is_better=False)
+'''
+
+
+def test_a_script_run_stops_at_its_first_metric_after_the_limit_and_says_it_does_not_seed(tmp_path, no_env):
+    from ampkit.compare.script import ScriptProblem, ScriptSpec, measure_script
+
+    path = tmp_path / "unseeded.py"
+    path.write_text(UNSEEDED)
+    no_env.setattr(sys, "argv", list(sys.argv))
+    no_env.setattr(sys, "path", list(sys.path))
+    steps = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the launch settings' notice
+        run, directions = measure_script(ScriptSpec(str(path), (), "fp32", 11, 0, ""), steps.append)
+    assert (run.steps, len(run.loss_curve), steps[-1]) == (11, 11, 11)
+    assert directions == {"val_loss": False} and 0 < run.eval["val_loss"] < 2
+    assert "the script does not seed torch itself" in run.reason and run.samples_per_s > 0
+    path.write_text(UNSEEDED.replace('Accelerator(device="cpu")', 'Accelerator("fp32", device="cpu")'))
+    with pytest.raises(ScriptProblem, match=r"passes precision='fp32' to ampkit.Accelerator, so the comparison cannot"):
+        measure_script(ScriptSpec(str(path), (), "bf16-mixed", 11, 0, ""), steps.append)
