@@ -7,8 +7,10 @@ claims are the GPU tests at the end, skipped without a CUDA device of compute ca
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
+from pathlib import Path
 import warnings
 
 import pytest
@@ -29,9 +31,9 @@ T, B = 16, 16  # context and batch of the CPU runs: bf16 has no instructions on 
 EMULATED = dict(device="cpu", fp8_emulate=True, fp8_min_weight=0)  # every layer the rest of the rule allows
 
 
-def lm(seed: int = 0, d_model: int = 32, block: int = T, n_layers: int = 2) -> nn.Module:
+def lm(seed: int = 0, d_model: int = 32, block: int = T, n_layers: int = 2, n_heads: int = 2) -> nn.Module:
     torch.manual_seed(seed)
-    return tiny_lm.TinyLM(vocab=256, block=block, d_model=d_model, n_heads=2, n_layers=n_layers)
+    return tiny_lm.TinyLM(vocab=256, block=block, d_model=d_model, n_heads=n_heads, n_layers=n_layers)
 
 
 def batches(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -182,6 +184,38 @@ def test_checkpoint_round_trips_fp8_mixed_to_bf16_mixed_and_back(tmp_path, one_t
     assert all(torch.isfinite(torch.tensor(run(acc, model, opt, data[:2]))))
 
 
+DDP_SCRIPT = """
+import sys, torch, torch.nn.functional as F, ampkit
+sys.path.insert(0, sys.argv[2])
+from test_fp8 import EMULATED, batches, lm
+acc = ampkit.Accelerator("fp8-mixed", grad_accum_steps=2, divide_loss=True, **EMULATED)
+model = lm()
+model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+losses = []
+for x, y in batches(16, seed=acc.rank):  # each rank its own data
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    acc.backward(loss)
+    acc.clip_grad_norm_(1.0)
+    opt.step(); opt.zero_grad(); losses.append(float(loss))  # sync: test script
+torch.save({"weights": [p.detach() for p in acc.unwrap(model).parameters()], "losses": losses, "reason": acc.policy.reason},
+           f"{sys.argv[1]}/rank{acc.rank}.pt")
+"""
+
+
+@pytest.mark.slow
+def test_ddp_two_cpu_ranks_train_fp8_replicas_in_step(tmp_path):
+    script = tmp_path / "fp8_ddp.py"
+    script.write_text(DDP_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), str(tmp_path),
+           str(Path(__file__).parent)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
+    assert_bitwise_equal(r0["weights"], r1["weights"])  # the all-reduced fp8 gradients keep the replicas identical
+    assert r0["losses"] != r1["losses"] and sum(r0["losses"][-4:]) < sum(r0["losses"][:4]) - 0.2
+    assert "7 of 9 Linear layers run in fp8" in r0["reason"]
+
+
 # --- bad input ------------------------------------------------------------------------------------
 def test_without_torchao_the_preset_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", None)  # what `import torchao` meets where it is not installed
@@ -192,6 +226,19 @@ def test_without_torchao_the_preset_names_the_extra(monkeypatch):
 def test_fp8_on_a_cpu_without_emulation_says_why_and_what_works():
     with pytest.raises(PrecisionError, match=r"no fp8 matmul for CPU.*compute capability 8\.9.*fp8_emulate=True"):
         ampkit.Accelerator("fp8-mixed", device="cpu")
+
+
+@pytest.mark.parametrize("cc,problem", [
+    ((8, 0), "NVIDIA compute capability 8.0 (Ampere): no fp8 Tensor Cores (first in Ada Lovelace, 8.9); fp8 matmuls need"),
+    ((8, 7), "NVIDIA compute capability 8.7 (Ampere, Jetson Orin): no fp8 Tensor Cores"),
+    ((8, 9), None), ((9, 0), None), ((12, 0), None), ((13, 0), None),  # a newer GPU than the table keeps fp8
+])
+def test_which_nvidia_gpus_run_fp8(monkeypatch, cc, problem):
+    from ampkit.precision import fp8_problem
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc)
+    found = fp8_problem(torch.device("cuda"))
+    assert found == problem if problem is None else found.startswith(problem), found
+    assert fp8_problem(torch.device("cuda"), emulate=True) is None
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
@@ -220,7 +267,7 @@ fp8_gpu = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_dev
 
 def _tokens_per_s(precision: str, d_model: int, n_layers: int, batch: int, block: int, steps: int = 20, **kw) -> float:
     acc = ampkit.Accelerator(precision, device="cuda", compile=True, **kw)
-    model = lm(d_model=d_model, block=block, n_layers=n_layers)
+    model = lm(d_model=d_model, block=block, n_layers=n_layers, n_heads=d_model // 128)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     model, opt = acc.prepare(model, opt)
     x = torch.randint(0, 256, (batch, block), device="cuda")
@@ -263,6 +310,7 @@ def test_fp8_uncompiled_on_a_gpu_warns():
     acc = ampkit.Accelerator("fp8-mixed", device="cuda", fp8_min_weight=0)
     with pytest.warns(UserWarning, match="without compile=True"):
         acc.prepare(lm())
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with warnings.catch_warnings(record=True) as caught:  # emulation is for tests: no speed to lose
+        warnings.simplefilter("always")
         ampkit.Accelerator("fp8-mixed", device="cuda", fp8_emulate=True, fp8_min_weight=0).prepare(lm())
+    assert not [w for w in caught if "without compile=True" in str(w.message)]
