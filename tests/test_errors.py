@@ -12,7 +12,7 @@ from conftest import make_loader, make_model
 
 
 def test_unknown_preset_lists_the_valid_ones():
-    with pytest.raises(ampkit.PrecisionError, match=r"unknown precision 'fp8'; choose one of: fp32, bf16-mixed, fp16-mixed, fp16-master, bf16-master, bf16-true, auto"):
+    with pytest.raises(ampkit.PrecisionError, match=r"unknown precision 'fp8'; choose one of: fp32, bf16-mixed, fp16-mixed, fp16-master, bf16-master, bf16-true, fp8-mixed, auto"):
         ampkit.Accelerator(precision="fp8", device="cpu")
 
 

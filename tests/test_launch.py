@@ -281,9 +281,9 @@ def test_a_script_run_stops_at_its_first_metric_after_the_limit_and_says_it_does
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the launch settings' notice
         run, directions = measure_script(ScriptSpec(str(path), (), "fp32", 11, 0, ""), steps.append)
+        path.write_text(UNSEEDED.replace('Accelerator(device="cpu")', 'Accelerator("fp32", device="cpu")'))
+        with pytest.raises(ScriptProblem, match=r"passes precision='fp32' to ampkit.Accelerator, so the comparison"):
+            measure_script(ScriptSpec(str(path), (), "bf16-mixed", 11, 0, ""), steps.append)
     assert (run.steps, len(run.loss_curve), steps[-1]) == (11, 11, 11)
     assert directions == {"val_loss": False} and 0 < run.eval["val_loss"] < 2
     assert "the script does not seed torch itself" in run.reason and run.samples_per_s > 0
-    path.write_text(UNSEEDED.replace('Accelerator(device="cpu")', 'Accelerator("fp32", device="cpu")'))
-    with pytest.raises(ScriptProblem, match=r"passes precision='fp32' to ampkit.Accelerator, so the comparison cannot"):
-        measure_script(ScriptSpec(str(path), (), "bf16-mixed", 11, 0, ""), steps.append)

@@ -33,6 +33,7 @@ from ampkit.data import DeviceLoader
 from ampkit.distributed import FSDP_PRESETS, DistributedContext, barrier, gather_objects, sum_across_ranks
 from ampkit.errors import PrecisionError, StepOrderError
 from ampkit.events import Events, Listener, created
+from ampkit.fp8 import MIN_WEIGHT, fp8_training
 from ampkit.hardware import capability, resolve_device
 from ampkit.launch import check_metric, launch_settings, max_steps_reached
 from ampkit.metrics import MetricTracker
@@ -51,7 +52,7 @@ class Accelerator:
     Args:
         precision: "auto" (the launcher's AMPKIT_PRECISION if set, else chosen from the hardware;
             `acc.policy.reason` says why), a preset name ("fp32", "bf16-mixed", "fp16-mixed",
-            "fp16-master", "bf16-master", "bf16-true") or an `ampkit.Precision`.
+            "fp16-master", "bf16-master", "bf16-true", "fp8-mixed") or an `ampkit.Precision`.
         grad_accum_steps: micro-batches per optimizer step (None: AMPKIT_GRAD_ACCUM_STEPS, else 1). The
             loss is divided by it (see divide_loss), and the prepared optimizer and scheduler act only
             on every k-th call. Launch-time settings (`ampkit.launch`) fill what is not passed.
@@ -88,6 +89,9 @@ class Accelerator:
         cast_outputs: cast a prepared model's bf16/fp16 outputs to fp32, so that a loss computed
             outside the model runs in fp32. False returns them as the model made them: for a model
             that computes its loss itself and returns large logits beside it (that copy is never used).
+        fp8_recipe, fp8_emulate, fp8_min_weight: for precision="fp8-mixed" only (see `ampkit.fp8`):
+            torchao's scaling, "tensorwise" (default) or "rowwise"; True runs torchao's emulation on
+            any device (tests; no speed-up); the smallest in·out features of a Linear run in fp8.
     """
 
     def __init__(
@@ -107,6 +111,9 @@ class Accelerator:
         free_step_buffers: bool = True,
         cast_outputs: bool = True,
         divide_loss: bool | None = None,
+        fp8_recipe: str | None = None,
+        fp8_emulate: bool = False,
+        fp8_min_weight: int = MIN_WEIGHT,
     ) -> None:
         # What the script did not pass comes from the launcher (AMPKIT_* variables, `ampkit.launch`).
         precision, grad_accum_steps, compile, self.max_steps = launch_settings(
@@ -120,7 +127,8 @@ class Accelerator:
         if self.distributed.enabled and str(device) in ("auto", "cuda") and torch.cuda.is_available():
             device = self.distributed.local_device("cuda")  # one GPU per rank
         self.device = resolve_device(device)
-        self.policy = resolve_precision(precision, self.device)
+        self.policy = resolve_precision(precision, self.device, fp8_emulate=fp8_emulate is True)
+        self.fp8 = fp8_training(self.policy, fp8_recipe, fp8_emulate, fp8_min_weight)  # None unless fp8-mixed
         self.distributed.init(self.device, backend)
         if not self.distributed.enabled or strategy == "none":
             self.strategy = "none"

@@ -1,7 +1,7 @@
 """Precision policies: what runs in which dtype, as data rather than a chain of ifs.
 
-A `Precision` is a frozen record of four decisions (compute dtype, parameter dtype, how the
-optimizer update is kept accurate, whether the loss is scaled). The named presets are rows of one
+A `Precision` is a frozen record of a few decisions (compute dtype, parameter dtype, how the
+optimizer update is kept accurate, whether the loss is scaled, whether large matmuls run in fp8). The named presets are rows of one
 table, `PRESETS`. `resolve_precision` turns a name (or "auto") into a policy for one device, and
 either explains the choice in `.reason` or raises `PrecisionError` saying what would work.
 """
@@ -9,13 +9,14 @@ either explains the choice in `.reason` or raises `PrecisionError` saying what w
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import warnings
 from dataclasses import dataclass
 
 import torch
 
 from ampkit.errors import PrecisionError
-from ampkit.hardware import auto_precision, capability
+from ampkit.hardware import FIRST_IN, auto_precision, capability, device_capabilities, rocm_arch
 
 #: Module types kept in fp32 by the presets that store parameters in low precision: their
 #: statistics (mean/variance) lose too much in bf16/fp16 and they are a tiny share of the weights.
@@ -46,6 +47,8 @@ class Precision:
     """Scale the loss dynamically so small fp16 gradients do not flush to zero."""
     norms_fp32: bool = False
     """Keep normalisation layers' parameters in fp32 (the -master presets)."""
+    fp8: bool = False
+    """Run the qualifying nn.Linear layers' matmuls in float8 through torchao (`ampkit.fp8`)."""
     reason: str = ""
     """Why this policy was chosen: "requested" or the hardware fact behind `auto`."""
 
@@ -63,7 +66,8 @@ class Precision:
         """The policy as plain JSON-able data (checkpoints and reports store it this way)."""
         return {"name": self.name, "reason": self.reason, "compute_dtype": dtype_name(self.compute_dtype),
                 "param_dtype": dtype_name(self.param_dtype), "master_weights": self.master_weights,
-                "compensated": self.compensated, "loss_scaling": self.loss_scaling, "norms_fp32": self.norms_fp32}
+                "compensated": self.compensated, "loss_scaling": self.loss_scaling, "norms_fp32": self.norms_fp32,
+                "fp8": self.fp8}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -97,17 +101,19 @@ PRESETS: dict[str, Precision] = {
             master_weights=True, norms_fp32=True,
         ),
         Precision(name="bf16-true", compute_dtype=_bf16, param_dtype=_bf16, compensated=True),
+        Precision(name="fp8-mixed", compute_dtype=_bf16, param_dtype=_fp32, fp8=True),
     )
 }
 
 PRESET_NAMES: tuple[str, ...] = (*PRESETS, "auto")
 
 
-def resolve_precision(precision: str | Precision, device: torch.device) -> Precision:
+def resolve_precision(precision: str | Precision, device: torch.device, *, fp8_emulate: bool = False) -> Precision:
     """Return the policy for `precision` ("auto", a preset name or a `Precision`) on `device`.
 
     Raises `PrecisionError` for an unknown name or a preset the device cannot run. fp16 on a CPU
     without fp16 instructions warns: it is far slower than fp32, and some CPU kernels lack it.
+    fp8 runs where `fp8_problem` finds nothing against it; `auto` never picks it.
     """
     if isinstance(precision, Precision):
         policy = precision
@@ -126,7 +132,24 @@ def resolve_precision(precision: str | Precision, device: torch.device) -> Preci
             f"unknown precision {precision!r}; choose one of: {', '.join(PRESET_NAMES)}"
         )
     _check_runs(policy, device)
+    if policy.fp8 and (problem := fp8_problem(device, fp8_emulate)):
+        raise PrecisionError(f"precision {policy.name!r}: {problem}")
     return policy
+
+
+def fp8_problem(device: torch.device, emulate: bool = False) -> str | None:
+    """Why fp8 training cannot run on `device` (None: it can): torchao is missing, or the device has no
+    fp8 matrix units (an NVIDIA GPU of compute capability 8.9 or later). `emulate` runs torchao's
+    emulation instead (fp8 rounding, matmuls in bf16: any device, for tests; no speed-up)."""
+    if importlib.util.find_spec("torchao") is None:
+        return "fp8 training needs torchao, which is not installed: pip install ampkit[fp8]"
+    nvidia = device.type == "cuda" and not rocm_arch(device)
+    if emulate or (nvidia and torch.cuda.get_device_capability(device) >= FIRST_IN["fp8"][0]):
+        return None
+    kind = "AMD GPUs" if device.type == "cuda" else device.type.upper()
+    why = device_capabilities(device)["fp8"].source if nvidia else f"torchao's fp8 training has no fp8 matmul for {kind}"
+    return (f"{why}; fp8 matmuls need an NVIDIA GPU of compute capability 8.9 or later (Ada, Hopper, Blackwell). "
+            f"Use precision='bf16-mixed', or fp8_emulate=True to test the fp8 path here (no speed-up)")
 
 
 def _check_runs(policy: Precision, device: torch.device) -> None:

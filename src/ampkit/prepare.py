@@ -8,6 +8,7 @@ public settings only, and the Accelerator exposes what was prepared as tuples (`
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -120,6 +121,9 @@ class Prepared:
                 model.register_forward_pre_hook(self._set_grad_sync)
             return model
         originals = prepare_module(model, self.acc.policy, self.acc.device, self.acc.keep_fp32, self.acc.cast_outputs)
+        if self.acc.fp8 is not None:
+            self.acc.fp8.convert(model, self.acc.keep_fp32, self.acc.device, self.acc.compile_options is not None)
+            self.acc.policy = dataclasses.replace(self.acc.policy, reason=self.acc.fp8.reason)
         self._to_channels_last(model)
         self.compiled(model)
         self.originals[id(model)] = _Model(originals)

@@ -30,7 +30,7 @@ from ampkit.compare.write import write_report
 from ampkit.errors import PrecisionError
 from ampkit.files import atomic_write
 from ampkit.hardware import auto_precision, capability, describe, resolve_device
-from ampkit.precision import PRESETS, dtype_name, resolve_precision
+from ampkit.precision import PRESETS, dtype_name, fp8_problem, resolve_precision
 from ampkit.tasks import get_task
 from ampkit.version import ampkit_version
 
@@ -44,7 +44,7 @@ def default_precisions(device: torch.device) -> tuple[list[str], list[str]]:
     support = capability(device)
     fast = {torch.float32: True, torch.bfloat16: support.bf16_fast, torch.float16: support.fp16_fast}
     full = ["fp32", auto_precision(device)[0]]
-    full += [name for name, p in PRESETS.items() if fast[p.compute_dtype]]
+    full += [name for name, p in PRESETS.items() if fast[p.compute_dtype] and not (p.fp8 and fp8_problem(device))]
     full = list(dict.fromkeys(full))
     probes = [] if support.bf16_fast or not support.bf16_runs else ["bf16-mixed"]
     return full, probes
