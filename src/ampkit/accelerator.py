@@ -35,6 +35,7 @@ from ampkit.errors import PrecisionError, StepOrderError
 from ampkit.events import Events, Listener, created
 from ampkit.fp8 import MIN_WEIGHT, fp8_training
 from ampkit.hardware import capability, resolve_device
+from ampkit.launch import check_metric, launch_settings, max_steps_reached
 from ampkit.metrics import MetricTracker
 from ampkit.module import KeepSpec
 from ampkit.optim import AmpOptimizer
@@ -49,11 +50,12 @@ class Accelerator:
     """Mixed-precision training on the right device, with gradient accumulation.
 
     Args:
-        precision: "auto" (chosen from the hardware; `acc.policy.reason` says why), a preset name
-            ("fp32", "bf16-mixed", "fp16-mixed", "fp16-master", "bf16-master", "bf16-true", "fp8-mixed")
-            or an `ampkit.Precision`.
-        grad_accum_steps: micro-batches per optimizer step. The loss is divided by it (see
-            divide_loss), and the prepared optimizer and scheduler act only on every k-th call.
+        precision: "auto" (the launcher's AMPKIT_PRECISION if set, else chosen from the hardware;
+            `acc.policy.reason` says why), a preset name ("fp32", "bf16-mixed", "fp16-mixed",
+            "fp16-master", "bf16-master", "bf16-true", "fp8-mixed") or an `ampkit.Precision`.
+        grad_accum_steps: micro-batches per optimizer step (None: AMPKIT_GRAD_ACCUM_STEPS, else 1). The
+            loss is divided by it (see divide_loss), and the prepared optimizer and scheduler act only
+            on every k-th call. Launch-time settings (`ampkit.launch`) fill what is not passed.
         divide_loss: whether acc.backward divides the loss by grad_accum_steps. None (default)
             divides and says so once (a script that still divides its own loss divides twice);
             True divides silently; False leaves the division to the loop.
@@ -69,7 +71,8 @@ class Accelerator:
             (`fully_shard`) instead; "none" leaves both to you. Ignored in a single process.
         backend: the process group's backend (default: nccl on CUDA, gloo on CPU).
         compile: torch.compile each prepared model's forward, precision policy inside (True, or a
-            dict of torch.compile arguments such as {"mode": "max-autotune"}). Falls back to eager
+            dict of torch.compile arguments such as {"mode": "max-autotune"}; None: AMPKIT_COMPILE,
+            else False). Falls back to eager
             with a warning where the compiler is unavailable or fails; `acc.compile_stats` keeps
             the first step's compile time apart from the steady state.
         channels_last: store 4-D weights and batches in channels-last layout (NHWC), which the
@@ -94,7 +97,7 @@ class Accelerator:
     def __init__(
         self,
         precision: str | Precision = "auto",
-        grad_accum_steps: int = 1,
+        grad_accum_steps: int | None = None,
         device: str | torch.device = "auto",
         *,
         scaler: LossScaler | None = None,
@@ -102,7 +105,7 @@ class Accelerator:
         step_scheduler_with_optimizer: bool = True,
         strategy: str = "auto",
         backend: str | None = None,
-        compile: bool | Mapping[str, Any] = False,
+        compile: bool | Mapping[str, Any] | None = None,
         channels_last: bool = False,
         cuda_graphs: bool = False,
         free_step_buffers: bool = True,
@@ -112,6 +115,9 @@ class Accelerator:
         fp8_emulate: bool = False,
         fp8_min_weight: int = MIN_WEIGHT,
     ) -> None:
+        # What the script did not pass comes from the launcher (AMPKIT_* variables, `ampkit.launch`).
+        precision, grad_accum_steps, compile, self.max_steps = launch_settings(
+            {"precision": precision, "grad_accum_steps": grad_accum_steps, "compile": compile}).values()
         check_steps(grad_accum_steps)
         if isinstance(keep_fp32, (str, type)):
             keep_fp32 = [keep_fp32]  # type: ignore[list-item]
@@ -261,6 +267,8 @@ class Accelerator:
         if self._prepared.loaders and all(l.epoch_done and l.epoch == start for l in self._prepared.loaders):
             start += 1  # the checkpoint was taken after the saved epoch's last batch
         for epoch in range(start, n):
+            if max_steps_reached(self):  # AMPKIT_MAX_STEPS: the launcher's limit is spent
+                return
             self._epoch = epoch
             for loader in self._prepared.loaders:
                 if not loader.resuming or loader.epoch != epoch:
@@ -323,6 +331,13 @@ class Accelerator:
 
         One sync (and, under torchrun, one all-reduce)."""
         return self._metrics.read(reduce=sum_across_ranks if self.distributed.enabled else None)
+
+    def report_metric(self, name: str, value: torch.Tensor | float, higher_is_better: bool | None = None) -> None:
+        """Report a result of the run, e.g. `acc.report_metric("val_loss", loss, higher_is_better=False)`, to
+        listeners (`Listener.on_metric`; `ampkit compare train.py` sets it beside fp32's). No sync here."""
+        check_metric(name, higher_is_better)
+        if self.events:
+            self.events.emit(Listener.on_metric, self, name, value, higher_is_better)
 
     # --- distributed --------------------------------------------------------------------------
     @property

@@ -19,6 +19,9 @@ def _compare(args: argparse.Namespace) -> int:
     from ampkit.compare import compare
     from ampkit.errors import PrecisionError
 
+    if args.script is not None:  # ampkit compare train.py [args...]
+        return _compare_script(args)
+
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()] if args.precisions else None
     command = "ampkit " + " ".join(shlex.quote(a) for a in args.argv)
     try:
@@ -33,6 +36,68 @@ def _compare(args: argparse.Namespace) -> int:
         return 130
     print(f"\nreport: {args.out}/report.html (and report.json, PNG plots)")
     return 0
+
+
+def _compare_script(args: argparse.Namespace) -> int:
+    """`ampkit compare train.py ...`: compare's own options may follow the script; `--` ends them."""
+    from ampkit.compare.script import compare_script
+    from ampkit.errors import PrecisionError
+
+    given = args.script_args
+    split = given.index("--") if "--" in given else len(given)
+    tail = argparse.ArgumentParser(prog="ampkit compare", add_help=False, allow_abbrev=False)
+    for flag in ("--precisions", "--out"):
+        tail.add_argument(flag)
+    for flag in ("--steps", "--seed"):
+        tail.add_argument(flag, type=int)
+    tail.add_argument("--no-numerics", action="store_true")
+    try:
+        _, script_args = tail.parse_known_args(given[:split], namespace=args)
+    except SystemExit:
+        return 2
+    script_args += given[split + 1:]
+    if args.steps is not None and args.steps < 1:
+        return _usage("compare", f"--steps {args.steps}: expected an integer >= 1 (optimizer steps per run)")
+    for flag, value, default in (("--device", args.device, "auto"), ("--nproc", args.nproc, 1),
+                                 ("--resume", args.resume, False), ("--batch-size", args.batch_size, None)):
+        if value != default:
+            return _usage("compare", f"{flag} is for the built-in tasks; a script chooses its own (its device, batch "
+                                     f"size, processes)")
+    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()] if args.precisions else None
+    command = "ampkit " + " ".join(shlex.quote(a) for a in args.argv)
+    try:
+        report = compare_script(args.script, script_args, precisions, steps=args.steps, seed=args.seed, out=args.out,
+                                command=command)
+    except (FileNotFoundError, PrecisionError, ValueError) as exc:
+        return _usage("compare", exc)
+    except KeyboardInterrupt:
+        print("\nampkit compare: interrupted", file=sys.stderr)
+        return 130
+    print(f"\nreport: {args.out}/report.html (and report.json, PNG plots; the script's output: {args.out}/logs/)")
+    return 0 if any(run["status"] == "ok" for run in report["runs"]) else 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    """`ampkit run [options] train.py [args...]`: the script, with AMPKIT_* set, as python or torchrun runs it."""
+    from ampkit.launch import launch
+
+    if args.script is None:
+        return _usage("run", "give a script to run: ampkit run [--precision P] [--nproc N] train.py [args...]")
+    if args.precision is not None and args.precision not in PRESET_NAMES:
+        return _usage("run", f"--precision {args.precision!r}: unknown precision; choose one of: {', '.join(PRESET_NAMES)}")
+    for flag, value in (("--nproc", args.nproc), ("--grad-accum-steps", args.grad_accum_steps),
+                        ("--max-steps", args.max_steps)):
+        if value is not None and value < 1:
+            return _usage("run", f"{flag} {value}: expected an integer >= 1")
+    rendezvous = [f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items()
+                  if name in ("nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "master_addr",
+                              "master_port") and value is not None]
+    settings = {"precision": args.precision, "grad_accum_steps": args.grad_accum_steps,
+                "compile": args.compile, "max_steps": args.max_steps}
+    try:
+        return launch(args.script, args.script_args, nproc=args.nproc or 1, settings=settings, torchrun_args=rendezvous)
+    except (FileNotFoundError, ValueError) as exc:
+        return _usage("run", exc)
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -137,6 +202,31 @@ def build_parser() -> argparse.ArgumentParser:
                      help="skip the numerics pass: by default, after each run, a few more steps of the same training "
                           "run under `ampkit doctor --numerics` (not timed) for the report's numerics section")
     cmp.set_defaults(func=_compare)
+    cmp.add_argument("script", nargs="?", default=None,
+                     help="instead of --task: your training script (converted with ampkit.Accelerator, no precision= "
+                          "passed), run once per precision; --precisions/--steps/--seed/--out may follow it, and "
+                          "everything after `--` is the script's")
+    cmp.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    run = sub.add_parser(
+        "run", help="run a training script with the precision and processes chosen at launch",
+        description="Run a script that trains with ampkit.Accelerator, with every Accelerator it creates taking "
+                    "what it does not pass itself from the launcher (AMPKIT_PRECISION, AMPKIT_GRAD_ACCUM_STEPS, "
+                    "AMPKIT_COMPILE, AMPKIT_MAX_STEPS). --nproc > 1 runs it under torchrun, with the rendezvous "
+                    "flags passed on. Options go before the script; everything after it is the script's.",
+    )
+    run.add_argument("--precision", default=None, help=f"precision preset: {', '.join(PRESET_NAMES)}")
+    run.add_argument("--nproc", type=int, default=None, help="processes on this node (>1: torchrun, data parallel)")
+    run.add_argument("--grad-accum-steps", type=int, default=None, help="micro-batches per optimizer step")
+    run.add_argument("--compile", action="store_true", default=None, help="torch.compile the prepared models")
+    run.add_argument("--max-steps", type=int, default=None,
+                     help="end training after this many optimizer steps (prepared loaders' training passes end; "
+                          "evaluation still runs)")
+    for flag in ("--nnodes", "--node-rank", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--master-addr",
+                 "--master-port"):
+        run.add_argument(flag, default=None, help=f"passed to torchrun as {flag}")
+    run.add_argument("script", nargs="?", default=None, help="the training script")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    run.set_defaults(func=_run)
     info = sub.add_parser(
         "info", help="what this machine runs fast in low precision, and what precision='auto' picks here",
         description="Show torch/CUDA/cuDNN versions, every device (name, compute capability, memory, SMs), "

@@ -7,7 +7,7 @@ pins host memory and copies the next batch without blocking while the current on
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -54,8 +54,9 @@ class DeviceLoader:
     """
 
     def __init__(self, loader: DataLoader, device: torch.device, memory_format: torch.memory_format | None = None,
-                 events: Events | None = None) -> None:
+                 events: Events | None = None, stop: Callable[[], bool] | None = None) -> None:
         self.loader = loader
+        self.stop = stop  # true once a training pass (autograd on) should end: the launcher's AMPKIT_MAX_STEPS
         self.events = events if events is not None else Events()
         self.device = device
         self.memory_format = memory_format  # channels_last for image batches, or None
@@ -122,6 +123,8 @@ class DeviceLoader:
 
     def _next(self, it: Iterator[Any]) -> Any:
         """The user's loader's next batch (`_END` at the end of the pass), with the batch-wait events."""
+        if self.stop is not None and torch.is_grad_enabled() and self.stop():
+            return _END
         events = self.events
         if not events:
             return next(it, _END)

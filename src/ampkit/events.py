@@ -58,6 +58,10 @@ class Listener:
     def on_outcome(self, optimizer: AmpOptimizer, outcome: Outcome) -> None:
         """A loss-scaled step's outcome (applied or skipped, and its scale) reached the host."""
 
+    def on_metric(self, acc: Accelerator, name: str, value: torch.Tensor | float, higher_is_better: bool | None) -> None:
+        """`acc.report_metric(name, value, higher_is_better)`: a result of the run (`value` as passed:
+        a tensor stays on the device; a listener that reads it syncs, and says so)."""
+
     def on_zero_grad_start(self, optimizer: AmpOptimizer) -> None:
         """`optimizer.zero_grad()` was called on a prepared optimizer."""
 

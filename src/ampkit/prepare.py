@@ -21,6 +21,7 @@ from ampkit.compiler import CompiledForward
 from ampkit.data import DeviceLoader
 from ampkit.distributed import shard_loader, wrap_ddp, wrap_fsdp
 from ampkit.errors import PrecisionError, StepOrderError
+from ampkit.launch import max_steps_reached
 from ampkit.lowp_weights import CompensatedWeights, LowPrecisionWeights, MasterWeights
 from ampkit.module import prepare_module
 from ampkit.optim import AmpOptimizer
@@ -224,7 +225,9 @@ class Prepared:
     def _prepare_loader(self, loader: DataLoader) -> DeviceLoader:
         if self.acc.strategy != "none":
             loader = shard_loader(loader, self.acc.distributed)
-        wrapped = DeviceLoader(loader, self.acc.device, torch.channels_last if self.acc.channels_last else None, self.acc.events)
+        stop = (lambda: max_steps_reached(self.acc)) if self.acc.max_steps else None
+        wrapped = DeviceLoader(loader, self.acc.device, torch.channels_last if self.acc.channels_last else None,
+                               self.acc.events, stop)
         self.loaders.append(wrapped)
         return wrapped
 

@@ -53,11 +53,11 @@ def _child(spec: RunSpec, conn: Any) -> None:
         conn.close()
 
 
-def run_isolated(spec: RunSpec, on_progress: Callable[[int], None]) -> Run:
-    """`run_one(spec)` in a spawned process."""
+def run_isolated(spec: Any, on_progress: Callable[[int], None], target: Callable[[Any, Any], None] = _child) -> Any:
+    """`run_one(spec)` in a spawned process (or another `target(spec, conn)` sending the same messages)."""
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(spec, child), daemon=True)
+    proc = ctx.Process(target=target, args=(spec, child), daemon=True)
     proc.start()
     child.close()
     try:

@@ -1,0 +1,289 @@
+"""`ampkit compare train.py`: the precision comparison on the user's own script, unchanged.
+
+Each precision runs the script in a fresh process, as `python train.py args...` would run it
+(`runpy`), with AMPKIT_PRECISION set and, with `steps`, AMPKIT_MAX_STEPS (`ampkit.launch`): the
+script's training passes end after that many optimizer steps and its evaluation still runs. The
+first Accelerator the script creates is recorded (`events.watch_created`): losses from
+`acc.backward`, step times and loss scales (the `Recorder`), peak memory from its creation to the
+last step, and what the script passes to `acc.report_metric`. The run ends at the script's end,
+at its first metric after the limit, or `GRACE` after the limit if neither comes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import os
+import runpy
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._pytree import tree_leaves
+
+from ampkit.compare.measure import seed_everything
+from ampkit.compare.memory import Memory
+from ampkit.compare.recorder import Recorder
+from ampkit.compare.records import Policy, Report, Run, Task
+from ampkit.compare.runner import RunProgress, default_precisions
+from ampkit.compare.spawn import RunFailed, run_isolated
+from ampkit.compare.text import render_table
+from ampkit.compare.write import write_report
+from ampkit.doctor.run import check_script, script_traceback
+from ampkit.errors import PrecisionError
+from ampkit.events import watch_created
+from ampkit.hardware import describe, resolve_device
+from ampkit.precision import PRESETS, resolve_precision
+from ampkit.schema import build
+from ampkit.version import ampkit_version
+
+GRACE = (60.0, 3.0)
+"""After the step limit: (at least seconds, times the time the steps took) the script gets to end or report."""
+
+
+class ScriptStop(BaseException):
+    """Ends a script's run from inside it (like KeyboardInterrupt, past a loop's `except Exception:`)."""
+
+
+class ScriptProblem(BaseException):
+    """The script cannot be compared as it is; the message says why and what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ScriptSpec:
+    script: str
+    args: tuple[str, ...]
+    precision: str
+    steps: int | None
+    seed: int
+    log: str  # the script's stdout and stderr go here
+
+
+class ScriptRecorder(Recorder):
+    """The comparison's `Recorder` plus what a script run needs: its metrics, batch size and the stop."""
+
+    def __init__(self, acc: Any, spec: ScriptSpec, memory: Memory, progress: Callable[[int], None]) -> None:
+        super().__init__(acc, on_step=self._stepped)
+        self.spec, self.memory, self.progress = spec, memory, progress
+        self.metrics: dict[str, tuple[Any, bool | None]] = {}
+        self.batch_size: int | None = None
+        self.stopped: str | None = None
+        self.began = time.perf_counter()
+        self.timer: threading.Timer | None = None
+
+    def _stepped(self, step: int) -> None:
+        self.progress(step)
+        limit = self.spec.steps
+        if limit is not None and step == limit:
+            self.memory.freeze()  # the training's peak: evaluation's memory is not training's
+            grace = max(GRACE[0], GRACE[1] * (time.perf_counter() - self.began))
+            # The script gets `grace` to end or report a metric; then the signal ends it where it is.
+            self.timer = threading.Timer(grace, os.kill, (os.getpid(), signal.SIGUSR1))
+            self.timer.daemon = True
+            self.timer.start()
+        elif limit is not None and step > limit:  # the script trains from a loader acc.prepare never saw
+            self.stopped = (f"stopped at step {limit}: the script trains from a DataLoader that was not passed "
+                            f"through acc.prepare, so the step limit could not end its training pass")
+            raise ScriptStop
+
+    def on_batch_wait_end(self, loader: Any, batch: Any) -> None:
+        if self.batch_size is None:
+            self.batch_size = next((t.shape[0] for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim()),
+                                   None)
+
+    def on_metric(self, acc: Any, name: str, value: Any, higher_is_better: bool | None) -> None:
+        """Keep each metric's latest value (a tensor is copied on the device: no sync); after the step
+        limit, the first metric ends the run: the script's evaluation has run."""
+        self.metrics[name] = (value.detach().clone() if isinstance(value, torch.Tensor) else value, higher_is_better)
+        if self.spec.steps is not None and self.steps >= self.spec.steps:
+            raise ScriptStop
+
+    def reported(self) -> dict[str, float]:
+        return {name: float(value) for name, (value, _) in self.metrics.items()}  # sync: once, after the run
+
+
+def measure_script(spec: ScriptSpec, progress: Callable[[int], None]) -> tuple[Run, dict[str, bool | None]]:
+    """Run the script once at `spec.precision` in this process: its run record, and the direction
+    (higher is better?) of each metric it reported."""
+    os.environ["AMPKIT_PRECISION"] = spec.precision
+    os.environ.pop("AMPKIT_MAX_STEPS", None)
+    if spec.steps is not None:
+        os.environ["AMPKIT_MAX_STEPS"] = str(spec.steps)
+    process_seed = (spec.seed * 0x9E3779B9 + 0x5EED) % 2**32  # a seed no script picks: its own seeding shows
+    seed_everything(process_seed)
+    found: list[ScriptRecorder] = []
+
+    def created(acc: Any) -> None:
+        if found:
+            return
+        if acc.policy.name != spec.precision:
+            raise ScriptProblem(f"{spec.script} passes precision={acc.policy.name!r} to ampkit.Accelerator, so the "
+                                f"comparison cannot choose it: drop precision= (or pass 'auto') and AMPKIT_PRECISION applies")
+        found.append(ScriptRecorder(acc, spec, Memory(acc.device), progress))
+        acc.events.add(found[0])
+
+    def plain_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not found:
+            raise ScriptProblem(f"{spec.script} stepped a {type(optimizer).__name__} before creating an "
+                                f"ampkit.Accelerator: convert it with the README's four lines (Accelerator, prepare, backward)")
+
+    def grace_spent(signum: int, frame: Any) -> None:  # the recorder's timer: GRACE after the step limit
+        if found:
+            found[0].stopped = (f"stopped after step {spec.steps}: the script neither ended nor reported a metric "
+                                f"in the grace time after it")
+        raise ScriptStop
+
+    hook = register_optimizer_step_pre_hook(plain_step)
+    signal.signal(signal.SIGUSR1, grace_spent)
+    sys.argv, start = [spec.script, *spec.args], time.perf_counter()
+    sys.path.insert(0, str(Path(spec.script).resolve().parent))
+    try:
+        with watch_created(created):
+            runpy.run_path(spec.script, run_name="__main__")
+    except ScriptStop:
+        pass
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise ScriptProblem(f"{spec.script} exited with status {exc.code!r}") from None
+    finally:
+        hook.remove()
+        if found and found[0].timer is not None:
+            found[0].timer.cancel()
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    if not found:
+        raise ScriptProblem(f"{spec.script} ended without creating an ampkit.Accelerator: convert it with the "
+                            f"README's four lines (Accelerator, prepare, backward)")
+    rec = found[0]
+    acc, wall = rec.acc, time.perf_counter() - start
+    skipped = acc.state.skipped_steps  # waits for the outcomes still in flight: the run is over
+    summary = rec.summary(min(10, rec.steps // 10))
+    peak, raw, kind = rec.memory.read()
+    notes = [rec.stopped] if rec.stopped else []
+    if torch.initial_seed() == process_seed:
+        notes.append(f"the script does not seed torch itself: every run started from the same seed, set by ampkit "
+                     f"(--seed {spec.seed}) before the script ran")
+    median, per_step = summary["step_time_median_s"], (rec.batch_size or 0) * acc.grad_accum_steps
+    return Run(precision=spec.precision, status="ok", reason="; ".join(notes) or None,
+               policy=build(Policy, acc.policy.as_dict()), **summary, skipped_steps=skipped,
+               samples_per_s=per_step / median if per_step and median else None, memory_kind=kind,
+               peak_memory_bytes=peak, peak_rss_bytes=raw, eval=rec.reported(), wall_time_s=wall), \
+        {name: direction for name, (_, direction) in rec.metrics.items()}
+
+
+def _child(spec: ScriptSpec, conn: Any) -> None:
+    """A run's process: the script's output to the log, progress and the record to the parent."""
+    fd = os.open(spec.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    last = [0.0]
+
+    def progress(step: int) -> None:
+        if step == spec.steps or time.monotonic() - last[0] > 0.2:
+            last[0] = time.monotonic()
+            conn.send(("progress", step))
+
+    try:
+        conn.send(("done", measure_script(spec, progress)))
+    except ScriptProblem as exc:
+        conn.send(("error", str(exc)))
+    except BaseException as exc:  # noqa: BLE001 - the script's own failure, with its own frames
+        shown = script_traceback(exc, spec.script)
+        who = f"{spec.script} raised" if shown else "ampkit failed running the script:"
+        conn.send(("error", f"{who} {type(exc).__name__}: {exc}\n{shown or traceback.format_exc()}"))
+    finally:
+        conn.close()
+
+
+def compare_script(script: str | Path, args: Sequence[str] = (), precisions: Sequence[str] | None = None, *,
+                   steps: int | None = None, seed: int = 0, out: str | Path | None = None, show: bool = True,
+                   command: str | None = None) -> dict[str, Any]:
+    """Run `script` with `args` once per precision, each in a fresh process, and return the report dict.
+
+    The script needs no change beyond the four-line conversion: it must not pass `precision=` to its
+    Accelerator (the comparison sets AMPKIT_PRECISION), and it may report its headline result with
+    `acc.report_metric(name, value, higher_is_better=...)`. `steps` ends each run's training after that
+    many optimizer steps (AMPKIT_MAX_STEPS; its evaluation still runs); None runs the script to its end.
+    Each process is seeded with `seed` before the script runs, so a script that does not seed itself
+    still starts every run from the same weights. The script's output goes to `out/logs/<precision>.log`
+    (a temporary folder without `out`). The first precision is the baseline.
+    """
+    check_script(script)
+    if steps is not None and (not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"steps={steps!r}: expected an integer >= 1 (optimizer steps per run), or None for the whole script")
+    dev = resolve_device("auto")
+    names = list(precisions) if precisions else default_precisions(dev)[0]
+    unknown = [p for p in names if p not in PRESETS and p != "auto"]
+    if unknown:
+        raise PrecisionError(f"unknown precision(s) {unknown!r}; choose from: {', '.join([*PRESETS, 'auto'])}")
+    names = list(dict.fromkeys(resolve_precision("auto", dev).name if p == "auto" else p for p in names))
+    logs = Path(out) / "logs" if out is not None else Path(tempfile.mkdtemp(prefix="ampkit-compare-"))
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"cannot write the report into {str(out)!r} ({exc.strerror or exc}); name a folder you can "
+                         f"write to") from None
+    task = Task(name=str(script), metric=None, higher_is_better=None, steps=steps or 0, batch_size=None, seed=seed)
+    report = Report(ampkit_version=ampkit_version(), command=command or "ampkit.compare_script(...)", task=task,
+                    created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    machine=describe(dev), baseline=names[0])
+    progress = RunProgress(show)
+    for name in names:
+        report.runs.append(_one(ScriptSpec(str(script), tuple(map(str, args)), name, steps, seed,
+                                           str(logs / f"{name}.log")), dev, progress, task))
+    _compared(report)
+    if out is not None:
+        write_report(report, out)
+    if show:
+        render_table(report)
+    return report.to_dict()
+
+
+def _one(spec: ScriptSpec, dev: torch.device, progress: RunProgress, task: Task) -> Run:
+    kind = "cuda_max_allocated" if dev.type == "cuda" else "cpu_peak_rss_delta"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a slow dtype: the run's log has the script's own warning
+            resolve_precision(spec.precision, dev)
+    except PrecisionError as exc:
+        return Run(precision=spec.precision, status="skipped", reason=str(exc), memory_kind=kind)
+    progress.start(spec.precision, spec.steps)
+    try:
+        run, directions = run_isolated(spec, progress.update, target=_child)
+    except RunFailed as exc:
+        return Run(precision=spec.precision, status="failed", reason=str(exc).strip(), memory_kind=kind)
+    finally:
+        progress.stop()
+    if task.metric is None and directions:
+        task.metric, task.higher_is_better = next(iter(directions.items()))
+    run.finish(task.metric)
+    return run
+
+
+def _compared(report: Report) -> None:
+    """Ratios and deltas against the baseline, and a note where a run did not start where it did."""
+    base = next((r for r in report.runs if r.precision == report.baseline and r.status == "ok"), None)
+    if base is None:
+        report.baseline = None
+        return
+    for run in report.runs:
+        if run.step_time_median_s and base.step_time_median_s:
+            run.speedup_vs_baseline = base.step_time_median_s / run.step_time_median_s
+        if run.peak_memory_bytes and base.peak_memory_bytes:
+            run.memory_ratio_vs_baseline = run.peak_memory_bytes / base.peak_memory_bytes
+        if run.metric is not None and base.metric is not None:
+            run.metric_delta_vs_baseline = run.metric - base.metric
+        first, first_base = (r.loss_curve[0] if r.loss_curve else None for r in (run, base))
+        if first is not None and first_base is not None and not math.isclose(first, first_base, rel_tol=0.05, abs_tol=1e-3):
+            note = (f"its first loss ({first:.4g}) is not {report.baseline}'s ({first_base:.4g}): the runs did not "
+                    f"start from the same weights and data (does the script seed every random source?)")
+            run.reason = f"{run.reason}; {note}" if run.reason else note
