@@ -14,9 +14,14 @@ After the last step `analysis.Analysis` builds the result (`DOCTOR_SCHEMA`).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import sys
+import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -36,6 +41,39 @@ MAX_PROFILED_STEPS = 5
 def _sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # sync: the doctor's own, at window edges, never inside a step
+
+
+#: A line of kineto's log ("USDT:2026-01-01 10:00:00 71:71 SyncActivityProfilerHandler.cpp:52]
+#: profiler_start"): its C++ writes these to fd 2 at every profiler start and stop, whatever
+#: KINETO_LOG_LEVEL says, so the doctor filters them out of its own profiling.
+KINETO_NOISE = re.compile(r"^(USDT|STAGE|INFO):\d{4}-\d\d-\d\d [\d:.]+ \d+:\d+ \S+\.cpp:\d+\] ")
+
+
+def without_kineto_noise(text: str) -> str:
+    return "".join(line for line in text.splitlines(keepends=True) if not KINETO_NOISE.match(line))
+
+
+@contextlib.contextmanager
+def quiet_kineto() -> Iterator[None]:
+    """Run the block with fd 2 going to a temporary file, then write back all but kineto's noise."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no fd 2 to redirect
+        yield
+        return
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = without_kineto_noise(captured.read().decode(errors="replace"))
+            if kept:
+                os.write(2, kept.encode())
 
 
 def _cuda_mark() -> torch.cuda.Event:
@@ -127,7 +165,7 @@ class DoctorSession(Watch):
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.acc.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), quiet_kineto():
             warnings.simplefilter("ignore")  # kineto's start-up chatter is not the user's business
             self._profiler = torch.profiler.profile(activities=activities, record_shapes=True, with_flops=True)
             self._profiler.start()
@@ -138,7 +176,7 @@ class DoctorSession(Watch):
         try:
             if self._profiler is not None:
                 profiler, self._profiler = self._profiler, None
-                with warnings.catch_warnings():
+                with warnings.catch_warnings(), quiet_kineto():
                     warnings.simplefilter("ignore")
                     _sync_device(self.acc.device)
                     profiler.stop()
