@@ -1,10 +1,8 @@
 """The doctor's findings: what to change, ranked by the time it should save, each with its evidence.
 
-Every rule reads the measured figures (the result under construction) and returns a `Finding` or
-nothing. A finding says what was seen (`evidence`), what to do (`fix`) and what it should save per
-step: on this device (`saved_s`) and, where that differs, on the reference GPU (`saved_on_gpu_s`) —
-a `loss.item()` costs nothing on a CPU and a whole step's overlap on a GPU. The estimates are
-labelled as such; the evidence is measured.
+Each rule reads the result under construction and returns a `Finding` or nothing: what was seen,
+what to do, and the estimated saving per step here and, where it differs, on the reference GPU (a
+`loss.item()` costs nothing on a CPU and a step's overlap on a GPU).
 """
 
 from __future__ import annotations
