@@ -43,12 +43,6 @@ def _rng_state(device: torch.device) -> tuple[torch.Tensor, tuple[int, torch.Ten
     return torch.get_rng_state(), cuda
 
 
-def _set_rng_state(cpu: torch.Tensor, cuda: tuple[int, torch.Tensor] | None) -> None:
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state(cuda[1], cuda[0])
-
-
 class BatchKeeper:
     """Keeps the forwards of the current optimizer step of each model (see the module docstring)."""
 
@@ -160,31 +154,34 @@ def replay(capture: Capture, names: dict[nn.Module, str], device: torch.device,
         for pname, param in module.named_parameters(recurse=False):
             if param.requires_grad:
                 handles.append(param.register_hook(on_grad(name, type(module).__name__, f"grad_{pname}")))
-    saved_rng = _rng_state(device)
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     current = [(p, p.detach().clone()) for p, _ in weights or ()]
     note = None
-    try:
-        with torch.no_grad():
-            for param, before in weights or ():
-                param.copy_(before)
-        _set_rng_state(*capture.rng)
-        with torch.enable_grad():
-            output = model(*capture.args, **capture.kwargs)
-        outs = [t for t in float_tensors(output) if t.requires_grad]
-        pairs = [(o, g) for o, g in zip(outs, capture.output_grads) if g is not None]
-        params = [p for p in model.parameters() if p.requires_grad]
-        if pairs and params:
-            torch.autograd.grad([o for o, _ in pairs], params, grad_outputs=[g for _, g in pairs], allow_unused=True)
-        elif not pairs:
-            note = "no gradient reached the model's output in that step: only the forward was replayed"
-    finally:
-        for handle in handles:
-            handle.remove()
-        with torch.no_grad():
-            for tensor, value in buffers + current:
-                tensor.copy_(value)
-        _set_rng_state(*saved_rng)
+    cpu_rng, cuda_rng = capture.rng
+    with torch.random.fork_rng(devices=[cuda_rng[0]] if cuda_rng else []):  # the run's random streams come back
+        try:
+            with torch.no_grad():
+                for param, before in weights or ():
+                    param.copy_(before)
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng[1], cuda_rng[0])
+            with torch.enable_grad():
+                output = model(*capture.args, **capture.kwargs)
+            outs = [t for t in float_tensors(output) if t.requires_grad]
+            pairs = [(o, g) for o, g in zip(outs, capture.output_grads) if g is not None]
+            params = [p for p in model.parameters() if p.requires_grad]
+            if pairs and params:
+                torch.autograd.grad([o for o, _ in pairs], params, grad_outputs=[g for _, g in pairs],
+                                    allow_unused=True)
+            elif not pairs:
+                note = "no gradient reached the model's output in that step: only the forward was replayed"
+        finally:
+            for handle in handles:
+                handle.remove()
+            with torch.no_grad():
+                for tensor, value in buffers + current:
+                    tensor.copy_(value)
     return _first_nonfinite(events, note)
 
 
