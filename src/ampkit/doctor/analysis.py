@@ -10,6 +10,7 @@ machine makes a repeat slower, never faster.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -145,7 +146,7 @@ class Analysis:
         self.compute_dtype = short_dtype_name(self.acc.policy.compute_dtype)
         self.thread_peaks: dict[int, float] = {}  # fp32 matmul FLOP/s by thread count
         self.peaks = self._peaks() if session.bench else {}
-        self.bandwidth = self._bandwidth() if session.bench else None
+        self.bandwidth = self._try("memory bandwidth", lambda: copy_bandwidth(self.device)) if session.bench else None
         self.work_s = self._work_time()
         self.stall_s = findings.stall_time(self.kernel_s, self.work_s, self.ops.per_step, self.thread_peaks,
                                            on_cpu=self.device.type == "cpu")
@@ -177,21 +178,20 @@ class Analysis:
             names.append("fp16")
         peaks = {}
         for name in names:
-            try:
-                by_threads = matmul_peaks(self.device, _DTYPES[name], seconds=BENCH_SECONDS / len(names))
-            except Exception as exc:  # a dtype this device cannot run: its figures are "unknown"
-                self.notes.append(f"{name} matmul peak not measured ({type(exc).__name__}: {exc})")
+            by_threads = self._try(f"{name} matmul peak",
+                                   lambda: matmul_peaks(self.device, _DTYPES[name], seconds=BENCH_SECONDS / len(names)))
+            if by_threads is None:
                 continue
             peaks[name] = max(by_threads.values())
             if name == "fp32":
                 self.thread_peaks = by_threads
         return peaks
 
-    def _bandwidth(self) -> float | None:
+    def _try(self, what: str, measure: Callable[[], Any]) -> Any:
         try:
-            return copy_bandwidth(self.device)
-        except Exception as exc:  # out of memory for the 64 MiB buffers, say: bandwidth unknown
-            self.notes.append(f"memory bandwidth not measured ({type(exc).__name__}: {exc})")
+            return measure()
+        except Exception as exc:  # a dtype this device cannot run, no memory for the buffers: "unknown"
+            self.notes.append(f"{what} not measured ({type(exc).__name__}: {exc})")
             return None
 
     def _work_time(self) -> float | None:
@@ -249,8 +249,7 @@ class Analysis:
         return {
             "per_step": self.syncs_per_step, "method": self.sync_method, "real": self.device.type != "cpu",
             "watched_steps": self.synced_steps,
-            "sites": [{"file": site.file, "line": site.line, "code": site.code, "call": site.call,
-                       "via": site.via, "per_step": n / self.synced_steps, "reads": n,
+            "sites": [{**dataclasses.asdict(site), "per_step": n / self.synced_steps, "reads": n,
                        "steps_seen": self.site_steps[site], "every_step": site in self.every_step}
                       for site, n in sites],
             "cuda_debug": self.cuda_debug}

@@ -226,21 +226,14 @@ def _rank(modules: list[dict[str, Any]]) -> list[dict[str, Any]]:
     names = [m["name"] for m, _ in risky]
     risky = [(m, r) for m, r in risky if not any(n.startswith(m["name"] + ".") for n in names)]
 
-    def severity(item: tuple[dict[str, Any], list[str]]) -> tuple[float, ...]:
-        m, _ = item
+    def severity(m: dict[str, Any]) -> tuple[float, ...]:
         return (m["created_nonfinite"] > 0, _share(m, "output", "over_fp16"), _share(m, "input", "over_fp16"),
                 _share(m, "grad_unscaled", "over_fp16"), _share(m, "grad_unscaled", "under_fp16"))
 
-    ranked = sorted(risky, key=severity, reverse=True)  # stable: ties stay in execution order
-    out = []
-    for m, reasons in ranked:
-        overflow = bool(m["created_nonfinite"] or _share(m, "output", "over_fp16") or _share(m, "input", "over_fp16")
-                        or _share(m, "grad_unscaled", "over_fp16"))
-        act = m["output"]["abs_max"] if m["output"] else None
-        grad = m["grad_unscaled"]["abs_max"] if m["grad_unscaled"] else None
-        out.append({"name": m["name"], "type": m["type"], "reasons": reasons, "overflow": overflow,
-                    "activation_abs_max": _finite(act), "grad_abs_max": _finite(grad)})
-    return out
+    ranked = sorted(risky, key=lambda item: severity(item[0]), reverse=True)  # stable: ties keep execution order
+    return [{"name": m["name"], "type": m["type"], "reasons": reasons, "overflow": any(severity(m)[:4]),
+             "activation_abs_max": _finite(m["output"] and m["output"]["abs_max"]),
+             "grad_abs_max": _finite(m["grad_unscaled"] and m["grad_unscaled"]["abs_max"])} for m, reasons in ranked]
 
 
 def _suggest(at_risk: list[dict[str, Any]]) -> list[str]:

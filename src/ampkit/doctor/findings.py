@@ -64,20 +64,12 @@ class Context:
     stall_s: float  # of the kernel time, what threads spent waiting for cores (`stall_time`)
 
 
-def rank(findings: list[Finding]) -> list[Finding]:
-    """Most time saved here first; among those that save nothing here, most saved on a GPU first."""
-    return sorted(findings, key=lambda f: (-f.saved_s, -(f.saved_on_gpu_s or 0.0)))
-
-
 def diagnose(result: dict[str, Any], ctx: Context) -> list[dict[str, Any]]:
-    """All findings for `result`, ranked, as dicts (the `findings` of `DOCTOR_SCHEMA`)."""
-    found: list[Finding] = []
-    for rule in (data_wait, busy_threads, overhead_bound, small_batch, precision):
-        finding = rule(result, ctx)
-        if finding is not None:
-            found.append(finding)
-    found.extend(syncs(result, ctx))
-    return [f.as_dict(result["step"]["host_s"]) for f in rank(found)]
+    """All findings for `result` as dicts (`DOCTOR_SCHEMA`), ranked: most time saved here first, then on a GPU."""
+    found = [rule(result, ctx) for rule in (data_wait, busy_threads, overhead_bound, small_batch, precision)]
+    found = [f for f in found if f is not None] + syncs(result, ctx)
+    found.sort(key=lambda f: (-f.saved_s, -(f.saved_on_gpu_s or 0.0)))
+    return [f.as_dict(result["step"]["host_s"]) for f in found]
 
 
 def _phase(result: dict[str, Any], name: str) -> dict[str, Any]:
