@@ -208,11 +208,8 @@ def _html_table(header: list[str], rows: list[list[str]], numeric: tuple[int, ..
 
 
 def render_html_section(r: Result) -> str:
-    """The report as one self-contained `<section>` (its own scoped style, no scripts, no links).
-
-    Every value is escaped, so a file name or source line from the user's code cannot inject
-    markup. `ampkit compare`'s HTML report can include it as is.
-    """
+    """The report as one self-contained `<section>` (scoped style, no scripts, no links), every value
+    escaped: a file name or source line of the user's cannot inject markup."""
     widest = max((p["share"] for p in r["phases"]), default=0.0) or 1.0
     phase_rows = [[p["name"], seconds(p["seconds"]), f"{p['share']:.0%}",
                    f'<span class="bar" style="width:{12 * p["share"] / widest:.2f}rem"></span>']

@@ -34,24 +34,16 @@ from ampkit.tasks import get_task
 # --- on a loop you already have ---------------------------------------------------------------
 def profile(acc: Accelerator, steps: int = 20, *, warmup: int = 5, gpu: str = "A100", report: bool = True,
             on_done: Callable[[Result], None] | None = None) -> DoctorSession:
-    """Diagnose the next `steps` optimizer steps of `acc` (after `warmup`), while training goes on.
-
-    The loop does not change: the session observes it through the Accelerator's events and, after
-    the last measured step, prints the report (`report=True`) and leaves `session.result`. Call
-    `session.finish()` if the loop may end before that.
-    """
+    """Diagnose the next `steps` optimizer steps of `acc` (after `warmup`) while training goes on; then
+    print the report (`report`) and leave `session.result` (`session.finish()` if the loop ends first)."""
     return DoctorSession(acc, steps=steps, warmup=warmup, gpu=gpu, on_done=_then(render_report if report else None,
                                                                                    on_done))
 
 
 def numerics(acc: Accelerator, steps: int = 20, *, warmup: int = 0, report: bool = True,
              on_done: Callable[[Result], None] | None = None) -> NumericsSession:
-    """Watch the next `steps` optimizer steps of `acc` for numerical trouble, while training goes on.
-
-    The loop does not change. After the last watched step the session takes its hooks off, prints
-    the report (`report=True`) and leaves `session.result`; call `session.finish()` if the loop
-    may end first. Usable as a context manager (`with numerics(acc, 5) as s:`).
-    """
+    """Watch the next `steps` optimizer steps of `acc` for numerical trouble while training goes on; as
+    `profile`, and usable as a context manager (`with numerics(acc, 5) as s:`)."""
     return NumericsSession(acc, steps=steps, warmup=warmup,
                            on_done=_then((lambda r: print(format_text(r))) if report else None, on_done))
 
