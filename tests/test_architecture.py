@@ -34,7 +34,7 @@ MAX_FILE_LINES = 400
 # same change added what issues 12, 18 and 19 required (safe checkpoint folders, a schema validator
 # that needs no jsonschema, typed events, chunked low-precision updates). This cap stops further
 # growth while the rest is cut; lower it as src/ shrinks, down to 10,200.
-MAX_SRC_LINES = 11_450
+MAX_SRC_LINES = 11_150
 # Module attributes a user's script legitimately needs set (the doctor runs it as `__main__`).
 ALLOWED_MODULE_ASSIGNMENTS = {("sys", "argv"), ("sys", "path")}
 

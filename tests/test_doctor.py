@@ -13,7 +13,9 @@ import contextlib
 import html.parser
 import io
 import json
+import os
 import re
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -213,6 +215,23 @@ def test_the_terminal_report_renders(capsys, item_result):
     out = " ".join(capsys.readouterr().out.split())
     assert "ampkit doctor — iris-mlp on cpu" in out
     assert "findings, ranked by estimated time saved" in out
+
+
+KINETO_LINE = "USDT:2026-12-01 03:13:20 7979:7979 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
+
+
+def test_the_profilers_log_lines_stay_off_stderr_and_other_stderr_output_is_kept(capfd):
+    from ampkit.doctor.session import quiet_kineto
+
+    # torch 2.13's kineto writes these from C++ to fd 2 at every profiler start and stop.
+    code = "import ampkit.doctor as d; d.diagnose_task('iris-mlp', steps=2, warmup=0, bench=False)"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(ampkit.__file__).parents[1]), *sys.path]))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "SyncActivityProfilerHandler" not in run.stderr and "USDT:" not in run.stderr, run.stderr
+    with quiet_kineto():
+        os.write(2, (KINETO_LINE + "the user's own line\n").encode())
+    assert capfd.readouterr().err == "the user's own line\n"
 
 
 # ----- running user code -------------------------------------------------------------------------

@@ -16,11 +16,8 @@ class PrecisionError(AmpkitError, ValueError):
 
 
 class LossScaleCollapse(AmpkitError, RuntimeError):
-    """The loss scale sits at its minimum and gradients still overflow.
-
-    Training cannot make progress: every step is skipped. The message carries the diagnosis
-    (steps skipped, last good scale, what to try).
-    """
+    """The loss scale sits at its minimum and gradients still overflow: every step is skipped. The
+    message carries the diagnosis (steps skipped, last good scale, what to try)."""
 
 
 class StepOrderError(AmpkitError, RuntimeError):

@@ -1,12 +1,9 @@
 """What this machine's devices can do, and the `auto` precision choice with its reason.
 
-Every device fact ampkit uses is a row of the tables below (NVIDIA compute capabilities, AMD gfx
-architectures, CPU flags, GPU models with their datasheet peaks); `device_capabilities` (`ampkit
-info`), `capability`, `auto_precision` and the doctor's advisor (`GPU_MODELS`) derive from them.
-
-The choice is made from the hardware alone, so that it is explainable in one sentence and the same
-on every run; whether a *model* gains from it, `ampkit compare` and the doctor measure. Each fact
-has its source, and one ampkit does not know is "unknown" (`Fact.supported` is None), never a guess.
+Every device fact is a row of the tables below (NVIDIA compute capabilities, AMD gfx architectures,
+CPU flags, GPU models' datasheet peaks), with its source; `device_capabilities`, `capability`,
+`auto_precision` and the doctor's advisor derive from them. What ampkit does not know is "unknown"
+(`Fact.supported` is None), never a guess. Whether a *model* gains, compare and the doctor measure.
 """
 
 from __future__ import annotations
@@ -25,8 +22,7 @@ CPU_FLAGS: tuple[str, ...] = ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp1
 
 
 def proc_field(text: str, key: str) -> str | None:
-    """The value of the first `key: value` line of a /proc file's text (in /proc/cpuinfo every core of
-    one machine reports the same flags and model), or None without one."""
+    """The value of the first `key: value` line of a /proc file's text, or None without one."""
     lines = (line.partition(":") for line in text.splitlines())
     return next((value.strip() for k, _, value in lines if k.strip() == key), None)
 
@@ -39,13 +35,11 @@ def parse_cpu_flags(cpuinfo_text: str) -> dict[str, bool]:
 
 def read_cpu_flags(path: str | Path = "/proc/cpuinfo") -> dict[str, bool] | None:
     """`CPU_FLAGS` read from `path`, or None where it does not say: no such file (not Linux), or no
-    "flags" line (not x86: an ARM CPU lists "Features", and its bf16 is not among these flags).
-    """
+    "flags" line (not x86: reading that as "no bf16" would be a guess)."""
     try:
         text = Path(path).read_text()
     except OSError:
         return None
-    # reading "no flags line" as "no bf16" would be a guess, not a fact
     return parse_cpu_flags(text) if proc_field(text, "flags") is not None else None
 
 
@@ -56,10 +50,8 @@ def cpu_flags() -> dict[str, bool] | None:
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """Turn "auto", "cpu", "cuda:1", ... into a usable `torch.device`, or raise ValueError.
-
-    "auto" prefers CUDA, then Apple's MPS, then the CPU: the fastest device that is present.
-    """
+    """Turn "auto" (CUDA, else MPS, else the CPU), "cpu", "cuda:1", ... into a usable `torch.device`,
+    or raise ValueError."""
     if isinstance(device, str) and device == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
@@ -87,9 +79,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 # --- The tables: which low-precision matrix units each device has, and the peaks of known GPU models ---
 
-#: The facts ampkit knows per device, by the dtype they concern: hardware that runs matmuls in that
-#: dtype faster than fp32 (on GPUs, matrix units for it: Tensor Cores, AMD matrix cores; on CPUs,
-#: instructions for it).
+#: The facts ampkit knows per device: hardware that runs matmuls in that dtype faster than fp32
+#: (Tensor Cores, AMD matrix cores, CPU instructions).
 CAPABILITIES: tuple[str, ...] = ("fp16", "bf16", "tf32", "fp8")
 
 
@@ -185,11 +176,8 @@ GPU_MODELS: dict[str, GPUModel] = {g.name: g for g in (
 
 
 def gpu_capabilities(major: int, minor: int) -> dict[str, Fact]:
-    """`CAPABILITIES` of an NVIDIA GPU of compute capability `major.minor`, from `CUDA_ARCHITECTURES`.
-
-    Before the first row there are no Tensor Cores at all, so every fact is a "no". A capability
-    that is not a row of the table (newer than it, or between rows) gives "unknown" for every fact.
-    """
+    """`CAPABILITIES` of an NVIDIA GPU of compute capability `major.minor`, from `CUDA_ARCHITECTURES`:
+    before the first row every fact is a "no", off the rows (newer, or between) "unknown"."""
     cc = f"{major}.{minor}"
     (first_major, first_minor), first_arch = FIRST_IN["fp16"]
     if (major, minor) < (first_major, first_minor):
@@ -226,11 +214,8 @@ def _cpu_has(flags: dict[str, bool], dtype: str) -> list[str]:
 
 
 def cpu_capabilities(flags: dict[str, bool] | None) -> dict[str, Fact]:
-    """`CAPABILITIES` of a CPU from its `CPU_FLAGS` (as `parse_cpu_flags` returns them; None: unread).
-
-    bf16 <- avx512_bf16 or amx_bf16; fp16 <- avx512_fp16 or amx_fp16. No flag ampkit reads speaks
-    for tf32 or fp8, so those are "unknown" on every CPU.
-    """
+    """`CAPABILITIES` of a CPU from its `CPU_FLAGS` (None: unread): bf16 from avx512_bf16 or amx_bf16,
+    fp16 likewise; tf32 and fp8 "unknown" (no flag ampkit reads speaks for them)."""
     facts = {c: Fact(None, f"no CPU flag ampkit reads covers {c}: unknown") for c in ("tf32", "fp8")}
     for c in ("bf16", "fp16"):
         if flags is None:
@@ -243,8 +228,8 @@ def cpu_capabilities(flags: dict[str, bool] | None) -> dict[str, Fact]:
 
 
 def rocm_arch(device: torch.device) -> str | None:
-    """The gfx architecture of a CUDA-API device on ROCm ("gfx942"), or None on NVIDIA's CUDA. ROCm
-    reports the gfx number as a "compute capability" (gfx942 reads 9.4): never read it as NVIDIA's."""
+    """The gfx architecture of a CUDA-API device on ROCm ("gfx942"), or None on NVIDIA's CUDA (ROCm's
+    "compute capability" 9.4 is gfx942, never NVIDIA's 9.4)."""
     if torch.version.hip is None:
         return None
     return torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]  # "gfx942:sramecc+:xnack-"
@@ -278,10 +263,8 @@ class Support:
 
 
 def _bf16_runs(device: torch.device) -> bool:
-    """Whether `device` runs bf16 arithmetic at all (fast or not): every CPU and MPS device does
-    (torch emulates what the hardware lacks), torch on ROCm does on every AMD GPU it supports, and an
-    NVIDIA GPU does from the architecture that added bf16 on (`FIRST_IN`), whether or not its row is
-    in the table: an arithmetic type, once added, is kept by every later architecture."""
+    """Whether `device` runs bf16 at all, fast or not: every CPU, MPS and ROCm device does, and an NVIDIA
+    GPU from the architecture that added it on (`FIRST_IN`; later ones keep it), in the table or not."""
     if device.type != "cuda" or rocm_arch(device):
         return True
     return torch.cuda.get_device_capability(device) >= FIRST_IN["bf16"][0]
@@ -297,13 +280,8 @@ def _gpu_named(device: torch.device) -> tuple[str, str]:
 
 
 def capability(device: torch.device) -> Support:
-    """Low-precision support of `device`, from `device_capabilities`.
-
-    fp16 runs everywhere. A dtype is fast where it runs and the table says the device has matrix
-    units (or instructions) for it; where the table does not know, it is taken as fast on a GPU (a
-    GPU that runs a low-precision type does so in hardware) and slow on a CPU (without the flags
-    ampkit reads, a CPU emulates it).
-    """
+    """Low-precision support of `device`, from `device_capabilities`: a dtype is fast where it runs and
+    the table says so; where it does not know, fast on a GPU (it runs it in hardware), slow on a CPU."""
     facts = device_capabilities(device)
     gpu = device.type != "cpu"
     bf16_runs = _bf16_runs(device)
@@ -325,12 +303,9 @@ def capability(device: torch.device) -> Support:
 
 
 def auto_precision(device: torch.device) -> tuple[str, str]:
-    """The preset `precision="auto"` picks on `device`, and the one-sentence reason why.
-
-    From `device_capabilities`: bf16 where the table confirms it (no loss scaling needed), else fp16
-    where it confirms fp16 on a GPU, else bf16 on a GPU the table does not know but that runs it,
-    else fp32. On a CPU only bf16 counts: autocast's CPU fp16 is rarely faster than fp32.
-    """
+    """The preset `precision="auto"` picks on `device`, and the one-sentence reason why: bf16 where the
+    table confirms it, else fp16 where it confirms it on a GPU, else bf16 on a GPU it does not know
+    that runs it, else fp32 (on a CPU only bf16 counts: autocast's CPU fp16 is rarely faster)."""
     facts = device_capabilities(device)
     bf16, fp16 = facts["bf16"].supported, facts["fp16"].supported
     if device.type == "cpu":

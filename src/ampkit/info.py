@@ -1,9 +1,8 @@
 """`ampkit info`: what this machine can do in low precision, what `auto` picks here, and (optionally)
 a matmul micro-benchmark that checks the capability table against measured speed.
 
-`collect_info` gathers one dict (the contract: `INFO_SCHEMA`, also what `--json` prints);
-`render_info` and `format_info_text` only present it. The facts themselves come from
-`ampkit.hardware`; nothing here decides what a device supports.
+`collect_info` gathers one dict (`INFO_SCHEMA`, what `--json` prints) from `ampkit.hardware`'s facts;
+`render_info` and `format_info_text` only present it.
 """
 
 from __future__ import annotations
@@ -110,11 +109,8 @@ INFO_SCHEMA: dict[str, Any] = {
 
 
 def collect_info(device: str | torch.device = "auto", bench: bool = False, bench_seconds: float = 2.0) -> Info:
-    """Everything `ampkit info` shows, as a dict matching `INFO_SCHEMA`.
-
-    `device` ("auto", "cpu", "cuda:1", ...) is the one the recommendation and the benchmark are for;
-    every device present is described. Raises ValueError for a device that is not here.
-    """
+    """Everything `ampkit info` shows (`INFO_SCHEMA`): every device present, and the recommendation and
+    benchmark for `device` ("auto", "cpu", "cuda:1", ...; ValueError for one that is not here)."""
     dev = hardware.resolve_device(device)
     if bench and not bench_seconds > 0:
         raise ValueError(f"bench_seconds={bench_seconds!r} must be a positive number of seconds")
@@ -167,13 +163,11 @@ _MAX_N = {"cpu": 1024, "cuda": 8192, "mps": 4096}
 
 def bench_matmul(device: str | torch.device, dtypes: Sequence[torch.dtype] = BENCH_DTYPES,
                  seconds: float = 2.0) -> dict[str, Any]:
-    """Time n×n matmuls per dtype on `device`; `seconds` is the budget for all dtypes together.
+    """Time n×n matmuls per dtype on `device` within `seconds` for all (the `bench` of `INFO_SCHEMA`).
 
-    Each dtype gets an equal share: a short search for the matrix size (doubling while one matmul of
-    the next size would take under a quarter of the share), then as many matmuls as fit in what is
-    left, so a dtype that is 100x slower here gets a smaller matrix but the same time.
-    Throughput is 2n³ flops per matmul over the time they took. A dtype that fails records its error
-    instead of a number. Returns the `bench` object of `INFO_SCHEMA`.
+    Each dtype gets an equal share: the matrix size doubles while a matmul of the next would take under
+    a quarter of it, then as many as fit run (a 100x slower dtype gets a smaller matrix, the same time).
+    Throughput is 2n³ per matmul over their time; a dtype that fails records its error instead.
     """
     dev = hardware.resolve_device(device)
     if not (isinstance(seconds, (int, float)) and seconds > 0 and math.isfinite(seconds)):

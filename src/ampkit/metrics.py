@@ -34,11 +34,8 @@ class MetricTracker:
             self._sums[name], self._counts[name] = total, count
 
     def read(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
-        """The mean of each tracked name since the last read, as floats; then reset. One sync.
-
-        `reduce` (e.g. a sum across ranks) is applied to the sums and counts together first, so
-        every rank gets the global means from one collective.
-        """
+        """The mean of each tracked name since the last read, as floats; then reset. One sync. `reduce`
+        (a sum across ranks) gets the sums and counts together: the global means from one collective."""
         if not self._sums:
             return {}
         names = list(self._sums)

@@ -1,12 +1,10 @@
 """Typed records for the JSON files ampkit writes: the schema is generated from them, and always checked.
 
-A record is a dataclass whose annotations say what each field holds in JSON (str, int, float,
-bool, `Literal[...]`, `X | None`, `list[X]`, `dict[str, X]`, another record) and whose `field(...)`
-carries the description and bounds a reader of the file needs. `schema_of(cls)` writes the JSON
-Schema (draft 2020-12) that documents the format; `validate(value, schema)` checks a value against
-it with the standard library alone, so a file is checked the same way whether or not `jsonschema`
-is installed, and the message names the first bad field ("runs[2].speedup_vs_baseline: ...").
-`build(cls, value)` turns checked JSON back into records.
+A record is a dataclass whose annotations say what each field holds in JSON (scalars, `Literal`,
+`X | None`, `list[X]`, `dict[str, X]`, records) and whose `field(...)` carries its description and
+bounds. `schema_of(cls)` writes the JSON Schema (draft 2020-12); `validate(value, schema)` checks a
+value with the standard library alone, naming the first bad field ("runs[2].speedup_vs_baseline:
+..."); `build(cls, value)` turns checked JSON back into records.
 """
 
 from __future__ import annotations

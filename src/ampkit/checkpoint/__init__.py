@@ -1,16 +1,10 @@
 """Complete, atomic, safe training checkpoints: a crash never loses the last good state.
 
-A checkpoint is one file (`torch.save` of tensors and plain data, loadable with
-`torch.load(weights_only=True)`: nothing in it can run code) sealed with a SHA-256 digest of its
-content; under strategy="fsdp" it is a folder of DCP shards plus that file. It is written to a
-temporary file, fsynced and renamed into place, so a crash or a full disk leaves the previous
-checkpoint intact.
-
-It holds everything that decides the next step (see `state.py`), gathered from the
-`state_dict()` of each object the Accelerator prepared. Loading checks the whole checkpoint
-against the current setup first and changes nothing unless all of it fits; under the same preset
-every tensor comes back bit for bit, under another one the weights are converted from the fp32
-truth it holds. Folders of checkpoints (`save_checkpoint`, `resume`) are in `folder.py`.
+A checkpoint is one digest-sealed file of tensors and plain data (`payload.py`: nothing in it can
+run code), written atomically; under strategy="fsdp" a folder of DCP shards plus that file
+(`sharded.py`). It holds everything that decides the next step (`state.py`); loading checks all of
+it against the current setup before changing anything, and restores bit for bit under the same
+preset or converts from the fp32 truth under another. Folders of checkpoints: `folder.py`.
 """
 
 from __future__ import annotations
@@ -29,10 +23,8 @@ __all__ = ["save", "load", "read", "save_checkpoint", "resume"]
 
 
 def save(acc: Accelerator, path: str | Path) -> Path:
-    """Write a checkpoint of `acc`'s whole training state to `path`, atomically.
-
-    Under torchrun every rank must call it (the ranks' random states are gathered); rank 0 writes,
-    and no rank returns before the checkpoint is durable."""
+    """Write a checkpoint of `acc`'s whole training state to `path`, atomically. Under torchrun every
+    rank calls it (their random states are gathered); rank 0 writes; all return once it is durable."""
     path = Path(path)
     if path.is_dir() and acc.strategy != "fsdp":
         raise CheckpointError(f"cannot save a checkpoint to {path}: it is a folder (use acc.save_checkpoint(folder) for folders)")
@@ -63,9 +55,8 @@ def read(path: str | Path) -> dict:
 
 
 def load(acc: Accelerator, path: str | Path) -> None:
-    """Restore `acc` from the checkpoint at `path`; `CheckpointError` (and nothing changed) if it does not fit.
-
-    A sharded checkpoint loads into any number of ranks, a single process included (resharded)."""
+    """Restore `acc` from the checkpoint at `path` (a sharded one into any number of ranks);
+    `CheckpointError`, and nothing changed, if it does not fit."""
     path = Path(path)
     data = read(path)
     shards = sharded.loader(acc, path) if data.get("sharded") else None

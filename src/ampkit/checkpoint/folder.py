@@ -1,11 +1,9 @@
 """A folder of checkpoints: save every N steps, keep the newest few, resume from the newest good one.
 
-The folder's manifest (`ampkit-checkpoints.json`) names the run that writes there and its
-checkpoints, oldest first. ampkit deletes only what the manifest says it wrote, and only its
-own temporary files (`.step-00000100.pt.tmp-<pid>` of a writer that is gone): a user's file or
-folder, even one named like a checkpoint, is never touched. A fresh run refuses to save into a
-folder that holds another run's checkpoints (resume from it, or use another folder), and resume
-never falls back from one run's checkpoint to another's.
+Its manifest (`ampkit-checkpoints.json`) names the run writing there and its checkpoints, oldest
+first. ampkit deletes only what the manifest says it wrote and its own dead writers' temporary
+files, never a user's file; a fresh run refuses another run's folder, and resume never falls back
+from one run's checkpoint to another's.
 """
 
 from __future__ import annotations
@@ -46,9 +44,8 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
 
 
 def _legacy(folder: Path) -> list[Path]:
-    """The one checkpoint resume may try in a folder without a manifest: `latest`'s, else the newest.
-
-    Without a manifest nothing says which files belong to one run, so there is no fallback."""
+    """The one checkpoint resume may try in a folder without a manifest (nothing says which files are one
+    run's: no fallback): `latest`'s, else the newest."""
     found = sorted((p for p in folder.iterdir() if _NAME.match(p.name)), key=lambda p: p.name, reverse=True)
     try:
         named = folder / (folder / LATEST).read_text(encoding="utf-8").strip()
@@ -141,9 +138,7 @@ def _remove_stale_temp_files(folder: Path) -> None:
 
 def resume(acc: Accelerator, folder: Path, load: Any) -> Path | None:
     """Load the newest checkpoint of `folder` that loads, with `load(acc, path)`; None on a fresh start.
-
-    A broken newest checkpoint is skipped with a warning; a folder whose checkpoints all fail is a
-    `CheckpointError` listing each one and why (never a silent fresh start)."""
+    A broken one is skipped with a warning; if all fail, a `CheckpointError` lists each and why."""
     if folder.is_file():
         load(acc, folder)
         return folder

@@ -1,8 +1,6 @@
-"""One checkpoint file: tensors and plain data written by `torch.save`, with a SHA-256 digest.
-
-Reading never runs code: the file is loaded with `torch.load(weights_only=True)`, which admits
-tensors and plain containers only. The digest covers every tensor's bytes and every value, so a
-flipped byte inside a tensor (which still unzips) is caught too.
+"""One checkpoint file: tensors and plain data written by `torch.save`, with a SHA-256 digest over
+every tensor's bytes and every value (a flipped byte inside a tensor still unzips), read with
+`torch.load(weights_only=True)`: nothing in it can run code.
 """
 
 from __future__ import annotations

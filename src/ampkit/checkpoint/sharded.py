@@ -1,10 +1,9 @@
 """Sharded checkpoints (strategy="fsdp"): a folder written by torch.distributed.checkpoint (DCP).
 
-Every rank writes its shards into a temporary folder; rank 0 adds the rest of the training state
-(`ampkit.pt`, a checkpoint file like any other) and renames the folder into place once all shards
-are durable. Reading never runs code: DCP's `.metadata` is a pickle, read here by an unpickler
-that admits only DCP's own metadata records, and the non-tensor entries of the shards are loaded
-with `torch.load(weights_only=True)` (DCP's default planner would unpickle them freely).
+Every rank writes its shards into a temporary folder; rank 0 adds the rest of the state (`ampkit.pt`)
+and renames the folder into place once all are durable. Reading runs no code: DCP's `.metadata`
+pickle goes through an unpickler that admits only DCP's records, the shards' non-tensor entries
+through `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations

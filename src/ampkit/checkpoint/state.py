@@ -1,12 +1,9 @@
 """What a checkpoint holds, gathered from the objects that own it, and put back only if all of it fits.
 
-Every object owns its state: the Accelerator (epoch, accumulation position, loss scaler, run id),
-each prepared optimizer (the user's optimizer state in its exact dtype, step counters, and the fp32
-truth behind low-precision weights: master copies or Kahan buffers), scheduler and DataLoader
-(epoch, batch index, the random state its shuffle started from). This module only gathers those
-`state_dict()`s, adds the models, the random number generators and the per-parameter fp32 values
-(so a checkpoint converts between presets), checks a loaded checkpoint against the current setup
-*before changing anything*, and then loads it.
+Each prepared object owns its `state_dict()` (ARCHITECTURE.md's state contract); this module
+gathers them, adds the models, the random generators and the per-parameter fp32 values (so a
+checkpoint converts between presets), checks a loaded checkpoint *before changing anything*, then
+loads it.
 """
 
 from __future__ import annotations
@@ -95,10 +92,8 @@ def _check_finite(acc: Accelerator) -> None:
 
 
 def collect(acc: Accelerator, weights: bool = True) -> dict[str, Any]:
-    """Everything that decides the next training step, as tensors and plain data.
-
-    `weights=False` leaves out models and optimizer state (FSDP checkpoints store them sharded).
-    """
+    """Everything that decides the next training step, as tensors and plain data; `weights=False`
+    leaves out models and optimizer state (FSDP checkpoints store them sharded)."""
     _check_finite(acc)
     if any(o.stage is Stage.UNSCALED for o in acc.optimizers):
         raise CheckpointError(
@@ -179,10 +174,8 @@ def validate(acc: Accelerator, payload: dict[str, Any], path: Path, sharded: boo
 
 
 def apply(acc: Accelerator, payload: dict[str, Any], path: Path, load_shards: Any = None) -> None:
-    """Put a verified checkpoint into `acc` and everything it prepared, after `validate`.
-
-    Under the same preset every tensor is loaded exactly; under another one the weights are set
-    from the fp32 truth the checkpoint holds (fp32 → bf16-master, bf16-true → fp32, ...)."""
+    """Put a checkpoint into `acc` and everything it prepared, once `validate` passes: exactly under
+    the same preset, else the weights from the fp32 truth it holds (fp32 → bf16-master, ...)."""
     validate(acc, payload, path, sharded=load_shards is not None)
     exact = same_preset(acc, payload)
     for model, state in zip(acc.models, payload["models"]):
@@ -218,8 +211,7 @@ def apply(acc: Accelerator, payload: dict[str, Any], path: Path, load_shards: An
 
 
 def _convert_weights(acc: Accelerator, payload: dict[str, Any]) -> None:
-    """Set every weight from the best fp32 value the checkpoint has, then rebuild master copies or
-    Kahan buffers from it."""
+    """Set every weight from the best fp32 value the checkpoint has; rebuild masters or Kahan buffers."""
     truth = payload["fp32_weights"]
     names = _names(acc)
 

@@ -1,24 +1,11 @@
-"""`ampkit doctor`: where a training step's time goes, and what to change, ranked by time saved.
+"""`ampkit doctor`: where a training step's time goes and what to change (`ampkit doctor train.py`,
+`profile(acc, steps=20)`), or its numerical trouble (`--numerics`, `numerics(acc, steps=20)`).
 
-    ampkit doctor train.py --epochs 1          # run a script that uses ampkit, under the doctor
-    ampkit doctor --task iris-mlp --gpu T4     # a built-in task
-    ampkit doctor --numerics --task iris-mlp   # numerics: overflows, underflows, lost updates
-
-From Python, on a loop you already have (training continues; the report prints when done):
-
-    session = ampkit.doctor.profile(acc, steps=20)
-    session = ampkit.doctor.numerics(acc, steps=20)   # the numerics half (`numerics`)
-
-Every entry point is in `run`; both sessions are event listeners on one base (`watch`).
-
-The numerics half: the range census (`census`), the overflow localizer (`localizer`), the
-lost-update detector (`lost_updates`), the session that runs them (`numerics`), its verdicts
-(`numerics_findings`) and its report (`numerics_report`).
-
-The performance half: the session (`session`), phase times (`phases`), kernel ops from
-`torch.profiler` (`ops`), host↔device syncs by file:line (`sync`), the device advisor
-(`advisor`), the analysis and ranked findings (`analysis`, `findings`), and the report in three
-forms (`report`, `schema`).
+Entry points: `run`; both sessions listen on one base (`watch`). Performance: the session
+(`session`), phase times (`phases`), profiler ops (`ops`), syncs (`sync`), the device advisor
+(`advisor`), analysis and findings (`analysis`, `findings`), report and schema (`report`, `schema`).
+Numerics: `census`, `localizer`, `lost_updates`, the session (`numerics`), its verdicts
+(`numerics_findings`) and report (`numerics_report`).
 """
 
 from ampkit.doctor.advisor import GPUS, GPUSpec, estimate, find_gpu

@@ -1,17 +1,10 @@
 """The device advisor: from what one step measured here, how long would it take on a given GPU?
 
-The model is deliberately simple, so every number in the answer can be explained:
-
-- **host** (the Python thread): what the step spent here outside kernel ops (Python, autograd,
-  data loading) carries over unchanged — it is the same code on the same kind of CPU — and every
-  kernel op now costs its dispatch (the cheapest op measured here) plus a kernel launch.
-- **device**: each kernel op takes the longest of its FLOPs at the GPU's peak, its bytes at the
-  GPU's memory bandwidth, and the shortest time any kernel takes; plus the batch's copy over PCIe.
-- **step**: without syncs the host runs ahead and the step costs the larger of the two; each sync
-  makes the host wait for the device, so with one or more per step it costs their sum.
-
-Peaks are datasheet figures, so the device time is a lower bound: where the answer is "the GPU is
-slower", it holds with room to spare. Where a GPU is not in the table, the answer is "unknown".
+A simple model, so that every number can be explained. **Host**: the time outside kernel ops
+carries over, and each op costs its dispatch (the cheapest op here) plus a launch. **Device**: per
+op the longest of FLOPs at peak, bytes at bandwidth and the shortest kernel, plus the batch's PCIe
+copy. **Step**: the larger of the two, their sum with a sync per step. Peaks are datasheet figures,
+so the device time is a lower bound.
 """
 
 from __future__ import annotations

@@ -1,20 +1,20 @@
 """From a finished session's measurements to the result (`DOCTOR_SCHEMA`): figures, bound, advice.
 
-Two windows feed it. The *profiled* steps give the ops and, measured together with them, the share of the
-step spent inside kernel ops — both slowed alike by the profiler, so their ratio holds — and the syncs
-per step. The *timed* steps give the step and phase times without that overhead. Figures are medians: on
-a busy machine one step that waited for a core must not set them.
-
-Device speeds are measured too: the fastest matmul per dtype (at torch's thread count and at one
-thread) and a large copy's bandwidth (`ampkit.doctor.peak`). With them the doctor knows how long
-the step's work *needs* here, which is what separates "slow arithmetic" from "overhead" and from
-"threads waiting for cores".
+The profiled steps give the ops, the share of the step inside them (both slowed alike, so the ratio
+holds) and the syncs; the timed steps the step and phase times (medians: one stalled step must not
+set them). This device's matmul peaks and copy bandwidth say how long the step's work *needs* here:
+what separates slow arithmetic from overhead and from threads waiting for cores. A *peak* (unlike
+`ampkit info --bench`'s sustained throughput) is the fastest of a few repeats: a stall on a busy
+machine makes a repeat slower, never faster.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,10 +22,10 @@ import torch
 from ampkit.version import ampkit_version
 from ampkit.doctor import advisor, findings
 from ampkit.doctor.ops import OpStats, analyse
-from ampkit.doctor.peak import SIZE, copy_bandwidth, matmul_peaks
 from ampkit.doctor.phases import PHASES
-from ampkit.present import article, seconds, times
 from ampkit.hardware import capability, describe
+from ampkit.precision import short_dtype_name
+from ampkit.present import article, seconds, times
 
 if TYPE_CHECKING:
     from ampkit.doctor.session import DoctorSession
@@ -40,6 +40,59 @@ DATA_BOUND_SHARE = 0.5
 BENCH_SECONDS = 0.8
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+#: Matrix size per device type: big enough to reach the arithmetic units' speed, small enough that
+#: a dtype without fast units (bf16 on an AVX2 CPU: ~50× slower) still takes well under a second.
+SIZE = {"cpu": 256, "cuda": 4096, "mps": 2048}
+
+
+def sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # sync: the doctor's own, at window edges and around what it times
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def _fastest(run: Callable[[], object], device: torch.device, seconds: float, repeats: int) -> float:
+    """Seconds of the fastest of up to `repeats` calls of `run` (within ~`seconds`), after a warm-up call:
+    library init, kernel choice and the first touch of the pages stay out of the timing."""
+    run()
+    sync_device(device)
+    best = float("inf")
+    deadline = time.perf_counter() + seconds
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        sync_device(device)
+        best = min(best, time.perf_counter() - start)
+        if time.perf_counter() > deadline:
+            break
+    return best
+
+
+def copy_bandwidth(device: torch.device, seconds: float = 0.1, repeats: int = 5, mib: int = 64) -> float:
+    """Bytes/s of the fastest of up to `repeats` copies of a `mib` MiB fp32 tensor (read + write)."""
+    src = torch.ones(mib * 2**20 // 4, device=device)
+    dst = torch.empty_like(src)
+    return 2 * mib * 2**20 / _fastest(lambda: dst.copy_(src), device, seconds, repeats)
+
+
+def matmul_peaks(device: torch.device, dtype: torch.dtype, seconds: float = 0.3, repeats: int = 5) -> dict[int, float]:
+    """{threads: FLOP/s} of the fastest of up to `repeats` n×n matmuls in `dtype` (within ~`seconds`), at
+    torch's thread count and, on a CPU using several, at one: on a busy machine a multi-threaded matmul
+    waits for its slowest thread to get a core, and the two figures side by side show it."""
+    n = SIZE.get(device.type, 1024)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    threads = torch.get_num_threads()
+    counts = [threads, 1] if device.type == "cpu" and threads > 1 else [threads]
+    peaks = {}
+    for k in counts:
+        torch.set_num_threads(k)
+        try:
+            peaks[k] = 2 * n**3 / _fastest(lambda: a @ b, device, seconds / len(counts), repeats)
+        finally:
+            torch.set_num_threads(threads)
+    return peaks
 
 
 class Analysis:
@@ -90,9 +143,10 @@ class Analysis:
         self.every_step = {site for site, seen in self.site_steps.items() if seen >= max(1, self.synced_steps - 1)}
         self.syncs_per_step = sum(n for site, n in self.sync_sites.items() if site in self.every_step) / self.synced_steps
 
+        self.compute_dtype = short_dtype_name(self.acc.policy.compute_dtype)
         self.thread_peaks: dict[int, float] = {}  # fp32 matmul FLOP/s by thread count
         self.peaks = self._peaks() if session.bench else {}
-        self.bandwidth = self._bandwidth() if session.bench else None
+        self.bandwidth = self._try("memory bandwidth", lambda: copy_bandwidth(self.device)) if session.bench else None
         self.work_s = self._work_time()
         self.stall_s = findings.stall_time(self.kernel_s, self.work_s, self.ops.per_step, self.thread_peaks,
                                            on_cpu=self.device.type == "cpu")
@@ -117,11 +171,6 @@ class Analysis:
             return min(1.0, device_s / max(1e-9, self.step_s - self.phases["data"]))
         return min(1.0, ops.kernel_us_per_step * 1e-6 / prof_compute) if prof_compute > 0 else 0.0
 
-    @property
-    def compute_dtype(self) -> str:
-        dtype = self.acc.policy.compute_dtype
-        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
-
     def _peaks(self) -> dict[str, float]:
         """Best matmul FLOP/s here by dtype (fp32, bf16, and fp16 where it matters), over thread counts."""
         names = ["fp32", "bf16"]
@@ -129,21 +178,20 @@ class Analysis:
             names.append("fp16")
         peaks = {}
         for name in names:
-            try:
-                by_threads = matmul_peaks(self.device, _DTYPES[name], seconds=BENCH_SECONDS / len(names))
-            except Exception as exc:  # a dtype this device cannot run: its figures are "unknown"
-                self.notes.append(f"{name} matmul peak not measured ({type(exc).__name__}: {exc})")
+            by_threads = self._try(f"{name} matmul peak",
+                                   lambda: matmul_peaks(self.device, _DTYPES[name], seconds=BENCH_SECONDS / len(names)))
+            if by_threads is None:
                 continue
             peaks[name] = max(by_threads.values())
             if name == "fp32":
                 self.thread_peaks = by_threads
         return peaks
 
-    def _bandwidth(self) -> float | None:
+    def _try(self, what: str, measure: Callable[[], Any]) -> Any:
         try:
-            return copy_bandwidth(self.device)
-        except Exception as exc:  # out of memory for the 64 MiB buffers, say: bandwidth unknown
-            self.notes.append(f"memory bandwidth not measured ({type(exc).__name__}: {exc})")
+            return measure()
+        except Exception as exc:  # a dtype this device cannot run, no memory for the buffers: "unknown"
+            self.notes.append(f"{what} not measured ({type(exc).__name__}: {exc})")
             return None
 
     def _work_time(self) -> float | None:
@@ -201,8 +249,7 @@ class Analysis:
         return {
             "per_step": self.syncs_per_step, "method": self.sync_method, "real": self.device.type != "cpu",
             "watched_steps": self.synced_steps,
-            "sites": [{"file": site.file, "line": site.line, "code": site.code, "call": site.call,
-                       "via": site.via, "per_step": n / self.synced_steps, "reads": n,
+            "sites": [{**dataclasses.asdict(site), "per_step": n / self.synced_steps, "reads": n,
                        "steps_seen": self.site_steps[site], "every_step": site in self.every_step}
                       for site, n in sites],
             "cuda_debug": self.cuda_debug}

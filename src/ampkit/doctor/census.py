@@ -1,20 +1,11 @@
 """The range census: how close each module's activations and gradients come to fp16's and bf16's limits.
 
-For a few steps, a forward hook on every module measures its inputs and outputs, and a tensor hook
-on each output measures the gradient that flows back into it. Per module and per kind the census
-keeps, *on the device*, the largest finite absolute value and the number of elements that
-
-* overflow fp16 (|x| > 65504, inf included; NaN is counted apart, so a NaN that merely flows
-  downstream is not mistaken for a new overflow),
-* fall below fp16's smallest normal (2**-14: precision starts to drain away) or below its smallest
-  subnormal (2**-24: the value flushes to zero),
-* overflow bf16 or fall below its smallest normal (bf16 has fp32's range: rare, but reported).
-
-Nothing is read back until `result()`: the hooks launch a handful of reductions and never wait.
-
-Under loss scaling the gradients a hook sees are multiplied by the loss scale of that step. The
-census measures them as seen *and* divided by that scale (the true gradients): the first says
-whether fp16 holds them with scaling, the second whether it would without.
+Forward hooks on every module measure its inputs and outputs, tensor hooks the gradients flowing
+back into them. Per module and kind it keeps on the device (read once, in `result()`) the largest
+finite |value| and the `COUNTS`: over fp16 (> 65504 or inf; NaN apart, so a NaN flowing downstream
+is not a new overflow), below fp16's smallest normal (2**-14) and subnormal (2**-24: flushed to 0),
+over or below bf16's range, NaN. Loss-scaled gradients are measured as seen and divided by the
+step's scale (the true gradients): does fp16 hold them with scaling, would it without.
 """
 
 from __future__ import annotations
@@ -52,9 +43,8 @@ def float_tensors(obj: Any) -> list[torch.Tensor]:
 def measure(t: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The `COUNTS` of `t` (int64, on its device) and its largest finite |value|; no sync.
 
-    Measured in fp32: comparing a bf16 tensor with 65504 would round the threshold to 65536. With
-    `scale` (a loss-scaled gradient, measured as its true size) an inf is not counted as an
-    overflow: the scaling may have made it, and its true size is unknown.
+    In fp32 (a bf16 65504 would round to 65536). With `scale` (a loss-scaled gradient, measured at
+    its true size) an inf is no overflow: the scaling may have made it.
     """
     x = t.detach().float()
     a = x.abs()
@@ -111,13 +101,8 @@ def _tally(stats: ModuleStats, kind: str, tensors: list[torch.Tensor]) -> torch.
 
 
 class RangeCensus:
-    """Hooks every module of `models` and tallies value ranges until `remove()`.
-
-    Args:
-        models: the prepared models (DDP-unwrapped), in `acc.models` order.
-        device: where the tallies are read from (the Accelerator's device).
-        scale: a callable returning the current loss-scale tensor, or None without loss scaling.
-    """
+    """Hooks every module of `models` (`acc.models`) and tallies value ranges until `remove()`;
+    `scale` returns the current loss-scale tensor (None: no loss scaling)."""
 
     def __init__(self, models: list[nn.Module], device: torch.device, scale: Any = None) -> None:
         self._device = device
@@ -175,9 +160,7 @@ class RangeCensus:
 
     # --- reading ------------------------------------------------------------------------------
     def result(self, scaled: bool) -> dict[str, Any]:
-        """Per-module figures, the ranked layers at risk and a `keep_fp32` that would fix them.
-
-        One read of all device tallies (the doctor's own, after the watched steps)."""
+        """Per-module figures, the ranked layers at risk and a `keep_fp32` that would fix them."""
         stats = sorted(self.modules.values(), key=lambda s: s.order)
         wide = torch.float32 if self._device.type == "mps" else torch.float64  # exact counts where the device has fp64
         flat: list[torch.Tensor] = []
@@ -243,27 +226,19 @@ def _rank(modules: list[dict[str, Any]]) -> list[dict[str, Any]]:
     names = [m["name"] for m, _ in risky]
     risky = [(m, r) for m, r in risky if not any(n.startswith(m["name"] + ".") for n in names)]
 
-    def severity(item: tuple[dict[str, Any], list[str]]) -> tuple[float, ...]:
-        m, _ = item
+    def severity(m: dict[str, Any]) -> tuple[float, ...]:
         return (m["created_nonfinite"] > 0, _share(m, "output", "over_fp16"), _share(m, "input", "over_fp16"),
                 _share(m, "grad_unscaled", "over_fp16"), _share(m, "grad_unscaled", "under_fp16"))
 
-    ranked = sorted(risky, key=severity, reverse=True)  # stable: ties stay in execution order
-    out = []
-    for m, reasons in ranked:
-        overflow = bool(m["created_nonfinite"] or _share(m, "output", "over_fp16") or _share(m, "input", "over_fp16")
-                        or _share(m, "grad_unscaled", "over_fp16"))
-        act = m["output"]["abs_max"] if m["output"] else None
-        grad = m["grad_unscaled"]["abs_max"] if m["grad_unscaled"] else None
-        out.append({"name": m["name"], "type": m["type"], "reasons": reasons, "overflow": overflow,
-                    "activation_abs_max": _finite(act), "grad_abs_max": _finite(grad)})
-    return out
+    ranked = sorted(risky, key=lambda item: severity(item[0]), reverse=True)  # stable: ties keep execution order
+    return [{"name": m["name"], "type": m["type"], "reasons": reasons, "overflow": any(severity(m)[:4]),
+             "activation_abs_max": _finite(m["output"] and m["output"]["abs_max"]),
+             "grad_abs_max": _finite(m["grad_unscaled"] and m["grad_unscaled"]["abs_max"])} for m, reasons in ranked]
 
 
 def _suggest(at_risk: list[dict[str, Any]]) -> list[str]:
-    """Module names to keep in fp32: those whose values (or true gradients) exceed fp16's range.
-
-    Underflow alone is not on the list: loss scaling (the fp16 presets) is its fix."""
+    """Module names to keep in fp32: those whose values (or true gradients) exceed fp16's range
+    (underflow alone is not: loss scaling is its fix)."""
     return [m["name"] for m in at_risk if m["overflow"] and ":" not in m["name"]]
 
 

@@ -1,10 +1,8 @@
 """The doctor's findings: what to change, ranked by the time it should save, each with its evidence.
 
-Every rule reads the measured figures (the result under construction) and returns a `Finding` or
-nothing. A finding says what was seen (`evidence`), what to do (`fix`) and what it should save per
-step: on this device (`saved_s`) and, where that differs, on the reference GPU (`saved_on_gpu_s`) —
-a `loss.item()` costs nothing on a CPU and a whole step's overlap on a GPU. The estimates are
-labelled as such; the evidence is measured.
+Each rule reads the result under construction and returns a `Finding` or nothing: what was seen,
+what to do, and the estimated saving per step here and, where it differs, on the reference GPU (a
+`loss.item()` costs nothing on a CPU and a step's overlap on a GPU).
 """
 
 from __future__ import annotations
@@ -66,20 +64,12 @@ class Context:
     stall_s: float  # of the kernel time, what threads spent waiting for cores (`stall_time`)
 
 
-def rank(findings: list[Finding]) -> list[Finding]:
-    """Most time saved here first; among those that save nothing here, most saved on a GPU first."""
-    return sorted(findings, key=lambda f: (-f.saved_s, -(f.saved_on_gpu_s or 0.0)))
-
-
 def diagnose(result: dict[str, Any], ctx: Context) -> list[dict[str, Any]]:
-    """All findings for `result`, ranked, as dicts (the `findings` of `DOCTOR_SCHEMA`)."""
-    found: list[Finding] = []
-    for rule in (data_wait, busy_threads, overhead_bound, small_batch, precision):
-        finding = rule(result, ctx)
-        if finding is not None:
-            found.append(finding)
-    found.extend(syncs(result, ctx))
-    return [f.as_dict(result["step"]["host_s"]) for f in rank(found)]
+    """All findings for `result` as dicts (`DOCTOR_SCHEMA`), ranked: most time saved here first, then on a GPU."""
+    found = [rule(result, ctx) for rule in (data_wait, busy_threads, overhead_bound, small_batch, precision)]
+    found = [f for f in found if f is not None] + syncs(result, ctx)
+    found.sort(key=lambda f: (-f.saved_s, -(f.saved_on_gpu_s or 0.0)))
+    return [f.as_dict(result["step"]["host_s"]) for f in found]
 
 
 def _phase(result: dict[str, Any], name: str) -> dict[str, Any]:

@@ -1,25 +1,14 @@
 """The overflow localizer: replay one batch exactly and name the first module that went inf/NaN.
 
-While the numerics doctor watches, `BatchKeeper` keeps, for each forward of the current optimizer
-step, references to the model's inputs, the random-number state before the forward (dropout) and
-the gradient that reached the model's output (dLoss/dOutput, already loss-scaled: captured by a
-tensor hook on the output). That is everything needed to rerun the step's forward and backward
-without knowing the user's loss function:
+`BatchKeeper` keeps, per forward of the current step, references to the model's inputs, the RNG
+state before it and the loss-scaled dLoss/dOutput (a tensor hook on the output): enough to rerun the
+step without the user's loss function — restore RNG, `model(*args, **kwargs)` with hooks on every
+module, `torch.autograd.grad(output, params, grad_outputs=dLoss/dOutput)` (nothing lands in
+`.grad`), then put back the RNG and every buffer, so the run is bitwise unaffected. Exact for a
+skipped step; an applied one is replayed on the weights from before it (`keep_weights`).
 
-    restore RNG → output = model(*args, **kwargs) with hooks on every module
-    → torch.autograd.grad(output, params, grad_outputs=saved dLoss/dOutput)
-
-`torch.autograd.grad` returns the gradients instead of accumulating them into `.grad`, and the
-replay puts back the RNG state and every buffer (BatchNorm running statistics) it touched, so the
-training run is bitwise unaffected. The replay is exact for a step that was skipped (its weights did
-not change). A step that was applied (a non-finite loss without loss scaling: nothing skips it) has
-already changed the weights when the doctor learns of it, so the keeper can also hold each step's
-weights as they were before it (`keep_weights`); the replay runs on those and puts the current ones
-back. On demand it uses the current weights.
-
-"First" in the forward is execution order: a forward hook fires when its module returns, so an
-inner module fires before the container holding it. In the backward it is the order gradients are
-produced, from the output toward the input.
+"First" is execution order: in the forward an inner module returns before its container; in the
+backward, gradients are produced from the output toward the input.
 """
 
 from __future__ import annotations
@@ -52,12 +41,6 @@ def _rng_state(device: torch.device) -> tuple[torch.Tensor, tuple[int, torch.Ten
         index = device.index if device.index is not None else torch.cuda.current_device()
         cuda = (index, torch.cuda.get_rng_state(index))  # the generator's seed and offset: no device sync
     return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(cpu: torch.Tensor, cuda: tuple[int, torch.Tensor] | None) -> None:
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state(cuda[1], cuda[0])
 
 
 class BatchKeeper:
@@ -139,11 +122,9 @@ def replay(capture: Capture, names: dict[nn.Module, str], device: torch.device,
            weights: list[tuple[nn.Parameter, torch.Tensor]] | None = None) -> dict[str, Any]:
     """Rerun `capture`'s forward and backward with hooks; return where values first went inf/NaN.
 
-    `names` maps each module of the model to its name; `weights` ((parameter, value before the
-    step) pairs, from `BatchKeeper.weights`) replays an applied step on the weights it ran with,
-    putting the current ones back afterwards. Returns {"forward": culprit|None,
-    "backward": culprit|None, "note": str|None}; a culprit is {"module", "type", "what", "shape",
-    "dtype", "max_finite_before", "nonfinite", "nan", "inf", "elements"}.
+    `names`: module -> name; `weights` ((parameter, value before the step), `BatchKeeper.weights`):
+    replay on those and put the current ones back. Returns {"forward", "backward", "note"}, a
+    culprit being the localizer record of `NUMERICS_SCHEMA`.
     """
     model = capture.model
     events: list[_Event] = []
@@ -173,31 +154,34 @@ def replay(capture: Capture, names: dict[nn.Module, str], device: torch.device,
         for pname, param in module.named_parameters(recurse=False):
             if param.requires_grad:
                 handles.append(param.register_hook(on_grad(name, type(module).__name__, f"grad_{pname}")))
-    saved_rng = _rng_state(device)
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     current = [(p, p.detach().clone()) for p, _ in weights or ()]
     note = None
-    try:
-        with torch.no_grad():
-            for param, before in weights or ():
-                param.copy_(before)
-        _set_rng_state(*capture.rng)
-        with torch.enable_grad():
-            output = model(*capture.args, **capture.kwargs)
-        outs = [t for t in float_tensors(output) if t.requires_grad]
-        pairs = [(o, g) for o, g in zip(outs, capture.output_grads) if g is not None]
-        params = [p for p in model.parameters() if p.requires_grad]
-        if pairs and params:
-            torch.autograd.grad([o for o, _ in pairs], params, grad_outputs=[g for _, g in pairs], allow_unused=True)
-        elif not pairs:
-            note = "no gradient reached the model's output in that step: only the forward was replayed"
-    finally:
-        for handle in handles:
-            handle.remove()
-        with torch.no_grad():
-            for tensor, value in buffers + current:
-                tensor.copy_(value)
-        _set_rng_state(*saved_rng)
+    cpu_rng, cuda_rng = capture.rng
+    with torch.random.fork_rng(devices=[cuda_rng[0]] if cuda_rng else []):  # the run's random streams come back
+        try:
+            with torch.no_grad():
+                for param, before in weights or ():
+                    param.copy_(before)
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng[1], cuda_rng[0])
+            with torch.enable_grad():
+                output = model(*capture.args, **capture.kwargs)
+            outs = [t for t in float_tensors(output) if t.requires_grad]
+            pairs = [(o, g) for o, g in zip(outs, capture.output_grads) if g is not None]
+            params = [p for p in model.parameters() if p.requires_grad]
+            if pairs and params:
+                torch.autograd.grad([o for o, _ in pairs], params, grad_outputs=[g for _, g in pairs],
+                                    allow_unused=True)
+            elif not pairs:
+                note = "no gradient reached the model's output in that step: only the forward was replayed"
+        finally:
+            for handle in handles:
+                handle.remove()
+            with torch.no_grad():
+                for tensor, value in buffers + current:
+                    tensor.copy_(value)
     return _first_nonfinite(events, note)
 
 

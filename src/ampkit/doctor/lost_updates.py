@@ -1,23 +1,12 @@
 """The lost-update detector: optimizer updates too small for the dtype the weights are stored in.
 
-A weight stored in bf16 has 8 significant bits: an update smaller than half the gap to the next
-bf16 value (half an *ulp*) rounds away, and with a small learning rate most updates can. Training
-then quietly stalls while the loss looks merely slow. Master weights (`*-master`) keep an fp32 copy
-that does not lose them; `bf16-true` keeps what rounding lost in a Kahan buffer.
-
-Per parameter group of the first prepared optimizer, around each applied optimizer step, the
-detector compares the *effective* weight before and after:
-
-* the parameter itself for fp32 and plain low-precision storage,
-* the fp32 master for the `-master` presets (the master is the truth; the model's copy is a view),
-* bf16 weight + Kahan compensation for `bf16-true`.
-
-Among the elements the optimizer wanted to move (nonzero gradient), it counts those whose effective
-weight did not change at all (**lost**), and those whose update is below half an ulp of the weight
-in the model's storage dtype (**below half an ulp**: lost without masters or compensation). A group
-whose update was exactly zero by intent is not counted for that step: a learning rate of 0 (a
-warm-up from 0), or no element of the group moving at all. Counts stay on the device until
-`result()`.
+In bf16 (8 significant bits) an update below half the gap to the next value (half an *ulp*) rounds
+away, and training quietly stalls; `*-master` presets keep fp32 masters, `bf16-true` a Kahan buffer.
+Per parameter group of the first optimizer, around each applied step, it compares the *effective*
+weight (the parameter, its fp32 master, or bf16 + compensation) before and after: of the elements
+with a nonzero gradient, those that did not move (**lost**) and those whose update is below half an
+ulp of the storage dtype. A group meant to stay put (learning rate 0, nothing moved) is not counted
+that step. Counts stay on the device until `result()`.
 """
 
 from __future__ import annotations
@@ -39,11 +28,8 @@ _MANTISSA = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10, torch.floa
 
 
 def half_ulp(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Half the gap between `w` (fp32) and the next value of `dtype` away from zero, elementwise.
-
-    From the binary exponent: a normal value with exponent e (|w| in [2**(e-1), 2**e)) has an ulp
-    of 2**(e-1-mantissa bits); below the smallest normal the gap is the smallest subnormal.
-    """
+    """Half the gap between `w` (fp32) and the next value of `dtype` away from zero, elementwise: a
+    normal |w| in [2**(e-1), 2**e) has an ulp of 2**(e-1-mantissa bits); below the normals, a subnormal's."""
     info = torch.finfo(dtype)
     bits = _MANTISSA[dtype]
     _, exponent = torch.frexp(w.float())

@@ -1,28 +1,15 @@
 """`ampkit doctor --numerics`: the layer that overflows, the gradients that underflow, the updates that are lost.
 
-`NumericsSession` (made by the entry points in `run`) listens to the Accelerator's events
-(`ampkit.doctor.watch.Watch`), watches `steps` optimizer steps with four instruments, then takes
-every hook off:
+`NumericsSession` watches `steps` optimizer steps with the range census (`census`), the overflow
+localizer (`localizer`: the first skipped step, or without loss scaling the first with an inf/NaN
+loss, replayed exactly to name the first module that went inf/NaN), the lost-update detector
+(`lost_updates`) and the loss scale's history, then takes every hook off.
 
-* the range census (`census`): per-module value ranges against fp16's and bf16's limits;
-* the overflow localizer (`localizer`): on the first skipped step (or, without loss scaling, the
-  first step whose loss was inf/NaN), an exact replay of its batch that names the first module
-  whose output or gradient became inf/NaN;
-* the lost-update detector (`lost_updates`): updates too small for the weights' storage dtype;
-* loss-scale health: the scale history, skipped steps and the steps since the last overflow.
-
-It changes no weight, buffer, gradient or random stream: a run with the doctor is bitwise the run
-without it. It does read one flag per watched step as the step ends (one host<->device sync): the
-scaler's overflow flag under loss scaling, else its own "the loss was inf/NaN" flag, kept on the
-device as `acc.backward` receives each loss. So the batch of a troubled step is replayed before the
-next update; that is why it watches a handful of steps, not a whole run. (Under loss scaling a
-non-finite loss makes every gradient non-finite and the step is skipped: the overflow flag covers it.)
-
-Made before the model and optimizer are prepared (`ampkit doctor --numerics script.py`), it puts its
-hooks on at the first event after they are: before a step's forward (a batch wait, `zero_grad`,
-the end of a step), or, reached mid-step (`acc.backward`), from the next step on.
-
-If the loss scale collapses while it watches, the `LossScaleCollapse` raised carries its diagnosis.
+It changes no weight, buffer, gradient or random stream: the run is bitwise the run without it. It
+reads one flag per watched step (one sync: the scaler's overflow flag, else its own inf/NaN-loss
+flag), so a troubled step's batch is replayed before the next update. Made before the model and
+optimizer are prepared, it hooks on at the first event after they are (from the next step on when
+that is mid-step). A loss scale that collapses while it watches raises with its diagnosis.
 """
 
 from __future__ import annotations
@@ -47,10 +34,7 @@ from ampkit.precision import dtype_name
 
 
 class NumericsSession(Watch):
-    """Watches `steps` optimizer steps of `acc` for numerical trouble (see the module docstring).
-
-    Args as `Watch`'s; `steps` counts skipped steps too, and the hooks go on after `warmup`.
-    """
+    """Watches `steps` optimizer steps of `acc` (skipped ones too) after `warmup`, for numerical trouble."""
 
     name = "ampkit doctor --numerics"
 
@@ -84,19 +68,16 @@ class NumericsSession(Watch):
             self._maybe_open(mid_step=False)
 
     def _maybe_open(self, mid_step: bool) -> None:
-        """Hooks on, once the model and optimizer are prepared and the warm-up has passed."""
-        if self._census is None and self.result is None and self.seen_steps >= self.warmup and (
+        """Hooks on once the model and optimizer are prepared and the warm-up has passed: the watched
+        window starts at the next forward (`mid_step`: at the next step's)."""
+        if self._census is not None or self.result is not None or self.seen_steps < self.warmup or not (
                 self.acc.models and self.acc.optimizers):
-            self._open()
-            self._partial = mid_step
-
-    def _open(self) -> None:
-        """Hooks on: the watched window starts at the next forward."""
+            return
+        self._partial = mid_step
         models = list(self.acc.models)
         self._reconcile()
         scaler = self.acc.scaler
-        current_scale = (lambda: scaler.scale_tensor) if scaler is not None else None
-        self._census = RangeCensus(models, self.acc.device, current_scale)
+        self._census = RangeCensus(models, self.acc.device, None if scaler is None else lambda: scaler.scale_tensor)
         self.hooks.callback(self._census.remove)
         # Without loss scaling nothing skips a step whose loss went inf/NaN: the update is applied
         # before the doctor can know, so the replay needs the weights from before each step.
@@ -233,11 +214,10 @@ class NumericsSession(Watch):
                 census.enabled = True
 
     def localize(self) -> Result | None:
-        """Replay the latest step's batch now (on demand) and return where it first went inf/NaN.
+        """Replay the latest step's batch now and return where it first went inf/NaN (None: no batch held).
 
-        Exact when that step was skipped (its weights did not change); otherwise it runs the same
-        inputs and random numbers through the current weights. None when no batch is held. The report
-        keeps the replay of a skipped step over an on-demand one (that one is exact)."""
+        Exact for a skipped step; otherwise the same inputs and random numbers through the current
+        weights, so the report keeps a skipped step's replay over this one."""
         found = self._replay("on demand", on_demand=True)
         if found is not None and (self._localized is None or self._localized["trigger"] == "on demand"):
             self._localized = found

@@ -140,11 +140,9 @@ def findings(r: Result) -> list[Result]:
 
 # --- the summary a comparison shows per run ----------------------------------------------------
 def summarize(r: Result) -> Result:
-    """The few figures `ampkit compare` shows of a result (report.json's `runs[i].numerics`).
-
-    `problem` is one line when something needs changing *in this run's precision*, else None: an
-    fp32 run whose activations would overflow fp16, or masters doing their job, are not problems
-    (the full result, kept as `detail`, still says them)."""
+    """The few figures `ampkit compare` shows of a result (report.json's `runs[i].numerics`); `problem` is
+    one line when something needs changing *in this run's precision* (an fp32 run that would overflow
+    fp16, or masters doing their job, are none: `detail`, the full result, still says them)."""
     census, lost, scale = r["census"], r["lost_updates"], r["loss_scale"]
     shares = [g["lost_share"] for g in lost["groups"] if g["lost_share"] is not None] if lost else []
     return {"steps": r["steps"]["watched"], "at_risk": [m["name"] for m in census["at_risk"]],

@@ -1,16 +1,10 @@
 """What the profiler saw in the profiled steps: the ops that are device kernels, their time, FLOPs, bytes.
 
-`torch.profiler` records every op the dispatcher runs, nested: `aten::linear` calls `aten::addmm`,
-which may call `aten::copy_`. Counting all of them would count one matmul three times. A *kernel
-op* here is the outermost op that does work on a backend: not a decomposition
-(CompositeImplicitAutograd, e.g. `aten::linear`), not a view (`aten::t`), not an allocation
-(`aten::empty`), and not inside another kernel op. On a GPU each is (about) one kernel launch, so
-the count is what a GPU would launch for this step and its duration here is what each costs on this
-device. Ops run by the DataLoader are data loading, not training, and are left out.
-
-FLOPs come from the profiler (`with_flops=True`: matmuls, convolutions, some elementwise ops);
-bytes are estimated from the recorded input shapes and dtypes (every input read once plus an output
-the size of the largest input), which is enough for a roofline estimate, not for a memory budget.
+The profiler records ops nested (`aten::linear` → `aten::addmm` → `aten::copy_`). A *kernel op* is
+the outermost op that does work on a backend — not a decomposition (CompositeImplicitAutograd), a
+view or an allocation — about one GPU kernel launch each; the DataLoader's ops are left out. FLOPs
+are the profiler's; bytes are estimated from the input shapes (every input read once, plus an
+output the size of the largest): enough for a roofline, not a memory budget.
 """
 
 from __future__ import annotations
@@ -21,6 +15,7 @@ import re
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -152,20 +147,17 @@ class OpStats:
         return rows[:n]
 
 
-def _children(events: list[Any]) -> dict[int, list[Any]]:
-    kids: dict[int, list[Any]] = defaultdict(list)
-    for e in events:
-        if e.cpu_parent is not None:
-            kids[id(e.cpu_parent)].append(e)
-    return kids
-
-
-def _is_data(event: Any) -> bool:
+def _ancestors(event: Any) -> Iterator[Any]:
+    """`event` and the ops it runs inside, innermost first."""
     while event is not None:
-        if event.name.startswith(_DATA_RANGE) or event.name in _DATA_OPS:
-            return True
+        yield event
         event = event.cpu_parent
-    return False
+
+
+def _descendants(event: Any) -> Iterator[Any]:
+    for child in event.cpu_children:
+        yield child
+        yield from _descendants(child)
 
 
 def analyse(events: list[Any], steps: int) -> OpStats:
@@ -176,55 +168,41 @@ def analyse(events: list[Any], steps: int) -> OpStats:
 
     cpu = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async]
     cuda = [e for e in events if e.device_type == DeviceType.CUDA]
-    kids = _children(cpu)
 
     def kernel(e: Any) -> bool:
         return is_kernel(e.name, getattr(e, "overload_name", "") or "")
 
-    def under_kernel(e: Any) -> bool:
-        p = e.cpu_parent
-        while p is not None:
-            if kernel(p):
-                return True
-            p = p.cpu_parent
-        return False
+    def outer(e: Any) -> bool:
+        """A kernel op inside no other."""
+        return kernel(e) and not any(kernel(p) for p in _ancestors(e.cpu_parent))
 
-    def descendants(e: Any) -> list[Any]:
-        out, stack = [], list(kids.get(id(e), ()))
-        while stack:
-            d = stack.pop()
-            out.append(d)
-            stack.extend(kids.get(id(d), ()))
-        return out
+    def is_data(e: Any) -> bool:
+        return any(a.name.startswith(_DATA_RANGE) or a.name in _DATA_OPS for a in _ancestors(e))
 
-    outer = [e for e in cpu if kernel(e) and not _is_data(e) and not under_kernel(e)]
     flops: dict[int, int] = defaultdict(int)
     total_flops = 0
     for e in cpu:
         f = int(e.flops or 0)
-        if not f or _is_data(e):
+        if not f or is_data(e):
             continue
         total_flops += f
-        owner = e
-        while owner is not None and not (kernel(owner) and not under_kernel(owner)):
-            owner = owner.cpu_parent
-        if owner is None:  # a decomposition above its kernels (aten::conv2d): give it to the first one
-            owner = next((d for d in sorted(descendants(e), key=lambda d: d.time_range.start)
-                          if kernel(d) and not under_kernel(d)), None)
+        # its kernel, or for a decomposition above its kernels (aten::conv2d) the first of them
+        owner = next((a for a in _ancestors(e) if outer(a)), None)
+        if owner is None:
+            owner = next((d for d in sorted(_descendants(e), key=lambda d: d.time_range.start) if outer(d)), None)
         if owner is not None:
             flops[id(owner)] += f
     kernels = []
-    for e in outer:
+    for e in cpu:
+        if not outer(e) or is_data(e):
+            continue
         inputs = _input_bytes(e)
         moved = sum(inputs)
         if moved:
             moved += max(inputs)  # the output
         else:  # a TensorList op (foreach) records no shapes: what its inner ops touched
-            moved = sum(sum(_input_bytes(d)) for d in descendants(e))
+            moved = sum(sum(_input_bytes(d)) for d in _descendants(e))
         kernels.append(KernelOp(e.name, float(e.cpu_time_total), flops.get(id(e), 0), moved,
                                 bool(MATMUL_OPS.search(e.name))))
-    cuda_kernels = cuda_us = None
-    if cuda:
-        cuda_kernels = len(cuda)
-        cuda_us = float(sum(e.time_range.elapsed_us() for e in cuda))  # each kernel's own span on the device
-    return OpStats(steps, tuple(kernels), total_flops, cuda_kernels, cuda_us)
+    cuda_us = float(sum(e.time_range.elapsed_us() for e in cuda))  # each kernel's own span on the device
+    return OpStats(steps, tuple(kernels), total_flops, len(cuda) if cuda else None, cuda_us if cuda else None)

@@ -1,16 +1,9 @@
 """Where a training step's host time goes: data, host→device copy, forward, backward, optimizer.
 
-`PhaseClock` is an `ampkit.events.Listener` on the watched Accelerator; the engine tells it where
-each phase starts and ends:
-
-- a prepared DataLoader's wait for the next batch is *data*; its copy to the device is *h2d*;
-- from the first model call after a batch until `acc.backward` is *forward* — the model and the
-  loss computed from its output (torch's global module forward hooks mark the first call);
-- `acc.backward` is *backward*; the prepared optimizers' `step` and `zero_grad` are *optimizer*.
-
-Everything else in the step (logging, Python between the calls, a loss computed long before
-backward) is *other*. These are host times: on CUDA the device runs behind the host, so they say
-where the Python thread spends the step, and the step time itself is measured on the device.
+`PhaseClock` listens to the Accelerator's events: the loader's batch wait is *data*, its copy *h2d*;
+from the first model call after a batch (torch's global module hooks) to `acc.backward` is
+*forward*; `acc.backward` *backward*; the optimizers' `step` and `zero_grad` *optimizer*; the rest
+*other*. Host times: on CUDA they say where the Python thread spends the step.
 """
 
 from __future__ import annotations
@@ -32,12 +25,8 @@ PHASES: tuple[str, ...] = ("data", "h2d", "forward", "backward", "optimizer")
 
 
 class PhaseClock(Listener):
-    """Host seconds per phase in the current step, plus the samples and batch bytes it loaded.
-
-    `active` is switched on by the doctor for the measured steps only; `take()` returns the
-    current step's figures and starts the next. `hook(stack)` adds the module forward hooks to an
-    ExitStack that removes them.
-    """
+    """Host seconds per phase in the current step (while `active`), plus the samples and batch bytes it
+    loaded; `take()` returns them and starts the next step; `hook(stack)` adds the module hooks."""
 
     def __init__(self) -> None:
         self.active = False

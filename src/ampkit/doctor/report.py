@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ampkit.present import article, count, escape, flop, seconds, times, where
+from ampkit.present import article, as_text, count, escape, flop, seconds, times, where
 
 Result = dict[str, Any]
 
@@ -136,65 +136,50 @@ _SYNC_HEADER = ["where", "code", "call", "per step"]
 _ADVISOR_HEADER = ["device", "fp32 step", "mixed step", "host", "device time", "bound", "vs here"]
 
 
-def format_text(r: Result) -> str:
-    """The whole report as plain text (logs, and terminals without rich)."""
-    def table(header: list[str], rows: list[list[str]]) -> list[str]:
-        widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-        fmt = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-        return ["  " + fmt(header), *("  " + fmt(row) for row in rows)]
-
-    out = [_title(r), _measured(r), "", _step_line(r), _bound_line(r), "", "where the step goes (host time):"]
-    out += table(_PHASE_HEADER, _phase_rows(r))
-    out += ["", _ops_line(r)] + table(_OP_HEADER, _op_rows(r))
-    out += ["", _sync_line(r)]
-    if r["syncs"]["sites"]:
-        out += table(_SYNC_HEADER, _sync_rows(r))
-    out += ["", f"device advisor (* = reference GPU; host, device and bound of the faster precision): "
-                f"{r['advisor']['verdict']}"]
-    out += table(_ADVISOR_HEADER, _advisor_rows(r))
-    out += [f"  assumptions: {r['advisor']['assumptions']}", "", "findings, ranked by estimated time saved:"]
-    if not r["findings"]:
-        out.append("  none: nothing in the measured steps stands out")
-    for i, f in enumerate(r["findings"], 1):
-        out += [f"  {i}. {f['title']}", f"     evidence: {f['evidence']}", f"     fix: {f['fix']}",
-                f"     {_saving(f, r)}"]
-    if r["notes"]:
-        out += ["", *(f"note: {n}" for n in r["notes"])]
-    return "\n".join(out)
+def _table(title: str, header: list[str], rows: list[list[str]], right: tuple[int, ...]) -> Table:
+    # not `present.table`: that one collapses the padding and aligns every column after the first right
+    t = Table(title=Text(title, style="bold"), title_justify="left", box=box.SIMPLE_HEAD)
+    for i, h in enumerate(header):
+        t.add_column(Text(h), justify="right" if i in right else "left")
+    for row in rows:
+        t.add_row(*(Text(str(c)) for c in row))
+    return t
 
 
-def render_report(r: Result, console: Any = None) -> None:
-    """Print the report to the terminal with rich tables."""
-    def table(title: str, header: list[str], rows: list[list[str]], right: tuple[int, ...]) -> Table:
-        # not `present.table`: that one collapses the padding and aligns every column after the first right
-        t = Table(title=Text(title, style="bold"), title_justify="left", box=box.SIMPLE_HEAD)
-        for i, h in enumerate(header):
-            t.add_column(Text(h), justify="right" if i in right else "left")
-        for row in rows:
-            t.add_row(*(Text(str(c)) for c in row))
-        return t
-
+def _renderables(r: Result) -> list[Any]:
+    """The report top to bottom: what the terminal shows and `format_text` writes."""
     bound_style = "bold yellow" if r["bound"]["kind"] != "compute" else "bold green"
     lines: list[Any] = [
         Text(_title(r), style="bold"), Text(_measured(r), style="dim"), Text(_step_line(r)),
         Text(_bound_line(r), style=bound_style),
-        table("where the step goes (host time)", _PHASE_HEADER, _phase_rows(r), (1, 2)),
-        Text(_ops_line(r)), table("top kernel ops", _OP_HEADER, _op_rows(r), (1, 2, 3, 4)),
-        Text(_sync_line(r), style="bold"),
-        table("", _SYNC_HEADER, _sync_rows(r), (3,)) if r["syncs"]["sites"] else None,
-        Text("device advisor: " + r["advisor"]["verdict"], style="bold"),
-        table("", _ADVISOR_HEADER, _advisor_rows(r), (1, 2, 3, 4, 6)),
-        Text("assumptions: " + r["advisor"]["assumptions"], style="dim"),
-        Text("\nfindings, ranked by estimated time saved", style="bold"),
-        None if r["findings"] else Text("  none: nothing in the measured steps stands out")]
+        _table("where the step goes (host time):", _PHASE_HEADER, _phase_rows(r), (1, 2)),
+        Text(_ops_line(r)), _table("top kernel ops:", _OP_HEADER, _op_rows(r), (1, 2, 3, 4)),
+        Text(_sync_line(r), style="bold")]
+    if r["syncs"]["sites"]:
+        lines.append(_table("", _SYNC_HEADER, _sync_rows(r), (3,)))
+    lines += [Text("device advisor (* = reference GPU; host, device and bound of the faster precision): "
+                   + r["advisor"]["verdict"], style="bold"),
+              _table("", _ADVISOR_HEADER, _advisor_rows(r), (1, 2, 3, 4, 6)),
+              Text("assumptions: " + r["advisor"]["assumptions"], style="dim"),
+              Text("\nfindings, ranked by estimated time saved:", style="bold")]
+    if not r["findings"]:
+        lines.append(Text("  none: nothing in the measured steps stands out"))
     for i, f in enumerate(r["findings"], 1):
         lines += [Text(f"{i}. {f['title']}", style="bold cyan"), Text(f"   evidence: {f['evidence']}"),
                   Text(f"   fix: {f['fix']}", style="green"), Text(f"   {_saving(f, r)}", style="dim")]
-    lines += [Text(f"note: {note}", style="dim") for note in r["notes"]]
+    return lines + [Text(f"note: {note}", style="dim") for note in r["notes"]]
+
+
+def format_text(r: Result) -> str:
+    """The whole report as plain text, its lines never wrapped (logs)."""
+    return "\n".join(line.rstrip() for line in as_text(*_renderables(r), width=10_000).splitlines())
+
+
+def render_report(r: Result, console: Any = None) -> None:
+    """Print the report to the terminal with rich tables."""
     console = console or Console()
-    for line in lines:
-        if line is not None:
-            console.print(line)
+    for line in _renderables(r):
+        console.print(line)
 
 
 # --- HTML -------------------------------------------------------------------------------------------
@@ -223,11 +208,8 @@ def _html_table(header: list[str], rows: list[list[str]], numeric: tuple[int, ..
 
 
 def render_html_section(r: Result) -> str:
-    """The report as one self-contained `<section>` (its own scoped style, no scripts, no links).
-
-    Every value is escaped, so a file name or source line from the user's code cannot inject
-    markup. `ampkit compare`'s HTML report can include it as is.
-    """
+    """The report as one self-contained `<section>` (scoped style, no scripts, no links), every value
+    escaped: a file name or source line of the user's cannot inject markup."""
     widest = max((p["share"] for p in r["phases"]), default=0.0) or 1.0
     phase_rows = [[p["name"], seconds(p["seconds"]), f"{p['share']:.0%}",
                    f'<span class="bar" style="width:{12 * p["share"] / widest:.2f}rem"></span>']

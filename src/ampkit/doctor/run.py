@@ -1,18 +1,15 @@
-"""The doctors' entry points: on a loop you already have, on a user's script, on a built-in task.
+"""The doctors' entry points: on a loop you already have (`profile`, `numerics`), on a user's script
+(`diagnose_script`, `numerics_script`), on a built-in task or loop (`diagnose_task`, `numerics_task`,
+`numerics_train_fn`).
 
-    profile(acc, steps=20)          # where the step time goes (`DoctorSession`), training goes on
-    numerics(acc, steps=20)         # overflows, underflows, lost updates (`NumericsSession`)
-    diagnose_script("train.py", ["--epochs", "1"]) / numerics_script(...)
-    diagnose_task("iris-mlp") / numerics_task(...) / numerics_train_fn(train_fn)
-
-A script runs as `python train.py args...` would (`runpy`, `__main__`, `sys.argv`, the script's
-folder first on `sys.path`). `ampkit.events.watch_created` hands the doctor the first Accelerator
-the script creates; the session listens to it from then on and ends the script (`StopTraining`)
-once it has seen enough. The script does not change.
+A script runs as `python train.py args...` would (`runpy`, `__main__`, `sys.argv`, its folder first
+on `sys.path`); `ampkit.events.watch_created` hands the doctor the first Accelerator it creates, and
+the session ends the script (`StopTraining`) once it has seen enough. The script does not change.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import runpy
 import sys
@@ -37,24 +34,16 @@ from ampkit.tasks import get_task
 # --- on a loop you already have ---------------------------------------------------------------
 def profile(acc: Accelerator, steps: int = 20, *, warmup: int = 5, gpu: str = "A100", report: bool = True,
             on_done: Callable[[Result], None] | None = None) -> DoctorSession:
-    """Diagnose the next `steps` optimizer steps of `acc` (after `warmup`), while training goes on.
-
-    The loop does not change: the session observes it through the Accelerator's events and, after
-    the last measured step, prints the report (`report=True`) and leaves `session.result`. Call
-    `session.finish()` if the loop may end before that.
-    """
+    """Diagnose the next `steps` optimizer steps of `acc` (after `warmup`) while training goes on; then
+    print the report (`report`) and leave `session.result` (`session.finish()` if the loop ends first)."""
     return DoctorSession(acc, steps=steps, warmup=warmup, gpu=gpu, on_done=_then(render_report if report else None,
                                                                                    on_done))
 
 
 def numerics(acc: Accelerator, steps: int = 20, *, warmup: int = 0, report: bool = True,
              on_done: Callable[[Result], None] | None = None) -> NumericsSession:
-    """Watch the next `steps` optimizer steps of `acc` for numerical trouble, while training goes on.
-
-    The loop does not change. After the last watched step the session takes its hooks off, prints
-    the report (`report=True`) and leaves `session.result`; call `session.finish()` if the loop
-    may end first. Usable as a context manager (`with numerics(acc, 5) as s:`).
-    """
+    """Watch the next `steps` optimizer steps of `acc` for numerical trouble while training goes on; as
+    `profile`, and usable as a context manager (`with numerics(acc, 5) as s:`)."""
     return NumericsSession(acc, steps=steps, warmup=warmup,
                            on_done=_then((lambda r: print(format_text(r))) if report else None, on_done))
 
@@ -70,15 +59,14 @@ def _then(*calls: Callable[[Result], Any] | None) -> Callable[[Result], None]:
 # --- on a user's script ---------------------------------------------------------------------------
 def diagnose_script(script: str | Path, args: Sequence[str] = (), *, steps: int = 20, warmup: int = 5,
                     gpu: str = "A100", bench: bool = True) -> Result:
-    """Run `script` with `args` until `warmup + steps` optimizer steps, and diagnose them.
+    """Run `script` with `args` until `warmup + steps` optimizer steps, and diagnose them (`DOCTOR_SCHEMA`).
 
-    Returns the result (`DOCTOR_SCHEMA`). Raises FileNotFoundError for a missing script,
-    `DoctorError` when the script creates no Accelerator or ends before a step was measured, and
-    re-raises whatever the script itself raised (`script_traceback` shows its frames).
+    FileNotFoundError for a missing script, `DoctorError` when it creates no Accelerator or ends
+    before a step was measured; what the script raises is re-raised (`script_traceback` shows it).
     """
     check_counts(steps, warmup)  # before running anything
     advisor.find_gpu(gpu)
-    subject = {"kind": "script", "name": str(script), "argv": [str(a) for a in args]}
+    subject = _subject("script", str(script), args)
     session = run_script(script, args, lambda acc: DoctorSession(acc, steps=steps, warmup=warmup, gpu=gpu, stop=True,
                                                                  subject=subject, bench=bench))
     if session is None:
@@ -92,18 +80,14 @@ def diagnose_script(script: str | Path, args: Sequence[str] = (), *, steps: int 
 
 
 def numerics_script(script: str | Path, args: Sequence[str] = (), *, steps: int = 20, warmup: int = 0) -> Result:
-    """Run `script` with `args` under the numerics doctor (on the first Accelerator it creates).
-
-    As `diagnose_script`: FileNotFoundError for a missing script, `DoctorError` when it creates no
-    Accelerator or ends before a step was watched; whatever the script raises is re-raised."""
+    """Run `script` with `args` under the numerics doctor; errors as `diagnose_script`'s."""
     check_script(script)
     check_counts(steps, warmup, "the optimizer steps to watch")
-    subject = {"kind": "script", "name": str(script), "argv": [str(a) for a in args]}
+    subject = _subject("script", str(script), args)
     session = run_script(script, args, lambda acc: NumericsSession(acc, steps=steps, warmup=warmup, stop=True,
                                                                    subject=subject))
     if session is None or not (session.acc.models and session.acc.optimizers):
-        if session is not None:
-            session.close()
+        _close(session)
         raise DoctorError(f"{script} created no ampkit.Accelerator with a prepared model and optimizer: the numerics "
                           f"doctor watches the first Accelerator a script creates (acc.prepare(model, optimizer))")
     return _finish(session)
@@ -118,10 +102,9 @@ def check_script(script: str | Path) -> None:
 def run_script(script: str | Path, args: Sequence[str], start: Callable[[Accelerator], Watch]) -> Watch | None:
     """Execute `script` as `python script args...` would; `start(acc)` on the first Accelerator it creates.
 
-    Returns that session, or None when the script created no Accelerator. `StopTraining` (a
-    session that has seen enough) ends the script quietly; a non-zero exit before the session has
-    its result is a `DoctorError`; anything else the script raises is re-raised after the session
-    is closed. `sys.argv` and `sys.path` are restored whatever happens.
+    Returns that session (None: no Accelerator). `StopTraining` ends the script quietly; a non-zero
+    exit before the session has its result is a `DoctorError`; anything else is re-raised after the
+    session is closed. `sys.argv` and `sys.path` are restored whatever happens.
     """
     check_script(script)
     path = Path(script)
@@ -136,16 +119,11 @@ def run_script(script: str | Path, args: Sequence[str], start: Callable[[Acceler
     sys.path.insert(0, str(path.resolve().parent))
     try:
         with watch_created(created):
-            runpy.run_path(str(path), run_name="__main__")
-    except StopTraining:
-        pass
+            _train(lambda: runpy.run_path(str(path), run_name="__main__"), sessions)
     except SystemExit as exc:
         if exc.code not in (None, 0) and not (sessions and sessions[0].result is not None):
-            _close(sessions)
+            _close(sessions[0] if sessions else None)
             raise DoctorError(f"{script} exited with status {exc.code!r} before the doctor had seen its steps") from exc
-    except BaseException:
-        _close(sessions)
-        raise
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path
@@ -164,9 +142,26 @@ def script_traceback(exc: BaseException, script: str | Path) -> str | None:
     return "".join(lines + traceback.format_exception_only(type(exc), exc))
 
 
-def _close(sessions: list[Watch]) -> None:
-    if sessions and sessions[0].result is None:
-        sessions[0].close()
+def _subject(kind: str, name: str, args: Sequence[str] = ()) -> Result:
+    return {"kind": kind, "name": name, "argv": [str(a) for a in args]}
+
+
+def _train(loop: Callable[[], Any], sessions: list[Watch]) -> None:
+    """Run `loop` until it ends or the session (`sessions[0]`, once made) stops it; close it if the loop fails."""
+    try:
+        loop()
+    except StopTraining:
+        pass
+    except SystemExit:
+        raise  # `run_script` decides
+    except BaseException:
+        _close(sessions[0] if sessions else None)
+        raise
+
+
+def _close(session: Watch | None) -> None:
+    if session is not None and session.result is None:
+        session.close()
 
 
 def _finish(session: Watch) -> Result:
@@ -184,11 +179,10 @@ def diagnose_task(task: str = "iris-mlp", *, steps: int = 20, warmup: int = 5, g
     """Train the built-in `task` for `warmup + steps` steps under the doctor; return the result."""
     check_counts(steps, warmup)
     advisor.find_gpu(gpu)
-    subject = {"kind": "task", "name": task, "argv": []}
-    return train_task_under(
-        task, lambda acc: DoctorSession(acc, steps=steps, warmup=warmup, gpu=gpu, stop=True, subject=subject,
-                                        bench=bench),
-        precision=precision, device=device, batch_size=batch_size, seed=seed)
+    subject = _subject("task", task)
+    return _train_task(task, lambda acc: DoctorSession(acc, steps=steps, warmup=warmup, gpu=gpu, stop=True,
+                                                       subject=subject, bench=bench),
+                       precision=precision, device=device, batch_size=batch_size, seed=seed)
 
 
 def numerics_task(task: str = "iris-mlp", *, steps: int = 20, warmup: int = 0, precision: str = "auto",
@@ -196,30 +190,23 @@ def numerics_task(task: str = "iris-mlp", *, steps: int = 20, warmup: int = 0, p
                   keep_fp32: Sequence[str] = ()) -> Result:
     """Train the built-in `task` for `warmup + steps` steps under the numerics doctor; return the result."""
     check_counts(steps, warmup, "the optimizer steps to watch")
-    subject = {"kind": "task", "name": task, "argv": []}
-    return train_task_under(task, lambda acc: NumericsSession(acc, steps=steps, warmup=warmup, stop=True,
-                                                              subject=subject),
-                            precision=precision, device=device, batch_size=batch_size, seed=seed, keep_fp32=keep_fp32)
+    subject = _subject("task", task)
+    return _train_task(task, lambda acc: NumericsSession(acc, steps=steps, warmup=warmup, stop=True, subject=subject),
+                       precision=precision, device=device, batch_size=batch_size, seed=seed, keep_fp32=keep_fp32)
 
 
 def numerics_train_fn(train_fn: Callable[[Accelerator], Any], *, steps: int = 20, precision: str = "auto",
                       device: str | torch.device = "auto", accelerator_kwargs: dict[str, Any] | None = None) -> Result:
     """Run `train_fn(acc)` (a loop as `ampkit.compare` takes it) under the numerics doctor for `steps` steps.
 
-    The session puts its hooks on once `train_fn` has prepared a model and an optimizer, and ends
-    the loop (StopTraining) after its last watched step; a loop that ends first gives a partial result.
+    The hooks go on once `train_fn` has prepared a model and an optimizer; a loop that ends before
+    the last watched step gives a partial result.
     """
     check_counts(steps, 0, "the optimizer steps to watch")
     acc = Accelerator(precision=precision, device=device, **(accelerator_kwargs or {}))
-    subject = {"kind": "loop", "name": getattr(train_fn, "__name__", "train_fn"), "argv": []}
+    subject = _subject("loop", getattr(train_fn, "__name__", "train_fn"))
     session = NumericsSession(acc, steps=steps, stop=True, subject=subject)
-    try:
-        train_fn(acc)
-    except StopTraining:
-        pass
-    except BaseException:
-        session.close()
-        raise
+    _train(lambda: train_fn(acc), [session])
     if not (acc.models and acc.optimizers):
         session.close()
         raise DoctorError(f"{subject['name']} prepared no model and optimizer (acc.prepare(model, optimizer)): "
@@ -227,28 +214,16 @@ def numerics_train_fn(train_fn: Callable[[Accelerator], Any], *, steps: int = 20
     return _finish(session)
 
 
-def train_task_under(task: str, start: Callable[[Accelerator], Watch], *, precision: str = "auto",
-                     device: str = "auto", batch_size: int | None = None, seed: int = 0,
-                     keep_fp32: Sequence[str] = ()) -> Result:
-    """Train the built-in `task` under the session `start(acc)` returns until it raises StopTraining.
-
-    The session (made with `stop=True`) starts once the model and optimizer are prepared; returns
-    `session.finish()`, or closes it if the loop fails.
-    """
+def _train_task(task: str, start: Callable[[Accelerator], Watch], *, precision: str = "auto", device: str = "auto",
+                batch_size: int | None = None, seed: int = 0, keep_fp32: Sequence[str] = ()) -> Result:
+    """Train the built-in `task` under the session `start(acc)` makes once it is prepared, until it stops."""
     spec = get_task(task)
     data = spec.make_data(seed, batch_size or spec.default_batch_size)
     torch.manual_seed(seed)
     acc = Accelerator(precision=precision, device=device, keep_fp32=list(keep_fp32))
     model = spec.make_model(seed)
-    optimizer = spec.make_optimizer(model.parameters(), spec.default_lr)
-    model, optimizer, loader = acc.prepare(model, optimizer, data.train_loader)
+    model, optimizer, loader = acc.prepare(model, spec.make_optimizer(model.parameters(), spec.default_lr),
+                                           data.train_loader)
     session = start(acc)
-    try:
-        for _ in spec.training(acc, model, optimizer, loader):
-            pass  # until the session stops it
-    except StopTraining:
-        pass
-    except BaseException:
-        session.close()
-        raise
+    _train(lambda: collections.deque(spec.training(acc, model, optimizer, loader), maxlen=0), [session])
     return session.finish()

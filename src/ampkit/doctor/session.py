@@ -1,29 +1,28 @@
 """`DoctorSession`: watch an Accelerator for a few steps, then say where the step time goes.
 
-A `Watch` (`ampkit.doctor.watch` says how it listens and ends) that runs three windows:
-
-1. **warm-up** (`warmup` steps): nothing is measured — allocator, caches and lazy init settle.
-2. **profiled** (a few steps): `torch.profiler` records every op with FLOPs and shapes, and the
-   sync watcher (`sync`) names every tensor read that would make a GPU wait. Both cost a little
-   on every op: only counts and ratios are taken from these steps, and the watcher's own cost is
-   measured and taken off.
-3. **timed** (the rest of `steps`): step and phase times, with neither watching.
-
-After the last step `analysis.Analysis` builds the result (`DOCTOR_SCHEMA`).
+Three windows: **warm-up** (nothing measured while caches settle); **profiled** (a few steps:
+`torch.profiler` records ops with FLOPs and shapes, the sync watcher names the tensor reads — only
+counts and ratios are taken from these slowed steps); **timed** (the rest: step and phase times).
+Then `analysis.Analysis` builds the result (`DOCTOR_SCHEMA`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import sys
+import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from ampkit.accelerator import Accelerator
 from ampkit.doctor import advisor
-from ampkit.doctor.analysis import Analysis
+from ampkit.doctor.analysis import Analysis, sync_device
 from ampkit.doctor.phases import PhaseClock
 from ampkit.doctor.sync import SyncWatcher
 from ampkit.doctor.watch import DoctorError, Result, Watch, check_counts
@@ -33,9 +32,37 @@ from ampkit.doctor.watch import DoctorError, Result, Watch, check_counts
 MAX_PROFILED_STEPS = 5
 
 
-def _sync_device(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # sync: the doctor's own, at window edges, never inside a step
+#: A line of kineto's log ("USDT:2026-01-01 10:00:00 71:71 SyncActivityProfilerHandler.cpp:52]
+#: profiler_start"): its C++ writes these to fd 2 at every profiler start and stop, whatever
+#: KINETO_LOG_LEVEL says, so the doctor filters them out of its own profiling.
+KINETO_NOISE = re.compile(r"^(USDT|STAGE|INFO):\d{4}-\d\d-\d\d [\d:.]+ \d+:\d+ \S+\.cpp:\d+\] ")
+
+
+def without_kineto_noise(text: str) -> str:
+    return "".join(line for line in text.splitlines(keepends=True) if not KINETO_NOISE.match(line))
+
+
+@contextlib.contextmanager
+def quiet_kineto() -> Iterator[None]:
+    """Run the block with fd 2 going to a temporary file, then write back all but kineto's noise."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no fd 2 to redirect
+        yield
+        return
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = without_kineto_noise(captured.read().decode(errors="replace"))
+            if kept:
+                os.write(2, kept.encode())
 
 
 def _cuda_mark() -> torch.cuda.Event:
@@ -45,15 +72,9 @@ def _cuda_mark() -> torch.cuda.Event:
 
 
 class DoctorSession(Watch):
-    """Measures `steps` optimizer steps of `acc` after `warmup` steps (see the module docstring).
-
-    Args (beyond `Watch`'s):
-        steps: measured steps: a few profiled (up to `MAX_PROFILED_STEPS`, a quarter of them),
-            the rest timed.
-        gpu: the GPU whose costs findings quote (a name in `advisor.GPUS`); default A100.
-        bench: measure this device's matmul peak and copy bandwidth (`analysis.BENCH_SECONDS`) for
-            the utilisation, precision and thread findings; without it those figures are "unknown".
-    """
+    """Measures `steps` optimizer steps of `acc` after `warmup` (a quarter of them, at most
+    `MAX_PROFILED_STEPS`, profiled). `gpu`: the GPU findings quote (`advisor.GPUS`); `bench`: measure
+    this device's matmul peak and bandwidth (else the figures that need them are "unknown")."""
 
     def __init__(self, acc: Accelerator, *, steps: int = 20, warmup: int = 5, gpu: str = "A100",
                  stop: bool = False, subject: Result | None = None,
@@ -111,7 +132,7 @@ class DoctorSession(Watch):
         self._window = window
         if window == "done":
             return
-        _sync_device(self.acc.device)
+        sync_device(self.acc.device)
         if window == "profiled":
             self.syncs.install()
             self.syncs.start_cuda_debug()
@@ -127,7 +148,7 @@ class DoctorSession(Watch):
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.acc.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), quiet_kineto():
             warnings.simplefilter("ignore")  # kineto's start-up chatter is not the user's business
             self._profiler = torch.profiler.profile(activities=activities, record_shapes=True, with_flops=True)
             self._profiler.start()
@@ -138,9 +159,9 @@ class DoctorSession(Watch):
         try:
             if self._profiler is not None:
                 profiler, self._profiler = self._profiler, None
-                with warnings.catch_warnings():
+                with warnings.catch_warnings(), quiet_kineto():
                     warnings.simplefilter("ignore")
-                    _sync_device(self.acc.device)
+                    sync_device(self.acc.device)
                     profiler.stop()
                     if keep:
                         self.profiled_events = list(profiler.events())

@@ -1,26 +1,15 @@
 """Finding the lines that make the host wait for the device: `.item()`, `float(t)`, `print(t)`, ...
 
-On a GPU each of these copies a value back and blocks the Python thread until every kernel queued
-before it has finished, so the host can no longer run ahead of the device. On a CPU the same call
-costs nothing, which is why such lines survive until the code meets a GPU. `SyncWatcher` catches
-them on any device with a `torch.overrides.TorchFunctionMode`: while installed, torch hands it
-every tensor function called from Python in this thread, and it names the user's file:line that
-called one of the `SYNC_METHODS`. Nothing is patched; the mode is this thread's only.
+On a GPU each such read blocks the Python thread until every queued kernel has finished; on a CPU
+it costs nothing, which is why these lines survive until the code meets a GPU. `SyncWatcher` sees
+them on any device through a `torch.overrides.TorchFunctionMode` (this thread's only; nothing is
+patched) and names the user's file:line that called one of the `SYNC_METHODS`. Not seen: reads from
+other threads or from C++, and indexing with a tensor; a read nested in another (`print` →
+`__repr__` → `item`) is one sync.
 
-Detected: `.item()`, `.tolist()`, `.cpu()`, `.numpy()`, `float(t)`, `int(t)`, `bool(t)` (an `if`
-on a tensor), `print(t)`/`str(t)`/`repr(t)`, f-strings and `format(t)`. Not detected: reads made
-from other threads (a DataLoader's pin-memory thread) or from C++ without a Python call, and
-indexing with a tensor (`__index__`). A read nested in another (`print` → `__repr__` → `item`) is
-one sync: the mode does not see what torch runs inside the call it is handling.
-
-With `host_born=True` (the doctor's session) a CPU run leaves out reads of tensors a GPU run would
-keep on the host too: made by a factory without `device=` (`losses = torch.zeros(k)`), or computed
-from such tensors alone.
-
-On CUDA it also turns on `torch.cuda.set_sync_debug_mode("warn")`, which reports every
-synchronizing operation torch itself performs (ground truth for the device); its warnings are
-recorded with `warnings.catch_warnings(record=True)` and placed at the line of the tensor call
-that raised them. Other warnings recorded meanwhile are shown again when the watcher stops.
+On CUDA it also turns on `torch.cuda.set_sync_debug_mode("warn")` (every synchronizing op torch
+performs: the device's ground truth), records those warnings and places them at the tensor call
+that raised them; other warnings recorded meanwhile are shown again when the watcher stops.
 """
 
 from __future__ import annotations
@@ -67,7 +56,7 @@ _LIBRARY_DIRS = tuple(
 
 @dataclass(frozen=True)
 class SyncSite:
-    """Where a host↔device sync came from: the user's line, and the library line if it was not theirs."""
+    """Where a sync came from: the user's line, and the library line if it was not theirs."""
 
     file: str
     line: int
@@ -100,10 +89,9 @@ def _short(filename: str, line: int) -> str:
 def locate(frame: FrameType | None, call: str, skip: tuple[str, ...] = (DOCTOR_DIR,)) -> SyncSite | None:
     """The site of a read made by `frame` (the caller of the Tensor method), or None to ignore it.
 
-    Reads made by torch's own code are ignored: on a CPU they act on CPU tensors torch keeps on the
-    host on purpose (e.g. an optimizer's step counter), and on a GPU the sync debugger sees the
-    real ones. A read made by ampkit is reported at the user's line that led to it, with `via`.
-    Frames under `skip` (the doctor's own) are passed over.
+    Torch's own reads are ignored (host tensors on purpose; on a GPU the sync debugger sees the real
+    ones); ampkit's are reported at the user's line that led to them, `via` ampkit's. Frames under
+    `skip` (the doctor's own) are passed over.
     """
     while frame is not None and frame.f_code.co_filename.startswith(skip):
         frame = frame.f_back
@@ -167,14 +155,12 @@ class _Mode(TorchFunctionMode):
 
 
 class SyncWatcher:
-    """Counts host↔device syncs, by call site, while `active`.
+    """Counts host↔device syncs, by call site, while `active` (between `install()` and `uninstall()`).
 
-    `install()` enters the watching mode in this thread; `uninstall()` leaves it (call it in a
-    `finally`). `device` decides what counts: on CUDA only reads of non-CPU tensors (the ones that
-    really sync); on a CPU every read, as "would sync on a GPU". `ignore()` is a predicate the
-    owner uses to mute reads it knows are host-side (e.g. inside the data loader); `skip`, the
-    folders whose frames are the watcher's owner's (never a site); `host_born` (on a CPU), leave
-    out the reads of tensors the script made on the host (see the module docstring).
+    On CUDA only reads of device tensors count; on a CPU every read, as "would sync on a GPU" — but
+    with `host_born`, not of tensors a GPU run would keep on the host too (made by a factory without
+    `device=`, or computed from such alone). `ignore()` mutes reads the owner knows are host-side
+    (inside the data loader); frames under `skip` are the owner's, never a site.
     """
 
     def __init__(self, device: torch.device, ignore: Callable[[], bool] = lambda: False,
@@ -210,11 +196,8 @@ class SyncWatcher:
 
     @staticmethod
     def call_overhead(calls: int = 2000) -> float:
-        """Host seconds the watching mode adds to one tensor function call here (best of three).
-
-        The mode costs a Python call on every tensor function, outside the ops the profiler times:
-        the doctor takes `calls * call_overhead()` off the profiled steps' time to keep the share
-        of it spent in ops unbiased."""
+        """Host seconds the watching mode adds to one tensor function call here (best of three): the
+        doctor takes it off the profiled steps' time, outside the ops the profiler times."""
         t = torch.zeros(())
 
         def loop() -> float:
@@ -240,8 +223,8 @@ class SyncWatcher:
         return ref is not None and ref() is tensor
 
     def track_host(self, func: Any, args: Any, kwargs: Any, result: torch.Tensor) -> None:
-        """Mark `result` host-born if a factory made it without `device=`, or it was computed from
-        host-born tensors alone (never through an explicit `.to()`/`.cuda()`)."""
+        """Mark `result` host-born: a factory made it without `device=`, or it was computed from
+        host-born tensors alone (not through an explicit `.to()`/`.cuda()`)."""
         assert self.host is not None
         if func in _FACTORIES:
             born = not (kwargs and kwargs.get("device") is not None)

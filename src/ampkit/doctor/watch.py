@@ -1,15 +1,11 @@
 """`Watch`: what both doctors share — a listener on an Accelerator's events that counts optimizer steps.
 
-A session (`DoctorSession`, `NumericsSession`) is an `ampkit.events.Listener` added to
-`acc.events`: the first prepared optimizer's stepped `on_step_end` ends a step, so the session
-knows where each step ends without a change to the training loop. It can be made before anything
-is prepared (`ampkit doctor script.py` makes it as the script's Accelerator is created): it then
-sees every event from the start, and uses the model and optimizer once they are prepared.
-
-After its last step a session finishes by itself: it takes every hook off (`hooks`, an ExitStack
-its subclass fills), builds the result and hands it to `on_done`; with `stop=True` it then ends
-the training by raising `StopTraining` from inside `optimizer.step()`. A loop that fails calls
-`close()`; one that ends early calls `finish()` (or leaves a `with` block).
+A session counts the first prepared optimizer's applied steps (`on_step_end`), so the loop does not
+change; it may be made before anything is prepared (as a script's Accelerator is created). After its
+last step it takes every hook off (`hooks`, an ExitStack its subclass fills), builds the result,
+hands it to `on_done` and, with `stop=True`, ends the training by raising `StopTraining` from inside
+`optimizer.step()`. A loop that fails calls `close()`; one that ends early `finish()` (or leaves a
+`with` block).
 """
 
 from __future__ import annotations
@@ -33,11 +29,8 @@ NO_OPTIMIZER_AFTER = 3
 
 
 class StopTraining(BaseException):
-    """Raised from `optimizer.step()` once a `stop=True` session has measured enough.
-
-    A BaseException, like KeyboardInterrupt, so that a training loop's `except Exception:` does not
-    swallow it; the doctor's entry points (`ampkit.doctor.run`) catch it.
-    """
+    """Raised from `optimizer.step()` once a `stop=True` session has measured enough (a BaseException,
+    so that a loop's `except Exception:` does not swallow it; the entry points in `run` catch it)."""
 
 
 class DoctorError(RuntimeError):
@@ -53,15 +46,10 @@ def check_counts(steps: int, warmup: int, what: str = "the steps to measure") ->
 
 
 class Watch(Listener):
-    """Base of the doctors' sessions (see the module docstring).
+    """Base of the doctors' sessions: watch `steps` optimizer steps of `acc` after `warmup`.
 
-    Args:
-        acc: the Accelerator whose loop to watch (it may have nothing prepared yet).
-        steps: optimizer steps to measure after the warm-up.
-        warmup: steps to let pass first.
-        stop: raise `StopTraining` after the last step (`ampkit doctor` ends the script).
-        subject: what is being diagnosed, for the report: {"kind", "name", "argv"}.
-        on_done: called with the result when the session finishes by itself.
+    `stop`: raise `StopTraining` after the last step; `subject`: what is diagnosed ({"kind", "name",
+    "argv"}); `on_done`: called with the result when the session finishes by itself.
     """
 
     #: Its name in messages; one session of each name watches a process at a time.
@@ -81,7 +69,7 @@ class Watch(Listener):
         self.hooks = contextlib.ExitStack()  # everything to take off when the session ends
 
     def attach(self) -> None:
-        """Start listening (the subclass calls it once constructed), then `started()`."""
+        """Start listening, then `started()` (the subclass calls it once constructed)."""
         if self.name in _WATCHING:
             raise DoctorError(f"another {self.name} session is already watching this process; finish it first")
         _WATCHING.add(self.name)
@@ -95,25 +83,23 @@ class Watch(Listener):
             raise
 
     def is_first(self, optimizer: AmpOptimizer) -> bool:
-        """`optimizer` is the one whose steps the session counts (the first prepared)."""
         return bool(self.acc.optimizers) and optimizer is self.acc.optimizers[0]
 
-    # --- for the subclass -----------------------------------------------------------------------
+    # --- for the subclass: just attached; a counted step ended; before the hooks come off; steps
+    # measured (warm-up excluded); the result once they are off (`DoctorError`: nothing measured)
     def started(self) -> None:
-        """Just attached (the Accelerator may have nothing prepared yet)."""
+        pass
 
     def step_ended(self) -> None:
-        """The first prepared optimizer ended a step (`seen_steps` counts it)."""
+        pass
 
     def wrap_up(self) -> None:
-        """Before the hooks come off at `finish()`: collect what the hooks hold."""
+        pass
 
     def measured(self) -> int:
-        """Steps measured so far (the warm-up not included)."""
         return self.seen_steps
 
     def build(self) -> Result:
-        """The result, once every hook is off; `DoctorError` when nothing was measured."""
         raise NotImplementedError
 
     # --- events -------------------------------------------------------------------------------
@@ -156,11 +142,8 @@ class Watch(Listener):
         self.hooks.close()
 
     def finish(self) -> Result:
-        """Stop watching, take every hook off, and return the result (idempotent).
-
-        Called by the session itself after its last step; call it yourself when the loop ends
-        earlier (the result then covers the steps that ran). Raises `DoctorError` when not even one
-        step was measured."""
+        """Take every hook off and return the result (idempotent): for a loop that ends before the last
+        step, the result covers the steps that ran; `DoctorError` when not one was measured."""
         if self.result is not None:
             return self.result
         try:
