@@ -37,6 +37,7 @@ class Measured:
     peak: int
     components: dict[str, int]
     phase: str
+    after_step: dict[str, int] | None = None  # live bytes by component right after the second optimizer step
 
 
 def batch_size_of(batch: Any) -> int:
@@ -93,7 +94,11 @@ def measure(model_fn: Callable[[], nn.Module], batch: Any, optimizer_fn: Callabl
     with warnings.catch_warnings(), _built(model_fn, fake) as model, mode:
         warnings.simplefilter("ignore")  # bf16 on a CPU without bf16 instructions: planned, not timed
         acc = Accelerator(precision=precision, device=device)
+        ties = _ties(model)
         model = acc.prepare(model)
+        for (module, name), *others in ties:  # moving meta parameters makes one per module: tie them again
+            for other, other_name in others:
+                setattr(other, other_name, getattr(module, name))
         opt = acc.prepare(optimizer_fn(model.parameters()))
         convert = mode.from_tensor if isinstance(mode, FakeTensorMode) else (lambda t: t)
         inputs, targets = resized(tree_map(lambda t: convert(t).to(device) if isinstance(t, torch.Tensor) else t, batch),
@@ -116,10 +121,11 @@ def measure(model_fn: Callable[[], nn.Module], batch: Any, optimizer_fn: Callabl
                 tracker.resync()
                 tracker.phase = "optimizer"
                 opt.step()
+                after = tracker.components()
                 opt.zero_grad()
                 tracker.phase = "setup"
                 tracker.resync()
-        return Measured(tracker.peak, tracker.at_peak, tracker.peak_phase)
+        return Measured(tracker.peak, tracker.at_peak, tracker.peak_phase, after)
 
 
 @contextlib.contextmanager
@@ -130,6 +136,15 @@ def _built(model_fn: Callable[[], nn.Module], fake: bool) -> Iterator[nn.Module]
     if not isinstance(model, nn.Module):
         raise TypeError(f"model_fn() returned a {type(model).__name__}; expected an nn.Module")
     yield model
+
+
+def _ties(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """(module, attribute name) of each parameter that more than one module holds (tied embeddings)."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            holders.setdefault(id(p), []).append((module, name))
+    return [h for h in holders.values() if len(h) > 1]
 
 
 def _owners(model: nn.Module, opt: Any, batch: Any) -> Iterator[tuple[str, list[torch.Tensor]]]:

@@ -118,6 +118,10 @@ class LiveBytes(TorchDispatchMode):
 
     def _snapshot(self) -> None:
         self.peak, self.peak_phase = self.total, self.phase
+        self.at_peak = self.components()
+
+    def components(self) -> dict[str, int]:
+        """The live bytes now, by component."""
         role: dict[int, str] = {}
         for component, tensors in self.owners():
             for t in tensors:
@@ -130,4 +134,4 @@ class LiveBytes(TorchDispatchMode):
         at_peak = dict.fromkeys(COMPONENTS, 0)
         for key, (nbytes, _) in self.live.items():
             at_peak[role.get(key, "temporaries")] += nbytes
-        self.at_peak = at_peak
+        return at_peak
