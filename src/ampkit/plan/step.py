@@ -98,7 +98,7 @@ def measure(model_fn: Callable[[], nn.Module], batch: Any, optimizer_fn: Callabl
         model = acc.prepare(model)
         for (module, name), *others in ties:  # moving meta parameters makes one per module: tie them again
             for other, other_name in others:
-                setattr(other, other_name, getattr(module, name))
+                other.register_parameter(other_name, getattr(module, name))
         opt = acc.prepare(optimizer_fn(model.parameters()))
         convert = mode.from_tensor if isinstance(mode, FakeTensorMode) else (lambda t: t)
         inputs, targets = resized(tree_map(lambda t: convert(t).to(device) if isinstance(t, torch.Tensor) else t, batch),
