@@ -9,6 +9,7 @@ __version__ = ampkit_version()  # the installed package's metadata; modules call
 
 from ampkit.accelerator import Accelerator
 from ampkit.compare import compare
+from ampkit.plan import plan
 from ampkit.errors import AmpkitError, CheckpointError, LossScaleCollapse, PrecisionError, StepOrderError
 from ampkit.precision import PRESETS, Precision, resolve_precision
 from ampkit.scaler import LossScaler
@@ -26,5 +27,6 @@ __all__ = [
     "StepOrderError",
     "TrainingState",
     "compare",
+    "plan",
     "resolve_precision",
 ]

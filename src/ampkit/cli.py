@@ -175,6 +175,55 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from ampkit.errors import PrecisionError
+    from ampkit.plan import PLAN_SCHEMA, parse_memory, plan, plot_png, render_plan
+    from ampkit.schema import Invalid, validate
+    from ampkit.tasks import get_task
+
+    if args.script is not None:
+        return _usage("plan", "planning a script is not supported yet: use --task NAME, or call ampkit.plan(model_fn, "
+                              "batch_fn, optimizer_fn) from Python")
+    try:
+        memory = parse_memory(args.memory) if args.memory is not None else None
+        task = get_task(args.task)
+        data = task.make_data(args.seed, args.batch_size or task.default_batch_size)
+    except ValueError as exc:
+        return _usage("plan", exc)
+    out = Path(args.out) if args.out else None
+    if out is not None and (out / "plan.json").exists():
+        try:
+            validate(json.loads((out / "plan.json").read_text()), PLAN_SCHEMA)
+        except (ValueError, Invalid):
+            return _usage("plan", f"{out / 'plan.json'} exists and is not a plan ampkit wrote: choose another --out")
+    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()] if args.precisions else None
+    batch = next(iter(data.train_loader))
+    try:
+        result = plan(lambda: task.make_model(args.seed), lambda: batch,
+                      lambda params: task.make_optimizer(params, task.default_lr), precisions=precisions,
+                      device=args.device, memory=memory, loss_fn=task.loss_fn, search=not args.no_search)
+    except (PrecisionError, ValueError) as exc:
+        return _usage("plan", exc)
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2, allow_nan=False))
+    else:
+        render_plan(result)
+    if out is not None:
+        from ampkit.files import atomic_write
+
+        out.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(result.as_dict(), indent=2, allow_nan=False).encode()
+        atomic_write(out / "plan.json", lambda f: f.write(text))
+        try:
+            plot_png(result, out / "plan.png")
+        except ImportError:
+            print("ampkit plan: no plan.png: matplotlib is not installed (pip install ampkit[plots])", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ampkit", description="Mixed-precision training for PyTorch: measured and explained.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -273,6 +322,28 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--batch-size", type=int, default=None, help="--task only: batch size (default: the task's)")
     doc.add_argument("--seed", type=int, default=0, help="--task only: seed (default: 0)")
     doc.set_defaults(func=_doctor)
+    pln = sub.add_parser(
+        "plan", help="predict each precision's peak training memory and the largest batch that fits, without running it",
+        description="Run two training steps of a task through each precision preset on fake tensors (no memory is "
+                    "allocated), and show the peak with its parts: parameters, gradients, optimizer state, ampkit's "
+                    "master weights and buffers, activations, autocast's weight casts, temporaries; whether it fits "
+                    "in --memory and the largest batch size that does; and the fastest preset that fits.",
+    )
+    pln.add_argument("script", nargs="?", default=None, help="(not supported yet) a training script")
+    pln.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    pln.add_argument("--task", default="tiny-lm", help="built-in task: tiny-lm (default), digits-cnn, iris-mlp")
+    pln.add_argument("--memory", default=None,
+                     help='memory to fit in, e.g. "24GiB", "80GB", "512MiB" (default: the device\'s total memory)')
+    pln.add_argument("--precisions", default=None,
+                     help=f"comma-separated presets (choices: {', '.join(p for p in PRESET_NAMES if p != 'auto')}); "
+                          "default: every preset the device runs")
+    pln.add_argument("--batch-size", type=int, default=None, help="batch size (default: the task's)")
+    pln.add_argument("--device", default="auto", help="the device planned for: auto (default), cpu, cuda, cuda:N")
+    pln.add_argument("--seed", type=int, default=0, help="seed for the model and batch (default: 0)")
+    pln.add_argument("--no-search", action="store_true", help="skip the search for the largest batch that fits")
+    pln.add_argument("--json", action="store_true", help="print the plan as JSON (schema: ampkit.plan.PLAN_SCHEMA)")
+    pln.add_argument("--out", default=None, help="also write plan.json and plan.png (stacked bars) into this folder")
+    pln.set_defaults(func=_plan)
     return parser
 
 

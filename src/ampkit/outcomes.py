@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 _RING = 64  # outcomes in flight before recording one waits for the oldest (the host 64 steps ahead)
 
@@ -33,7 +34,8 @@ class StepOutcomes:
     def __init__(self, device: torch.device) -> None:
         pin = device.type == "cuda"
         self._device = device
-        self._host = torch.zeros((_RING, 2), dtype=torch.float32, pin_memory=pin)
+        with unset_fake_temporarily():  # host memory, real even while `ampkit.plan` steps fake tensors
+            self._host = torch.zeros((_RING, 2), dtype=torch.float32, pin_memory=pin)
         self._view = self._host.numpy()  # reads of landed slots: plain memory, no tensor op
         self._pending: deque[tuple[int, torch.cuda.Event | None]] = deque()
         self._next = 0

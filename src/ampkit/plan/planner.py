@@ -1,0 +1,237 @@
+"""`ampkit.plan`: the peak training memory of each precision preset, and the largest batch that fits.
+
+Each preset's figure comes from two training steps through the real preset on fake tensors
+(`ampkit.plan.step`), so a model far larger than this machine is planned in seconds. A forward fake
+tensors cannot run (an `.item()`, a data-dependent shape) is measured instead: real steps at batch
+sizes 1 and 2 on the CPU, scaled linearly to the batch, and the row says so.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from ampkit.hardware import capability, resolve_device
+from ampkit.present import size as size_of
+from ampkit.plan.step import FAKE_FAILURES, Measured, batch_size_of, measure
+from ampkit.plan.tracker import COMPONENTS
+from ampkit.precision import PRESETS, resolve_precision
+from ampkit.schema import field, schema_of, validate
+
+SCHEMA_VERSION = 1
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_MAX_SEARCH = 1 << 16  # the largest batch size the search tries
+
+
+@dataclass
+class PlanRow:
+    """One preset's predicted peak over a training step, what holds it, and the batch sizes that fit."""
+
+    precision: str = field("the preset")
+    batch_size: int = field("the batch size the figures are for", minimum=1)
+    peak_bytes: int = field("peak of live tensor bytes over two training steps", minimum=0)
+    peak_phase: str = field("where the peak is: forward, backward or optimizer")
+    parameters: int = field("bytes of the model's parameters and buffers at the peak", minimum=0)
+    gradients: int = field("bytes of the model parameters' gradients at the peak", minimum=0)
+    optimizer_state: int = field("bytes of the optimizer's state (moments, momentum) at the peak", minimum=0)
+    ampkit_buffers: int = field("bytes of ampkit's fp32 master weights, Kahan buffers and step buffers", minimum=0)
+    activations: int = field("bytes saved for backward (and the batch) at the peak", minimum=0)
+    autocast_cache: int = field("bytes of autocast's low-precision copies of fp32 weights at the peak", minimum=0)
+    temporaries: int = field("every other live byte at the peak", minimum=0)
+    fits: bool = field("whether the peak fits in the memory planned for")
+    max_batch_size: int = field("the largest batch size whose peak fits (0: none)", minimum=0)
+    method: Literal["fake", "real-scaled"] = field("fake: two steps on fake tensors; real-scaled: real steps at "
+                                                   "batch 1 and 2 on this CPU, scaled to the batch")
+    note: str = field("why the row was measured rather than predicted, or that the search hit its limit")
+
+    def components(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in COMPONENTS}
+
+
+@dataclass
+class Plan:
+    """`ampkit plan`'s result: per preset, the predicted peak training memory and the batch sizes that fit."""
+
+    schema_version: Literal[1] = field("version of this format")
+    device: str = field("the device planned for")
+    memory_bytes: int = field("the memory the rows are checked against", minimum=1)
+    parameter_count: int = field("the model's parameters", minimum=0)
+    rows: list[PlanRow] = field("one row per preset")
+    recommendation: str = field("the fastest preset that fits, or what to change")
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+PLAN_SCHEMA = schema_of(Plan)
+
+
+def parse_memory(text: str | int) -> int:
+    """"24GiB", "80GB", "512MiB" (or a number of bytes) -> bytes; ValueError saying the format otherwise."""
+    if isinstance(text, int) and not isinstance(text, bool) and text > 0:
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if match is None or match.group(2).lower() not in _UNITS or float(match.group(1)) <= 0:
+        raise ValueError(f"memory {text!r} is not a size: expected a number and a unit, e.g. \"24GiB\", \"80GB\", "
+                         f"\"512MiB\" (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def device_memory(device: torch.device) -> int:
+    """The device's total memory, as `ampkit info` reads it (the machine's RAM for a CPU)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def plan(model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Any], optimizer_fn: Callable[[Any], torch.optim.Optimizer],
+         precisions: Sequence[str] | None = None, device: str | torch.device | None = None,
+         memory: str | int | None = None, *, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+         search: bool = True) -> Plan:
+    """Predict each preset's peak training memory without allocating it, and the largest batch that fits.
+
+    `model_fn()` builds the model (it is built on the meta device), `batch_fn()` returns one batch
+    `(inputs, targets)` (inputs a tensor, a tuple of positional or a dict of keyword arguments),
+    `optimizer_fn(params)` the optimizer. The loss is `loss_fn(output, targets)`, or the model's own
+    (a scalar output, `output.loss`), or cross-entropy / mean squared error. `memory` ("24GiB", bytes;
+    default: the device's total memory) decides `fits` and `max_batch_size` (`search=False`: no search).
+    """
+    dev = resolve_device(device or "auto")
+    budget = parse_memory(memory) if memory is not None else device_memory(dev)
+    names = list(precisions) if precisions is not None else [n for n in PRESETS if _runs(n, dev)]
+    for name in names:
+        if name not in PRESETS:
+            raise ValueError(f"precisions: {name!r} is not a preset; choose from {', '.join(PRESETS)}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # slow here is fine: nothing is timed
+            resolve_precision(name, dev)  # PrecisionError, before anything runs, for one the device cannot run
+    batch = batch_fn()
+    size = batch_size_of(batch)
+    count = sum(p.numel() for p in _meta_model(model_fn).parameters())
+    rows = []
+    for name in names:
+        peak_at = _Peaks(model_fn, batch, optimizer_fn, name, dev, loss_fn)
+        first = peak_at.measured(size)
+        limit = _largest_batch(peak_at, size, first.peak, budget) if search else (size if first.peak <= budget else 0)
+        note = peak_at.note + (f"; the search stopped at batch {_MAX_SEARCH}" if limit >= _MAX_SEARCH else "")
+        rows.append(PlanRow(precision=name, batch_size=size, peak_bytes=first.peak, peak_phase=first.phase,
+                            **first.components, fits=first.peak <= budget, max_batch_size=limit,
+                            method="real-scaled" if peak_at.fallback else "fake", note=note.strip("; ")))
+    result = Plan(schema_version=SCHEMA_VERSION, device=str(dev), memory_bytes=budget, parameter_count=count,
+                  rows=rows, recommendation=recommend(rows, dev, budget, count))
+    validate(result.as_dict(), PLAN_SCHEMA)
+    return result
+
+
+def _runs(name: str, device: torch.device) -> bool:
+    support = capability(device)
+    dtype = PRESETS[name].compute_dtype
+    return dtype == torch.float32 or (support.bf16_runs if dtype == torch.bfloat16 else support.fp16_runs)
+
+
+def _meta_model(model_fn: Callable[[], nn.Module]) -> nn.Module:
+    with torch.device("meta"):
+        return model_fn()
+
+
+class _Peaks:
+    """One preset's peak at any batch size: fake steps, or (where the forward cannot run on fake
+    tensors) real steps at batch sizes 1 and 2 extrapolated linearly, per component."""
+
+    def __init__(self, model_fn: Callable[[], nn.Module], batch: Any, optimizer_fn: Callable[[Any], Any], name: str,
+                 device: torch.device, loss_fn: Any) -> None:
+        self.args = (model_fn, batch, optimizer_fn, name, device)
+        self.loss_fn, self.fallback, self.note = loss_fn, None, ""
+        self.cache: dict[int, Measured] = {}
+
+    def measured(self, size: int) -> Measured:
+        if size not in self.cache:
+            self.cache[size] = self._scaled(size) if self.fallback else self._fake(size)
+        return self.cache[size]
+
+    def __call__(self, size: int) -> int:
+        return self.measured(size).peak
+
+    def _fake(self, size: int) -> Measured:
+        try:
+            return measure(*self.args, fake=True, batch_size=size, loss_fn=self.loss_fn)
+        except FAKE_FAILURES as exc:
+            op = getattr(exc, "func", None) or exc
+            self.note = (f"the step cannot run on fake tensors ({op}: a data-dependent shape, an .item() in the forward "
+                         f"or an op without a fake kernel); measured instead: real steps at batch 1 and 2 on the CPU, "
+                         f"scaled to the batch")
+            model_fn, batch, optimizer_fn, name, _ = self.args
+            cpu = torch.device("cpu")
+            self.fallback = [measure(model_fn, batch, optimizer_fn, name, cpu, fake=False, batch_size=b,
+                                     loss_fn=self.loss_fn) for b in (1, 2)]
+            return self._scaled(size)
+
+    def _scaled(self, size: int) -> Measured:
+        one, two = self.fallback  # type: ignore[misc]
+        parts = {k: max(0, one.components[k] + (size - 1) * (two.components[k] - one.components[k])) for k in COMPONENTS}
+        return Measured(max(0, one.peak + (size - 1) * (two.peak - one.peak)), parts, two.phase)
+
+
+def _largest_batch(peak_at: Callable[[int], int], size: int, peak: int, budget: int) -> int:
+    """The largest batch size whose peak fits in `budget` (0: none). Peaks grow piecewise linearly with the
+    batch, so each guess is on the line through the largest size known to fit and the smallest known not to
+    (doubling while none is known not to), and after two results on the same side the bracket is halved."""
+    known = {0: 0, size: peak}
+    fit, over = (size, None) if peak <= budget else (0, size)
+    sides: list[bool] = []
+    for _ in range(24):
+        top = _MAX_SEARCH if over is None else over - 1
+        if fit >= top:
+            break
+        if over is None:
+            a, b = sorted(known)[-2:]
+            slope = (known[b] - known[a]) / (b - a)
+            guess = max(2 * fit, b + math.floor((budget - known[b]) / slope) if slope > 0 else 0)
+        elif len(sides) >= 2 and sides[-1] == sides[-2]:
+            guess = (fit + over) // 2
+        else:
+            guess = fit + math.floor((budget - known[fit]) * (over - fit) / max(1, known[over] - known[fit]))
+        guess = min(max(guess, fit + 1), top)
+        known[guess] = peak_at(guess)
+        sides.append(known[guess] <= budget)
+        fit, over = (guess, over) if sides[-1] else (fit, guess)
+    return fit
+
+
+def recommend(rows: list[PlanRow], device: torch.device, budget: int, count: int) -> str:
+    """The fastest preset that fits at the planned batch size, or what to change."""
+    if not rows:
+        return "no preset was planned"
+    support = capability(device)
+    fast = {torch.float32: False, torch.bfloat16: support.bf16_fast, torch.float16: support.fp16_fast}
+    order = ["bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master", "bf16-true"]
+    ranked = ([n for n in order if fast[PRESETS[n].compute_dtype]] + ["fp32"]
+              + [n for n in order if not fast[PRESETS[n].compute_dtype]])
+    rows = sorted(rows, key=lambda r: ranked.index(r.precision))
+    size = rows[0].batch_size
+    fitting = [r for r in rows if r.fits]
+    if fitting:
+        best = fitting[0]
+        return (f"{best.precision}: the fastest preset here that fits at batch {size} (peak {size_of(best.peak_bytes)} "
+                f"of {size_of(budget)}; up to batch {best.max_batch_size})")
+    smaller = max(rows, key=lambda r: (r.max_batch_size, -ranked.index(r.precision)))
+    if smaller.max_batch_size > 0:
+        steps = math.ceil(size / smaller.max_batch_size)
+        return (f"nothing fits at batch {size}: use {smaller.precision} at batch {smaller.max_batch_size} with "
+                f"grad_accum_steps={steps} (effective batch {smaller.max_batch_size * steps}); activation checkpointing "
+                f"would cut the activations ({size_of(smaller.activations)} at batch {size})")
+    at_rest = min(r.parameters + r.optimizer_state + r.ampkit_buffers + r.gradients for r in rows)
+    gpus = max(2, math.ceil(at_rest / (0.8 * budget)))
+    return (f"nothing fits even at batch 1: the {count / 1e9:.2f} B parameters with their gradients and optimizer state "
+            f"need {size_of(at_rest)} in the smallest preset planned (bf16-true keeps 8 B/param at rest with AdamW); shard "
+            f"them with strategy='fsdp' across at least {gpus} devices of {size_of(budget)}")
+

@@ -1,0 +1,56 @@
+"""A plan as a table (rich) and as a stacked-bar PNG of its components per preset (matplotlib, optional)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import IO
+
+from ampkit import present
+from ampkit.files import atomic_write
+from ampkit.plan.planner import Plan
+from ampkit.plan.tracker import COMPONENTS
+
+_LABELS = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim state",
+           "ampkit_buffers": "masters / buffers", "activations": "activations", "autocast_cache": "autocast casts",
+           "temporaries": "temporaries"}
+_COLORS = ("#4d4d4d", "#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#d62728", "#bcbd22")
+
+
+def render_plan(result: Plan, file: IO[str] | None = None) -> None:
+    """Print the plan: one row per preset, its peak, the components at the peak, fit and the largest batch."""
+    rows = [[r.precision, present.size(r.peak_bytes), *(present.size(getattr(r, c)) for c in COMPONENTS),
+             r.peak_phase, "yes" if r.fits else "no", str(r.max_batch_size), r.method] for r in result.rows]
+    title = (f"Peak training memory at batch {result.rows[0].batch_size if result.rows else '?'}, "
+             f"{result.parameter_count / 1e6:,.1f} M parameters, {result.device}, against {present.size(result.memory_bytes)}")
+    out = present.console(file)
+    out.print(present.table(["preset", "peak", *(_LABELS[c] for c in COMPONENTS), "peak in", "fits", "max batch",
+                             "method"], rows, title=title, heading=True, two_line_headers=True))
+    for r in result.rows:
+        if r.note:
+            out.print(present.indented(f"{r.precision}: {r.note}", 2, "yellow"))
+    out.print(present.indented(f"recommended: {result.recommendation}", 2, "bold"))
+
+
+def plot_png(result: Plan, path: str | Path) -> Path:
+    """Draw the components at each preset's peak as stacked bars into `path` (a PNG); needs matplotlib
+    (`pip install ampkit[plots]`). The memory planned for is a dashed line."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(1.6 + 1.1 * max(1, len(result.rows)), 4.2))
+    ax = fig.add_subplot()
+    names = [r.precision for r in result.rows]
+    bottom = [0.0] * len(names)
+    for component, color in zip(COMPONENTS, _COLORS):
+        values = [getattr(r, component) / 2**30 for r in result.rows]
+        ax.bar(names, values, bottom=bottom, color=color, label=_LABELS[component])
+        bottom = [b + v for b, v in zip(bottom, values)]
+    if result.memory_bytes / 2**30 <= 2 * max(bottom, default=0):
+        ax.axhline(result.memory_bytes / 2**30, color="black", linestyle="--", linewidth=1, label="memory")
+    ax.set_ylabel("GiB at the peak")
+    ax.set_title(f"Predicted peak per preset (batch {result.rows[0].batch_size if result.rows else '?'})", fontsize=10)
+    ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    target = Path(path)
+    atomic_write(target, lambda handle: fig.savefig(handle, format="png", dpi=110))
+    return target

@@ -1,0 +1,191 @@
+"""`ampkit.plan`: the fake-tensor prediction against the same tracker over real steps, the bytes each
+preset keeps per parameter, a 7B-parameter model planned on this small machine, bad input."""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import ampkit
+from ampkit.cli import main
+from ampkit.plan import PLAN_SCHEMA, parse_memory
+from ampkit.plan.step import measure
+from ampkit.schema import validate
+from ampkit.tasks import get_task
+from ampkit.tasks.tiny_lm import TinyLM
+
+CPU = torch.device("cpu")
+PRESETS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "bf16-true")
+
+
+def _task(name: str, batch_size: int):
+    task = get_task(name)
+    x, y = next(iter(task.make_data(0, batch_size).train_loader))
+    return (lambda: task.make_model(0)), (x, y), (lambda p: task.make_optimizer(p, 1e-3)), task.loss_fn
+
+
+def _bn_net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1),
+                         nn.BatchNorm2d(32), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+
+
+def _cases():
+    yield "tiny-lm", *_task("tiny-lm", 1)
+    yield "digits-cnn", *_task("digits-cnn", 4)
+    yield "bn-convnet", _bn_net, (torch.randn(4, 3, 12, 12), torch.randint(0, 10, (4,))), \
+        (lambda p: torch.optim.AdamW(p, lr=1e-3)), None
+
+
+def _gpt2():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=128, n_positions=32)
+    ids = torch.randint(0, 128, (2, 16))
+    return (lambda: transformers.GPT2LMHeadModel(config)), ({"input_ids": ids, "labels": ids}, None), \
+        (lambda p: torch.optim.AdamW(p, lr=1e-3)), None
+
+
+@pytest.mark.parametrize("case", ["tiny-lm", "digits-cnn", "bn-convnet", "gpt2"])
+def test_prediction_within_5_percent_of_the_real_step(case):
+    model_fn, batch, optimizer_fn, loss_fn = _gpt2() if case == "gpt2" else next(c[1:] for c in _cases() if c[0] == case)
+    size = next(t for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)).shape[0]
+    for precision in PRESETS:
+        args = (model_fn, batch, optimizer_fn, precision, CPU)
+        fake = measure(*args, fake=True, batch_size=size, loss_fn=loss_fn)
+        real = measure(*args, fake=False, batch_size=size, loss_fn=loss_fn)
+        assert abs(fake.peak - real.peak) <= 0.05 * real.peak, (precision, fake, real)
+        assert sum(fake.components.values()) == fake.peak
+        assert fake.components["parameters"] == real.components["parameters"], precision  # tied weights stay tied
+
+
+def _linear_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(512, 512, bias=False), nn.ReLU(), nn.Linear(512, 512, bias=False))
+
+
+@pytest.mark.parametrize("precision, weights, masters, state, grads", [
+    ("fp32", 4, 0, 8, 4), ("bf16-mixed", 4, 0, 8, 4), ("bf16-master", 2, 4, 8, 2), ("bf16-true", 2, 2, 4, 2),
+])
+def test_bytes_per_parameter_by_component(precision, weights, masters, state, grads):
+    """AdamW: fp32 keeps 16 B/param (4 weights + 4 gradients + 8 moments); bf16-true 8 at rest (2 weights,
+    2 Kahan, 4 bf16 moments) plus 2 of gradients; the -master presets add 4 B/param of fp32 masters."""
+    n = 2 * 512 * 512
+    batch = (torch.randn(4, 512), torch.randn(4, 512))
+    after = measure(_linear_model, batch, lambda p: torch.optim.AdamW(p), precision, CPU, fake=True,
+                    batch_size=4).after_step
+    assert after is not None
+    assert after["parameters"] == weights * n
+    assert after["ampkit_buffers"] == masters * n
+    assert after["gradients"] == grads * n
+    assert state * n <= after["optimizer_state"] <= state * n + 64  # + AdamW's step counters
+
+
+def test_plan_rows_batch_search_and_schema():
+    model_fn, batch, optimizer_fn, loss_fn = _task("digits-cnn", 8)[0:4]
+    real = measure(model_fn, batch, optimizer_fn, "fp32", CPU, fake=False, batch_size=8, loss_fn=loss_fn)
+    memory = int(real.peak * 1.5)
+    result = ampkit.plan(model_fn, lambda: batch, optimizer_fn, precisions=["fp32"], device="cpu", memory=memory,
+                         loss_fn=loss_fn)
+    row = result.rows[0]
+    assert row.fits and row.method == "fake" and row.batch_size == 8
+    assert abs(row.peak_bytes - real.peak) <= 0.05 * real.peak
+    best = row.max_batch_size
+    assert best > 8
+    at = lambda b: measure(model_fn, batch, optimizer_fn, "fp32", CPU, fake=True, batch_size=b, loss_fn=loss_fn).peak
+    assert at(best) <= memory < at(best + 1)
+    validate(json.loads(json.dumps(result.as_dict())), PLAN_SCHEMA)
+    assert result.recommendation.startswith("fp32")
+
+
+def test_a_7b_parameter_model_is_planned_in_seconds_without_its_memory():
+    """A 7B-parameter transformer (wide and shallow so the test stays short): planned in < 30 s, < 1 GiB of
+    real memory, and the figures are the parameters times the bytes per parameter of each preset."""
+    def model_fn():
+        return TinyLM(vocab=32000, block=128, d_model=8192, n_heads=64, n_layers=8)
+    ids = torch.randint(0, 32000, (1, 128))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    result = ampkit.plan(model_fn, lambda: (ids, ids), lambda p: torch.optim.AdamW(p), precisions=["fp32", "bf16-mixed"],
+                         device="cpu", memory="80GiB", search=False)
+    assert time.perf_counter() - start < 30
+    assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024 < 2**30  # ru_maxrss is in KiB
+    n = result.parameter_count
+    assert 6.5e9 < n < 7.5e9
+    for row in result.rows:
+        assert row.parameters >= 4 * n and row.parameters - 4 * n < 2**20  # + the LayerNorms' nothing: buffers only
+        assert 8 * n <= row.optimizer_state <= 8 * n + 2**12
+        assert row.peak_bytes >= 16 * n and not row.fits and row.max_batch_size == 0
+    assert "nothing fits even at batch 1" in result.recommendation and "fsdp" in result.recommendation
+
+
+class ItemInForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 10)
+
+    def forward(self, x):
+        h = self.a(x).relu()
+        if h.mean().item() > 1e9:  # a data-dependent branch: fake tensors have no values
+            h = h * 0
+        return self.b(h)
+
+
+def test_a_forward_fake_tensors_cannot_run_is_measured_and_says_so():
+    batch = (torch.randn(16, 64), torch.randint(0, 10, (16,)))
+    result = ampkit.plan(ItemInForward, lambda: batch, lambda p: torch.optim.AdamW(p), precisions=["fp32"],
+                         device="cpu", memory="1GiB", search=False)
+    row = result.rows[0]
+    assert row.method == "real-scaled" and "_local_scalar_dense" in row.note and "batch 1 and 2" in row.note
+    real = measure(ItemInForward, batch, lambda p: torch.optim.AdamW(p), "fp32", CPU, fake=False, batch_size=16)
+    assert abs(row.peak_bytes - real.peak) <= 0.05 * real.peak
+
+
+def test_memory_sizes_parse_and_bad_ones_say_the_format(capsys):
+    assert parse_memory("24GiB") == 24 * 2**30 and parse_memory("80GB") == 80 * 10**9
+    assert parse_memory("512MiB") == 512 * 2**20 and parse_memory(1000) == 1000
+    for bad in ("24 gigs", "-1GB", "", "GiB"):
+        with pytest.raises(ValueError, match='"24GiB", "80GB", "512MiB"'):
+            parse_memory(bad)
+    assert main(["plan", "--task", "iris-mlp", "--memory", "lots"]) == 2
+    assert '"24GiB"' in capsys.readouterr().err
+    with pytest.raises(ValueError, match="not a preset"):
+        ampkit.plan(_linear_model, lambda: (torch.randn(2, 512), torch.randn(2, 512)), torch.optim.AdamW,
+                    precisions=["fp8"])
+
+
+def test_cli_json_and_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    code = main(["plan", "--task", "iris-mlp", "--precisions", "fp32,bf16-true", "--memory", "64MiB", "--json",
+                 "--out", str(tmp_path)])
+    assert code == 0
+    printed = json.loads(capsys.readouterr().out)
+    validate(printed, PLAN_SCHEMA)
+    assert [r["precision"] for r in printed["rows"]] == ["fp32", "bf16-true"]
+    assert json.loads((tmp_path / "plan.json").read_text()) == printed
+    assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_prediction_within_10_percent_of_max_memory_allocated():
+    model_fn, batch, optimizer_fn, loss_fn = _task("tiny-lm", 16)
+    for precision in ("fp32", "bf16-mixed", "bf16-true"):
+        predicted = ampkit.plan(model_fn, lambda: batch, optimizer_fn, precisions=[precision], device="cuda",
+                                loss_fn=loss_fn, search=False).rows[0].peak_bytes
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        acc = ampkit.Accelerator(precision=precision, device="cuda")
+        model = acc.prepare(model_fn())
+        opt = acc.prepare(optimizer_fn(model.parameters()))
+        x, y = (t.cuda() for t in batch)
+        for _ in range(2):
+            acc.backward(loss_fn(model(x), y))
+            opt.step()
+            opt.zero_grad()
+        measured = torch.cuda.max_memory_allocated() - base
+        assert abs(predicted - measured) <= 0.10 * measured, (precision, predicted, measured)
+        del acc, model, opt
