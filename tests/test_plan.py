@@ -189,3 +189,64 @@ def test_gpu_prediction_within_10_percent_of_max_memory_allocated():
         measured = torch.cuda.max_memory_allocated() - base
         assert abs(predicted - measured) <= 0.10 * measured, (precision, predicted, measured)
         del acc, model, opt
+
+
+_SCRIPT = """
+import sys, torch
+from torch import nn
+import ampkit
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 10))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
+ds = torch.utils.data.TensorDataset(torch.randn(256, 32), torch.randint(0, 10, (256,)))
+loader = torch.utils.data.DataLoader(ds, batch_size=int(sys.argv[1]), shuffle=True)
+acc = ampkit.Accelerator(precision="bf16-mixed")
+model, opt, loader = acc.prepare(model, opt, loader)
+for x, y in loader:
+    loss = nn.functional.cross_entropy(model(x), y)
+    acc.backward(loss)
+    opt.step()
+    opt.zero_grad()
+open(sys.argv[2], "w").write("trained")
+"""
+
+
+def test_a_script_is_planned_from_its_first_prepared_model_optimizer_and_batch(tmp_path, capsys):
+    script, marker = tmp_path / "train.py", tmp_path / "trained"
+    script.write_text(_SCRIPT)
+    code = main(["plan", "--precisions", "fp32,bf16-true", "--memory", "64MiB", "--json", "--no-search",
+                 str(script), "24", str(marker)])
+    assert code == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert not marker.exists()  # stopped at its first backward: nothing trained
+    torch.manual_seed(0)
+    x, y = torch.randn(24, 32), torch.randint(0, 10, (24,))
+    direct = ampkit.plan(lambda: nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 10)), lambda: (x, y),
+                         lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.05), precisions=["fp32", "bf16-true"],
+                         memory="64MiB", search=False)
+    assert planned["parameter_count"] == direct.parameter_count == 32 * 256 + 256 + 256 * 10 + 10
+    for row, want in zip(planned["rows"], direct.rows):
+        assert (row["precision"], row["batch_size"], row["peak_bytes"]) == (want.precision, 24, want.peak_bytes)
+    assert main(["plan", str(tmp_path / "missing.py")]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+def test_a_script_without_a_prepared_loader_is_planned_from_its_models_first_forward(tmp_path, capsys):
+    script = tmp_path / "lm.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\nimport ampkit\n"
+        "class LM(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__(); self.emb = nn.Embedding(64, 48); self.head = nn.Linear(48, 64)\n"
+        "    def forward(self, idx, targets):\n        logits = self.head(self.emb(idx))\n"
+        "        return logits, nn.functional.cross_entropy(logits.view(-1, 64), targets.view(-1))\n"
+        "acc = ampkit.Accelerator(cast_outputs=False)\n"
+        "model = acc.prepare(LM())\n"
+        "opt = acc.prepare(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))\n"
+        "x = torch.randint(0, 64, (8, 16))\n"
+        "_, loss = model(x, torch.roll(x, 1))\nacc.backward(loss)\n")
+    assert main(["plan", "--precisions", "fp32", "--json", "--no-search", str(script)]) == 0
+    captured = capsys.readouterr()
+    row = json.loads(captured.out)["rows"][0]
+    assert "first forward inputs" in captured.err and row["batch_size"] == 8
+    # the logits (8×16×64 fp32) are saved for the model's own cross-entropy: the loss it returns was planned
+    assert row["activations"] >= 8 * 16 * 64 * 4

@@ -184,13 +184,11 @@ def _plan(args: argparse.Namespace) -> int:
     from ampkit.schema import Invalid, validate
     from ampkit.tasks import get_task
 
-    if args.script is not None:
-        return _usage("plan", "planning a script is not supported yet: use --task NAME, or call ampkit.plan(model_fn, "
-                              "batch_fn, optimizer_fn) from Python")
     try:
         memory = parse_memory(args.memory) if args.memory is not None else None
-        task = get_task(args.task)
-        data = task.make_data(args.seed, args.batch_size or task.default_batch_size)
+        if args.script is None:
+            task = get_task(args.task)
+            data = task.make_data(args.seed, args.batch_size or task.default_batch_size)
     except ValueError as exc:
         return _usage("plan", exc)
     out = Path(args.out) if args.out else None
@@ -200,11 +198,19 @@ def _plan(args: argparse.Namespace) -> int:
         except (ValueError, Invalid):
             return _usage("plan", f"{out / 'plan.json'} exists and is not a plan ampkit wrote: choose another --out")
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()] if args.precisions else None
-    batch = next(iter(data.train_loader))
     try:
-        result = plan(lambda: task.make_model(args.seed), lambda: batch,
-                      lambda params: task.make_optimizer(params, task.default_lr), precisions=precisions,
-                      device=args.device, memory=memory, loss_fn=task.loss_fn, search=not args.no_search)
+        if args.script is not None:  # the script's first prepared model, optimizer and batch
+            from ampkit.plan.script import capture
+
+            if args.batch_size is not None:
+                return _usage("plan", "--batch-size is for --task; a script's batch is its own")
+            model_fn, batch, optimizer_fn, loss_fn, note = capture(args.script, args.script_args)
+            print(f"ampkit plan: {args.script}: {note}", file=sys.stderr)
+        else:
+            batch, model_fn, loss_fn = next(iter(data.train_loader)), (lambda: task.make_model(args.seed)), task.loss_fn
+            optimizer_fn = lambda params: task.make_optimizer(params, task.default_lr)  # noqa: E731
+        result = plan(model_fn, lambda: batch, optimizer_fn, precisions=precisions, device=args.device,
+                      memory=memory, loss_fn=loss_fn, search=not args.no_search)
     except (PrecisionError, ValueError) as exc:
         return _usage("plan", exc)
     if args.json:
@@ -329,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "master weights and buffers, activations, autocast's weight casts, temporaries; whether it fits "
                     "in --memory and the largest batch size that does; and the fastest preset that fits.",
     )
-    pln.add_argument("script", nargs="?", default=None, help="(not supported yet) a training script")
+    pln.add_argument("script", nargs="?", default=None, help="a training script (its first prepared model, optimizer and batch; it runs to its first acc.backward)")
     pln.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     pln.add_argument("--task", default="tiny-lm", help="built-in task: tiny-lm (default), digits-cnn, iris-mlp")
     pln.add_argument("--memory", default=None,

@@ -23,7 +23,7 @@ from ampkit.hardware import capability, resolve_device
 from ampkit.present import size as size_of
 from ampkit.plan.step import FAKE_FAILURES, Measured, batch_size_of, measure
 from ampkit.plan.tracker import COMPONENTS
-from ampkit.precision import PRESETS, resolve_precision
+from ampkit.precision import PRESETS, fp8_problem, resolve_precision
 from ampkit.schema import field, schema_of, validate
 
 SCHEMA_VERSION = 1
@@ -134,6 +134,8 @@ def plan(model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Any], optimiz
 
 def _runs(name: str, device: torch.device) -> bool:
     support = capability(device)
+    if PRESETS[name].fp8 and fp8_problem(device):
+        return False
     dtype = PRESETS[name].compute_dtype
     return dtype == torch.float32 or (support.bf16_runs if dtype == torch.bfloat16 else support.fp16_runs)
 
