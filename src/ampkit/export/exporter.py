@@ -70,10 +70,6 @@ class Exported:
     def size_bytes(self) -> int:
         return self.path.stat().st_size
 
-    @property
-    def runtime(self) -> str:
-        return RUNTIME[self.backend]
-
     def run(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """The model's output(s) for `inputs` (a batch of any size)."""
         cast = [x.to(self.input_dtype) if x.is_floating_point() else x for x in inputs]
@@ -89,7 +85,7 @@ class Exported:
         return load(path)
 
     def __repr__(self) -> str:
-        return f"Exported({self.precision}, {self.runtime}, {str(self.path)!r}, {self.size_bytes} bytes)"
+        return f"Exported({self.precision}, {RUNTIME[self.backend]}, {str(self.path)!r}, {self.size_bytes} bytes)"
 
 
 class Served(nn.Module):

@@ -170,11 +170,7 @@ def _measure(task: str, precisions: Sequence[str], backends: Sequence[str], out:
     rows: dict[tuple[str, str], InferenceRow] = {}
     for backend in backends:
         for precision in order:
-            row = InferenceRow(precision=precision, backend=backend, runtime=RUNTIME[backend], latency_b1_s=None,
-                               latency_batch_s=None, size_bytes=None, peak_rss_bytes=None, metric=None,
-                               metric_change=None, agreement=None, speedup_b1=None, speedup_batch=None, smaller=None,
-                               verdict="", error=None)
-            rows[backend, precision] = row
+            rows[backend, precision] = row = InferenceRow(precision=precision, backend=backend, runtime=RUNTIME[backend])
             try:
                 exported = export(model, inputs[:batch_n], precision, backend,
                                   folder / f"{task}-{precision}{SUFFIX[backend]}", acc=acc)

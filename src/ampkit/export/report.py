@@ -23,21 +23,21 @@ class InferenceRow:
     precision: Precision = field("weights (and float inputs) in this dtype; int8: dynamic int8 linear layers")
     backend: Literal["torch", "onnx"] = field("the backend that exported it")
     runtime: str = field("what serves it: torch.export or onnxruntime")
-    latency_b1_s: float | None = field("median seconds per batch of 1 over interleaved rounds", minimum=0)
-    latency_batch_s: float | None = field("median seconds per throughput batch over interleaved rounds", minimum=0)
-    size_bytes: int | None = field("the exported file's size", minimum=0)
+    verdict: str = field("one line for people", default="")
+    latency_b1_s: float | None = field("median seconds per batch of 1 over interleaved rounds", default=None, minimum=0)
+    latency_batch_s: float | None = field("median seconds per throughput batch over interleaved rounds", default=None, minimum=0)
+    size_bytes: int | None = field("the exported file's size", default=None, minimum=0)
     peak_rss_bytes: int | None = field("peak resident-memory growth while loading the file and running one "
-                                       "throughput batch (see memory_method)")
-    metric: float | None = field("the task's held-out metric, computed from the export's outputs")
+                                       "throughput batch (see memory_method)", default=None)
+    metric: float | None = field("the task's held-out metric, computed from the export's outputs", default=None)
     metric_change: float | None = field("change from the fp32 PyTorch model: percentage points for accuracy, "
-                                        "percent for perplexity")
-    agreement: float | None = field("share of held-out predictions (argmax) equal to the fp32 PyTorch model's",
+                                        "percent for perplexity", default=None)
+    agreement: float | None = field("share of held-out predictions (argmax) equal to the fp32 PyTorch model's", default=None,
                                     minimum=0, maximum=1)
-    speedup_b1: float | None = field("the same runtime's fp32 latency at batch 1 divided by this one's", minimum=0)
-    speedup_batch: float | None = field("the same, at the throughput batch", minimum=0)
-    smaller: float | None = field("the same runtime's fp32 file size divided by this one's", minimum=0)
-    verdict: str = field("one line for people")
-    error: str | None = field("why this export was not made or measured (None: it was)")
+    speedup_b1: float | None = field("the same runtime's fp32 latency at batch 1 divided by this one's", default=None, minimum=0)
+    speedup_batch: float | None = field("the same, at the throughput batch", default=None, minimum=0)
+    smaller: float | None = field("the same runtime's fp32 file size divided by this one's", default=None, minimum=0)
+    error: str | None = field("why this export was not made or measured (None: it was)", default=None)
 
 
 @dataclass
