@@ -372,6 +372,13 @@ class Accelerator:
         """The user's module without DDP (ampkit's own changes are made in place, on the module)."""
         return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
+    def fp32_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """`model`'s state_dict in fp32, each low-precision weight replaced by the fp32 value it stands
+        for (its master copy, or bf16 weight plus Kahan compensation): the truth to export or serve."""
+        truth = {id(p): v for opt in self.optimizers for p, v in opt.fp32_values()}
+        return {k: (truth.get(id(t), t).detach().float() if t.is_floating_point() else t.detach()).clone()
+                for k, t in self.unwrap(model).state_dict(keep_vars=True).items()}
+
     @property
     def bf16_runs(self) -> bool:
         """This device runs bf16 at a useful speed."""

@@ -35,6 +35,24 @@ def _compare(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 130
     print(f"\nreport: {args.out}/report.html (and report.json, PNG plots)")
+    if args.inference:  # the same task again, trained in fp32 and exported in each precision
+        return _export(argparse.Namespace(task=args.task, precisions=None, backends="torch,onnx", out=args.out,
+                                          steps=args.steps, seed=args.seed, rounds=7, threads=None))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from ampkit.export import PRECISIONS, format_text, measure
+
+    def names(text: str | None, default: tuple[str, ...]) -> list[str]:
+        return [p.strip() for p in text.split(",") if p.strip()] if text else list(default)
+    try:
+        report = measure(args.task, names(args.precisions, PRECISIONS), names(args.backends, ("torch", "onnx")),
+                         args.out, steps=args.steps, seed=args.seed, rounds=args.rounds, threads=args.threads)
+    except ValueError as exc:
+        return _usage("export", exc)
+    print(format_text(report), end="")
+    print(f"inference report: {args.out}/inference.json (and inference.txt; the exported files in {args.out}/exports/)")
     return 0
 
 
@@ -256,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--no-numerics", action="store_true",
                      help="skip the numerics pass: by default, after each run, a few more steps of the same training "
                           "run under `ampkit doctor --numerics` (not timed) for the report's numerics section")
+    cmp.add_argument("--inference", action="store_true",
+                     help="afterwards, export the task's fp32-trained model in fp32/bf16/fp16/int8 (torch.export and "
+                          "onnxruntime) and measure latency, size, memory and accuracy (see `ampkit export`)")
     cmp.set_defaults(func=_compare)
     cmp.add_argument("script", nargs="?", default=None,
                      help="instead of --task: your training script (converted with ampkit.Accelerator, no precision= "
@@ -282,6 +303,22 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("script", nargs="?", default=None, help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     run.set_defaults(func=_run)
+    exp = sub.add_parser(
+        "export", help="train a task in fp32, export it in reduced precision, measure what each precision buys",
+        description="Train a built-in task briefly in fp32, export it in each precision (fp32, bf16, fp16, int8) with "
+                    "each backend (torch: torch.export .pt2; onnx: onnxruntime), and report latency at batch 1 and "
+                    "at a throughput batch (median of interleaved rounds), file size, peak memory and the held-out "
+                    "metric against fp32, with a verdict per export and the auto choice for this device.",
+    )
+    exp.add_argument("--task", default="digits-cnn", help="built-in task: digits-cnn (default), tiny-lm, iris-mlp")
+    exp.add_argument("--precisions", default=None, help="comma-separated, from fp32,bf16,fp16,int8 (default: all)")
+    exp.add_argument("--backends", default=None, help="comma-separated, from torch,onnx (default: both)")
+    exp.add_argument("--out", default="inference", help="folder for inference.json/.txt and exports/ (default: inference)")
+    exp.add_argument("--steps", type=int, default=None, help="fp32 training steps (default: the task's)")
+    exp.add_argument("--seed", type=int, default=0, help="seed for model init and data order (default: 0)")
+    exp.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (default: 7)")
+    exp.add_argument("--threads", type=int, default=None, help="intra-op threads of both runtimes (default: torch's)")
+    exp.set_defaults(func=_export)
     info = sub.add_parser(
         "info", help="what this machine runs fast in low precision, and what precision='auto' picks here",
         description="Show torch/CUDA/cuDNN versions, every device (name, compute capability, memory, SMs), "
