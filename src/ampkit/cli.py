@@ -195,28 +195,15 @@ def _doctor(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from ampkit.errors import PrecisionError
-    from ampkit.plan import PLAN_SCHEMA, parse_memory, plan, plot_png, render_plan
-    from ampkit.schema import Invalid, validate
+    from ampkit.plan import check_out, parse_memory, plan, render_plan, write_plan
     from ampkit.tasks import get_task
 
-    try:
-        memory = parse_memory(args.memory) if args.memory is not None else None
-        if args.script is None:
-            task = get_task(args.task)
-            data = task.make_data(args.seed, args.batch_size or task.default_batch_size)
-    except ValueError as exc:
-        return _usage("plan", exc)
-    out = Path(args.out) if args.out else None
-    if out is not None and (out / "plan.json").exists():
-        try:
-            validate(json.loads((out / "plan.json").read_text()), PLAN_SCHEMA)
-        except (ValueError, Invalid):
-            return _usage("plan", f"{out / 'plan.json'} exists and is not a plan ampkit wrote: choose another --out")
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()] if args.precisions else None
     try:
+        memory = parse_memory(args.memory) if args.memory is not None else None
+        check_out(args.out)
         if args.script is not None:  # the script's first prepared model, optimizer and batch
             from ampkit.plan.script import capture
 
@@ -225,7 +212,9 @@ def _plan(args: argparse.Namespace) -> int:
             model_fn, batch, optimizer_fn, loss_fn, note = capture(args.script, args.script_args)
             print(f"ampkit plan: {args.script}: {note}", file=sys.stderr)
         else:
-            batch, model_fn, loss_fn = next(iter(data.train_loader)), (lambda: task.make_model(args.seed)), task.loss_fn
+            task = get_task(args.task)
+            batch = next(iter(task.make_data(args.seed, args.batch_size or task.default_batch_size).train_loader))
+            model_fn, loss_fn = (lambda: task.make_model(args.seed)), task.loss_fn
             optimizer_fn = lambda params: task.make_optimizer(params, task.default_lr)  # noqa: E731
         result = plan(model_fn, lambda: batch, optimizer_fn, precisions=precisions, device=args.device,
                       memory=memory, loss_fn=loss_fn, search=not args.no_search)
@@ -235,16 +224,8 @@ def _plan(args: argparse.Namespace) -> int:
         print(json.dumps(result.as_dict(), indent=2, allow_nan=False))
     else:
         render_plan(result)
-    if out is not None:
-        from ampkit.files import atomic_write
-
-        out.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(result.as_dict(), indent=2, allow_nan=False).encode()
-        atomic_write(out / "plan.json", lambda f: f.write(text))
-        try:
-            plot_png(result, out / "plan.png")
-        except ImportError:
-            print("ampkit plan: no plan.png: matplotlib is not installed (pip install ampkit[plots])", file=sys.stderr)
+    if args.out is not None and not write_plan(result, args.out):
+        print("ampkit plan: no plan.png: matplotlib is not installed (pip install ampkit[plots])", file=sys.stderr)
     return 0
 
 

@@ -5,7 +5,8 @@
 """
 
 from ampkit.plan.planner import PLAN_SCHEMA, Plan, PlanRow, device_memory, parse_memory, plan
-from ampkit.plan.show import plot_png, render_plan
+from ampkit.plan.show import check_out, plot_png, render_plan, write_plan
 from ampkit.plan.tracker import COMPONENTS
 
-__all__ = ["COMPONENTS", "PLAN_SCHEMA", "Plan", "PlanRow", "device_memory", "parse_memory", "plan", "plot_png", "render_plan"]
+__all__ = ["COMPONENTS", "PLAN_SCHEMA", "Plan", "PlanRow", "device_memory", "parse_memory", "plan", "plot_png", "render_plan",
+           "check_out", "write_plan"]

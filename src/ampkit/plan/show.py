@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import IO
 
 from ampkit import present
 from ampkit.files import atomic_write
-from ampkit.plan.planner import Plan
+from ampkit.schema import Invalid, validate
+from ampkit.plan.planner import PLAN_SCHEMA, Plan
 from ampkit.plan.tracker import COMPONENTS
 
 _LABELS = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim state",
@@ -54,3 +56,27 @@ def plot_png(result: Plan, path: str | Path) -> Path:
     target = Path(path)
     atomic_write(target, lambda handle: fig.savefig(handle, format="png", dpi=110))
     return target
+
+
+def check_out(out: str | Path | None) -> None:
+    """ValueError if `out` holds a plan.json that is not a plan ampkit wrote (it is never overwritten)."""
+    path = Path(out) / "plan.json" if out is not None else None
+    if path is not None and path.exists():
+        try:
+            validate(json.loads(path.read_text()), PLAN_SCHEMA)
+        except (ValueError, Invalid):
+            raise ValueError(f"{path} exists and is not a plan ampkit wrote: choose another --out") from None
+
+
+def write_plan(result: Plan, out: str | Path) -> bool:
+    """Write `out`/plan.json and plan.png; False when matplotlib is missing (no PNG)."""
+    check_out(out)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(result.as_dict(), indent=2, allow_nan=False).encode()
+    atomic_write(out / "plan.json", lambda f: f.write(text))
+    try:
+        plot_png(result, out / "plan.png")
+    except ImportError:
+        return False
+    return True
