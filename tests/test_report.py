@@ -251,6 +251,27 @@ def test_verdict_within_timing_noise_says_same_speed(sample):
     )
 
 
+def test_speed_spread_noise_band_and_the_recommendation_come_from_the_measured_figures(sample):
+    from ampkit.compare.summary import recommendation
+
+    fp32, fp16 = run_of(sample, "fp32"), run_of(sample, "fp16-mixed")
+    fp32["metric_band"] = 0.05  # perplexity 4.100 ± 0.05: ±1.2%, wider than fp16-mixed's +0.7%
+    fp16.update(speedup_low=2.2, speedup_high=2.6)
+    assert verdict(fp16, fp32, sample["task"]) == ("fp16-mixed: 2.4× faster (2.2×–2.6× over rounds), 0.58× memory, "
+                                                   "perplexity +0.7% (within the noise, ±1.2%), 3 overflow steps skipped")
+    assert verdict(fp32, fp32, sample["task"]).endswith("perplexity 4.1 ± 0.05")
+    assert recommendation(validate_report(sample)) == "fp16-mixed: 2.4× faster, 0.58× memory, perplexity within the noise of fp32"
+    fp32["metric_band"] = 0.01  # now +0.7% is beyond the noise: fp32 stays, and the page says why
+    assert recommendation(validate_report(sample)) == (
+        "fp32: fp16-mixed is 2.4× faster but its perplexity is +0.7%, beyond the noise")
+    fp16.update(speedup_vs_baseline=1.04, speedup_low=0.97, speedup_high=1.2)  # the rounds' spread covers 1.0
+    assert "same speed (1×, 0.97×–1.2× over rounds)" in verdict(fp16, fp32, sample["task"])
+    assert recommendation(validate_report(sample)) == "fp32: fp16-mixed is no faster on Tesla T4"
+    fp16.update(speedup_vs_baseline=0.25, speedup_low=0.2, speedup_high=0.3, status="probe")
+    assert recommendation(validate_report(sample)) == "fp32: fp16-mixed costs 4× the time on Tesla T4"
+    assert format_text(sample).splitlines()[1] == "Use fp32: fp16-mixed costs 4× the time on Tesla T4"
+
+
 def test_verdict_of_a_skipped_run_gives_the_reason(sample):
     assert verdict(run_of(sample, "bf16-mixed"), run_of(sample, "fp32"), sample["task"]) == (
         "bf16-mixed: skipped — needs bf16, which Tesla T4 (compute capability 7.5) cannot run; "

@@ -153,20 +153,15 @@ def numerics_pass(spec: RunSpec, device: torch.device) -> Numerics:
     stay those of plain training; the same seed, so it watches the run's first batches. A failed
     diagnosis is its `error`, never a failed run.
     """
-    from ampkit.doctor import numerics_task, numerics_train_fn, summarize
+    from ampkit.doctor import numerics_train_fn, summarize
 
     seed_everything(spec.seed)
     steps = spec.numerics_steps
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the run has recorded the Accelerator's warnings already
-            if spec.train_fn is not None or spec.size is not None:
-                result = numerics_train_fn(spec.train_fn or functools.partial(_train_sized, spec), steps=steps,
-                                           precision=spec.precision, device=device,
-                                           accelerator_kwargs=spec.accelerator_kwargs)
-            else:
-                result = numerics_task(spec.task or "", steps=steps, precision=spec.precision, device=str(device),
-                                       batch_size=spec.batch_size, seed=spec.seed)
+            result = numerics_train_fn(spec.train_fn or functools.partial(_train_forever, spec), steps=steps,
+                                       precision=spec.precision, device=device, accelerator_kwargs=spec.accelerator_kwargs)
     except Exception as exc:  # noqa: BLE001 - a failed diagnosis is reported beside the run
         return Numerics(steps=0, at_risk=[], keep_fp32=[], lost_update_share=None, loss_scale=None,
                         top_finding=None, problem=None, error=f"{type(exc).__name__}: {exc}", detail=None)
@@ -174,8 +169,8 @@ def numerics_pass(spec: RunSpec, device: torch.device) -> Numerics:
 
 
 
-def _train_sized(spec: RunSpec, acc: Accelerator) -> dict[str, float]:
-    """A sized task's loop for the numerics pass, which stops it after the steps it watches."""
+def _train_forever(spec: RunSpec, acc: Accelerator) -> dict[str, float]:
+    """The task's loop for the numerics pass, which stops it after the steps it watches."""
     task = get_task(spec.task or "", spec.size)
     data = task.make_data(spec.seed, spec.batch_size or task.default_batch_size)
     model = task.make_model(spec.seed)

@@ -133,18 +133,17 @@ def compare(
                     created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     machine=describe(dev), baseline=plan[0][0])
     base = RunSpec(precision="", device=str(dev), seed=seed, task=task, steps=task_info.steps or None, size=size,
-                   batch_size=batch_size,
-                   train_fn=train_fn, samples_per_step=samples_per_step, nproc=nproc,
+                   batch_size=batch_size, train_fn=train_fn, samples_per_step=samples_per_step, nproc=nproc,
                    numerics_steps=NUMERICS_STEPS if numerics else 0)
     progress = RunProgress(show)
     specs = {name: dataclasses.replace(
         base, precision=name, probe=probe, numerics_steps=0 if probe else base.numerics_steps,
         checkpoints=str(state_dir / f"{name}.ckpt") if state_dir is not None and task is not None and not probe else None,
         accelerator_kwargs=kwargs_of(name)) for name, probe in plan if name not in kept}
+    turns = isolate and task is not None and nproc == 1
     try:
-        if isolate and task is not None and nproc == 1:
-            done = interleaved(list(specs.values()), report, dev, progress, fit=steps is None)
-        else:
+        taken = interleaved(list(specs.values()), report, dev, progress, fit=steps is None) if turns else {}
+        if not turns:
             report.plan = "; ".join(f"{n} ({'probe, ' * s.probe}{s.steps or 'its own'} steps)" for n, s in specs.items())
             progress.say(f"{report.plan}: one after another")
         for name, _ in plan:
@@ -152,11 +151,9 @@ def compare(
                 report.runs.append(kept[name])
                 continue
             spec = specs[name]
-            if isolate and task is not None and nproc == 1:
-                run = done[name]
-            else:  # a train_fn's step count is known once one run has finished: every run trains the same loop
-                known = task_info.steps or next((r.steps for r in report.runs if r.status == "ok" and r.steps), None)
-                run = run_planned(spec, dev, isolate, progress, PROBE_STEPS if spec.probe else known)
+            # a train_fn's step count is known once one run has finished: every run trains the same loop
+            known = task_info.steps or next((r.steps for r in report.runs if r.status == "ok" and r.steps), None)
+            run = taken[name] if turns else run_planned(spec, dev, isolate, progress, PROBE_STEPS if spec.probe else known)
             run.finish(metric)
             if task_info.metric is None and run.eval:
                 task_info.metric = metric = next(iter(run.eval))

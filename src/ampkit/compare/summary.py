@@ -71,7 +71,7 @@ def recommendation(report: Report) -> str | None:
     base, task = report.baseline_run(), report.task
     if base is None or base.status != "ok":
         return None
-    others = [r for r in report.runs if r is not base and r.speedup_vs_baseline is not None]
+    others = [r for r in report.runs if r is not base and r.speedup_vs_baseline and r.status in ("ok", "probe")]
     good = [r for r in others if r.status == "ok" and not same_speed(r) and (r.speedup_vs_baseline or 0) > 1
             and within_noise(r, base, task) is not False]
     if good:
@@ -182,7 +182,8 @@ def _baseline_summary(run: Run, task: Task | None) -> str:
     if run.peak_memory_bytes is not None:
         parts.append(f"{size(run.peak_memory_bytes)} peak memory")
     if run.metric is not None:
-        parts.append(f"{metric_name(task)} {metric_value(run.metric, task)}")
+        band = f" \u00b1 {metric_value(run.metric_band, task)}" if run.metric_band is not None else ""
+        parts.append(f"{metric_name(task)} {metric_value(run.metric, task)}{band}")
     return ", ".join(parts) or "no measurements"
 
 

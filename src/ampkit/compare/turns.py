@@ -30,9 +30,9 @@ ROUNDS = 4
 WARMUP_STEPS = 3
 
 #: Seconds a default comparison's training, evaluation and numerics passes should take; its full runs'
-#: steps are cut to fit (never below `MIN_STEPS`), so that it finishes in about three minutes with startup.
+#: steps are cut to fit (to half the task's steps at the least, so that they still learn), so that it
+#: finishes in about three minutes with startup.
 BUDGET_S = 140.0
-MIN_STEPS = 100
 
 #: A numerics pass (hooks on every module, a census of every tensor) costs about this many plain steps.
 NUMERICS_COST_STEPS = 40
@@ -116,7 +116,7 @@ def interleaved(specs: list[RunSpec], report: Report, dev: torch.device, progres
         cut = ""
         if fit and full and sum(left.values()) + extra > BUDGET_S:
             room = BUDGET_S - extra - sum(left[n] for n in workers if n not in full)
-            steps = max(MIN_STEPS, int(room / max(1e-9, sum(step_s[n] for n in full))))
+            steps = max(total[full[0]] // 2, int(room / max(1e-9, sum(step_s[n] for n in full))))
             if steps < total[full[0]]:
                 cut = f", cut from {total[full[0]]} to fit ~{seconds(BUDGET_S)}"
                 total.update(dict.fromkeys(full, steps))
