@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import ampkit
+import ampkit.hardware
 import ampkit.tasks
 from ampkit.compare import RunSpec, compare, default_precisions, run_one
 from ampkit.hardware import Support
@@ -154,6 +155,18 @@ def test_report_files_from_a_real_comparison(tmp_path, capsys):
     assert fp16["numerics"]["loss_scale"].startswith("healthy: no overflow in 5 steps")
     assert report["runs"][0]["numerics"]["loss_scale"] is None  # fp32: no loss scale
     assert "<h2>Numerics</h2>" in html and '"census"' not in html and "under_fp16_share" not in html
+
+
+def test_the_default_comparison_measures_its_own_noise_and_recommends_from_it(monkeypatch, capsys):
+    monkeypatch.setattr("ampkit.hardware.cpu_flags", lambda: dict.fromkeys(ampkit.hardware.CPU_FLAGS, False))
+    report = compare(task="iris-mlp", steps=12, device="cpu", numerics=False)
+    fp32, noise, probe = report["runs"]
+    assert (noise["precision"], noise["status"], probe["status"]) == ("fp32 (seed 1)", "ok", "probe")
+    assert noise["policy"]["name"] == "fp32" and noise["loss_curve"] != fp32["loss_curve"]  # another seed
+    assert fp32["metric_band"] == abs(noise["metric"] - fp32["metric"])  # iris has no held-out band of its own
+    assert report["plan"].startswith("fp32 (12 steps), fp32 (seed 1) (12 steps), bf16-mixed (probe, 8 steps): ")
+    first = capsys.readouterr().out.split("$ ")[1].splitlines()[1]
+    assert first.startswith("Use fp32: bf16-mixed ")  # the probe explains it, never the noise run
 
 
 def test_cli_compare(tmp_path, capsys):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
-import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -26,8 +25,8 @@ from ampkit.schema import build
 from ampkit.tasks import get_task
 
 TrainFn = Callable[[Accelerator], dict[str, float]]
-Gate = Callable[[int, "float | None"], "int | None"]
-"""An interleaved run's pause: (steps done, the chunk's median step time) -> the step to train up to, None: stop."""
+Gate = Callable[[int, list[float]], "int | None"]
+"""An interleaved run's pause: (steps done, the chunk's step times) -> the step to train up to, None: stop."""
 
 #: Steps a "probe" run times a preset this hardware runs slowly (no accuracy: it would take too long).
 PROBE_STEPS = 8
@@ -96,7 +95,7 @@ def run_one(spec: RunSpec, progress: Callable[[int], None] | None = None, gate: 
     """Train one precision and return its run record (a `runs[i]` of report.json, before ratios).
 
     With `gate` (a built-in task only), training pauses at each step `gate` names and reports that
-    chunk's median step time: how a comparison interleaves its runs. The pauses are in no step time.
+    chunk's step times: how a comparison interleaves its runs. The pauses are in no step time.
     """
     device = resolve_device(spec.device)
     seed_everything(spec.seed)
@@ -114,7 +113,7 @@ def run_one(spec: RunSpec, progress: Callable[[int], None] | None = None, gate: 
         if gate is None:
             return steps
         times = recorder.step_times()
-        target = gate(done, statistics.median(times[seen[0]:]) if times[seen[0]:] else None)
+        target = gate(done, times[seen[0]:])
         seen[0] = len(times)
         recorder.restart()
         return target

@@ -70,7 +70,8 @@ class Numerics:
 class Run:
     """One precision preset's run, in its own subprocess."""
 
-    precision: str = field('Preset name, e.g. "bf16-mixed".', minLength=1)
+    precision: str = field('Preset name, e.g. "bf16-mixed"; "fp32 (seed 1)": the baseline again from the next seed, '
+                           "the noise yardstick of a default comparison.", minLength=1)
     status: Status = field()
     reason: str | None = field("Why the run was skipped, failed, diverged or only probed.", None)
     policy: Policy | None = field(default=None)
@@ -102,8 +103,10 @@ class Run:
         "processes, so a slow moment of the machine lands on every run).", None, optional=True)
     speedup_low: float | None = field("Smallest per-round speed-up over the baseline.", None, optional=True)
     speedup_high: float | None = field("Largest per-round speed-up over the baseline.", None, optional=True)
-    metric_band: float | None = field("Half-width of the metric's ~95% band from the held-out set's spread.", None,
-                                      optional=True, minimum=0)
+    metric_band: float | None = field(
+        "Half-width of the metric's noise band: two standard errors of the held-out mean (tiny-lm), and for the "
+        "baseline of a default comparison at least its difference from its run from the next seed.", None,
+        optional=True, minimum=0)
     memory_parts: dict[str, int] | None = field("Parts of the peak counted from the tensors: weights, gradients, "
                                                 "optimizer state (bytes).", None, optional=True)
 

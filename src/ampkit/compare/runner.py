@@ -122,6 +122,8 @@ def compare(
                          higher_is_better=None if metric_direction is None else metric_direction == "higher",
                          batch_size=samples_per_step)
     plan = _plan(precisions, dev)
+    if precisions is None and task is not None:  # the default experiment also measures its own noise
+        plan.insert(1, (f"{plan[0][0]} (seed {seed + 1})", False))
     state_dir = None
     if out is not None:
         _check_writable(Path(out))
@@ -136,13 +138,14 @@ def compare(
                    batch_size=batch_size, train_fn=train_fn, samples_per_step=samples_per_step, nproc=nproc,
                    numerics_steps=NUMERICS_STEPS if numerics else 0)
     progress = RunProgress(show)
-    specs = {name: dataclasses.replace(
-        base, precision=name, probe=probe, numerics_steps=0 if probe else base.numerics_steps,
-        checkpoints=str(state_dir / f"{name}.ckpt") if state_dir is not None and task is not None and not probe else None,
-        accelerator_kwargs=kwargs_of(name)) for name, probe in plan if name not in kept}
+    specs = {name: dataclasses.replace(  # "fp32 (seed 1)": the noise run, fp32 again from the next seed
+        base, precision=name.split(" ")[0], seed=seed + (" " in name), probe=probe,
+        numerics_steps=0 if probe or " " in name else base.numerics_steps, accelerator_kwargs=kwargs_of(name.split(" ")[0]),
+        checkpoints=str(state_dir / f"{name}.ckpt") if state_dir is not None and task is not None and not probe else None)
+        for name, probe in plan if name not in kept}
     turns = isolate and task is not None and nproc == 1
     try:
-        taken = interleaved(list(specs.values()), report, dev, progress, fit=steps is None) if turns else {}
+        taken = interleaved(specs, report, dev, progress, fit=steps is None) if turns else {}
         if not turns:
             report.plan = "; ".join(f"{n} ({'probe, ' * s.probe}{s.steps or 'its own'} steps)" for n, s in specs.items())
             progress.say(f"{report.plan}: one after another")
@@ -154,6 +157,7 @@ def compare(
             # a train_fn's step count is known once one run has finished: every run trains the same loop
             known = task_info.steps or next((r.steps for r in report.runs if r.status == "ok" and r.steps), None)
             run = taken[name] if turns else run_planned(spec, dev, isolate, progress, PROBE_STEPS if spec.probe else known)
+            run.precision = name
             run.finish(metric)
             if task_info.metric is None and run.eval:
                 task_info.metric = metric = next(iter(run.eval))
@@ -264,6 +268,10 @@ def _ratios(report: Report) -> None:
     if base is None:
         report.baseline = None
         return
+    noise = next((r for r in report.runs if r.precision == f"{base.precision} (seed {(report.task.seed or 0) + 1})"
+                  and r.metric is not None and base.metric is not None), None) if report.task else None
+    if noise is not None:  # the band: the larger of the held-out set's spread and fp32's seed-to-seed difference
+        base.metric_band = max(base.metric_band or 0.0, abs((noise.metric or 0.0) - (base.metric or 0.0)))
     for run in report.runs:
         if run.step_time_median_s and base.step_time_median_s:
             run.speedup_vs_baseline = base.step_time_median_s / run.step_time_median_s

@@ -44,8 +44,8 @@ def _throttled(send: Callable[[int], None]) -> Callable[[int], None]:
 
 def _child(spec: RunSpec, conn: Any, gated: bool) -> None:
     """Entry point of a run's process: stream progress (and pauses, when gated), then send the record or the error."""
-    def gate(done: int, median: float | None) -> int | None:
-        conn.send(("paused", done, median))
+    def gate(done: int, times: list[float]) -> int | None:
+        conn.send(("paused", done, times))
         kind, target = conn.recv()
         return target if kind == "go" else None
 
@@ -62,7 +62,7 @@ def _child(spec: RunSpec, conn: Any, gated: bool) -> None:
 
 class Worker:
     """One run in a spawned process. Gated, it trains only when told: `advance(target)` trains up to step
-    `target` and returns that chunk's median step time; `finish()` ends training and returns the `Run`."""
+    `target`, keeping that chunk's step times in `chunks`; `finish()` ends training and returns the `Run`."""
 
     def __init__(self, spec: RunSpec, gated: bool) -> None:
         ctx = multiprocessing.get_context("spawn")
@@ -70,7 +70,7 @@ class Worker:
         self.proc = ctx.Process(target=_child, args=(spec, child, gated), daemon=True)
         self.proc.start()
         child.close()
-        self.gated, self.done, self.chunks = gated, 0, []  # steps done; each chunk's median step time
+        self.gated, self.done, self.chunks = gated, 0, []  # steps done; each chunk's step times (None: none ran)
 
     def _wait(self, on_progress: Callable[[int], None]) -> Any:
         while True:

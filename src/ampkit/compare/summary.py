@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 from ampkit.compare.records import MEMORY_KINDS, Report, Run, Task
+from ampkit.precision import PRESETS
 from ampkit.present import NONE, sig, signed, size, times
 from ampkit.schema import build
 
@@ -71,7 +72,8 @@ def recommendation(report: Report) -> str | None:
     base, task = report.baseline_run(), report.task
     if base is None or base.status != "ok":
         return None
-    others = [r for r in report.runs if r is not base and r.speedup_vs_baseline and r.status in ("ok", "probe")]
+    others = [r for r in report.runs if r is not base and r.speedup_vs_baseline and r.status in ("ok", "probe")
+              and r.precision in PRESETS]  # not the baseline's noise run, "fp32 (seed 1)"
     good = [r for r in others if r.status == "ok" and not same_speed(r) and (r.speedup_vs_baseline or 0) > 1
             and within_noise(r, base, task) is not False]
     if good:
@@ -220,7 +222,8 @@ def notes(report: Report) -> list[str]:
     if any(r.speedup_low is not None for r in report.runs):
         out.append("the runs took turns in rounds; a speed-up whose spread over the rounds covers 1.0 is 'same speed'")
     if (base := report.baseline_run()) is not None and base.metric_band is not None:
-        out.append(f"noise: \u00b1 two standard errors of the held-out windows' mean loss, as {metric_name(report.task)}")
+        out.append(f"noise band of {metric_name(report.task)}: the larger of {base.precision}'s difference from "
+                   f"its run from the next seed (where there is one) and two standard errors of the held-out mean")
     if report.interrupted:
         out.append("interrupted (Ctrl-C): runs marked 'interrupted' did not finish")
     return out

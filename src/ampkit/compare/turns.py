@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import warnings
 from typing import Any
 
@@ -26,8 +27,8 @@ from ampkit.present import console, seconds
 #: Rounds an interleaved comparison's timed steps are split into, after the warm-up chunk.
 ROUNDS = 4
 
-#: Timed warm-up steps of each full run (a probe: 2) before the plan line and its estimate.
-WARMUP_STEPS = 3
+#: Timed warm-up steps of each full run (a probe: 2) before the plan line; the fastest gives the estimate.
+WARMUP_STEPS = 5
 
 #: Seconds a default comparison's training, evaluation and numerics passes should take; its full runs'
 #: steps are cut to fit (to half the task's steps at the least, so that they still learn), so that it
@@ -81,13 +82,13 @@ def _probed(run: Run, dev: torch.device) -> Run:
     return run
 
 
-def interleaved(specs: list[RunSpec], report: Report, dev: torch.device, progress: RunProgress,
-                 fit: bool) -> dict[str, Run]:
-    """Every run in its own gated process at once, taking turns: warm-up steps, the plan line, `ROUNDS`."""
+def interleaved(specs: dict[str, RunSpec], report: Report, dev: torch.device, progress: RunProgress,
+                fit: bool) -> dict[str, Run]:
+    """Every run (by name) in its own gated process at once, taking turns: warm-up steps, the plan line, `ROUNDS`."""
     runs: dict[str, Run] = {}
     workers: dict[str, Worker] = {}
-    total = {s.precision: PROBE_STEPS if s.probe else s.steps or 0 for s in specs}
-    label = {s.precision: f"{s.precision} (probe: timing only)" if s.probe else s.precision for s in specs}
+    total = {n: PROBE_STEPS if s.probe else s.steps or 0 for n, s in specs.items()}
+    label = {n: f"{n} (probe: timing only)" if s.probe else n for n, s in specs.items()}
 
     def each(call: Any, bar: bool = True) -> None:  # call(name, worker) for each live worker; a failed one leaves
         for name, worker in list(workers.items()):
@@ -100,18 +101,18 @@ def interleaved(specs: list[RunSpec], report: Report, dev: torch.device, progres
                 workers.pop(name).close()
 
     try:
-        for spec in specs:
+        for name, spec in specs.items():
             if (why := _unrunnable(spec.precision, dev)) is not None:
-                runs[spec.precision] = blank_run(spec.precision, "skipped", why, dev)
+                runs[name] = blank_run(name, "skipped", why, dev)
             else:
-                workers[spec.precision] = Worker(spec, gated=True)
+                workers[name] = Worker(spec, gated=True)
         each(lambda name, w: w.ready(), bar=False)
-        warm = {s.precision: min(2 if s.probe else WARMUP_STEPS, total[s.precision]) for s in specs}
+        warm = {n: min(2 if s.probe else WARMUP_STEPS, total[n]) for n, s in specs.items()}
         each(lambda name, w: w.advance(warm[name], progress.update) if warm[name] > w.done else w.chunks.append(None),
              bar=False)
-        step_s = {n: w.chunks[-1] or 0.0 for n, w in workers.items()}
-        full = [s.precision for s in specs if not s.probe and s.precision in workers]
-        extra = sum(NUMERICS_COST_STEPS * step_s[s.precision] for s in specs if s.numerics_steps and s.precision in workers)
+        step_s = {n: min(w.chunks[-1] or [0.0]) for n, w in workers.items()}  # the first steps are slow
+        full = [n for n, s in specs.items() if not s.probe and n in workers]
+        extra = sum(NUMERICS_COST_STEPS * step_s[n] for n, s in specs.items() if s.numerics_steps and n in workers)
         left = {n: max(0, total[n] - w.done) * step_s[n] for n, w in workers.items()}
         cut = ""
         if fit and full and sum(left.values()) + extra > BUDGET_S:
@@ -125,7 +126,7 @@ def interleaved(specs: list[RunSpec], report: Report, dev: torch.device, progres
                 left = {n: max(0, total[n] - w.done) * step_s[n] for n, w in workers.items()}
         what = ", ".join(f"{n} ({'probe, ' * (n not in full)}{total[n]} steps)" for n in workers)
         report.plan = (f"{what}{cut}: {ROUNDS} rounds taking turns, about {seconds(sum(left.values()) + extra)} "
-                       f"(from {WARMUP_STEPS} timed warm-up steps each)")
+                       "(from the fastest of the timed warm-up steps)")
         progress.say(report.plan)
         for r in range(1, ROUNDS + 1):
             each(lambda name, w, r=r: w.advance(target, progress.update)
@@ -133,7 +134,8 @@ def interleaved(specs: list[RunSpec], report: Report, dev: torch.device, progres
                  else w.chunks.append(None))
 
         def finish(name: str, worker: Worker) -> None:
-            runs[name] = dataclasses.replace(worker.finish(progress.update), round_step_times_s=worker.chunks[1:])
+            runs[name] = dataclasses.replace(worker.finish(progress.update), precision=name, round_step_times_s=[
+                statistics.median(c) if c else None for c in worker.chunks[1:]])
             progress.update(runs[name].steps)
 
         each(finish)
