@@ -117,12 +117,9 @@ def _numerics(report: Report, plots: dict[str, Path]) -> str:
     items += f"<li>{_e(', '.join(quiet))}: nothing that matters for {'its' if len(quiet) == 1 else 'their'} precision</li>" if quiet else ""
     picture = _figure("numerics", plots["numerics"]) if "numerics" in plots else ""
     return ("<h2>Numerics</h2>"
-            f'<p class="sub">{NUMERICS_STEPS_NOTE}; the full census is in report.json.</p>'
+            '<p class="sub">A few steps of each run again, on a fresh model with the same seed, under ampkit doctor '
+            "--numerics (not in the figures above); the full census is in report.json.</p>"
             f'<div class="plots">{picture}<ul>{items}</ul></div>')
-
-
-NUMERICS_STEPS_NOTE = ("A few steps of each run again, on a fresh model with the same seed, under "
-                       "ampkit doctor --numerics (not in the figures above)")
 
 
 def render_html(report: Report, plots: dict[str, Path], missing_reason: str | None) -> str:

@@ -8,6 +8,7 @@ and the vocabulary is the 256 byte values, so it never depends on the text.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -173,17 +174,8 @@ class TinyLM(nn.Module):
         return self.head(self.ln_f(x))
 
 
-@dataclasses.dataclass(frozen=True)
-class Size:
-    """One model size with the batch, steps and learning rate it trains well with."""
-
-    d_model: int
-    n_heads: int
-    n_layers: int
-    batch_size: int
-    steps: int
-    lr: float
-
+Size = collections.namedtuple("Size", "d_model n_heads n_layers batch_size steps lr")
+"""One model size with the batch, steps and learning rate it trains well with."""
 
 SIZES: dict[str, Size] = {
     "small": Size(96, 3, 3, 32, 500, 2e-3),  # 0.4 M parameters: overhead-bound, for CPUs without fast bf16
