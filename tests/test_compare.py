@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import ampkit
+import ampkit.hardware
+import ampkit.tasks
 from ampkit.compare import RunSpec, compare, default_precisions, run_one
 from ampkit.hardware import Support
 from conftest import make_loader, make_model
@@ -111,7 +113,7 @@ def test_default_precisions_follow_the_hardware(monkeypatch):
     cpu = torch.device("cpu")
     zen4 = {"avx512_bf16": True, "amx_bf16": False, "avx512_fp16": False, "amx_fp16": False}
     monkeypatch.setattr("ampkit.hardware.cpu_flags", lambda: zen4)
-    assert default_precisions(cpu) == (["fp32", "bf16-mixed", "bf16-master", "bf16-true"], [])
+    assert default_precisions(cpu) == (["fp32", "bf16-mixed"], [])  # a CPU's bf16 presets compute alike
     monkeypatch.setattr("ampkit.hardware.cpu_flags", lambda: dict.fromkeys(zen4, False))
     assert default_precisions(cpu) == (["fp32"], ["bf16-mixed"])
 
@@ -130,12 +132,20 @@ def test_report_files_from_a_real_comparison(tmp_path, capsys):
     fp16 = report["runs"][1]
     assert fp16["scale_history"] == [65536.0] * 15
     assert "no fp16 instructions" in fp16["reason"] or "fp16" not in str(report["machine"]["cpu_flags"])
-    for name in ("loss_curves.png", "throughput.png", "scale_history.png"):
+    for name in ("loss_curves.png", "throughput.png", "memory.png", "scale_history.png", "numerics.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     html = (out / "report.html").read_text()
-    assert html.count("data:image/png;base64,") == 3
+    assert html.count("data:image/png;base64,") == 5
     printed = capsys.readouterr().out
     assert "fp16-mixed" in printed and "baseline" in printed
+    # the runs took turns: a warm-up chunk, then 4 timed rounds each, announced with an estimate
+    assert printed.index("fp32 (15 steps), fp16-mixed (15 steps): 4 rounds taking turns, about ") < printed.index("Verdict")
+    assert report["plan"].startswith("fp32 (15 steps), fp16-mixed (15 steps): 4 rounds")
+    assert all(len(r["round_step_times_s"]) == 4 and all(t > 0 for t in r["round_step_times_s"]) for r in report["runs"])
+    assert 0 < fp16["speedup_low"] <= fp16["speedup_high"] and report["runs"][0]["speedup_low"] is None
+    params = list(ampkit.tasks.get_task("iris-mlp").make_model(0).parameters())
+    weights = 4 * sum(p.numel() for p in params)  # fp32; AdamW keeps two moments and a step count per tensor
+    assert fp16["memory_parts"] == {"weights": weights, "gradients": weights, "optimizer state": 2 * weights + 4 * len(params)}
     # each run has a numerics block (a separate pass: the figures above are the plain run's)
     for run in report["runs"]:
         numerics = run["numerics"]
@@ -144,7 +154,19 @@ def test_report_files_from_a_real_comparison(tmp_path, capsys):
         assert numerics["detail"]["device"]["precision"] == run["precision"]
     assert fp16["numerics"]["loss_scale"].startswith("healthy: no overflow in 5 steps")
     assert report["runs"][0]["numerics"]["loss_scale"] is None  # fp32: no loss scale
-    assert html.count('<section class="ampkit-numerics">') == 2
+    assert "<h2>Numerics</h2>" in html and '"census"' not in html and "under_fp16_share" not in html
+
+
+def test_the_default_comparison_measures_its_own_noise_and_recommends_from_it(monkeypatch, capsys):
+    monkeypatch.setattr("ampkit.hardware.cpu_flags", lambda: dict.fromkeys(ampkit.hardware.CPU_FLAGS, False))
+    report = compare(task="iris-mlp", steps=12, device="cpu", numerics=False)
+    fp32, noise, probe = report["runs"]
+    assert (noise["precision"], noise["status"], probe["status"]) == ("fp32 (seed 1)", "ok", "probe")
+    assert noise["policy"]["name"] == "fp32" and noise["loss_curve"] != fp32["loss_curve"]  # another seed
+    assert fp32["metric_band"] == abs(noise["metric"] - fp32["metric"])  # iris has no held-out band of its own
+    assert report["plan"].startswith("fp32 (12 steps), fp32 (seed 1) (12 steps), bf16-mixed (probe, 8 steps): ")
+    first = capsys.readouterr().out.split("$ ")[1].splitlines()[1]
+    assert first.startswith("Use fp32: bf16-mixed ")  # the probe explains it, never the noise run
 
 
 def test_cli_compare(tmp_path, capsys):

@@ -66,12 +66,32 @@ def test_a_numerics_block_validates_and_its_line_shows_only_when_something_is_wr
     text = format_text(report)
     assert text.count("numerics:") == 1 and f"      numerics: {problem}\n" in text
     page = write_report(report, tmp_path)["html"].read_text(encoding="utf-8")
-    assert "<h2>Numerics</h2>" in page and page.count('<section class="ampkit-numerics">') == 2
+    assert "<h2>Numerics</h2>" in page and "fp32, fp16-mixed: nothing that matters for their precision" in page
     assert html.escape(f"numerics: {problem}") in page
     index = report["runs"].index(run_of(report, "fp32"))
     run_of(report, "fp32")["numerics"]["lost_update_share"] = 1.5
     with pytest.raises(ValueError, match=rf"runs\[{index}\]\.numerics\.lost_update_share"):
         validate_report(report)
+
+
+def test_numerics_findings_are_only_those_that_matter_for_the_runs_precision(sample):
+    from ampkit.compare.summary import numerics_findings
+    from ampkit.doctor import numerics_task, summarize
+
+    block = summarize(numerics_task("iris-mlp", steps=2, precision="fp32", device="cpu"))
+    found = [{"id": "grad-underflow", "title": "3 layer(s) have gradients below fp16's normal range", "fix": "scale", "evidence": "seen"},
+             {"id": "lost-updates", "title": "40% of weight updates are lost to rounding", "fix": "use masters", "evidence": "seen"},
+             {"id": "forward-overflow", "title": "fc (Linear) exceeds fp16's range", "fix": "keep it in fp32", "evidence": "seen"}]
+    report = copy.deepcopy(sample)
+    for run, (compute, param) in zip(report["runs"], [("float32", "float32"), ("bfloat16", "bfloat16"),
+                                                       ("float16", "float32"), ("float16", "float16")]):
+        device = dict(block["detail"]["device"], compute_dtype=compute, param_dtype=param)
+        run["numerics"] = dict(block, detail=dict(block["detail"], device=device, findings=found))
+    runs = validate_report(report).runs
+    shown = {run.precision: [line.split(":")[0] for line in numerics_findings(run)] for run in runs}
+    assert shown == {"fp32": [], "bf16-mixed": ["40% of weight updates are lost to rounding"],
+                     "fp16-mixed": ["3 layer(s) have gradients below fp16's normal range", "fc (Linear) exceeds fp16's range"],
+                     "fp16-master": [f["title"] for f in found]}
 
 
 def test_schema_is_a_valid_draft_2020_12_schema():
@@ -231,6 +251,27 @@ def test_verdict_within_timing_noise_says_same_speed(sample):
     )
 
 
+def test_speed_spread_noise_band_and_the_recommendation_come_from_the_measured_figures(sample):
+    from ampkit.compare.summary import recommendation
+
+    fp32, fp16 = run_of(sample, "fp32"), run_of(sample, "fp16-mixed")
+    fp32["metric_band"] = 0.05  # perplexity 4.100 ± 0.05: ±1.2%, wider than fp16-mixed's +0.7%
+    fp16.update(speedup_low=2.2, speedup_high=2.6)
+    assert verdict(fp16, fp32, sample["task"]) == ("fp16-mixed: 2.4× faster (2.2×–2.6× over rounds), 0.58× memory, "
+                                                   "perplexity +0.7% (within the noise, ±1.2%), 3 overflow steps skipped")
+    assert verdict(fp32, fp32, sample["task"]).endswith("perplexity 4.1 ± 0.05")
+    assert recommendation(validate_report(sample)) == "fp16-mixed: 2.4× faster, 0.58× memory, perplexity within the noise of fp32"
+    fp32["metric_band"] = 0.01  # now +0.7% is beyond the noise: fp32 stays, and the page says why
+    assert recommendation(validate_report(sample)) == (
+        "fp32: fp16-mixed is 2.4× faster but its perplexity is +0.7%, beyond the noise")
+    fp16.update(speedup_vs_baseline=1.04, speedup_low=0.97, speedup_high=1.2)  # the rounds' spread covers 1.0
+    assert "same speed (1×, 0.97×–1.2× over rounds)" in verdict(fp16, fp32, sample["task"])
+    assert recommendation(validate_report(sample)) == "fp32: fp16-mixed is no faster on Tesla T4"
+    fp16.update(speedup_vs_baseline=0.25, speedup_low=0.2, speedup_high=0.3, status="probe")
+    assert recommendation(validate_report(sample)) == "fp32: fp16-mixed costs 4× the time on Tesla T4"
+    assert format_text(sample).splitlines()[1] == "Use fp32: fp16-mixed costs 4× the time on Tesla T4"
+
+
 def test_verdict_of_a_skipped_run_gives_the_reason(sample):
     assert verdict(run_of(sample, "bf16-mixed"), run_of(sample, "fp32"), sample["task"]) == (
         "bf16-mixed: skipped — needs bf16, which Tesla T4 (compute capability 7.5) cannot run; "
@@ -332,7 +373,7 @@ def test_write_report_writes_json_plots_and_one_self_contained_page(sample, tmp_
     sample["runs"][2]["wall_time_s"] = math.inf
     paths = write_report(sample, tmp_path / "out")
 
-    assert set(paths) == {"json", "html", "loss_curves", "throughput", "scale_history"}
+    assert set(paths) == {"json", "html", "loss_curves", "throughput", "memory", "scale_history"}
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(p.name for p in paths.values())
     loaded = _strict_json(paths["json"].read_text(encoding="utf-8"))
     validate_report(loaded)
@@ -344,7 +385,7 @@ def test_write_report_writes_json_plots_and_one_self_contained_page(sample, tmp_
     assert loaded == expected
     assert math.isnan(sample["runs"][0]["loss_curve"][7]), "write_report must not modify its argument"
 
-    pngs = [paths[k] for k in ("loss_curves", "throughput", "scale_history")]
+    pngs = [paths[k] for k in ("loss_curves", "throughput", "memory", "scale_history")]
     for png in pngs:
         _assert_real_png(png)
 
@@ -365,7 +406,7 @@ def test_scale_history_plot_only_when_a_run_was_loss_scaled(sample, tmp_path):
     paths = write_report(without_scale_history(sample), out)  # same directory: the old plot must go
     assert "scale_history" not in paths
     assert not (out / "scale_history.png").exists()
-    assert paths["html"].read_text(encoding="utf-8").count(DATA_URI) == 2
+    assert paths["html"].read_text(encoding="utf-8").count(DATA_URI) == 3
 
 
 def test_write_report_is_deterministic(sample, tmp_path):
@@ -469,8 +510,38 @@ def test_report_html_renders_offline_in_headless_chromium(sample, tmp_path):
     assert _pixels_near(shot, (0xD6, 0x27, 0x28)) > 5_000
 
     dom = _headless(tmp_path, "--dump-dom", url).stdout
-    assert dom.count("<img ") == 3 and dom.count(DATA_URI) == 3
+    assert dom.count("<img ") == 4 and dom.count(DATA_URI) == 4
     assert "<table>" in dom
     for run in sample["runs"]:
         assert f"<td>{run['precision']}" in dom
         assert html.escape(verdict(run, sample["runs"][0], sample["task"]), quote=False) in dom
+
+
+def _content_height(png: Path) -> int:
+    """Pixel rows down to the last one that is not the page's white background."""
+    import matplotlib.image
+
+    image = matplotlib.image.imread(png)[..., :3]
+    inked = (image < 0.97).any(axis=-1).any(axis=-1).nonzero()[0]
+    return int(inked[-1]) + 1 if len(inked) else 0
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no chromium on PATH (Debian/Ubuntu: apt-get install chromium)")
+def test_a_report_with_numerics_is_under_four_screens_with_the_recommendation_first(sample, tmp_path):
+    """A report heavier than the default one (four runs, a loss-scale history, a numerics pass per run)
+    fits in four 1280×1000 screens; the heatmap shows and the full census stays out of the page."""
+    pytest.importorskip("matplotlib")
+    from ampkit.doctor import numerics_task, summarize
+
+    for run, precision in zip(sample["runs"], ("fp32", "fp16-mixed", "fp16-mixed", "fp16-master")):
+        run["numerics"] = summarize(numerics_task("iris-mlp", steps=2, precision=precision, device="cpu"))
+    paths = write_report(sample, tmp_path / "out")
+    assert "numerics" in paths
+    page = paths["html"].read_text(encoding="utf-8")
+    assert page.count(DATA_URI) == 5 and "under_fp16_share" not in page
+    assert page.index('class="rec"') < page.index("<h2>Verdict</h2>")
+
+    shot = tmp_path / "tall.png"
+    _headless(tmp_path, f"--screenshot={shot}", "--window-size=1280,6000", paths["html"].resolve().as_uri())
+    height = _content_height(shot)
+    assert 1000 < height < 4 * 1000, f"the page is {height} px tall at 1280 px wide"

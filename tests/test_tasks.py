@@ -199,3 +199,85 @@ def test_tiny_lm_eval_windows_are_the_held_out_tail():
     assert x.shape == y.shape and x.shape[1] == tiny_lm.BLOCK
     assert torch.equal(x.flatten()[1:], y.flatten()[:-1])  # targets are inputs shifted by one
     assert data.info["eval_bytes"] >= x.numel() and int(x.max()) < tiny_lm.VOCAB
+
+
+# --------------------------------------------------------------------------------------------------
+# Sizing: the default tiny-lm is GEMM-bound where the device has fast low-precision math
+# --------------------------------------------------------------------------------------------------
+
+
+def _matmul_flops_per_kernel(size: str, foreach: bool) -> float:
+    """Matmul FLOPs of one training step of tiny-lm at `size` (its default batch) over its kernel ops.
+
+    Forward and backward run on the meta device (shapes, no arithmetic: the large model costs nothing);
+    the optimizer step, whose kernel count depends on the number of weight tensors and not on their
+    size, runs for real on a model of the same depth and a tiny width. Kernels are counted as the
+    doctor counts them (`ampkit.doctor.ops.is_kernel`: no views, allocations or decompositions).
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ampkit.doctor.ops import is_kernel
+
+    class Kernels(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += is_kernel(func.name(), func._overloadname if func._overloadname != "default" else "")
+            return func(*args, **(kwargs or {}))
+
+    s = tiny_lm.SIZES[size]
+    x = torch.randint(0, 256, (s.batch_size, tiny_lm.BLOCK), device="meta")
+    with torch.device("meta"):
+        model = tiny_lm.TinyLM(vocab=256, block=tiny_lm.BLOCK, d_model=s.d_model, n_heads=s.n_heads, n_layers=s.n_layers)
+    flops, kernels = FlopCounterMode(display=False), Kernels()
+    with flops, kernels:
+        tiny_lm.loss_fn(model(x), x).backward()
+    narrow = tiny_lm.TinyLM(vocab=256, block=tiny_lm.BLOCK, d_model=2 * s.n_heads, n_heads=s.n_heads, n_layers=s.n_layers)
+    opt = torch.optim.AdamW(narrow.parameters(), lr=1e-3, foreach=foreach)
+    one = torch.zeros(1, tiny_lm.BLOCK, dtype=torch.int64)
+    tiny_lm.loss_fn(narrow(one), one).backward()
+    with kernels:
+        opt.step()
+        opt.zero_grad()
+    return flops.get_total_flops() / kernels.count
+
+
+def test_the_default_size_is_gemm_bound_where_low_precision_is_fast_and_small_where_it_is_not(monkeypatch):
+    """The sizing rule against the doctor's own: a step is overhead-bound when its work needs less than
+    `findings.OP_FIXED_US` per kernel op, so the matmul FLOPs per kernel must exceed that time at the
+    device's low-precision peak. Reference peaks: for GPUs the fastest bf16 in the doctor's table; for
+    a CPU with fast bf16, 2 TFLOP/s (a few AMX cores, or tens of avx512_bf16 cores). The CPU without
+    fast bf16 gets the small model. 5 µs is the least an op costs (autocast adds a cast per matmul input on
+    top), so the chosen size must clear the threshold four times over; the small model does not (it is
+    at ~1.2×, and measured 0.97× in bf16 on a CPU with avx512_bf16): on a CPU without fast bf16 it keeps
+    the fp32 run short."""
+    from ampkit.doctor.findings import OP_FIXED_US
+    from ampkit.hardware import GPU_MODELS
+
+    cpu = torch.device("cpu")
+    flags = {"avx512_bf16": True, "amx_bf16": False, "avx512_fp16": False, "amx_fp16": False}
+    monkeypatch.setattr("ampkit.hardware.cpu_flags", lambda: flags)
+    assert tiny_lm.size_for(cpu) == "medium"
+    monkeypatch.setattr("ampkit.hardware.cpu_flags", lambda: dict.fromkeys(flags, False))
+    assert tiny_lm.size_for(cpu) == "small"
+    assert tiny_lm.size_for(torch.device("meta")) == "large"  # any non-CPU device: a GPU
+
+    gpu_peak = max(g.bf16_tflops or 0.0 for g in GPU_MODELS.values()) * 1e12
+    cpu_peak = 2e12
+    assert _matmul_flops_per_kernel("large", foreach=True) > OP_FIXED_US * 1e-6 * gpu_peak
+    assert _matmul_flops_per_kernel("medium", foreach=False) > 4 * OP_FIXED_US * 1e-6 * cpu_peak
+    assert _matmul_flops_per_kernel("small", foreach=False) < 4 * OP_FIXED_US * 1e-6 * cpu_peak
+
+
+def test_sizes_share_the_data_and_refuse_what_they_do_not_know():
+    medium = get_task("tiny-lm", "medium")
+    assert medium.make_data is tiny_lm.make_data and medium.evaluate is tiny_lm.evaluate
+    assert sum(p.numel() for p in medium.make_model(0).parameters()) > 5 * sum(
+        p.numel() for p in get_task("tiny-lm").make_model(0).parameters())
+    with pytest.raises(ValueError, match=r"size='huge': expected one of small, medium, large"):
+        get_task("tiny-lm", "huge")
+    with pytest.raises(ValueError, match=r"size='small': only tiny-lm comes in sizes; leave it out for iris-mlp"):
+        get_task("iris-mlp", "small")

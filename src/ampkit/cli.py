@@ -27,7 +27,8 @@ def _compare(args: argparse.Namespace) -> int:
     try:
         compare(task=args.task, precisions=precisions, steps=args.steps, batch_size=args.batch_size,
                 seed=args.seed, device=args.device, out=args.out, command=command, resume=args.resume,
-                nproc=args.nproc, numerics=not args.no_numerics)
+                nproc=args.nproc, numerics=not args.no_numerics,
+                size=args.size)
     except (PrecisionError, ValueError) as exc:
         return _usage("compare", exc)
     except KeyboardInterrupt:
@@ -244,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "default: fp32, the auto choice and every preset fast on this hardware")
     cmp.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the task's)")
     cmp.add_argument("--batch-size", type=int, default=None, help="batch size (default: the task's)")
+    cmp.add_argument("--size", choices=("small", "medium", "large"), default=None,
+                     help="tiny-lm's model size (default: sized for the device: large on a GPU, medium on a CPU "
+                          "with fast bf16, else small)")
     cmp.add_argument("--seed", type=int, default=0, help="seed for model init and data order (default: 0)")
     cmp.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, mps")
     cmp.add_argument("--out", default="report", help="folder for report.json, plots and report.html (default: report)")

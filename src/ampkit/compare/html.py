@@ -10,8 +10,8 @@ from typing import Any
 
 from ampkit.compare.plots import CAPTIONS
 from ampkit.compare.records import Report, Run, Task
-from ampkit.compare.summary import NUMERIC_FROM, columns, details, notes, numerics_line, policy_lines, rows, title, verdicts
-from ampkit.doctor.numerics_report import render_html_section
+from ampkit.compare.summary import (NUMERIC_FROM, columns, details, notes, numerics_findings, numerics_line, policy_lines,
+                                    recommendation, rows, title, verdicts)
 from ampkit.present import NONE, escape as _e, page, size
 
 _CSS = """
@@ -27,9 +27,9 @@ tr.baseline td { font-weight: 600; }
 .s-probe { color: #7d4e00; background: #fff8c5; } ul.verdicts li.s-probe { border-left-color: #bf8700; }
 .notes { color: #57606a; font-size: 13px; margin: 6px 0 0; padding-left: 18px; }
 .numerics { color: #7d4e00; font-size: 13px; }
-section.ampkit-numerics h3 { font-size: 16px; margin: 20px 0 4px; }
-section.ampkit-numerics h4 { font-size: 14px; margin: 10px 0 2px; color: #57606a; }
-section.ampkit-numerics ul { margin: 0; padding-left: 20px; font-size: 13px; }
+.rec { font-size: 18px; border: 1px solid #1a7f37; background: #dafbe1; padding: 8px 14px; border-radius: 6px; }
+.plots { display: grid; grid-template-columns: 1fr 1fr; gap: 0 16px; } .plots figure { margin: 8px 0; }
+figcaption { font-size: 12px; }
 """
 
 
@@ -89,50 +89,52 @@ def _png_size(data: bytes) -> tuple[int, int]:
     return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
 
 
+def _figure(name: str, path: Path) -> str:
+    data = path.read_bytes()
+    width, height = _png_size(data)
+    uri = "data:image/png;base64," + base64.b64encode(data).decode("ascii")
+    return (f'<figure><img src="{uri}" alt="{_e(name.replace("_", " "))} plot" width="{width}" '
+            f'height="{height}"><figcaption>{_e(CAPTIONS[name])}</figcaption></figure>')
+
+
 def _figures(plots: dict[str, Path], missing_reason: str | None) -> str:
     if missing_reason is not None:
         return f'<p class="warn">{_e(missing_reason)}</p>'
-    if not plots:
+    shown = {k: v for k, v in plots.items() if k != "numerics"}
+    if not shown:
         return "<p>No run produced data to plot.</p>"
-    parts = []
-    for name, path in plots.items():
-        data = path.read_bytes()
-        width, height = _png_size(data)
-        uri = "data:image/png;base64," + base64.b64encode(data).decode("ascii")
-        parts.append(f'<figure><img src="{uri}" alt="{_e(name.replace("_", " "))} plot" width="{width}" '
-                     f'height="{height}"><figcaption>{_e(CAPTIONS[name])}</figcaption></figure>')
-    return "".join(parts)
+    return '<div class="plots">' + "".join(_figure(name, path) for name, path in shown.items()) + "</div>"
 
 
-def _numerics(report: Report) -> str:
-    """One numerics section per run that had the pass (`ampkit doctor --numerics`'s HTML form)."""
+def _numerics(report: Report, plots: dict[str, Path]) -> str:
+    """The numerics pass as one picture and, per run, only the findings that matter for its precision."""
     runs = [r for r in report.runs if r.numerics is not None]
     if not runs:
         return ""
-    parts = ["<h2>Numerics</h2>",
-             '<p class="sub">A few steps of each run again, on a fresh model with the same seed, under '
-             "<code>ampkit doctor --numerics</code>; the figures above do not include them.</p>"]
-    for run in runs:
-        numerics = run.numerics
-        if numerics is not None and numerics.detail is not None:
-            parts.append(render_html_section(numerics.detail, level=3))
-        elif numerics is not None:
-            parts.append(f"<h3>{_e(run.precision)}</h3><p>the numerics pass failed: {_e(numerics.error)}</p>")
-    return "\n".join(parts)
+    found = [(r.precision, numerics_findings(r)) for r in runs]
+    quiet = [name for name, items in found if not items]
+    items = "".join(f"<li><b>{_e(name)}</b>: {_e('; '.join(lines))}</li>" for name, lines in found if lines)
+    items += f"<li>{_e(', '.join(quiet))}: nothing that matters for {'its' if len(quiet) == 1 else 'their'} precision</li>" if quiet else ""
+    picture = _figure("numerics", plots["numerics"]) if "numerics" in plots else ""
+    return ("<h2>Numerics</h2>"
+            '<p class="sub">A few steps of each run again, on a fresh model with the same seed, under ampkit doctor '
+            "--numerics (not in the figures above); the full census is in report.json.</p>"
+            f'<div class="plots">{picture}<ul>{items}</ul></div>')
 
 
 def render_html(report: Report, plots: dict[str, Path], missing_reason: str | None) -> str:
-    """The page: verdicts first, then the table, plots, numerics, policies and the machine."""
+    """The page: the recommendation, verdicts, the table, plots, numerics, policies; task and machine folded."""
     items = "".join(_verdict_item(run, line) for run, line in zip(report.runs, verdicts(report)))
     policies = policy_lines(report)
+    rec = recommendation(report)
     interrupted = ('<p class="warn">Interrupted (Ctrl-C): finished runs are reported; the others are marked '
                    "<b>interrupted</b>.</p>" if report.interrupted else "")
     body = f"""<h1>{_e(title(report))}</h1>
 <p class="sub">ampkit {_e(report.ampkit_version)} &middot; {_e(report.created)} &middot; {_e(report.machine["device_name"])}</p>
 <pre><code>$ {_e(report.command)}</code></pre>
 {interrupted}
-<h2>Task</h2>
-{_dl(_task_items(report.task))}
+{f'<p class="rec"><b>Use {_e(rec)}</b></p>' if rec else ""}
+{f'<p class="sub">Ran: {_e(report.plan)}</p>' if report.plan else ""}
 <h2>Verdict</h2>
 <ul class="verdicts">{items}</ul>
 <h2>Runs</h2>
@@ -140,10 +142,14 @@ def render_html(report: Report, plots: dict[str, Path], missing_reason: str | No
 <ul class="notes">{"".join(f"<li>{_e(n)}</li>" for n in notes(report))}</ul>
 <h2>Plots</h2>
 {_figures(plots, missing_reason)}
-{_numerics(report)}
+{_numerics(report, plots)}
 <h2>Precision policies</h2>
 {"<ul>" + "".join(f"<li>{_e(p)}</li>" for p in policies) + "</ul>" if policies else "<p>No run resolved a policy.</p>"}
+<details><summary>Task and machine</summary>
+<h2>Task</h2>
+{_dl(_task_items(report.task))}
 <h2>Machine</h2>
 {_dl([(k, _plain(v, k)) for k, v in report.machine.items()])}
+</details>
 <footer>Every number on this page is in report.json beside it (schema version {_e(report.schema_version)}).</footer>"""
     return page(title(report), body, _CSS)

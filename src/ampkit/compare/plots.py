@@ -9,7 +9,8 @@ from typing import Any
 from ampkit.compare.records import Report, Run
 from ampkit.present import times
 
-PLOT_FILES: dict[str, str] = {name: f"{name}.png" for name in ("loss_curves", "throughput", "scale_history")}
+PLOT_FILES: dict[str, str] = {name: f"{name}.png"
+                              for name in ("loss_curves", "throughput", "memory", "scale_history", "numerics")}
 """Plot name -> file name in the output directory."""
 
 CAPTIONS = {
@@ -19,6 +20,10 @@ CAPTIONS = {
                   "baseline. Hatched bars are probes (a few steps only).",
     "scale_history": "Dynamic loss scale per optimizer step (log\u2082). Each drop is a step skipped "
                      "because its gradients overflowed.",
+    "memory": "Peak memory of each run's training; the parts counted from its tensors where known "
+              "(the rest: activations, workspace, allocator and framework overhead).",
+    "numerics": "Share of each layer's outputs and gradients outside the range of the run's compute dtype "
+                "(lost to overflow or flushed to zero), from the numerics pass: fp32 loses none.",
 }
 
 _PRESET_COLORS = {"fp32": "#4d4d4d", "bf16-mixed": "#1f77b4", "fp16-mixed": "#d62728",
@@ -42,10 +47,13 @@ def write_plots(report: Report, out_dir: Path) -> dict[str, Path]:
     colors = _colors(report)
     subject = report.task.name if report.task else "custom training function"
     written = {}
-    for name, plot in (("loss_curves", _losses), ("throughput", _throughput), ("scale_history", _scales)):
+    rows = _lost_shares(report)
+    for name, plot in (("loss_curves", _losses), ("throughput", _throughput), ("memory", _memory),
+                       ("scale_history", _scales), ("numerics", lambda r, ax, c: _heatmap(rows, r, ax))):
         # A figure outside pyplot: `matplotlib.use("Agg")` would switch the backend of a user's
         # interactive session as a side effect of writing a report; a bare Figure renders through Agg.
-        fig = Figure(figsize=(8, 4.5), dpi=100, layout="constrained")
+        high = name == "numerics" and len(rows) > 10
+        fig = Figure(figsize=(6, 1.5 + 0.24 * len(rows) if high else 3.6), dpi=100, layout="constrained")
         title = plot(report, fig.add_subplot(), colors)
         if title is None:  # no run has data for this plot
             continue
@@ -134,3 +142,62 @@ def _scales(report: Report, ax: Any, colors: dict[str, str]) -> str | None:
     ax.set(xlabel="optimizer step", ylabel="loss scale (log\u2082)")
     ax.grid(True, which="major", alpha=0.3)
     return "Loss scale"
+
+
+def _memory(report: Report, ax: Any, colors: dict[str, str]) -> str | None:
+    runs = [r for r in report.runs if r.peak_memory_bytes]
+    if not runs:
+        return None
+    mib = 2.0 ** 20
+    names = [r.precision for r in runs]
+    bottom = [0.0] * len(runs)
+    parts = ("weights", "gradients", "optimizer state", None) if any(r.memory_parts for r in runs) else (None,)
+    for i, part in enumerate(parts):
+        heights = [((r.memory_parts or {}).get(part, 0) if part else
+                    max(0, (r.peak_memory_bytes or 0) - sum((r.memory_parts or {}).values()))) / mib for r in runs]
+        ax.bar(names, heights, bottom=bottom, color=("#4c72b0", "#55a868", "#dd8452", "#c8ccd0")[i - len(parts) + 4],
+               edgecolor="white", label=(part or "rest") if len(parts) > 1 else None)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set(ylabel="peak MiB (lower is better)")
+    ax.grid(True, axis="y", alpha=0.3)
+    return "Peak memory"
+
+
+def _lost_shares(report: Report) -> dict[str, dict[str, float]]:
+    """{layer: {run: share of its values outside the compute dtype's range}}, a layer being a module's name
+    up to its first index ("blocks.0"); fp32 runs lose none."""
+    rows: dict[str, dict[str, float]] = {}
+    for run in report.runs:
+        detail = run.numerics.detail if run.numerics is not None else None
+        if not detail:
+            continue
+        dtype = {"float16": "fp16", "bfloat16": "bf16"}.get(detail["device"]["compute_dtype"])
+        for module in detail["census"]["modules"]:
+            parts = module["name"].split(".")
+            layer = ".".join(parts[:next((i + 1 for i, p in enumerate(parts) if p.isdigit()), 1)]) or "(model)"
+            lost = 0.0
+            for stats in (module.get("output"), module.get("grad")):
+                if stats and dtype:
+                    lost = max(lost, stats[f"over_{dtype}_share"] + stats.get(f"flush_{dtype}_share",
+                                                                           stats[f"under_{dtype}_share"]))
+            row = rows.setdefault(layer, {})
+            row[run.precision] = max(row.get(run.precision, 0.0), lost)
+    return rows
+
+
+def _heatmap(rows: dict[str, dict[str, float]], report: Report, ax: Any) -> str | None:
+    runs = [r.precision for r in report.runs if any(r.precision in row for row in rows.values())]
+    low = [r for r in report.runs if r.precision in runs and r.policy and r.policy.compute_dtype != "float32"]
+    if not low:  # fp32 alone loses nothing: no picture of nothing
+        return None
+    grid = [[100 * rows[layer].get(run, math.nan) for run in runs] for layer in rows]
+    image = ax.imshow(grid, cmap="Reds", vmin=0, vmax=max(1.0, max(v for g in grid for v in g if v == v)),
+                      aspect="auto")
+    for y, line in enumerate(grid):
+        for x, value in enumerate(line):
+            if value == value and value >= 0.05:
+                ax.text(x, y, f"{value:.1f}", ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(len(runs)), runs)
+    ax.set_yticks(range(len(rows)), list(rows), fontsize=8)
+    ax.figure.colorbar(image, ax=ax, label="% of values lost")
+    return "Values lost to the dtype's range"

@@ -37,6 +37,7 @@ class Recorder(Listener):
         self.stamps: list[Any] = [self._stamp()]  # perf_counter floats, or CUDA events
         self.outcomes: list[Outcome] = []
         self.on_step = on_step
+        self.paused: set[int] = set()  # indexes of the stamp intervals that were pauses, not steps
 
     def _stamp(self) -> Any:
         if self.cuda:
@@ -65,6 +66,12 @@ class Recorder(Listener):
         if optimizer is self.acc.optimizers[0]:
             self.outcomes.append(outcome)
 
+    def restart(self) -> None:
+        """Training resumes after a pause (an interleaved comparison ran another precision meanwhile):
+        the time since the last step is no step's."""
+        self.paused.add(len(self.stamps) - 1)
+        self.stamps.append(self._stamp())
+
     @property
     def steps(self) -> int:
         return len(self.bounds)
@@ -84,9 +91,9 @@ class Recorder(Listener):
     def step_times(self) -> list[float]:
         """Seconds between consecutive optimizer steps (the whole iteration: data, forward, backward, update)."""
         if self.cuda:
-            self.stamps[-1].synchronize()  # sync: once, after the run
-            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.stamps, self.stamps[1:])]
-        return [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+            self.stamps[-1].synchronize()  # sync: after the run, or at a pause between rounds
+        pairs = [p for i, p in enumerate(zip(self.stamps, self.stamps[1:])) if i not in self.paused]
+        return [a.elapsed_time(b) / 1e3 if self.cuda else b - a for a, b in pairs]
 
     def summary(self, warmup: int) -> dict[str, Any]:
         """Median step time (warm-up dropped), loss curve and the scale history: `Run` fields."""

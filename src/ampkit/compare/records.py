@@ -70,7 +70,8 @@ class Numerics:
 class Run:
     """One precision preset's run, in its own subprocess."""
 
-    precision: str = field('Preset name, e.g. "bf16-mixed".', minLength=1)
+    precision: str = field('Preset name, e.g. "bf16-mixed"; "fp32 (seed 1)": the baseline again from the next seed, '
+                           "the noise yardstick of a default comparison.", minLength=1)
     status: Status = field()
     reason: str | None = field("Why the run was skipped, failed, diverged or only probed.", None)
     policy: Policy | None = field(default=None)
@@ -97,6 +98,17 @@ class Run:
     last_finite_step: int | None = field("Index of the last step with a finite loss.", None, minimum=0)
     wall_time_s: float | None = field("Wall-clock seconds of the whole run.", None, minimum=0)
     numerics: Numerics | None = field(default=None, optional=True)
+    round_step_times_s: list[float | None] | None = field(
+        "Median step time in each round of an interleaved comparison (rounds alternate between the runs' "
+        "processes, so a slow moment of the machine lands on every run).", None, optional=True)
+    speedup_low: float | None = field("Smallest per-round speed-up over the baseline.", None, optional=True)
+    speedup_high: float | None = field("Largest per-round speed-up over the baseline.", None, optional=True)
+    metric_band: float | None = field(
+        "Half-width of the metric's noise band: two standard errors of the held-out mean (tiny-lm), and for the "
+        "baseline of a default comparison at least its difference from its run from the next seed.", None,
+        optional=True, minimum=0)
+    memory_parts: dict[str, int] | None = field("Parts of the peak counted from the tensors: weights, gradients, "
+                                                "optimizer state (bytes).", None, optional=True)
 
     def finish(self, metric: str | None) -> None:
         """Derive final loss, headline metric and divergence from the raw measurements."""
@@ -108,6 +120,7 @@ class Run:
         self.final_train_loss = sum(tail) / len(tail) if tail else None
         value = self.eval.get(metric) if metric else next(iter(self.eval.values()), None)
         self.metric = value if value is not None and math.isfinite(value) else None
+        self.metric_band = self.eval.get(f"{metric}_band") if metric else None
         if self.status == "ok" and (not curve or curve[-1] is None or (self.eval and self.metric is None)):
             self.status = "diverged"
             self.reason = "the loss became non-finite" + (f" after step {finite[-1]}" if finite else " from the first step")
@@ -124,6 +137,7 @@ class Task:
     steps: int = field(minimum=0)
     batch_size: int | None = field(minimum=1)
     seed: int | None = field()
+    size: str | None = field("The model size (tiny-lm: small, medium, large).", None, optional=True)
 
 
 @dataclass(kw_only=True)
@@ -167,6 +181,7 @@ class Report:
     machine: dict[str, Any] = field(schema=schema_of(Machine))
     baseline: str | None = field("Precision every ratio is relative to; null if it did not finish.")
     interrupted: bool = field("Ctrl-C: unfinished runs are 'interrupted'.", False)
+    plan: str | None = field("What ran, steps each and the time estimated before it started.", None, optional=True)
     runs: list[Run] = field(default=[])
 
     def baseline_run(self) -> Run | None:

@@ -1,8 +1,9 @@
 """`ampkit compare`: train the same thing once per precision and report what each one buys.
 
 Each precision runs in its own process (`spawn.py`) with the same seed and data order and sends
-back one `Run`. This module plans the runs, shows progress, keeps finished runs for `--resume`,
-computes the ratios against the baseline and hands the `Report` to the table and the writer.
+back one `Run`; a built-in task's runs take turns (`turns.py`). This module plans the runs, keeps
+finished runs for `--resume`, computes the ratios against the baseline and hands the `Report` to
+the table and the writer.
 """
 
 from __future__ import annotations
@@ -19,32 +20,31 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ampkit.accelerator import Accelerator
-from ampkit.compare.measure import NUMERICS_STEPS, PROBE_STEPS, RunSpec, TrainFn, run_one
+from ampkit.compare.measure import NUMERICS_STEPS, PROBE_STEPS, RunSpec, TrainFn
 from ampkit.compare.records import Report, Run, Task, json_safe, validate_run
-from ampkit.compare.spawn import RunFailed, run_isolated, run_torchrun
 from ampkit.compare.text import render_table
+from ampkit.compare.turns import RunProgress, blank_run, interleaved, run_planned
 from ampkit.compare.write import write_report
 from ampkit.errors import PrecisionError
 from ampkit.files import atomic_write
 from ampkit.hardware import auto_precision, capability, describe, resolve_device
-from ampkit.precision import PRESETS, dtype_name, fp8_problem, resolve_precision
-from ampkit.tasks import get_task
+from ampkit.precision import PRESETS, fp8_problem
+from ampkit.tasks import default_size, get_task
 from ampkit.version import ampkit_version
-
 
 def default_precisions(device: torch.device) -> tuple[list[str], list[str]]:
     """(full runs, timing-only probes) for `device` when the user names no precisions.
 
-    Full: fp32, the `auto` choice and every preset whose compute dtype is fast here. Probe:
+    Full: fp32, the `auto` choice and, on a GPU, every preset whose compute dtype is fast there. Probe:
     bf16-mixed where bf16 runs but slowly, so the report shows that cost instead of hiding it.
     """
     support = capability(device)
     fast = {torch.float32: True, torch.bfloat16: support.bf16_fast, torch.float16: support.fp16_fast}
     full = ["fp32", auto_precision(device)[0]]
-    full += [name for name, p in PRESETS.items() if fast[p.compute_dtype] and not (p.fp8 and fp8_problem(device))]
+    if device.type != "cpu":  # a CPU's bf16 presets compute alike: the auto choice stands for them
+        full += [name for name, p in PRESETS.items() if fast[p.compute_dtype] and not (p.fp8 and fp8_problem(device))]
     full = list(dict.fromkeys(full))
     probes = [] if support.bf16_fast or not support.bf16_runs else ["bf16-mixed"]
     return full, probes
@@ -70,6 +70,7 @@ def compare(
     numerics: bool = True,
     accelerator_kwargs: dict[str, Any] | None = None,
     metric_direction: str | None = None,
+    size: str | None = None,
 ) -> dict[str, Any]:
     """Run `train_fn` (or a built-in `task`) once per precision and return the report dict.
 
@@ -81,7 +82,10 @@ def compare(
         precisions: presets to run; the first is the baseline. Default: fp32, the `auto` choice and
             every preset fast on this hardware, plus a timing-only probe of bf16 where it is slow.
         task: a built-in task name (see `ampkit.tasks.TASKS`) instead of `train_fn`.
-        steps, batch_size: override the task's defaults.
+        size: the task's model size (tiny-lm: small, medium, large); default: the one sized for the device
+            (`tasks.default_size`: large on a GPU, medium on a CPU with fast bf16, else small).
+        steps, batch_size: override the task's defaults; without `steps` the full runs' steps are cut,
+            if need be, so that the comparison's training fits `BUDGET_S`.
         out: folder for report.json, the PNG plots and report.html (None: write nothing). Checked
             before any training: a comparison is never lost to a folder it cannot write.
         metric: which key of `train_fn`'s dict is the headline metric (default: the first key).
@@ -104,17 +108,22 @@ def compare(
     kwargs_of = _accelerator_kwargs(accelerator_kwargs)
     if metric_direction not in (None, "higher", "lower"):
         raise ValueError(f"metric_direction={metric_direction!r}: expected 'higher' or 'lower'")
+    if size is not None and task is None:
+        raise ValueError(f"size={size!r} sizes a built-in task; a train_fn builds its own model")
+    dev = resolve_device(device)
     if task is not None:
-        t = get_task(task)
+        size = size or default_size(task, dev)
+        t = get_task(task, size)
         metric, samples_per_step = t.metric, batch_size or t.default_batch_size
         task_info = Task(name=t.name, metric=t.metric, higher_is_better=t.higher_is_better,
-                         steps=steps or t.default_steps, batch_size=samples_per_step, seed=seed)
+                         steps=steps or t.default_steps, batch_size=samples_per_step, seed=seed, size=size)
     else:  # steps 0: the loop decides how many it runs
         task_info = Task(name=getattr(train_fn, "__name__", "train_fn"), metric=metric, steps=steps or 0, seed=seed,
                          higher_is_better=None if metric_direction is None else metric_direction == "higher",
                          batch_size=samples_per_step)
-    dev = resolve_device(device)
     plan = _plan(precisions, dev)
+    if precisions is None and task is not None:  # the default experiment also measures its own noise
+        plan.insert(1, (f"{plan[0][0]} (seed {seed + 1})", False))
     state_dir = None
     if out is not None:
         _check_writable(Path(out))
@@ -125,21 +134,30 @@ def compare(
     report = Report(ampkit_version=ampkit_version(), command=command or "ampkit.compare(...)", task=task_info,
                     created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     machine=describe(dev), baseline=plan[0][0])
-    base = RunSpec(precision="", device=str(dev), seed=seed, task=task, steps=steps, batch_size=batch_size,
-                   train_fn=train_fn, samples_per_step=samples_per_step, nproc=nproc,
+    base = RunSpec(precision="", device=str(dev), seed=seed, task=task, steps=task_info.steps or None, size=size,
+                   batch_size=batch_size, train_fn=train_fn, samples_per_step=samples_per_step, nproc=nproc,
                    numerics_steps=NUMERICS_STEPS if numerics else 0)
     progress = RunProgress(show)
+    specs = {name: dataclasses.replace(  # "fp32 (seed 1)": the noise run, fp32 again from the next seed
+        base, precision=name.split(" ")[0], seed=seed + (" " in name), probe=probe,
+        numerics_steps=0 if probe or " " in name else base.numerics_steps, accelerator_kwargs=kwargs_of(name.split(" ")[0]),
+        checkpoints=str(state_dir / f"{name}.ckpt") if state_dir is not None and task is not None and not probe else None)
+        for name, probe in plan if name not in kept}
+    turns = isolate and task is not None and nproc == 1
     try:
-        for name, probe in plan:
+        taken = interleaved(specs, report, dev, progress, fit=steps is None) if turns else {}
+        if not turns:
+            report.plan = "; ".join(f"{n} ({'probe, ' * s.probe}{s.steps or 'its own'} steps)" for n, s in specs.items())
+            progress.say(f"{report.plan}: one after another")
+        for name, _ in plan:
             if name in kept:
                 report.runs.append(kept[name])
                 continue
-            ckpt = str(state_dir / f"{name}.ckpt") if state_dir is not None and task is not None and not probe else None
-            spec = dataclasses.replace(base, precision=name, probe=probe, checkpoints=ckpt,
-                                       numerics_steps=0 if probe else base.numerics_steps, accelerator_kwargs=kwargs_of(name))
-            # A train_fn's step count is known once one run has finished: every run trains the same loop.
+            spec = specs[name]
+            # a train_fn's step count is known once one run has finished: every run trains the same loop
             known = task_info.steps or next((r.steps for r in report.runs if r.status == "ok" and r.steps), None)
-            run = _run_planned(spec, dev, isolate, progress, PROBE_STEPS if probe else known)
+            run = taken[name] if turns else run_planned(spec, dev, isolate, progress, PROBE_STEPS if spec.probe else known)
+            run.precision = name
             run.finish(metric)
             if task_info.metric is None and run.eval:
                 task_info.metric = metric = next(iter(run.eval))
@@ -148,12 +166,12 @@ def compare(
                 state_dir.mkdir(parents=True, exist_ok=True)
                 record = json.dumps(json_safe(dataclasses.asdict(run))).encode()
                 atomic_write(state_dir / f"{name}.json", lambda f, record=record: f.write(record))
-                if ckpt is not None:
-                    shutil.rmtree(ckpt, ignore_errors=True)
+                if spec.checkpoints is not None:
+                    shutil.rmtree(spec.checkpoints, ignore_errors=True)
     except KeyboardInterrupt:
         report.interrupted = True
         done = {r.precision for r in report.runs}
-        report.runs += [_blank_run(p, "interrupted", "interrupted (Ctrl-C) before this run finished", dev)
+        report.runs += [blank_run(p, "interrupted", "interrupted (Ctrl-C) before this run finished", dev)
                         for p, _ in plan if p not in done]
     finally:
         progress.stop()
@@ -245,75 +263,24 @@ def _finished_runs(state_dir: Path, names: list[str]) -> dict[str, Run]:
     return kept
 
 
-def _blank_run(precision: str, status: str, reason: str, device: torch.device) -> Run:
-    kind = "cuda_max_allocated" if device.type == "cuda" else "cpu_peak_rss_delta"
-    return Run(precision=precision, status=status, reason=reason, memory_kind=kind)
-
-
 def _ratios(report: Report) -> None:
     base = next((r for r in report.runs if r.precision == report.baseline and r.status == "ok"), None)
     if base is None:
         report.baseline = None
         return
+    noise = next((r for r in report.runs if r.precision == f"{base.precision} (seed {(report.task.seed or 0) + 1})"
+                  and r.metric is not None and base.metric is not None), None) if report.task else None
+    if noise is not None:  # the band: the larger of the held-out set's spread and fp32's seed-to-seed difference
+        base.metric_band = max(base.metric_band or 0.0, abs((noise.metric or 0.0) - (base.metric or 0.0)))
     for run in report.runs:
         if run.step_time_median_s and base.step_time_median_s:
             run.speedup_vs_baseline = base.step_time_median_s / run.step_time_median_s
+        rounds = [b / r for b, r in zip(base.round_step_times_s or [], run.round_step_times_s or []) if b and r]
+        if run is not base and len(rounds) >= 2:
+            run.speedup_low, run.speedup_high = min(rounds), max(rounds)
         if run.peak_memory_bytes and base.peak_memory_bytes:
             run.memory_ratio_vs_baseline = run.peak_memory_bytes / base.peak_memory_bytes
         if run.metric is not None and base.metric is not None:
             run.metric_delta_vs_baseline = run.metric - base.metric
 
 
-def _run_planned(spec: RunSpec, dev: torch.device, isolate: bool, progress: RunProgress, total: int | None) -> Run:
-    """One planned run: skipped if the device cannot run it, else run (isolated, torchrun or in-process)."""
-    name, probe = spec.precision, spec.probe
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the run itself records the warning as a note
-            resolve_precision(name, dev)
-    except PrecisionError as exc:
-        return _blank_run(name, "skipped", str(exc), dev)
-    progress.start(f"{name} (probe: timing only)" if probe else name, total)
-    try:
-        if spec.nproc > 1:
-            run = run_torchrun(spec, progress.update)
-        else:
-            run = run_isolated(spec, progress.update) if isolate else run_one(spec, progress.update)
-        progress.update(run.steps)
-    except RunFailed as exc:
-        return _blank_run(name, "failed", str(exc).strip() or "failed", dev)
-    except Exception as exc:  # in-process runs: a failure is a reported status, not a crash of the comparison
-        return _blank_run(name, "failed", f"{type(exc).__name__}: {exc}", dev)
-    finally:
-        progress.stop()
-    if probe:
-        run.reason = (f"timing only: {dev.type} runs {dtype_name(PRESETS[name].compute_dtype)} slowly here, "
-                      f"so a full run was left out; name it in --precisions to run it fully")
-    return run
-
-
-class RunProgress:
-    """One progress bar per run."""
-
-    def __init__(self, show: bool) -> None:
-        self.show = show
-        self.bar: Progress | None = None
-        self.task: Any = None
-        self.label = ""
-
-    def start(self, label: str, total: int | None) -> None:
-        self.label = label
-        if self.show:
-            self.bar = Progress(TextColumn("{task.description:<32}"), BarColumn(), MofNCompleteColumn(),
-                                TimeElapsedColumn(), transient=False)
-            self.bar.start()
-            self.task = self.bar.add_task(label, total=total)
-
-    def update(self, step: int) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, completed=step)
-
-    def stop(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-            self.bar = None

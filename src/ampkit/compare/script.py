@@ -35,7 +35,8 @@ from ampkit.compare.measure import seed_everything
 from ampkit.compare.memory import Memory
 from ampkit.compare.recorder import Recorder
 from ampkit.compare.records import Policy, Report, Run, Task
-from ampkit.compare.runner import RunProgress, default_precisions
+from ampkit.compare.runner import default_precisions
+from ampkit.compare.turns import RunProgress
 from ampkit.compare.spawn import RunFailed, run_isolated
 from ampkit.compare.text import render_table
 from ampkit.compare.write import write_report
@@ -180,8 +181,8 @@ def measure_script(spec: ScriptSpec, progress: Callable[[int], None]) -> tuple[R
         {name: direction for name, (_, direction) in rec.metrics.items()}
 
 
-def _child(spec: ScriptSpec, conn: Any) -> None:
-    """A run's process: the script's output to the log, progress and the record to the parent."""
+def _child(spec: ScriptSpec, conn: Any, gated: bool = False) -> None:
+    """A run's process: the script's output to the log, progress and the record to the parent (never gated)."""
     fd = os.open(spec.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)

@@ -1,7 +1,8 @@
 """Running one precision in a process of its own: spawned, or N processes under torchrun.
 
 A fresh process per run keeps the memory figures clean and stops anything leaking from one run
-into the next. The child streams its step count back for the progress bar, then the `Run`.
+into the next. The child streams its step count back for the progress bar, then the `Run`; a gated
+`Worker` also pauses where the comparison tells it, so that the runs' processes can take turns.
 `python -m ampkit.compare SPEC OUT PROGRESS` (`__main__.py`) is what each torchrun process executes.
 """
 
@@ -41,10 +42,16 @@ def _throttled(send: Callable[[int], None]) -> Callable[[int], None]:
     return progress
 
 
-def _child(spec: RunSpec, conn: Any) -> None:
-    """Entry point of a run's process: stream progress, then send the record or the error."""
+def _child(spec: RunSpec, conn: Any, gated: bool) -> None:
+    """Entry point of a run's process: stream progress (and pauses, when gated), then send the record or the error."""
+    def gate(done: int, times: list[float]) -> int | None:
+        conn.send(("paused", done, times))
+        kind, target = conn.recv()
+        return target if kind == "go" else None
+
     try:
-        conn.send(("done", run_one(spec, _throttled(lambda step: conn.send(("progress", step))))))
+        progress = _throttled(lambda step: conn.send(("progress", step)))
+        conn.send(("done", run_one(spec, progress, gate if gated else None)))
     except KeyboardInterrupt:
         conn.send(("error", "interrupted"))
     except BaseException as exc:  # noqa: BLE001 - every failure becomes a reported status
@@ -53,33 +60,64 @@ def _child(spec: RunSpec, conn: Any) -> None:
         conn.close()
 
 
-def run_isolated(spec: Any, on_progress: Callable[[int], None], target: Callable[[Any, Any], None] = _child) -> Any:
-    """`run_one(spec)` in a spawned process (or another `target(spec, conn)` sending the same messages)."""
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=target, args=(spec, child), daemon=True)
-    proc.start()
-    child.close()
-    try:
+class Worker:
+    """One run in a spawned process. Gated, it trains only when told: `advance(target)` trains up to step
+    `target`, keeping that chunk's step times in `chunks`; `finish()` ends training and returns the `Run`."""
+
+    def __init__(self, spec: Any, gated: bool, target: Callable[[Any, Any, bool], None] = _child) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=target, args=(spec, child, gated), daemon=True)
+        self.proc.start()
+        child.close()
+        self.gated, self.done, self.chunks = gated, 0, []  # steps done; each chunk's step times (None: none ran)
+
+    def _wait(self, on_progress: Callable[[int], None]) -> Any:
         while True:
-            if parent.poll(0.1):
+            if self.conn.poll(0.1):
                 try:
-                    kind, payload = parent.recv()
+                    kind, *payload = self.conn.recv()
                 except EOFError:
                     break
                 if kind == "progress":
-                    on_progress(payload)
+                    on_progress(payload[0])
+                elif kind == "paused":
+                    self.done = payload[0]
+                    return payload[1]
                 elif kind == "done":
-                    return payload
+                    return payload[0]
                 else:
-                    raise RunFailed(payload)
-            elif not proc.is_alive() and not parent.poll():
+                    raise RunFailed(payload[0])
+            elif not self.proc.is_alive() and not self.conn.poll():
                 break
-        raise RunFailed(f"the run's process died (exit code {proc.exitcode}) before reporting")
+        raise RunFailed(f"the run's process died (exit code {self.proc.exitcode}) before reporting")
+
+    def ready(self) -> None:
+        """Wait until the run has built its model and data and paused before its first step."""
+        self._wait(lambda step: None)
+
+    def advance(self, target: int, on_progress: Callable[[int], None]) -> None:
+        self.conn.send(("go", target))
+        self.chunks.append(self._wait(on_progress))
+
+    def finish(self, on_progress: Callable[[int], None]) -> Run:
+        if self.gated:
+            self.conn.send(("stop", None))
+        return self._wait(on_progress)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self.proc.terminate()
+        self.proc.join(timeout=10)
+
+
+def run_isolated(spec: Any, on_progress: Callable[[int], None], target: Callable[[Any, Any, bool], None] = _child) -> Any:
+    """`run_one(spec)` in a spawned process (or another `target(spec, conn, gated)` sending the same messages)."""
+    worker = Worker(spec, gated=False, target=target)
+    try:
+        return worker.finish(on_progress)
     finally:
-        if proc.is_alive():
-            proc.terminate()
-        proc.join(timeout=10)
+        worker.close()
 
 
 def run_torchrun(spec: RunSpec, on_progress: Callable[[int], None]) -> Run:

@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 from ampkit.compare.records import MEMORY_KINDS, Report, Run, Task
+from ampkit.precision import PRESETS
 from ampkit.present import NONE, sig, signed, size, times
 from ampkit.schema import build
 
@@ -38,13 +39,76 @@ def metric_delta(run: Run, baseline: Run | None, task: Task | None) -> str | Non
     return signed(delta, 3)
 
 
-def speed(speedup: float) -> str:
-    """'1.6× faster', '0.4× (2.5× slower)'; within ±5% 'same speed': repeated runs differ that much."""
-    if 0.95 <= speedup < 1.05:
-        return f"same speed ({times(speedup)})"
-    if speedup >= 1.05:
-        return f"{times(speedup)} faster"
-    return f"{times(speedup)} ({times(1 / speedup)} slower)"
+def same_speed(run: Run) -> bool:
+    """Whether the speed-up is indistinguishable from 1: its spread over the interleaved rounds covers
+    1.0, or (no rounds) it is within ±5%, which repeated runs differ by."""
+    speedup, low, high = run.speedup_vs_baseline or 1.0, run.speedup_low, run.speedup_high
+    return low <= 1 <= high if low is not None and high is not None else 0.95 <= speedup < 1.05
+
+
+def speed(run: Run) -> str:
+    """'1.6× faster (1.5–1.7× over rounds)', '0.4× (2.5× slower)', 'same speed (0.98×)'."""
+    speedup = run.speedup_vs_baseline or 1.0
+    spread = (f", {times(run.speedup_low)}\u2013{times(run.speedup_high)} over rounds"
+              if run.speedup_low is not None and run.speedup_high is not None else "")
+    if same_speed(run):
+        return f"same speed ({times(speedup)}{spread})"
+    if speedup >= 1:
+        return f"{times(speedup)} faster" + (f" ({spread[2:]})" if spread else "")
+    return f"{times(speedup)} ({times(1 / speedup)} slower{spread})"
+
+
+def within_noise(run: Run, baseline: Run | None, task: Task | None) -> bool | None:
+    """True: the metric is within the baseline's noise band or better; False: worse beyond it; None: no band."""
+    if baseline is None or run.metric is None or baseline.metric is None or baseline.metric_band is None:
+        return None
+    worse = (baseline.metric - run.metric) if (task is None or task.higher_is_better) else (run.metric - baseline.metric)
+    return worse <= baseline.metric_band
+
+
+def recommendation(report: Report) -> str | None:
+    """The preset to use, from the measured figures: the fastest run that is faster over every round and
+    whose metric is within the baseline's noise; else the baseline, with what the best other run cost."""
+    base, task = report.baseline_run(), report.task
+    if base is None or base.status != "ok":
+        return None
+    others = [r for r in report.runs if r is not base and r.speedup_vs_baseline and r.status in ("ok", "probe")
+              and r.precision in PRESETS]  # not the baseline's noise run, "fp32 (seed 1)"
+    good = [r for r in others if r.status == "ok" and not same_speed(r) and (r.speedup_vs_baseline or 0) > 1
+            and within_noise(r, base, task) is not False]
+    if good:
+        best = max(good, key=lambda r: r.speedup_vs_baseline or 0)
+        parts = [f"{times(best.speedup_vs_baseline or 1)} faster"]
+        if best.memory_ratio_vs_baseline is not None:
+            parts.append(f"{times(best.memory_ratio_vs_baseline)} memory")
+        if (quality := within_noise(best, base, task)) is not None:
+            parts.append(f"{metric_name(task)} within the noise of {base.precision}" if quality else "")
+        return f"{best.precision}: {', '.join(p for p in parts if p)}"
+    if not others:
+        return f"{base.precision}: no other precision finished to compare with"
+    best = max(others, key=lambda r: r.speedup_vs_baseline or 0)
+    where = f"on {report.machine.get('device_name', 'this device')}"
+    if same_speed(best) or (best.speedup_vs_baseline or 0) > 1:
+        why = (f"{best.precision} is no faster {where}" if same_speed(best) else
+               f"{best.precision} is {times(best.speedup_vs_baseline or 1)} faster but its {metric_name(task)} is "
+               f"{metric_delta(best, base, task)}, beyond the noise")
+    else:
+        why = f"{best.precision} costs {times(1 / (best.speedup_vs_baseline or 1))} the time {where}"
+    return f"{base.precision}: {why}"
+
+
+def numerics_findings(run: Run) -> list[str]:
+    """The numerics pass's findings that matter for this run's precision: fp16 underflow only in fp16,
+    lost updates only where weights are stored below fp32, overflow where it happened (or in fp16)."""
+    detail = run.numerics.detail if run.numerics is not None else None
+    if not detail:
+        return [f"the diagnosis failed ({first_line(run.numerics.error)})"] if run.numerics and run.numerics.error else []
+    device, localized = detail["device"], bool(detail.get("localizer") and (detail["localizer"].get("forward")
+                                                                          or detail["localizer"].get("backward")))
+    fp16 = device["compute_dtype"] == "float16"
+    keep = {"grad-underflow": fp16, "lost-updates": device["param_dtype"] != "float32",
+            "forward-overflow": fp16 or localized, "backward-overflow": fp16 or localized}
+    return [f"{f['title']}: {f['fix']}" for f in detail["findings"] if keep.get(f["id"], True)]
 
 
 def verdict(run: Run | dict[str, Any], baseline: Run | dict[str, Any] | None,
@@ -69,6 +133,10 @@ def verdict(run: Run | dict[str, Any], baseline: Run | dict[str, Any] | None,
     parts = _comparisons(run)
     delta = metric_delta(run, baseline, task)
     if delta is not None:
+        noise = within_noise(run, baseline, task)
+        if noise is not None and baseline is not None:
+            band = 100 * (baseline.metric_band or 0) / abs(baseline.metric or 1)
+            delta += f" ({'within' if noise else 'beyond'} the noise, \u00b1{band:.1f}%)"
         parts.append(f"{metric_name(task)} {delta}")
     if run.skipped_steps:
         parts.append(f"{run.skipped_steps} overflow step{'s' if run.skipped_steps != 1 else ''} skipped")
@@ -101,7 +169,7 @@ def numerics_line(run: Run) -> str | None:
 def _comparisons(run: Run) -> list[str]:
     parts = []
     if run.speedup_vs_baseline is not None:
-        parts.append(speed(run.speedup_vs_baseline))
+        parts.append(speed(run))
     if run.memory_ratio_vs_baseline is not None:
         parts.append(f"{times(run.memory_ratio_vs_baseline)} memory")
     return parts
@@ -116,7 +184,8 @@ def _baseline_summary(run: Run, task: Task | None) -> str:
     if run.peak_memory_bytes is not None:
         parts.append(f"{size(run.peak_memory_bytes)} peak memory")
     if run.metric is not None:
-        parts.append(f"{metric_name(task)} {metric_value(run.metric, task)}")
+        band = f" \u00b1 {metric_value(run.metric_band, task)}" if run.metric_band is not None else ""
+        parts.append(f"{metric_name(task)} {metric_value(run.metric, task)}{band}")
     return ", ".join(parts) or "no measurements"
 
 
@@ -137,9 +206,10 @@ def policy_lines(report: Report) -> list[str]:
 def title(report: Report) -> str:
     if report.task is None:
         return "ampkit compare: custom training function"
+    size = f" ({report.task.size})" if report.task.size else ""
     steps = f", {report.task.steps} steps" if report.task.steps else ""  # 0: a train_fn's loop decides
     batch = f", batch {report.task.batch_size}" if report.task.batch_size else ""
-    return f"ampkit compare: {report.task.name}{steps}{batch}"
+    return f"ampkit compare: {report.task.name}{size}{steps}{batch}"
 
 
 def notes(report: Report) -> list[str]:
@@ -149,6 +219,11 @@ def notes(report: Report) -> list[str]:
         out.append("no baseline run finished, so there are no ratios or deltas")
     else:
         out.append(f"ratios and \u0394 are relative to {report.baseline}")
+    if any(r.speedup_low is not None for r in report.runs):
+        out.append("the runs took turns in rounds; a speed-up whose spread over the rounds covers 1.0 is 'same speed'")
+    if (base := report.baseline_run()) is not None and base.metric_band is not None:
+        out.append(f"noise band of {metric_name(report.task)}: the larger of {base.precision}'s difference from "
+                   f"its run from the next seed (where there is one) and two standard errors of the held-out mean")
     if report.interrupted:
         out.append("interrupted (Ctrl-C): runs marked 'interrupted' did not finish")
     return out

@@ -1,4 +1,4 @@
-"""The comparison in the terminal: the table, then a verdict per run and the policies behind them."""
+"""The comparison in the terminal: the recommendation, the table, then a verdict per run and the policies behind them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from rich.console import Console, Group
 from rich.text import Text
 
 from ampkit.compare.records import Report, as_report
-from ampkit.compare.summary import NUMERIC_FROM, columns, details, notes, numerics_line, policy_lines, rows, title, verdicts
+from ampkit.compare.summary import (NUMERIC_FROM, columns, details, notes, numerics_line, policy_lines, recommendation,
+                                    rows, title, verdicts)
 from ampkit.present import as_text, console as default_console, indented, table
 
 _STATUS_STYLE = {"ok": "green", "diverged": "bold red", "failed": "red", "skipped": "dim",
@@ -19,8 +20,10 @@ def _renderables(report: Report) -> Group:
     cells = rows(report)
     for run, row in zip(report.runs, cells):
         row[1] = Text(row[1], style=_STATUS_STYLE.get(run.status, ""))
+    rec = recommendation(report)
     out: list[Any] = [
         Text(f"$ {report.command}", style="dim"),
+        *([Text.assemble(("Use ", "bold green"), (rec, "bold"))] if rec else []),
         # Two-line headers ("peak" / "memory") so that the table fits a 120-column terminal; the
         # baseline row is bold and named in the caption.
         table(columns(report.task), cells, title=title(report), caption="; ".join(notes(report)),

@@ -10,6 +10,8 @@ a loss and an evaluation, so fp32 and mixed-precision runs differ only in precis
 
 from __future__ import annotations
 
+import torch
+
 from . import digits, iris, tiny_lm
 from .task import Task, TaskData
 
@@ -17,12 +19,21 @@ TASKS: dict[str, Task] = {t.name: t for t in (iris.TASK, digits.TASK, tiny_lm.TA
 """Every built-in task by name. Building one is lazy: nothing loads until make_data."""
 
 
-def get_task(name: str) -> Task:
-    """The task called `name`; a ValueError naming the valid choices otherwise."""
+def get_task(name: str, size: str | None = None) -> Task:
+    """The task called `name` (at model `size`: tiny-lm only, see `tiny_lm.SIZES`); a ValueError
+    naming the valid choices otherwise."""
     try:
-        return TASKS[name]
+        task = TASKS[name]
     except KeyError:
         raise ValueError(f"unknown task {name!r}; choose one of: {', '.join(sorted(TASKS))}") from None
+    if size is not None and name != tiny_lm.NAME:
+        raise ValueError(f"size={size!r}: only {tiny_lm.NAME} comes in sizes; leave it out for {name}")
+    return task if size is None else tiny_lm.sized(size)
 
 
-__all__ = ["TASKS", "Task", "TaskData", "get_task"]
+def default_size(name: str, device: torch.device) -> str | None:
+    """The model size a comparison on `device` uses for task `name` (None: the task has one size)."""
+    return tiny_lm.size_for(device) if name == tiny_lm.NAME else None
+
+
+__all__ = ["TASKS", "Task", "TaskData", "default_size", "get_task"]

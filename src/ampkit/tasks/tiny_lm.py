@@ -8,6 +8,9 @@ and the vocabulary is the 256 byte values, so it never depends on the text.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import functools
 import math
 import sys
 import sysconfig
@@ -19,15 +22,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
+from ampkit.hardware import capability
+
 from .task import Task, TaskData, check_batch_size, seeded, seeded_generator
 
 NAME = "tiny-lm"
 VOCAB = 256
 BLOCK = 64
 """Context length in bytes, also the size of the learned positional table."""
-D_MODEL = 96
-N_HEADS = 3
-N_LAYERS = 3
 EVAL_FRACTION = 0.1
 EVAL_BATCH_SIZE = 64
 
@@ -172,10 +174,31 @@ class TinyLM(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def make_model(seed: int) -> nn.Module:
-    """The default-size TinyLM (about 0.4 M parameters), initialised from `seed`."""
+Size = collections.namedtuple("Size", "d_model n_heads n_layers batch_size steps lr")
+"""One model size with the batch, steps and learning rate it trains well with."""
+
+SIZES: dict[str, Size] = {
+    "small": Size(96, 3, 3, 32, 500, 2e-3),  # 0.4 M parameters: overhead-bound, for CPUs without fast bf16
+    "medium": Size(256, 4, 4, 32, 300, 1e-3),  # 3.3 M: ~40 GFLOP a step in 3-8 M-element matmuls
+    "large": Size(768, 12, 8, 256, 500, 5e-4),  # 57 M: ~6 TFLOP a step, GEMM-bound on any GPU
+}
+"""`ampkit compare --size`: the same data and loop at three model sizes."""
+
+
+def size_for(device: torch.device) -> str:
+    """The size whose step is dominated by matmuls where `device` has fast low-precision math, and that
+    a default comparison trains in minutes there: large on a GPU, medium on a CPU with fast bf16
+    (avx512_bf16 or AMX), small on a CPU without it (fp32 wins there, and a bf16 probe stays cheap)."""
+    if device.type != "cpu":
+        return "large"
+    return "medium" if capability(device).bf16_fast else "small"
+
+
+def make_model(seed: int, size: str = "small") -> nn.Module:
+    """A TinyLM of `size` (`SIZES`; small by default), initialised from `seed`."""
+    s = SIZES[size]
     with seeded(seed):
-        return TinyLM(vocab=VOCAB, block=BLOCK, d_model=D_MODEL, n_heads=N_HEADS, n_layers=N_LAYERS)
+        return TinyLM(vocab=VOCAB, block=BLOCK, d_model=s.d_model, n_heads=s.n_heads, n_layers=s.n_layers)
 
 
 # ------------------------------------------------------------------ loss, optimizer, eval
@@ -195,23 +218,26 @@ def make_optimizer(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Opt
 
 @torch.no_grad()
 def evaluate(model: nn.Module, data: TaskData, device: torch.device | str) -> dict[str, float]:
-    """Held-out mean loss per byte and its exponential, perplexity."""
+    """Held-out mean loss per byte, its exponential (perplexity), and `perplexity_band`: the half-width
+    of perplexity's ~95% band from the spread of the held-out windows' losses (two standard errors of
+    their mean): how far another held-out sample of this size could move it."""
     was_training = model.training
     model.eval()
     try:
-        total = torch.zeros((), dtype=torch.float64, device=device)  # stays on device
-        for x, y in zip(data.eval_inputs.split(EVAL_BATCH_SIZE), data.eval_targets.split(EVAL_BATCH_SIZE)):
-            logits = model(x.to(device)).float()
-            total += F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten(), reduction="sum").double()
-        eval_loss = total.item() / data.eval_targets.numel()  # sync: the evaluation's one read, after training
-        return {"perplexity": math.exp(eval_loss), "eval_loss": eval_loss}
+        per_window = torch.cat([  # mean loss of each held-out window, kept on the device
+            F.cross_entropy(model(x.to(device)).float().transpose(1, 2), y.to(device), reduction="none").mean(1)
+            for x, y in zip(data.eval_inputs.split(EVAL_BATCH_SIZE), data.eval_targets.split(EVAL_BATCH_SIZE))])
+        std, mean = torch.std_mean(per_window.double())
+        eval_loss, sd = mean.item(), std.item()  # sync: the evaluation's reads, after training
+        band = math.exp(eval_loss) * (math.exp(2 * sd / math.sqrt(len(per_window))) - 1)
+        return {"perplexity": math.exp(eval_loss), "eval_loss": eval_loss, "perplexity_band": band}
     finally:
         model.train(was_training)
 
 
 TASK = Task(
     name=NAME,
-    description="byte-level 3-layer transformer LM on Python stdlib source: GEMM-bound",
+    description="byte-level transformer LM on Python stdlib source (small: 3 layers, d_model 96)",
     metric="perplexity",
     higher_is_better=False,
     default_steps=500,
@@ -223,3 +249,14 @@ TASK = Task(
     loss_fn=loss_fn,
     evaluate=evaluate,
 )
+
+
+def sized(size: str) -> Task:
+    """tiny-lm at `size` (a key of `SIZES`): the same data, loss and evaluation, a model of that size."""
+    if size not in SIZES:
+        raise ValueError(f"size={size!r}: expected one of {', '.join(SIZES)}")
+    s = SIZES[size]
+    return dataclasses.replace(
+        TASK, description=f"byte-level {s.n_layers}-layer transformer LM (d_model {s.d_model}) on Python stdlib source",
+        default_steps=s.steps, default_batch_size=s.batch_size, default_lr=s.lr,
+        make_model=functools.partial(make_model, size=size))
