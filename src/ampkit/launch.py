@@ -131,3 +131,17 @@ def launch(script: str, args: Sequence[str] = (), *, nproc: int = 1, settings: M
         return proc.wait()
     except KeyboardInterrupt:  # the child got the Ctrl-C too: let it finish on its own terms
         return proc.wait()
+
+
+def run_as_main(script: str | Path, args: Sequence[str] = ()) -> None:
+    """Run `script` in this process as `python script args...` would (`__main__`, its `sys.argv`, its
+    folder first on `sys.path`), both restored after; its exceptions, SystemExit included, propagate."""
+    import runpy
+
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [str(script), *map(str, args)]
+    sys.path.insert(0, str(Path(script).resolve().parent))
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path

@@ -175,7 +175,7 @@ def compare(
                         for p, _ in plan if p not in done]
     finally:
         progress.stop()
-    _ratios(report)
+    compare_to_baseline(report)
     if out is not None:
         try:
             write_report(report, out)
@@ -263,11 +263,13 @@ def _finished_runs(state_dir: Path, names: list[str]) -> dict[str, Run]:
     return kept
 
 
-def _ratios(report: Report) -> None:
+def compare_to_baseline(report: Report) -> Run | None:
+    """Each run's speed-up (with its spread over rounds), memory ratio and metric delta against the
+    baseline run, which it returns (None, and no baseline, when that run did not finish)."""
     base = next((r for r in report.runs if r.precision == report.baseline and r.status == "ok"), None)
     if base is None:
         report.baseline = None
-        return
+        return None
     noise = next((r for r in report.runs if r.precision == f"{base.precision} (seed {(report.task.seed or 0) + 1})"
                   and r.metric is not None and base.metric is not None), None) if report.task else None
     if noise is not None:  # the band: the larger of the held-out set's spread and fp32's seed-to-seed difference
@@ -282,5 +284,6 @@ def _ratios(report: Report) -> None:
             run.memory_ratio_vs_baseline = run.peak_memory_bytes / base.peak_memory_bytes
         if run.metric is not None and base.metric is not None:
             run.metric_delta_vs_baseline = run.metric - base.metric
+    return base
 
 

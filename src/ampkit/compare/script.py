@@ -15,9 +15,7 @@ import dataclasses
 import datetime
 import math
 import os
-import runpy
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -35,7 +33,7 @@ from ampkit.compare.measure import seed_everything
 from ampkit.compare.memory import Memory
 from ampkit.compare.recorder import Recorder
 from ampkit.compare.records import Policy, Report, Run, Task
-from ampkit.compare.runner import default_precisions
+from ampkit.compare.runner import compare_to_baseline, default_precisions
 from ampkit.compare.turns import RunProgress
 from ampkit.compare.spawn import RunFailed, run_isolated
 from ampkit.compare.text import render_table
@@ -43,6 +41,7 @@ from ampkit.compare.write import write_report
 from ampkit.doctor.run import check_script, script_traceback
 from ampkit.errors import PrecisionError
 from ampkit.events import watch_created
+from ampkit.launch import run_as_main
 from ampkit.hardware import describe, resolve_device
 from ampkit.precision import PRESETS, resolve_precision
 from ampkit.schema import build
@@ -146,11 +145,10 @@ def measure_script(spec: ScriptSpec, progress: Callable[[int], None]) -> tuple[R
 
     hook = register_optimizer_step_pre_hook(plain_step)
     signal.signal(signal.SIGUSR1, grace_spent)
-    sys.argv, start = [spec.script, *spec.args], time.perf_counter()
-    sys.path.insert(0, str(Path(spec.script).resolve().parent))
+    start = time.perf_counter()
     try:
         with watch_created(created):
-            runpy.run_path(spec.script, run_name="__main__")
+            run_as_main(spec.script, spec.args)
     except ScriptStop:
         pass
     except SystemExit as exc:
@@ -272,17 +270,8 @@ def _one(spec: ScriptSpec, dev: torch.device, progress: RunProgress, task: Task)
 
 def _compared(report: Report) -> None:
     """Ratios and deltas against the baseline, and a note where a run did not start where it did."""
-    base = next((r for r in report.runs if r.precision == report.baseline and r.status == "ok"), None)
-    if base is None:
-        report.baseline = None
-        return
-    for run in report.runs:
-        if run.step_time_median_s and base.step_time_median_s:
-            run.speedup_vs_baseline = base.step_time_median_s / run.step_time_median_s
-        if run.peak_memory_bytes and base.peak_memory_bytes:
-            run.memory_ratio_vs_baseline = run.peak_memory_bytes / base.peak_memory_bytes
-        if run.metric is not None and base.metric is not None:
-            run.metric_delta_vs_baseline = run.metric - base.metric
+    base = compare_to_baseline(report)
+    for run in report.runs if base is not None else ():
         first, first_base = (r.loss_curve[0] if r.loss_curve else None for r in (run, base))
         if first is not None and first_base is not None and not math.isclose(first, first_base, rel_tol=0.05, abs_tol=1e-3):
             note = (f"its first loss ({first:.4g}) is not {report.baseline}'s ({first_base:.4g}): the runs did not "

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import collections
 import os
-import runpy
-import sys
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,6 +26,7 @@ from ampkit.doctor.report import render_report
 from ampkit.doctor.session import DoctorSession
 from ampkit.doctor.watch import DoctorError, Result, StopTraining, Watch, check_counts
 from ampkit.events import watch_created
+from ampkit.launch import run_as_main
 from ampkit.tasks import get_task
 
 
@@ -114,19 +113,13 @@ def run_script(script: str | Path, args: Sequence[str], start: Callable[[Acceler
         if not sessions:  # the first Accelerator is the one training
             sessions.append(start(acc))
 
-    saved_argv, saved_path = sys.argv, list(sys.path)
-    sys.argv = [str(path), *map(str, args)]
-    sys.path.insert(0, str(path.resolve().parent))
     try:
         with watch_created(created):
-            _train(lambda: runpy.run_path(str(path), run_name="__main__"), sessions)
+            _train(lambda: run_as_main(path, args), sessions)
     except SystemExit as exc:
         if exc.code not in (None, 0) and not (sessions and sessions[0].result is not None):
             _close(sessions[0] if sessions else None)
             raise DoctorError(f"{script} exited with status {exc.code!r} before the doctor had seen its steps") from exc
-    finally:
-        sys.argv = saved_argv
-        sys.path[:] = saved_path
     return sessions[0] if sessions else None
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import runpy
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils._pytree import tree_leaves
 
 from ampkit.events import Listener, watch_created
+from ampkit.launch import run_as_main
 from ampkit.plan.step import default_loss
 
 
@@ -103,13 +102,10 @@ def capture(script: str | Path, args: list[str]) -> tuple[Any, Any, Any, Any, st
             catch.acc = acc
             acc.events.add(catch)
 
-    saved_argv, saved_path = sys.argv, list(sys.path)
-    sys.argv, hook = [str(path), *args], register_module_forward_pre_hook(
-        lambda m, a: catch.forward_pre(m, a, {}))
-    sys.path.insert(0, str(path.resolve().parent))
+    hook = register_module_forward_pre_hook(lambda m, a: catch.forward_pre(m, a, {}))
     try:
         with watch_created(created):
-            runpy.run_path(str(path), run_name="__main__")
+            run_as_main(path, args)
     except _Seen:
         pass
     except SystemExit as exc:
@@ -117,7 +113,6 @@ def capture(script: str | Path, args: list[str]) -> tuple[Any, Any, Any, Any, st
             raise ScriptPlanError(f"{script} exited with status {exc.code!r} before its first acc.backward") from None
     finally:
         hook.remove()
-        sys.argv, sys.path[:] = saved_argv, saved_path
     acc = catch.acc
     if acc is None or not acc.models or not acc.optimizers:
         raise ScriptPlanError(f"{script} ended without preparing a model and an optimizer with an ampkit.Accelerator "
