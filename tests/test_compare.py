@@ -132,10 +132,11 @@ def test_report_files_from_a_real_comparison(tmp_path, capsys):
     fp16 = report["runs"][1]
     assert fp16["scale_history"] == [65536.0] * 15
     assert "no fp16 instructions" in fp16["reason"] or "fp16" not in str(report["machine"]["cpu_flags"])
-    for name in ("loss_curves.png", "throughput.png", "memory.png", "scale_history.png", "numerics.png"):
+    for name in ("loss_curves.png", "throughput.png", "memory.png", "scale_history.png", "numerics.png", "plan.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     html = (out / "report.html").read_text()
-    assert html.count("data:image/png;base64,") == 5
+    assert html.count("data:image/png;base64,") == 6
+    assert "predicted to need before the runs (ampkit plan" in html  # beside the measured peaks
     printed = capsys.readouterr().out
     assert "fp16-mixed" in printed and "baseline" in printed
     # the runs took turns: a warm-up chunk, then 4 timed rounds each, announced with an estimate
@@ -251,3 +252,16 @@ def test_resume_with_a_corrupt_finished_run_names_the_file(tmp_path, capsys):
         printed = capsys.readouterr()
         assert printed.out == "" and printed.err.count("\n") == 1
         assert f"cannot resume: {record} is not a finished run's record" in printed.err and "delete it" in printed.err
+
+
+@pytest.mark.slow
+def test_compare_inference_adds_the_exports_section_to_the_report(tmp_path):
+    import json
+
+    out = tmp_path / "report"
+    compare(task="iris-mlp", precisions=["fp32"], steps=10, device="cpu", out=out, numerics=False, inference=True,
+            show=False)
+    rows = json.loads((out / "inference.json").read_text())["rows"]
+    assert {(r["precision"], r["backend"]) for r in rows} >= {("fp32", "torch"), ("int8", "onnx")}
+    html = (out / "report.html").read_text()
+    assert "exported in reduced precision" in html and "onnxruntime" in html

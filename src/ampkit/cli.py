@@ -27,18 +27,14 @@ def _compare(args: argparse.Namespace) -> int:
     try:
         compare(task=args.task, precisions=precisions, steps=args.steps, batch_size=args.batch_size,
                 seed=args.seed, device=args.device, out=args.out, command=command, resume=args.resume,
-                nproc=args.nproc, numerics=not args.no_numerics,
-                size=args.size)
+                nproc=args.nproc, numerics=not args.no_numerics, size=args.size, inference=args.inference)
     except (PrecisionError, ValueError) as exc:
         return _usage("compare", exc)
     except KeyboardInterrupt:
         print(f"\ninterrupted: the runs that finished are in {args.out}/; continue with the same command and --resume",
               file=sys.stderr)
         return 130
-    print(f"\nreport: {args.out}/report.html (and report.json, PNG plots)")
-    if args.inference:  # the same task again, trained in fp32 and exported in each precision
-        return _export(argparse.Namespace(task=args.task, precisions=None, backends="torch,onnx", out=args.out,
-                                          steps=args.steps, seed=args.seed, rounds=7, threads=None))
+    print(f"\nreport: {args.out}/report.html (and report.json, PNG plots{', inference.json' * args.inference})")
     return 0
 
 
@@ -198,8 +194,7 @@ def _plan(args: argparse.Namespace) -> int:
     import json
 
     from ampkit.errors import PrecisionError
-    from ampkit.plan import check_out, parse_memory, plan, render_plan, write_plan
-    from ampkit.tasks import get_task
+    from ampkit.plan import check_out, parse_memory, plan, plan_task, render_plan, write_plan
 
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()] if args.precisions else None
     try:
@@ -212,13 +207,11 @@ def _plan(args: argparse.Namespace) -> int:
                 return _usage("plan", "--batch-size is for --task; a script's batch is its own")
             model_fn, batch, optimizer_fn, loss_fn, note = capture(args.script, args.script_args)
             print(f"ampkit plan: {args.script}: {note}", file=sys.stderr)
+            result = plan(model_fn, lambda: batch, optimizer_fn, precisions=precisions, device=args.device,
+                          memory=memory, loss_fn=loss_fn, search=not args.no_search)
         else:
-            task = get_task(args.task)
-            batch = next(iter(task.make_data(args.seed, args.batch_size or task.default_batch_size).train_loader))
-            model_fn, loss_fn = (lambda: task.make_model(args.seed)), task.loss_fn
-            optimizer_fn = lambda params: task.make_optimizer(params, task.default_lr)  # noqa: E731
-        result = plan(model_fn, lambda: batch, optimizer_fn, precisions=precisions, device=args.device,
-                      memory=memory, loss_fn=loss_fn, search=not args.no_search)
+            result = plan_task(args.task, precisions, seed=args.seed, batch_size=args.batch_size, device=args.device,
+                               memory=memory, search=not args.no_search)
     except (PrecisionError, ValueError) as exc:
         return _usage("plan", exc)
     if args.json:

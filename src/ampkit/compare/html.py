@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import numbers
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -122,8 +123,9 @@ def _numerics(report: Report, plots: dict[str, Path]) -> str:
             f'<div class="plots">{picture}<ul>{items}</ul></div>')
 
 
-def render_html(report: Report, plots: dict[str, Path], missing_reason: str | None) -> str:
-    """The page: the recommendation, verdicts, the table, plots, numerics, policies; task and machine folded."""
+def render_html(report: Report, plots: dict[str, Path], missing_reason: str | None, sections: Sequence[str] = ()) -> str:
+    """The page: the recommendation, verdicts, the table, plots, numerics, `sections` (HTML, e.g. the
+    inference measurements), policies; task and machine folded."""
     items = "".join(_verdict_item(run, line) for run, line in zip(report.runs, verdicts(report)))
     policies = policy_lines(report)
     rec = recommendation(report)
@@ -143,6 +145,7 @@ def render_html(report: Report, plots: dict[str, Path], missing_reason: str | No
 <h2>Plots</h2>
 {_figures(plots, missing_reason)}
 {_numerics(report, plots)}
+{"".join(sections)}
 <h2>Precision policies</h2>
 {"<ul>" + "".join(f"<li>{_e(p)}</li>" for p in policies) + "</ul>" if policies else "<p>No run resolved a policy.</p>"}
 <details><summary>Task and machine</summary>

@@ -24,6 +24,8 @@ CAPTIONS = {
               "(the rest: activations, workspace, allocator and framework overhead).",
     "numerics": "Share of each layer's outputs and gradients outside the range of the run's compute dtype "
                 "(lost to overflow or flushed to zero), from the numerics pass: fp32 loses none.",
+    "plan": "Peak memory each precision was predicted to need before the runs (ampkit plan: live tensor bytes "
+            "over two steps on fake tensors), by part — beside the measured peaks.",
 }
 
 _PRESET_COLORS = {"fp32": "#4d4d4d", "bf16-mixed": "#1f77b4", "fp16-mixed": "#d62728",

@@ -25,6 +25,7 @@ from ampkit.accelerator import Accelerator
 from ampkit.compare.measure import NUMERICS_STEPS, PROBE_STEPS, RunSpec, TrainFn
 from ampkit.compare.records import Report, Run, Task, json_safe, validate_run
 from ampkit.compare.text import render_table
+from ampkit.compare.extras import inference as measure_inference, planned
 from ampkit.compare.turns import RunProgress, blank_run, interleaved, run_planned
 from ampkit.compare.write import write_report
 from ampkit.errors import PrecisionError
@@ -71,6 +72,7 @@ def compare(
     accelerator_kwargs: dict[str, Any] | None = None,
     metric_direction: str | None = None,
     size: str | None = None,
+    inference: bool = False,
 ) -> dict[str, Any]:
     """Run `train_fn` (or a built-in `task`) once per precision and return the report dict.
 
@@ -103,6 +105,10 @@ def compare(
         accelerator_kwargs: more `Accelerator` arguments for every run (`grad_accum_steps`,
             `keep_fp32`, `compile`, ...); a key that names a preset holds that preset's own, e.g.
             {"grad_accum_steps": 4, "fp16-mixed": {"keep_fp32": ["head"]}}.
+        inference: afterwards (a task, with `out`), export the task's fp32-trained model in each
+            precision and backend and measure it (`ampkit export`): out/inference.json and a page section.
+
+    With a task and `out`, the page also shows the peak memory `ampkit plan` predicted per precision.
     """
     _check_args(train_fn, task, steps, batch_size, nproc, isolate, resume, out)
     kwargs_of = _accelerator_kwargs(accelerator_kwargs)
@@ -176,9 +182,13 @@ def compare(
     finally:
         progress.stop()
     compare_to_baseline(report)
+    extra_plots, sections = {}, []
+    if out is not None and task is not None and not report.interrupted:
+        extra_plots = planned(report, task, size, seed, batch_size, dev, Path(out))
+        sections = measure_inference(task, seed, Path(out), show) if inference else []
     if out is not None:
         try:
-            write_report(report, out)
+            write_report(report, out, extra_plots, sections)
         except ValueError as exc:  # never lose a finished comparison to a report bug
             raw = Path(out) / "report.unvalidated.json"
             raw.write_text(json.dumps(report.to_dict(), indent=2, default=str))

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import warnings
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from ampkit.compare.html import render_html
@@ -17,13 +18,16 @@ _NO_MATPLOTLIB = ("No plots: matplotlib is not installed. Install it with pip in
                   "and run the comparison again; report.json holds every number meanwhile.")
 
 
-def write_report(report: Report | dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
+def write_report(report: Report | dict[str, Any], out_dir: str | Path, extra_plots: dict[str, Path] | None = None,
+                 sections: Sequence[str] = ()) -> dict[str, Path]:
     """Write report.json, the plots and report.html into `out_dir`; return {name: path} written.
 
     Names: "json", "html", and each of "loss_curves", "throughput", "scale_history" that had data
     (scale_history only when some run was loss-scaled). NaN and infinities become null first, so
     report.json is strict JSON; then the report is validated, so a bad one fails before any file
     is written. Without matplotlib the plots are left out, with one warning and a note in the page.
+    `extra_plots` (name in `CAPTIONS` -> a PNG already written) join the plots; `sections` (HTML) follow
+    the numerics section.
     """
     clean = json_safe(dataclasses.asdict(report) if isinstance(report, Report) else report)
     checked = validate_report(clean)
@@ -37,10 +41,10 @@ def write_report(report: Report | dict[str, Any], out_dir: str | Path) -> dict[s
     missing_reason = None
     plots: dict[str, Path] = {}
     if have_matplotlib():
-        plots = write_plots(checked, out)
+        plots = {**write_plots(checked, out), **(extra_plots or {})}
     else:
         missing_reason = _NO_MATPLOTLIB
         warnings.warn(_NO_MATPLOTLIB, stacklevel=2)
-    page = render_html(checked, plots, missing_reason).encode("utf-8")
+    page = render_html(checked, plots, missing_reason, sections).encode("utf-8")
     atomic_write(paths["html"], lambda f: f.write(page))
     return {**paths, **plots}

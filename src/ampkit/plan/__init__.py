@@ -4,9 +4,9 @@
     for row in result.rows: print(row.precision, row.peak_bytes, row.fits, row.max_batch_size)
 """
 
-from ampkit.plan.planner import PLAN_SCHEMA, Plan, PlanRow, device_memory, parse_memory, plan
+from ampkit.plan.planner import PLAN_SCHEMA, Plan, PlanRow, device_memory, parse_memory, plan, plan_task
 from ampkit.plan.show import check_out, plot_png, render_plan, write_plan
 from ampkit.plan.tracker import COMPONENTS
 
 __all__ = ["COMPONENTS", "PLAN_SCHEMA", "Plan", "PlanRow", "device_memory", "parse_memory", "plan", "plot_png", "render_plan",
-           "check_out", "write_plan"]
+           "check_out", "write_plan", "plan_task"]

@@ -25,6 +25,7 @@ from ampkit.plan.step import FAKE_FAILURES, Measured, batch_size_of, measure
 from ampkit.plan.tracker import COMPONENTS
 from ampkit.precision import PRESETS, fp8_problem, resolve_precision
 from ampkit.schema import field, schema_of, validate
+from ampkit.tasks import get_task
 
 SCHEMA_VERSION = 1
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -130,6 +131,16 @@ def plan(model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Any], optimiz
                   rows=rows, recommendation=recommend(rows, dev, budget, count))
     validate(result.as_dict(), PLAN_SCHEMA)
     return result
+
+
+def plan_task(name: str, precisions: Sequence[str] | None = None, *, size: str | None = None, seed: int = 0,
+              batch_size: int | None = None, device: str | torch.device | None = None, memory: str | int | None = None,
+              search: bool = True) -> Plan:
+    """`plan` for a built-in task (`ampkit.tasks`) at its default batch size and learning rate."""
+    task = get_task(name, size)
+    batch = next(iter(task.make_data(seed, batch_size or task.default_batch_size).train_loader))
+    return plan(lambda: task.make_model(seed), lambda: batch, lambda params: task.make_optimizer(params, task.default_lr),
+                precisions, device, memory, loss_fn=task.loss_fn, search=search)
 
 
 def _runs(name: str, device: torch.device) -> bool:

@@ -41,14 +41,16 @@ def plot_png(result: Plan, path: str | Path) -> Path:
     fig = Figure(figsize=(1.6 + 1.1 * max(1, len(result.rows)), 4.2))
     ax = fig.add_subplot()
     names = [r.precision for r in result.rows]
+    top = max((r.peak_bytes for r in result.rows), default=0)
+    unit, scale = next(((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20)) if top >= s), ("KiB", 2**10))
     bottom = [0.0] * len(names)
     for component, color in zip(COMPONENTS, _COLORS):
-        values = [getattr(r, component) / 2**30 for r in result.rows]
+        values = [getattr(r, component) / scale for r in result.rows]
         ax.bar(names, values, bottom=bottom, color=color, label=_LABELS[component])
         bottom = [b + v for b, v in zip(bottom, values)]
-    if result.memory_bytes / 2**30 <= 2 * max(bottom, default=0):
-        ax.axhline(result.memory_bytes / 2**30, color="black", linestyle="--", linewidth=1, label="memory")
-    ax.set_ylabel("GiB at the peak")
+    if result.memory_bytes / scale <= 2 * max(bottom, default=0):
+        ax.axhline(result.memory_bytes / scale, color="black", linestyle="--", linewidth=1, label="memory")
+    ax.set_ylabel(f"{unit} at the peak")
     ax.set_title(f"Predicted peak per preset (batch {result.rows[0].batch_size if result.rows else '?'})", fontsize=10)
     ax.tick_params(axis="x", labelrotation=30, labelsize=8)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
