@@ -250,3 +250,26 @@ def test_a_script_without_a_prepared_loader_is_planned_from_its_models_first_for
     assert "first forward inputs" in captured.err and row["batch_size"] == 8
     # the logits (8×16×64 fp32) are saved for the model's own cross-entropy: the loss it returns was planned
     assert row["activations"] >= 8 * 16 * 64 * 4
+
+
+def test_fsdp_rows_are_one_ranks_share_of_the_one_process_step():
+    from ampkit.distributed import fsdp_units
+
+    model_fn, batch, optimizer_fn, loss_fn = _task("tiny-lm", 4)
+    kw = dict(precisions=["bf16-mixed"], device="cpu", memory="1GiB", loss_fn=loss_fn, search=False)
+    one = ampkit.plan(model_fn, lambda: batch, optimizer_fn, **kw)
+    four = ampkit.plan(model_fn, lambda: batch, optimizer_fn, strategy="fsdp", nproc=4, **kw)
+    (a,), (b,) = one.rows, four.rows
+    with torch.device("meta"):
+        unit = max(sum(p.numel() for p in u.parameters()) for u in fsdp_units(model_fn()))
+    assert (four.strategy, four.nproc, one.strategy) == ("fsdp", 4, "none")
+    assert b.optimizer_state == -(-a.optimizer_state // 4)
+    assert b.parameters == -(-a.parameters // 4) + 2 * unit * 2  # the running and the prefetched unit, gathered in bf16
+    assert b.gradients == -(-a.gradients // 4) + 4 * unit  # a unit's gradients in fp32 for the reduce-scatter
+    assert (b.activations, b.temporaries) == (a.activations, a.temporaries)
+    sharded = ("parameters", "gradients", "optimizer_state", "ampkit_buffers")
+    assert b.peak_bytes == a.peak_bytes - sum(getattr(a, k) - getattr(b, k) for k in sharded)
+    with pytest.raises(ValueError, match="not a preset FSDP shards"):
+        ampkit.plan(model_fn, lambda: batch, optimizer_fn, precisions=["bf16-true"], strategy="fsdp", nproc=2)
+    with pytest.raises(ValueError, match="nproc"):
+        ampkit.plan(model_fn, lambda: batch, optimizer_fn, strategy="fsdp", nproc=0)

@@ -197,6 +197,7 @@ def _plan(args: argparse.Namespace) -> int:
     from ampkit.plan import check_out, parse_memory, plan, plan_task, render_plan, write_plan
 
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()] if args.precisions else None
+    sharding = {"strategy": "none" if args.nproc is None else "fsdp", "nproc": 1 if args.nproc is None else args.nproc}
     try:
         memory = parse_memory(args.memory) if args.memory is not None else None
         check_out(args.out)
@@ -208,10 +209,10 @@ def _plan(args: argparse.Namespace) -> int:
             model_fn, batch, optimizer_fn, loss_fn, note = capture(args.script, args.script_args)
             print(f"ampkit plan: {args.script}: {note}", file=sys.stderr)
             result = plan(model_fn, lambda: batch, optimizer_fn, precisions=precisions, device=args.device,
-                          memory=memory, loss_fn=loss_fn, search=not args.no_search)
+                          memory=memory, loss_fn=loss_fn, search=not args.no_search, **sharding)
         else:
             result = plan_task(args.task, precisions, seed=args.seed, batch_size=args.batch_size, device=args.device,
-                               memory=memory, search=not args.no_search)
+                               memory=memory, search=not args.no_search, **sharding)
     except (PrecisionError, ValueError) as exc:
         return _usage("plan", exc)
     if args.json:
@@ -362,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("--device", default="auto", help="the device planned for: auto (default), cpu, cuda, cuda:N")
     pln.add_argument("--seed", type=int, default=0, help="seed for the model and batch (default: 0)")
     pln.add_argument("--no-search", action="store_true", help="skip the search for the largest batch that fits")
+    pln.add_argument("--nproc", type=int, default=None,
+                     help="plan one rank's share with the model sharded by FSDP2 across this many processes")
     pln.add_argument("--json", action="store_true", help="print the plan as JSON (schema: ampkit.plan.PLAN_SCHEMA)")
     pln.add_argument("--out", default=None, help="also write plan.json and plan.png (stacked bars) into this folder")
     pln.set_defaults(func=_plan)

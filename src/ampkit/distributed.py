@@ -210,15 +210,20 @@ def wrap_fsdp(model: nn.Module, compute_dtype: torch.dtype) -> tuple[nn.Module, 
         reduce_dtype=torch.float32,  # gradients are averaged in fp32: no precision lost across ranks
         output_dtype=None if compute_dtype == torch.float32 else torch.float32,
     )
-    units: list[nn.Module] = []
-    for child in model.children():
-        units.extend(child.children() if isinstance(child, (nn.ModuleList, nn.ModuleDict)) else [child])
-    for unit in units:
-        if any(p.requires_grad for p in unit.parameters()):
-            fully_shard(unit, mp_policy=mp)
+    for unit in fsdp_units(model):
+        fully_shard(unit, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     new = dict(model.named_parameters())
     return model, {id(p): new[name] for name, p in old.items() if name in new}
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules `wrap_fsdp` shards as units of their own (each all-gathered whole while it runs): every
+    top-level block, a ModuleList's or ModuleDict's items one by one, that has trainable parameters."""
+    units: list[nn.Module] = []
+    for child in model.children():
+        units.extend(child.children() if isinstance(child, (nn.ModuleList, nn.ModuleDict)) else [child])
+    return [u for u in units if any(p.requires_grad for p in u.parameters())]
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

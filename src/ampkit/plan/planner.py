@@ -19,6 +19,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from ampkit.distributed import FSDP_PRESETS, fsdp_units
 from ampkit.hardware import capability, resolve_device
 from ampkit.present import size as size_of
 from ampkit.plan.step import FAKE_FAILURES, Measured, batch_size_of, measure
@@ -68,6 +69,8 @@ class Plan:
     parameter_count: int = field("the model's parameters", minimum=0)
     rows: list[PlanRow] = field("one row per preset")
     recommendation: str = field("the fastest preset that fits, or what to change")
+    strategy: Literal["none", "fsdp"] = field("fsdp: each row is one rank's share under FSDP2", "none", optional=True)
+    nproc: int = field("processes the model is sharded across (the rows are per rank)", 1, optional=True, minimum=1)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,7 +100,7 @@ def device_memory(device: torch.device) -> int:
 def plan(model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Any], optimizer_fn: Callable[[Any], torch.optim.Optimizer],
          precisions: Sequence[str] | None = None, device: str | torch.device | None = None,
          memory: str | int | None = None, *, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-         search: bool = True) -> Plan:
+         search: bool = True, strategy: str = "none", nproc: int = 1) -> Plan:
     """Predict each preset's peak training memory without allocating it, and the largest batch that fits.
 
     `model_fn()` builds the model (it is built on the meta device), `batch_fn()` returns one batch
@@ -105,22 +108,31 @@ def plan(model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Any], optimiz
     `optimizer_fn(params)` the optimizer. The loss is `loss_fn(output, targets)`, or the model's own
     (a scalar output, `output.loss`), or cross-entropy / mean squared error. `memory` ("24GiB", bytes;
     default: the device's total memory) decides `fits` and `max_batch_size` (`search=False`: no search).
+    `strategy="fsdp"` with `nproc=N`: each row is one rank's share under FSDP2 (`fsdp_share`).
     """
+    if strategy not in ("none", "fsdp") or not isinstance(nproc, int) or nproc < 1 or (strategy == "none" and nproc > 1):
+        raise ValueError(f"strategy={strategy!r}, nproc={nproc!r}: expected strategy 'none' (one process) or 'fsdp' "
+                         f"with nproc an integer >= 1 (the ranks the model is sharded across)")
     dev = resolve_device(device or "auto")
     budget = parse_memory(memory) if memory is not None else device_memory(dev)
-    names = list(precisions) if precisions is not None else [n for n in PRESETS if _runs(n, dev)]
+    allowed = FSDP_PRESETS if strategy == "fsdp" else tuple(PRESETS)
+    names = list(precisions) if precisions is not None else [n for n in allowed if _runs(n, dev)]
     for name in names:
-        if name not in PRESETS:
-            raise ValueError(f"precisions: {name!r} is not a preset; choose from {', '.join(PRESETS)}")
+        if name not in allowed:
+            raise ValueError(f"precisions: {name!r} is not a preset{' FSDP shards' * (strategy == 'fsdp')}; choose "
+                             f"from {', '.join(allowed)}")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # slow here is fine: nothing is timed
             resolve_precision(name, dev)  # PrecisionError, before anything runs, for one the device cannot run
     batch = batch_fn()
     size = batch_size_of(batch)
-    count = sum(p.numel() for p in _meta_model(model_fn).parameters())
+    meta = _meta_model(model_fn)
+    count = sum(p.numel() for p in meta.parameters())
+    unit = max((sum(p.numel() for p in u.parameters()) for u in fsdp_units(meta)), default=count)
     rows = []
     for name in names:
-        peak_at = _Peaks(model_fn, batch, optimizer_fn, name, dev, loss_fn)
+        shard = (lambda m, name=name: fsdp_share(m, nproc, unit, PRESETS[name])) if strategy == "fsdp" else None
+        peak_at = _Peaks(model_fn, batch, optimizer_fn, name, dev, loss_fn, shard)
         first = peak_at.measured(size)
         limit = _largest_batch(peak_at, size, first.peak, budget) if search else (size if first.peak <= budget else 0)
         note = peak_at.note + (f"; the search stopped at batch {_MAX_SEARCH}" if limit >= _MAX_SEARCH else "")
@@ -128,19 +140,19 @@ def plan(model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Any], optimiz
                             **first.components, fits=first.peak <= budget, max_batch_size=limit,
                             method="real-scaled" if peak_at.fallback else "fake", note=note.strip("; ")))
     result = Plan(schema_version=SCHEMA_VERSION, device=str(dev), memory_bytes=budget, parameter_count=count,
-                  rows=rows, recommendation=recommend(rows, dev, budget, count))
+                  rows=rows, recommendation=recommend(rows, dev, budget, count), strategy=strategy, nproc=nproc)
     validate(result.as_dict(), PLAN_SCHEMA)
     return result
 
 
 def plan_task(name: str, precisions: Sequence[str] | None = None, *, size: str | None = None, seed: int = 0,
               batch_size: int | None = None, device: str | torch.device | None = None, memory: str | int | None = None,
-              search: bool = True) -> Plan:
+              search: bool = True, strategy: str = "none", nproc: int = 1) -> Plan:
     """`plan` for a built-in task (`ampkit.tasks`) at its default batch size and learning rate."""
     task = get_task(name, size)
     batch = next(iter(task.make_data(seed, batch_size or task.default_batch_size).train_loader))
     return plan(lambda: task.make_model(seed), lambda: batch, lambda params: task.make_optimizer(params, task.default_lr),
-                precisions, device, memory, loss_fn=task.loss_fn, search=search)
+                precisions, device, memory, loss_fn=task.loss_fn, search=search, strategy=strategy, nproc=nproc)
 
 
 def _runs(name: str, device: torch.device) -> bool:
@@ -161,14 +173,15 @@ class _Peaks:
     tensors) real steps at batch sizes 1 and 2 extrapolated linearly, per component."""
 
     def __init__(self, model_fn: Callable[[], nn.Module], batch: Any, optimizer_fn: Callable[[Any], Any], name: str,
-                 device: torch.device, loss_fn: Any) -> None:
+                 device: torch.device, loss_fn: Any, shard: Callable[[Measured], Measured] | None = None) -> None:
         self.args = (model_fn, batch, optimizer_fn, name, device)
-        self.loss_fn, self.fallback, self.note = loss_fn, None, ""
+        self.loss_fn, self.fallback, self.note, self.shard = loss_fn, None, "", shard
         self.cache: dict[int, Measured] = {}
 
     def measured(self, size: int) -> Measured:
         if size not in self.cache:
-            self.cache[size] = self._scaled(size) if self.fallback else self._fake(size)
+            whole = self._scaled(size) if self.fallback else self._fake(size)
+            self.cache[size] = self.shard(whole) if self.shard is not None else whole
         return self.cache[size]
 
     def __call__(self, size: int) -> int:
@@ -192,6 +205,24 @@ class _Peaks:
         one, two = self.fallback  # type: ignore[misc]
         parts = {k: max(0, one.components[k] + (size - 1) * (two.components[k] - one.components[k])) for k in COMPONENTS}
         return Measured(max(0, one.peak + (size - 1) * (two.peak - one.peak)), parts, two.phase)
+
+
+def fsdp_share(whole: Measured, nproc: int, unit: int, policy: Any) -> Measured:
+    """One rank's share of a one-process step under FSDP2 (`distributed.wrap_fsdp`) across `nproc` ranks:
+    parameters, gradients, optimizer state and ampkit's buffers at 1/nproc, plus the largest unit (`unit`
+    parameters) all-gathered in the compute dtype twice (the running unit and the prefetched next) and its
+    gradients unsharded in fp32 for the reduce-scatter; activations and temporaries as one process's.
+    An estimate from the one-process step: the collectives' own buffers are not traced."""
+    parts = dict(whole.components)
+    sharded = ("parameters", "gradients", "optimizer_state", "ampkit_buffers")
+    before = sum(parts[k] for k in sharded)
+    for key in sharded:
+        parts[key] = -(-parts[key] // nproc)
+    if nproc > 1:
+        parts["parameters"] += 2 * unit * policy.compute_dtype.itemsize
+        parts["gradients"] += 4 * unit
+    peak = whole.peak - before + sum(parts[k] for k in sharded)
+    return Measured(peak, parts, whole.phase, whole.after_step)
 
 
 def _largest_batch(peak_at: Callable[[int], int], size: int, peak: int, budget: int) -> int:
@@ -226,7 +257,7 @@ def recommend(rows: list[PlanRow], device: torch.device, budget: int, count: int
         return "no preset was planned"
     support = capability(device)
     fast = {torch.float32: False, torch.bfloat16: support.bf16_fast, torch.float16: support.fp16_fast}
-    order = ["bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master", "bf16-true"]
+    order = ["bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master", "bf16-true", "fp8-mixed"]
     ranked = ([n for n in order if fast[PRESETS[n].compute_dtype]] + ["fp32"]
               + [n for n in order if not fast[PRESETS[n].compute_dtype]])
     rows = sorted(rows, key=lambda r: ranked.index(r.precision))

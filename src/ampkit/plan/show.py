@@ -23,7 +23,8 @@ def render_plan(result: Plan, file: IO[str] | None = None) -> None:
     rows = [[r.precision, present.size(r.peak_bytes), *(present.size(getattr(r, c)) for c in COMPONENTS),
              r.peak_phase, "yes" if r.fits else "no", str(r.max_batch_size), r.method] for r in result.rows]
     title = (f"Peak training memory at batch {result.rows[0].batch_size if result.rows else '?'}, "
-             f"{result.parameter_count / 1e6:,.1f} M parameters, {result.device}, against {present.size(result.memory_bytes)}")
+             f"{result.parameter_count / 1e6:,.1f} M parameters, {result.device}, against {present.size(result.memory_bytes)}"
+             + (f" — per rank, sharded by FSDP2 across {result.nproc}" if result.strategy == "fsdp" else ""))
     out = present.console(file)
     out.print(present.table(["preset", "peak", *(_LABELS[c] for c in COMPONENTS), "peak in", "fits", "max batch",
                              "method"], rows, title=title, heading=True, two_line_headers=True))
