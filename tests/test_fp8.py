@@ -314,3 +314,31 @@ def test_fp8_uncompiled_on_a_gpu_warns():
         warnings.simplefilter("always")
         ampkit.Accelerator("fp8-mixed", device="cuda", fp8_emulate=True, fp8_min_weight=0).prepare(lm())
     assert not [w for w in caught if "without compile=True" in str(w.message)]
+
+
+# --- the numerics doctor's fp8 range census -------------------------------------------------------
+def test_the_numerics_doctor_reports_each_fp8_layers_range_against_e4m3_and_e5m2():
+    from ampkit.doctor import validate_numerics
+    from ampkit.doctor.numerics import NumericsSession
+
+    acc, model, opt = prepared("fp8-mixed")
+    session = NumericsSession(acc, steps=2)
+    run(acc, model, opt, batches(2))
+    result = session.result
+    validate_numerics(result)
+    fp8 = [m for m in result["census"]["modules"] if m["type"] == "Float8Linear"]
+    assert len(fp8) == sum(isinstance(m, Float8Linear) for m in model.modules()) > 0
+    for m in fp8:  # scaling maps each tensor's amax to the format's largest: what falls below its subnormal is lost
+        assert 0 <= m["input"]["flush_e4m3_share"] <= 1 and m["input"]["abs_max"] > 0
+        assert m["grad"]["flush_e5m2_share"] <= m["grad"]["flush_e4m3_share"]  # e5m2 has the wider range
+    finding = next(f for f in result["findings"] if f["id"] == "fp8-range")
+    assert finding["title"].startswith(f"{len(fp8)} layer(s) in fp8") and "448" in finding["evidence"]
+
+
+def test_the_census_counts_what_fp8_scaling_flushes():
+    from ampkit.doctor.census import COUNTS, measure
+
+    x = torch.tensor([448.0, 1.0, 2.0**-10, 2.0**-25, 0.0])  # amax 448: e4m3 keeps down to 2**-9, e5m2 to 2**-23
+    counts, amax = measure(x)
+    got = dict(zip(COUNTS, counts.tolist()))
+    assert amax.item() == 448.0 and got["flush_e4m3"] == 2 and got["flush_e5m2"] == 1

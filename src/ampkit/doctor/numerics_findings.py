@@ -80,6 +80,27 @@ def with_recommendation(lost: Result, acc: Accelerator) -> Result:
     return lost  # lost below half an ulp but kept by masters / compensation: said in the findings
 
 
+def _fp8_range(modules: list[Result]) -> Result:
+    """fp8-mixed: per layer that runs in fp8, its inputs' and gradients' largest |value| (the scale maps it to
+    e4m3's 448 / e5m2's 57344) and the share of values that scaling still flushes to 0."""
+    fp8 = [m for m in modules if m["type"] == "Float8Linear" and m["input"]]
+    def flushed(m: Result) -> float:
+        return max(m["input"]["flush_e4m3_share"], (m["grad"] or {}).get("flush_e5m2_share", 0.0))
+    if not fp8:
+        return {"id": "fp8-range", "title": "no layer ran in fp8", "evidence": "no Float8Linear layer was called",
+                "fix": "see acc.policy.reason for why each Linear layer stayed in bf16"}
+    worst = max(fp8, key=flushed)
+    grad = worst["grad"] or {}
+    return {"id": "fp8-range",
+            "title": f"{len(fp8)} layer(s) in fp8; at most {flushed(worst):.1%} of a tensor's values flush to 0 when scaled",
+            "evidence": (f"{label(worst['name'])}: input amax {num(worst['input']['abs_max'])} scaled to e4m3's 448 "
+                         f"({worst['input']['flush_e4m3_share']:.1%} flushed), gradient amax {num(grad.get('abs_max'))} "
+                         f"to e5m2's 57344 ({grad.get('flush_e5m2_share', 0.0):.1%} flushed)"),
+            "fix": ("nothing to do: fp8 holds these tensors' range" if flushed(worst) < 0.01 else
+                    f"keep {label(worst['name'])!r} in bf16 (Accelerator(keep_fp32=[...]) or a larger fp8_min_weight), "
+                    f"or the rowwise recipe (fp8_recipe='rowwise': one scale per row)")}
+
+
 def findings(r: Result) -> list[Result]:
     out: list[Result] = []
     census, loc, lost, scale = r["census"], r["localizer"], r["lost_updates"], r["loss_scale"]
@@ -118,6 +139,8 @@ def findings(r: Result) -> list[Result]:
                     "fix": ("loss scaling is on and lifts them (compare the shares with and without it)" if scaled
                             else "an fp16 preset needs loss scaling for these (fp16-mixed has it); bf16 has the "
                                  "range")})
+    if r["device"]["precision"] == "fp8-mixed":
+        out.append(_fp8_range(census["modules"]))
     if lost is not None:
         worst = max((g["lost_share"] or 0.0 for g in lost["groups"]), default=0.0)
         below = max((g["below_half_ulp_share"] or 0.0 for g in lost["groups"]), default=0.0)

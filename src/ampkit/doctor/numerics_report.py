@@ -32,6 +32,10 @@ _TALLY = _nullable(obj({"abs_max": NUM, "elements": INT, "over_fp16_share": _SHA
                         under_fp16_share="Share of nonzero values below fp16's smallest normal, 2**-14.",
                         flush_fp16_share="Share of nonzero values below fp16's smallest subnormal, 2**-24 "
                                          "(they flush to 0)."))
+_TALLY["anyOf"][0]["properties"].update(  # fp8-mixed's census (newer than the rest: not required)
+    flush_e4m3_share=dict(_SHARE, description="Share of nonzero values that scaling the tensor's largest |value| "
+                                              "to e4m3's 448 leaves below its smallest subnormal, 2**-9 (flushed)."),
+    flush_e5m2_share=dict(_SHARE, description="The same for e5m2 (gradients in fp8): largest 57344, subnormal 2**-16."))
 _CULPRIT = _nullable(obj({"module": STR, "type": STR, "what": STR, "shape": {"type": "array", "items": INT},
                            "dtype": STR, "max_finite_before": NUM_OR_NULL, "nonfinite": INT, "nan": INT, "inf": INT,
                            "elements": INT},
@@ -84,7 +88,7 @@ NUMERICS_SCHEMA: dict[str, Any] = {
             history="The scale each watched step used.", scale="The scale the last watched step used.")),
         "findings": {"type": "array", "items": obj({
             "id": {"enum": ["forward-overflow", "backward-overflow", "grad-underflow", "lost-updates", "loss-scale",
-                            "double-division"]},
+                            "double-division", "fp8-range"]},
             "title": TEXT, "evidence": TEXT, "fix": TEXT})},
         "notes": {"type": "array", "items": STR}})}
 
