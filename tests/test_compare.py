@@ -265,3 +265,8 @@ def test_compare_inference_adds_the_exports_section_to_the_report(tmp_path):
     assert {(r["precision"], r["backend"]) for r in rows} >= {("fp32", "torch"), ("int8", "onnx")}
     html = (out / "report.html").read_text()
     assert "exported in reduced precision" in html and "onnxruntime" in html
+
+
+def test_inference_needs_a_task_and_an_out_folder():
+    with pytest.raises(ValueError, match="inference=True needs task= and out="):
+        compare(task="iris-mlp", precisions=["fp32"], inference=True)

@@ -219,3 +219,14 @@ def test_measure_writes_a_checked_report(tmp_path):
     assert "fp16 (torch.export)" in format_text(report) and "<table>" in render_html_section(report)
     assert int8_flags("flags\t: fpu avx2 avx512_vnni amx_int8\n") == ["avx512_vnni", "amx_int8"]
     assert auto_choice("cpu")[0] in ("fp32", "bf16", "int8")
+
+
+def test_measure_never_overwrites_inference_files_it_did_not_write(tmp_path):
+    from ampkit.export import measure
+
+    (tmp_path / "inference.json").write_text('{"mine": true}')
+    with pytest.raises(ValueError, match="inference files ampkit did not write"):
+        measure("iris-mlp", out=tmp_path)  # before any training
+    assert (tmp_path / "inference.json").read_text() == '{"mine": true}'
+    with pytest.raises(ValueError, match="steps=-5: expected an integer >= 0"):
+        measure("iris-mlp", steps=-5)

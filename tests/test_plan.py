@@ -273,3 +273,14 @@ def test_fsdp_rows_are_one_ranks_share_of_the_one_process_step():
         ampkit.plan(model_fn, lambda: batch, optimizer_fn, precisions=["bf16-true"], strategy="fsdp", nproc=2)
     with pytest.raises(ValueError, match="nproc"):
         ampkit.plan(model_fn, lambda: batch, optimizer_fn, strategy="fsdp", nproc=0)
+
+
+def test_the_plan_ignores_the_launchers_settings_and_says_when_it_did_not_search(monkeypatch):
+    model_fn, batch, optimizer_fn, loss_fn = _task("iris-mlp", 16)
+    kw = dict(precisions=["fp32"], device="cpu", loss_fn=loss_fn)
+    plain = ampkit.plan(model_fn, lambda: batch, optimizer_fn, memory="1GiB", search=False, **kw)
+    monkeypatch.setenv("AMPKIT_GRAD_ACCUM_STEPS", "4")  # a step every 4th backward would make no optimizer state
+    monkeypatch.setenv("AMPKIT_COMPILE", "1")
+    assert ampkit.plan(model_fn, lambda: batch, optimizer_fn, memory="1GiB", search=False, **kw).rows == plain.rows
+    tight = ampkit.plan(model_fn, lambda: batch, optimizer_fn, memory=1024, search=False, **kw)
+    assert tight.rows[0].max_batch_size == 0 and "were not searched" in tight.recommendation

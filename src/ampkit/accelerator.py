@@ -127,7 +127,9 @@ class Accelerator:
         if self.distributed.enabled and str(device) in ("auto", "cuda") and torch.cuda.is_available():
             device = self.distributed.local_device("cuda")  # one GPU per rank
         self.device = resolve_device(device)
-        self.policy = resolve_precision(precision, self.device, fp8_emulate=fp8_emulate is True)
+        if not isinstance(fp8_emulate, bool):  # before the device check, which it changes
+            raise TypeError(f"fp8_emulate={fp8_emulate!r}: expected True or False")
+        self.policy = resolve_precision(precision, self.device, fp8_emulate=fp8_emulate)
         self.fp8 = fp8_training(self.policy, fp8_recipe, fp8_emulate, fp8_min_weight)  # None unless fp8-mixed
         self.distributed.init(self.device, backend)
         if not self.distributed.enabled or strategy == "none":

@@ -74,10 +74,12 @@ def _compare_script(args: argparse.Namespace) -> int:
     if args.steps is not None and args.steps < 1:
         return _usage("compare", f"--steps {args.steps}: expected an integer >= 1 (optimizer steps per run)")
     for flag, value, default in (("--device", args.device, "auto"), ("--nproc", args.nproc, 1),
-                                 ("--resume", args.resume, False), ("--batch-size", args.batch_size, None)):
+                                 ("--resume", args.resume, False), ("--batch-size", args.batch_size, None),
+                                 ("--task", args.task, "tiny-lm"), ("--size", args.size, None),
+                                 ("--inference", args.inference, False), ("--no-numerics", args.no_numerics, False)):
         if value != default:
-            return _usage("compare", f"{flag} is for the built-in tasks; a script chooses its own (its device, batch "
-                                     f"size, processes)")
+            return _usage("compare", f"{flag} is for the built-in tasks; a script chooses its own device, batch size "
+                                     f"and processes, and its comparison has no numerics pass or export")
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()] if args.precisions else None
     command = "ampkit " + " ".join(shlex.quote(a) for a in args.argv)
     try:

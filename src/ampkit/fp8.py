@@ -118,8 +118,6 @@ def fp8_training(policy: Precision, recipe: str | None, emulate: bool, min_weigh
         return None
     if recipe is not None and recipe not in RECIPES:
         raise PrecisionError(f"fp8_recipe={recipe!r}: expected one of {', '.join(map(repr, RECIPES))} (default 'tensorwise')")
-    if not isinstance(emulate, bool):
-        raise TypeError(f"fp8_emulate={emulate!r}: expected True or False")
     if isinstance(min_weight, bool) or not isinstance(min_weight, int) or min_weight < 0:
         raise ValueError(f"fp8_min_weight={min_weight!r}: expected an int >= 0 (default {MIN_WEIGHT:,} = 2048·2048)")
     return Float8Training(policy, recipe or "tensorwise", emulate, min_weight)

@@ -102,7 +102,8 @@ def run_one(spec: RunSpec, progress: Callable[[int], None] | None = None, gate: 
     memory = Memory(device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        acc = Accelerator(precision=spec.precision, device=device, **spec.accelerator_kwargs)
+        acc = Accelerator(precision=spec.precision, device=device,  # the comparison's settings, not AMPKIT_*
+                          **{"grad_accum_steps": 1, "compile": False, **spec.accelerator_kwargs})
     notes = [str(w.message) for w in caught]
     recorder = Recorder(acc, on_step=progress)
     acc.events.add(recorder)

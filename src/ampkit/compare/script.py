@@ -115,6 +115,7 @@ class ScriptRecorder(Recorder):
 def measure_script(spec: ScriptSpec, progress: Callable[[int], None]) -> tuple[Run, dict[str, bool | None]]:
     """Run the script once at `spec.precision` in this process: its run record, and the direction
     (higher is better?) of each metric it reported."""
+    saved_env = {name: os.environ.get(name) for name in ("AMPKIT_PRECISION", "AMPKIT_MAX_STEPS")}
     os.environ["AMPKIT_PRECISION"] = spec.precision
     os.environ.pop("AMPKIT_MAX_STEPS", None)
     if spec.steps is not None:
@@ -144,11 +145,14 @@ def measure_script(spec: ScriptSpec, progress: Callable[[int], None]) -> tuple[R
         raise ScriptStop
 
     hook = register_optimizer_step_pre_hook(plain_step)
-    signal.signal(signal.SIGUSR1, grace_spent)
+    previous = signal.signal(signal.SIGUSR1, grace_spent)
     start = time.perf_counter()
     try:
-        with watch_created(created):
-            run_as_main(spec.script, spec.args)
+        try:
+            with watch_created(created):
+                run_as_main(spec.script, spec.args)
+        finally:
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # first: a late timer must not stop the cleanup below
     except ScriptStop:
         pass
     except SystemExit as exc:
@@ -158,7 +162,13 @@ def measure_script(spec: ScriptSpec, progress: Callable[[int], None]) -> tuple[R
         hook.remove()
         if found and found[0].timer is not None:
             found[0].timer.cancel()
-        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+            found[0].timer.join()
+        signal.signal(signal.SIGUSR1, previous)
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     if not found:
         raise ScriptProblem(f"{spec.script} ended without creating an ampkit.Accelerator: convert it with the "
                             f"README's four lines (Accelerator, prepare, backward)")

@@ -196,7 +196,7 @@ def numerics_train_fn(train_fn: Callable[[Accelerator], Any], *, steps: int = 20
     the last watched step gives a partial result.
     """
     check_counts(steps, 0, "the optimizer steps to watch")
-    acc = Accelerator(precision=precision, device=device, **(accelerator_kwargs or {}))
+    acc = Accelerator(precision=precision, device=device, **{"grad_accum_steps": 1, "compile": False, **(accelerator_kwargs or {})})
     subject = _subject("loop", getattr(train_fn, "__name__", "train_fn"))
     session = NumericsSession(acc, steps=steps, stop=True, subject=subject)
     _train(lambda: train_fn(acc), [session])
@@ -213,7 +213,8 @@ def _train_task(task: str, start: Callable[[Accelerator], Watch], *, precision: 
     spec = get_task(task)
     data = spec.make_data(seed, batch_size or spec.default_batch_size)
     torch.manual_seed(seed)
-    acc = Accelerator(precision=precision, device=device, keep_fp32=list(keep_fp32))
+    acc = Accelerator(precision=precision, device=device, keep_fp32=list(keep_fp32), grad_accum_steps=1,
+                      compile=False)
     model = spec.make_model(seed)
     model, optimizer, loader = acc.prepare(model, spec.make_optimizer(model.parameters(), spec.default_lr),
                                            data.train_loader)

@@ -22,7 +22,7 @@ import torch
 
 from ampkit.accelerator import Accelerator
 from ampkit.export.exporter import PRECISIONS, RUNTIME, SUFFIX, Exported, export, load
-from ampkit.export.report import InferenceReport, InferenceRow, verdict, write
+from ampkit.export.report import InferenceReport, InferenceRow, check_out, verdict, write
 from ampkit.hardware import capability, describe, proc_field
 from ampkit.tasks import get_task
 
@@ -68,7 +68,7 @@ def _train(task_name: str, steps: int | None, seed: int) -> tuple:
     """The task's model trained `steps` optimizer steps in fp32 on the CPU, with its data and Accelerator."""
     task = get_task(task_name)
     steps = task.default_steps if steps is None else steps
-    acc = Accelerator(precision="fp32", device="cpu")
+    acc = Accelerator(precision="fp32", device="cpu", grad_accum_steps=1, compile=False)  # not AMPKIT_*
     model = task.make_model(seed)
     data = task.make_data(seed, task.default_batch_size)
     model, optimizer, loader = acc.prepare(model, task.make_optimizer(model.parameters(), task.default_lr),
@@ -113,8 +113,11 @@ def _peak_rss(path: Path, batch: torch.Tensor, warm: Path) -> int | None:
         return None
     code = "import sys; from ampkit.export.measure import peak_child; peak_child(*sys.argv[1:])"
     shape = ",".join(map(str, batch.shape))
-    done = subprocess.run([sys.executable, "-c", code, str(path), shape, str(batch.dtype).split(".")[1], str(warm)],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        done = subprocess.run([sys.executable, "-c", code, str(path), shape, str(batch.dtype).split(".")[1], str(warm)],
+                              capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    except (OSError, subprocess.TimeoutExpired):
+        return None
     lines = done.stdout.split()
     return int(lines[-1]) if done.returncode == 0 and lines and lines[-1].isdigit() else None
 
@@ -158,6 +161,9 @@ def _measure(task: str, precisions: Sequence[str], backends: Sequence[str], out:
     if not backends or any(b not in RUNTIME for b in backends):
         raise ValueError(f"backends={list(backends)!r}: expected some of {', '.join(RUNTIME)}")
     get_task(task)  # an unknown task fails before training
+    if steps is not None and (not isinstance(steps, int) or steps < 0):
+        raise ValueError(f"steps={steps!r}: expected an integer >= 0 (fp32 training steps before the export)")
+    check_out(out)  # a folder with someone else's inference.json fails before training too
     order = ["fp32"] + [p for p in precisions if p != "fp32"]  # fp32 is every runtime's reference
     the_task, acc, model, data, steps = _train(task, steps, seed)
     folder = Path(out) / "exports" if out is not None else Path(tempfile.mkdtemp(prefix="ampkit-inference-"))

@@ -11,7 +11,7 @@ from typing import Literal
 
 from ampkit import present
 from ampkit.files import atomic_write
-from ampkit.schema import field, schema_of, validate
+from ampkit.schema import Invalid, field, schema_of, validate
 
 Precision = Literal["fp32", "bf16", "fp16", "int8"]
 
@@ -142,8 +142,24 @@ def as_dict(report: InferenceReport) -> dict:
     return data
 
 
+def check_out(folder: Path | str | None) -> None:
+    """ValueError if `folder` holds an inference.json (or an inference.txt without one) ampkit did not write."""
+    if folder is None:
+        return
+    path = Path(folder) / "inference.json"
+    try:
+        if path.exists():
+            validate(json.loads(path.read_text()), SCHEMA)
+        elif (Path(folder) / "inference.txt").exists():
+            raise ValueError("no inference.json beside it")
+    except (ValueError, Invalid) as exc:
+        raise ValueError(f"{folder} holds inference files ampkit did not write ({exc}): choose another out folder")
+
+
 def write(report: InferenceReport, folder: Path) -> Path:
-    """Write `folder/inference.json` (checked against `SCHEMA`) and `folder/inference.txt`; return the JSON path."""
+    """Write `folder/inference.json` (checked against `SCHEMA`) and `folder/inference.txt`; return the JSON path.
+    An inference.json there that ampkit did not write is never overwritten (ValueError)."""
+    check_out(folder)
     folder.mkdir(parents=True, exist_ok=True)
     data = json.dumps(as_dict(report), indent=2, allow_nan=False).encode()
     atomic_write(folder / "inference.json", lambda f: f.write(data))

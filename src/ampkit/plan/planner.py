@@ -50,7 +50,8 @@ class PlanRow:
     autocast_cache: int = field("bytes of autocast's low-precision copies of fp32 weights at the peak", minimum=0)
     temporaries: int = field("every other live byte at the peak", minimum=0)
     fits: bool = field("whether the peak fits in the memory planned for")
-    max_batch_size: int = field("the largest batch size whose peak fits (0: none)", minimum=0)
+    max_batch_size: int = field("the largest batch size whose peak fits (0: none; not searched: the planned batch "
+                                "if it fits, else 0)", minimum=0)
     method: Literal["fake", "real-scaled"] = field("fake: two steps on fake tensors; real-scaled: real steps at "
                                                    "batch 1 and 2 on this CPU, scaled to the batch")
     note: str = field("why the row was measured rather than predicted, or that the search hit its limit")
@@ -140,7 +141,7 @@ def plan(model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Any], optimiz
                             **first.components, fits=first.peak <= budget, max_batch_size=limit,
                             method="real-scaled" if peak_at.fallback else "fake", note=note.strip("; ")))
     result = Plan(schema_version=SCHEMA_VERSION, device=str(dev), memory_bytes=budget, parameter_count=count,
-                  rows=rows, recommendation=recommend(rows, dev, budget, count), strategy=strategy, nproc=nproc)
+                  rows=rows, recommendation=recommend(rows, dev, budget, count, search), strategy=strategy, nproc=nproc)
     validate(result.as_dict(), PLAN_SCHEMA)
     return result
 
@@ -251,7 +252,7 @@ def _largest_batch(peak_at: Callable[[int], int], size: int, peak: int, budget: 
     return fit
 
 
-def recommend(rows: list[PlanRow], device: torch.device, budget: int, count: int) -> str:
+def recommend(rows: list[PlanRow], device: torch.device, budget: int, count: int, searched: bool = True) -> str:
     """The fastest preset that fits at the planned batch size, or what to change."""
     if not rows:
         return "no preset was planned"
@@ -267,6 +268,9 @@ def recommend(rows: list[PlanRow], device: torch.device, budget: int, count: int
         best = fitting[0]
         return (f"{best.precision}: the fastest preset here that fits at batch {size} (peak {size_of(best.peak_bytes)} "
                 f"of {size_of(budget)}; up to batch {best.max_batch_size})")
+    if not searched:
+        return (f"nothing fits at batch {size} in {size_of(budget)}; the batch sizes that would were not searched "
+                f"(search=False, --no-search): plan again with the search")
     smaller = max(rows, key=lambda r: (r.max_batch_size, -ranked.index(r.precision)))
     if smaller.max_batch_size > 0:
         steps = math.ceil(size / smaller.max_batch_size)

@@ -93,7 +93,7 @@ def measure(model_fn: Callable[[], nn.Module], batch: Any, optimizer_fn: Callabl
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     with warnings.catch_warnings(), _built(model_fn, fake) as model, mode:
         warnings.simplefilter("ignore")  # bf16 on a CPU without bf16 instructions: planned, not timed
-        acc = Accelerator(precision=precision, device=device)
+        acc = Accelerator(precision=precision, device=device, grad_accum_steps=1, compile=False)  # not AMPKIT_*
         ties = _ties(model)
         model = acc.prepare(model)
         for (module, name), *others in ties:  # moving meta parameters makes one per module: tie them again
