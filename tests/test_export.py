@@ -139,6 +139,7 @@ def test_export_from_bf16_true_takes_the_fp32_truth():
     with torch.no_grad():
         torch.testing.assert_close(served.run(x), plain(x), rtol=0, atol=0)
         assert not torch.equal(served.run(x), rounded_model(x))
+        torch.testing.assert_close(acc.export(model, x, "fp32").run(x), plain(x), rtol=0, atol=0)  # the same, as a method
     with pytest.raises(ExportError, match="pass acc="):
         export(model, x, "fp32", "torch")
 

@@ -33,6 +33,7 @@ from ampkit.data import DeviceLoader
 from ampkit.distributed import FSDP_PRESETS, DistributedContext, barrier, gather_objects, sum_across_ranks
 from ampkit.errors import PrecisionError, StepOrderError
 from ampkit.events import Events, Listener, created
+from ampkit.exporter import export
 from ampkit.fp8 import MIN_WEIGHT, fp8_training
 from ampkit.hardware import capability, resolve_device
 from ampkit.launch import check_metric, launch_settings, max_steps_reached
@@ -380,6 +381,11 @@ class Accelerator:
         truth = {id(p): v for opt in self.optimizers for p, v in opt.fp32_values()}
         return {k: (truth.get(id(t), t).detach().float() if t.is_floating_point() else t.detach()).clone()
                 for k, t in self.unwrap(model).state_dict(keep_vars=True).items()}
+
+    def export(self, model: nn.Module, example_inputs: Any, precision: str = "int8", backend: str = "torch",
+               out: str | None = None) -> Any:
+        """`ampkit.export(model, ...)` of a prepared model from its fp32 truth (see `fp32_state_dict`)."""
+        return export(model, example_inputs, precision, backend, out, acc=self)
 
     @property
     def bf16_runs(self) -> bool:

@@ -9,7 +9,7 @@
 measures latency, file size, peak memory and the held-out metric (`ampkit export --task NAME`).
 """
 
-from ampkit.export.exporter import PRECISIONS, SUPPORTED, ExportError, Exported, export, fp32_copy, load
+from ampkit.exporter import PRECISIONS, SUPPORTED, ExportError, Exported, export, fp32_copy, load
 from ampkit.export.measure import auto_choice, measure
 from ampkit.export.report import SCHEMA, InferenceReport, InferenceRow, format_text, render_html_section, write
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ampkit.accelerator import Accelerator
-from ampkit.export.exporter import PRECISIONS, RUNTIME, SUFFIX, Exported, export, load
+from ampkit.exporter import PRECISIONS, RUNTIME, SUFFIX, Exported, export, load
 from ampkit.export.report import InferenceReport, InferenceRow, check_out, verdict, write
 from ampkit.hardware import capability, describe, proc_field
 from ampkit.tasks import get_task
