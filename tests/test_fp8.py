@@ -246,7 +246,7 @@ def test_which_nvidia_gpus_run_fp8(monkeypatch, cc, problem):
     (dict(precision="bf16-mixed", fp8_recipe="rowwise"), PrecisionError, r"fp8_recipe='rowwise': only precision='fp8-mixed'.*'bf16-mixed'"),
     (dict(precision="fp32", fp8_emulate=True, fp8_min_weight=0), PrecisionError, r"fp8_emulate=True, fp8_min_weight=0: only"),
     (dict(precision="fp8-mixed", fp8_emulate=True, fp8_min_weight=-1), ValueError, r"fp8_min_weight=-1: expected an int >= 0"),
-    (dict(precision="fp8-mixed", fp8_emulate=1), PrecisionError, r"fp8_emulate=True"),  # not True: the device check applies
+    (dict(precision="fp8-mixed", fp8_emulate=1), TypeError, r"fp8_emulate=1: expected True or False"),  # before the device
 ])
 def test_bad_fp8_arguments_raise_one_clear_error(kwargs, error, match):
     with pytest.raises(error, match=match):

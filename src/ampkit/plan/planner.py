@@ -268,7 +268,8 @@ def recommend(rows: list[PlanRow], device: torch.device, budget: int, count: int
         best = fitting[0]
         return (f"{best.precision}: the fastest preset here that fits at batch {size} (peak {size_of(best.peak_bytes)} "
                 f"of {size_of(budget)}; up to batch {best.max_batch_size})")
-    if not searched:
+    at_rest = min(r.parameters + r.optimizer_state + r.ampkit_buffers + r.gradients for r in rows)
+    if not searched and at_rest <= budget:  # a smaller batch may fit: that is what the search finds
         return (f"nothing fits at batch {size} in {size_of(budget)}; the batch sizes that would were not searched "
                 f"(search=False, --no-search): plan again with the search")
     smaller = max(rows, key=lambda r: (r.max_batch_size, -ranked.index(r.precision)))
@@ -277,7 +278,6 @@ def recommend(rows: list[PlanRow], device: torch.device, budget: int, count: int
         return (f"nothing fits at batch {size}: use {smaller.precision} at batch {smaller.max_batch_size} with "
                 f"grad_accum_steps={steps} (effective batch {smaller.max_batch_size * steps}); activation checkpointing "
                 f"would cut the activations ({size_of(smaller.activations)} at batch {size})")
-    at_rest = min(r.parameters + r.optimizer_state + r.ampkit_buffers + r.gradients for r in rows)
     gpus = max(2, math.ceil(at_rest / (0.8 * budget)))
     return (f"nothing fits even at batch 1: the {count / 1e9:.2f} B parameters with their gradients and optimizer state "
             f"need {size_of(at_rest)} in the smallest preset planned (bf16-true keeps 8 B/param at rest with AdamW); shard "
