@@ -91,9 +91,11 @@ class ScriptRecorder(Recorder):
             self.timer = threading.Timer(grace, os.kill, (os.getpid(), signal.SIGUSR1))
             self.timer.daemon = True
             self.timer.start()
-        elif limit is not None and step > limit:  # the script trains from a loader acc.prepare never saw
-            self.stopped = (f"stopped at step {limit}: the script trains from a DataLoader that was not passed "
-                            f"through acc.prepare, so the step limit could not end its training pass")
+        elif limit is not None and step > limit:  # its loop is its own (a step counter, an unprepared loader)
+            self.stopped = (f"stopped at step {limit}: the script's training loop does not iterate a DataLoader "
+                            f"passed through acc.prepare (it counts its own steps or slices its own tensors), so "
+                            f"the step limit could not end it and the run was stopped there; an evaluation after "
+                            f"the loop did not run")
             raise ScriptStop
 
     def on_batch_wait_end(self, loader: Any, batch: Any) -> None:

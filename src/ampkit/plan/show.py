@@ -18,12 +18,16 @@ _LABELS = {"parameters": "params", "gradients": "grads", "optimizer_state": "opt
 _COLORS = ("#4d4d4d", "#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#d62728", "#bcbd22")
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:,.2f} B" if n >= 1e9 else f"{n / 1e6:,.1f} M" if n >= 1e6 else f"{n:,}"
+
+
 def render_plan(result: Plan, file: IO[str] | None = None) -> None:
     """Print the plan: one row per preset, its peak, the components at the peak, fit and the largest batch."""
     rows = [[r.precision, present.size(r.peak_bytes), *(present.size(getattr(r, c)) for c in COMPONENTS),
              r.peak_phase, "yes" if r.fits else "no", str(r.max_batch_size), r.method] for r in result.rows]
     title = (f"Peak training memory at batch {result.rows[0].batch_size if result.rows else '?'}, "
-             f"{result.parameter_count / 1e6:,.1f} M parameters, {result.device}, against {present.size(result.memory_bytes)}"
+             f"{_count(result.parameter_count)} parameters, {result.device}, against {present.size(result.memory_bytes)}"
              + (f" — per rank, sharded by FSDP2 across {result.nproc}" if result.strategy == "fsdp" else ""))
     out = present.console(file)
     out.print(present.table(["preset", "peak", *(_LABELS[c] for c in COMPONENTS), "peak in", "fits", "max batch",
