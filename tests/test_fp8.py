@@ -188,7 +188,7 @@ DDP_SCRIPT = """
 import sys, torch, torch.nn.functional as F, ampkit
 sys.path.insert(0, sys.argv[2])
 from test_fp8 import EMULATED, batches, lm
-acc = ampkit.Accelerator("fp8-mixed", grad_accum_steps=2, divide_loss=True, **EMULATED)
+acc = ampkit.Accelerator("fp8-mixed", grad_accum_steps=2, divide_loss=True, strategy=sys.argv[3], **EMULATED)
 model = lm()
 model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
 losses = []
@@ -197,23 +197,27 @@ for x, y in batches(16, seed=acc.rank):  # each rank its own data
     acc.backward(loss)
     acc.clip_grad_norm_(1.0)
     opt.step(); opt.zero_grad(); losses.append(float(loss))  # sync: test script
-torch.save({"weights": [p.detach() for p in acc.unwrap(model).parameters()], "losses": losses, "reason": acc.policy.reason},
+full = [getattr(p, "full_tensor", p.detach)().detach() for p in acc.unwrap(model).parameters()]  # FSDP2: gathered
+torch.save({"weights": full, "losses": losses, "reason": acc.policy.reason,
+            "fp8": [type(m).__name__ for m in acc.unwrap(model).modules()].count("Float8Linear")},
            f"{sys.argv[1]}/rank{acc.rank}.pt")
 """
 
 
 @pytest.mark.slow
-def test_ddp_two_cpu_ranks_train_fp8_replicas_in_step(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_cpu_ranks_train_fp8_replicas_in_step(tmp_path, strategy):
+    """DDP, and FSDP2 with the Float8Linear weights sharded: the ranks end with the same full weights."""
     script = tmp_path / "fp8_ddp.py"
     script.write_text(DDP_SCRIPT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), str(tmp_path),
-           str(Path(__file__).parent)]
+           str(Path(__file__).parent), strategy]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
     assert_bitwise_equal(r0["weights"], r1["weights"])  # the all-reduced fp8 gradients keep the replicas identical
     assert r0["losses"] != r1["losses"] and sum(r0["losses"][-4:]) < sum(r0["losses"][:4]) - 0.2
-    assert "7 of 9 Linear layers run in fp8" in r0["reason"]
+    assert "7 of 9 Linear layers run in fp8" in r0["reason"] and r0["fp8"] == 7
 
 
 # --- bad input ------------------------------------------------------------------------------------

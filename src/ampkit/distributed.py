@@ -193,7 +193,7 @@ def barrier() -> None:
 
 #: Presets FSDP2 can carry: its sharded fp32 parameters are the master weights, and its
 #: MixedPrecisionPolicy casts them to the compute dtype for forward and backward.
-FSDP_PRESETS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master")
+FSDP_PRESETS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master", "fp8-mixed")
 
 
 def wrap_fsdp(model: nn.Module, compute_dtype: torch.dtype) -> tuple[nn.Module, dict[int, nn.Parameter]]:

@@ -98,6 +98,11 @@ class Prepared:
             f"expected an nn.Module, a torch.optim.Optimizer, a torch.utils.data.DataLoader or a torch LR scheduler"
         )
 
+    def _fp8(self, model: nn.Module) -> None:
+        if self.acc.fp8 is not None:
+            self.acc.fp8.convert(model, self.acc.keep_fp32, self.acc.device, self.acc.compile_options is not None)
+            self.acc.policy = dataclasses.replace(self.acc.policy, reason=self.acc.fp8.reason)
+
     def _prepare_model(self, model: nn.Module) -> nn.Module:
         if any(model is m or model is self.acc.unwrap(m) for m in self.models):
             raise ValueError(f"{type(model).__name__} was already prepared; prepare each model once")
@@ -111,6 +116,7 @@ class Prepared:
                 )
         if self.acc.strategy == "fsdp":
             model.to(self.acc.device)
+            self._fp8(model)  # before sharding: FSDP2 then shards the Float8Linear weights
             self._to_channels_last(model)
             model, params = wrap_fsdp(model, self.acc.policy.compute_dtype)
             self.fsdp_params.update(params)
@@ -121,9 +127,7 @@ class Prepared:
                 model.register_forward_pre_hook(self._set_grad_sync)
             return model
         originals = prepare_module(model, self.acc.policy, self.acc.device, self.acc.keep_fp32, self.acc.cast_outputs)
-        if self.acc.fp8 is not None:
-            self.acc.fp8.convert(model, self.acc.keep_fp32, self.acc.device, self.acc.compile_options is not None)
-            self.acc.policy = dataclasses.replace(self.acc.policy, reason=self.acc.fp8.reason)
+        self._fp8(model)
         self._to_channels_last(model)
         self.compiled(model)
         self.originals[id(model)] = _Model(originals)
