@@ -188,8 +188,8 @@ def untraceable(model: nn.Module, err: BaseException) -> str:
     reason = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
     inside = f" in module {' > '.join(where)}" if where else ""
     return (f"torch.export cannot trace this model{inside}: {type(err).__name__}: {reason[:300]}. Usually control "
-            "flow that depends on tensor values (if x.sum() > 0, .item()): compute it with torch.where or "
-            "torch.cond, or move it out of forward")
+            "flow that depends on tensor values (an if on a tensor, a Python number read from one): compute it "
+            "with torch.where or torch.cond, or move it out of forward")
 
 
 def _export_torch(model: nn.Module, inputs: tuple[torch.Tensor, ...], precision: str, path: Path,
@@ -246,7 +246,7 @@ def load(path: str | Path) -> Exported:
         names = [i.name for i in session.get_inputs()]
 
         def run_onnx(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-            feed = {n: x.detach().cpu().numpy() for n, x in zip(names, inputs)}
+            feed = {n: x.detach().cpu().numpy() for n, x in zip(names, inputs)}  # sync: onnxruntime reads host arrays
             return [torch.from_numpy(o) for o in session.run(None, feed)]
         return Exported(path, meta, run_onnx)
     with contextlib.suppress(ImportError):

@@ -193,8 +193,8 @@ class _Peaks:
             return measure(*self.args, fake=True, batch_size=size, loss_fn=self.loss_fn)
         except FAKE_FAILURES as exc:
             op = getattr(exc, "func", None) or exc
-            self.note = (f"the step cannot run on fake tensors ({op}: a data-dependent shape, an .item() in the forward "
-                         f"or an op without a fake kernel); measured instead: real steps at batch 1 and 2 on the CPU, "
+            self.note = (f"the step cannot run on fake tensors ({op}: a data-dependent shape, a tensor read as a Python "
+                         f"number in the forward or an op without a fake kernel); measured instead: real steps at batch 1 and 2 on the CPU, "
                          f"scaled to the batch")
             model_fn, batch, optimizer_fn, name, _ = self.args
             cpu = torch.device("cpu")
