@@ -237,6 +237,10 @@ def test_compare_a_script_reports_both_runs_with_loss_curves_and_its_metric(scri
     assert abs(fp32["loss_curve"][0] - bf16["loss_curve"][0]) < 0.02  # same weights, same first batch
     assert fp32["loss_curve"][-1] < fp32["loss_curve"][0]
     assert bf16["metric_delta_vs_baseline"] == pytest.approx(bf16["metric"] - fp32["metric"])
+    # one run after another: the speed-up's spread comes from each run's quarters, so noise reads as same speed
+    assert all(len(r["round_step_times_s"]) == 4 for r in (fp32, bf16))
+    ratios = [b / r for b, r in zip(fp32["round_step_times_s"], bf16["round_step_times_s"])]
+    assert (bf16["speedup_low"], bf16["speedup_high"]) == (pytest.approx(min(ratios)), pytest.approx(max(ratios)))
     assert "val_accuracy" in (out / "report.html").read_text()
 
 

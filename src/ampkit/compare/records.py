@@ -100,7 +100,8 @@ class Run:
     numerics: Numerics | None = field(default=None, optional=True)
     round_step_times_s: list[float | None] | None = field(
         "Median step time in each round of an interleaved comparison (rounds alternate between the runs' "
-        "processes, so a slow moment of the machine lands on every run).", None, optional=True)
+        "processes, so a slow moment of the machine lands on every run); for a script, in each quarter of "
+        "its timed steps.", None, optional=True)
     speedup_low: float | None = field("Smallest per-round speed-up over the baseline.", None, optional=True)
     speedup_high: float | None = field("Largest per-round speed-up over the baseline.", None, optional=True)
     metric_band: float | None = field(

@@ -220,7 +220,9 @@ def notes(report: Report) -> list[str]:
     else:
         out.append(f"ratios and \u0394 are relative to {report.baseline}")
     if any(r.speedup_low is not None for r in report.runs):
-        out.append("the runs took turns in rounds; a speed-up whose spread over the rounds covers 1.0 is 'same speed'")
+        rounds = ("the runs took turns in rounds" if report.plan else
+                  "each run's timed steps in quarters (the runs ran one after another)")
+        out.append(f"spread: {rounds}; a speed-up whose spread covers 1.0 is 'same speed'")
     if (base := report.baseline_run()) is not None and base.metric_band is not None:
         out.append(f"noise band of {metric_name(report.task)}: the larger of {base.precision}'s difference from "
                    f"its run from the next seed (where there is one) and two standard errors of the held-out mean")
