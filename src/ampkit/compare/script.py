@@ -179,10 +179,9 @@ def measure_script(spec: ScriptSpec, progress: Callable[[int], None]) -> tuple[R
     acc, wall = rec.acc, time.perf_counter() - start
     skipped = acc.state.skipped_steps  # waits for the outcomes still in flight: the run is over
     summary = rec.summary(min(10, rec.steps // 10))
-    timed = rec.step_times()[summary["warmup_steps"]:]
-    quarters = [timed[i * len(timed) // 4:(i + 1) * len(timed) // 4] for i in range(4)]
-    summary["round_step_times_s"] = ([statistics.median(q) for q in quarters]  # the speed-up's spread: per quarter
-                                     if all(quarters) else None)
+    timed = rec.step_times()[summary["warmup_steps"]:]  # the speed-up's spread: the median of each quarter
+    summary["round_step_times_s"] = [statistics.median(timed[i * len(timed) // 4:(i + 1) * len(timed) // 4])
+                                     for i in range(4)] if len(timed) >= 4 else None
     peak, raw, kind = rec.memory.read()
     notes = [rec.stopped] if rec.stopped else []
     if torch.initial_seed() == process_seed:
