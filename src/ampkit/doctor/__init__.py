@@ -2,7 +2,7 @@
 `profile(acc, steps=20)`), or its numerical trouble (`--numerics`, `numerics(acc, steps=20)`).
 
 Entry points: `run`; both sessions listen on one base (`watch`). Performance: the session
-(`session`), phase times (`phases`), profiler ops (`ops`), syncs (`sync`), the device advisor
+(`session`, its phase clock), profiler ops (`ops`), syncs (`sync`), the device advisor
 (`advisor`), analysis and findings (`analysis`, `findings`), report and schema (`report`, `schema`).
 Numerics: `census`, `localizer`, `lost_updates`, the session (`numerics`), its verdicts
 (`numerics_findings`) and report (`numerics_report`).

@@ -22,7 +22,7 @@ import torch
 from ampkit.version import ampkit_version
 from ampkit.doctor import advisor, findings
 from ampkit.doctor.ops import OpStats, analyse
-from ampkit.doctor.phases import PHASES
+from ampkit.doctor.schema import PHASES
 from ampkit.hardware import capability, describe
 from ampkit.precision import short_dtype_name
 from ampkit.present import article, seconds, times

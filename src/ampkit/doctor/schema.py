@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ampkit.doctor.phases import PHASES
+#: The measured phases of a step, in step order ("other" is the step time not covered by them).
+PHASES: tuple[str, ...] = ("data", "h2d", "forward", "backward", "optimizer")
 
 NUM = {"type": "number", "minimum": 0}
 NUM_OR_NULL = {"type": ["number", "null"], "minimum": 0}

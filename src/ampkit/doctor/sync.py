@@ -5,11 +5,8 @@ it costs nothing, which is why these lines survive until the code meets a GPU. `
 them on any device through a `torch.overrides.TorchFunctionMode` (this thread's only; nothing is
 patched) and names the user's file:line that called one of the `SYNC_METHODS`. Not seen: reads from
 other threads or from C++, and indexing with a tensor; a read nested in another (`print` →
-`__repr__` → `item`) is one sync.
-
-On CUDA it also turns on `torch.cuda.set_sync_debug_mode("warn")` (every synchronizing op torch
-performs: the device's ground truth), records those warnings and places them at the tensor call
-that raised them; other warnings recorded meanwhile are shown again when the watcher stops.
+`__repr__` → `item`) is one sync. On CUDA it also records `torch.cuda.set_sync_debug_mode("warn")`'s
+warnings (every synchronizing op: the device's ground truth) at the tensor call that raised them.
 """
 
 from __future__ import annotations
@@ -65,25 +62,16 @@ class SyncSite:
     via: str | None  # "ampkit/optim.py:245" when the read happened inside ampkit, else None
 
 
-def _in_torch(filename: str) -> bool:
-    return filename.startswith(_TORCH_DIR)
-
-
-def _in_ampkit(filename: str) -> bool:
-    return filename.startswith(_AMPKIT_DIR)
-
-
 def _is_library(filename: str) -> bool:
-    if filename.startswith("<"):  # <frozen runpy>, <string>
-        return True
-    return os.path.realpath(filename).startswith(_LIBRARY_DIRS) or _in_torch(filename) or _in_ampkit(filename)
+    return (filename.startswith(("<", _TORCH_DIR, _AMPKIT_DIR))  # "<": <frozen runpy>, <string>
+            or os.path.realpath(filename).startswith(_LIBRARY_DIRS))
 
 
-def _short(filename: str, line: int) -> str:
-    for root in (_AMPKIT_DIR, _TORCH_DIR):
-        if filename.startswith(root):
-            return f"{os.path.basename(root.rstrip(os.sep))}/{filename[len(root):]}:{line}"
-    return f"{filename}:{line}"
+def _outside(frame: FrameType | None, dirs: tuple[str, ...]) -> FrameType | None:
+    """The first frame from `frame` outward whose file is under none of `dirs`."""
+    while frame is not None and frame.f_code.co_filename.startswith(dirs):
+        frame = frame.f_back
+    return frame
 
 
 def locate(frame: FrameType | None, call: str, skip: tuple[str, ...] = (DOCTOR_DIR,)) -> SyncSite | None:
@@ -93,20 +81,16 @@ def locate(frame: FrameType | None, call: str, skip: tuple[str, ...] = (DOCTOR_D
     ones); ampkit's are reported at the user's line that led to them, `via` ampkit's. Frames under
     `skip` (the doctor's own) are passed over.
     """
-    while frame is not None and frame.f_code.co_filename.startswith(skip):
-        frame = frame.f_back
-    if frame is None or _in_torch(frame.f_code.co_filename):
+    frame = _outside(frame, skip)
+    if frame is None or frame.f_code.co_filename.startswith(_TORCH_DIR):
         return None
-    via = None
-    if _in_ampkit(frame.f_code.co_filename):
-        via = _short(frame.f_code.co_filename, frame.f_lineno)
+    name = frame.f_code.co_filename
+    via = f"ampkit/{name[len(_AMPKIT_DIR):]}:{frame.f_lineno}" if name.startswith(_AMPKIT_DIR) else None
     user = frame
     while user is not None and _is_library(user.f_code.co_filename):
         user = user.f_back
     if user is None:  # nothing outside libraries: report the first frame outside torch and ampkit
-        user = frame
-        while user is not None and (_in_ampkit(user.f_code.co_filename) or _in_torch(user.f_code.co_filename)):
-            user = user.f_back
+        user = _outside(frame, (_AMPKIT_DIR, _TORCH_DIR))
         if user is None:
             return None
     filename, line = user.f_code.co_filename, user.f_lineno
@@ -114,8 +98,7 @@ def locate(frame: FrameType | None, call: str, skip: tuple[str, ...] = (DOCTOR_D
 
 
 def _caller(frame: FrameType | None, name: str) -> FrameType | None:
-    """The frame that called tensor function `name`, past torch's Python dispatch of it
-    (`Tensor.__format__` → `handle_torch_function` → the mode)."""
+    """The frame that called tensor function `name`, past torch's Python dispatch of it."""
     while frame is not None and frame.f_code.co_filename in _DISPATCH and (
             frame.f_code.co_name in ("handle_torch_function", name)):
         frame = frame.f_back
@@ -178,7 +161,8 @@ class SyncWatcher:
         self.host: dict[int, weakref.ref[torch.Tensor]] | None = {} if device.type == "cpu" and host_born else None
         self.log: list[warnings.WarningMessage] | None = None  # warnings recorded while the debugger is on
         self._mode: _Mode | None = None
-        self._stack = contextlib.ExitStack()
+        self._stack = contextlib.ExitStack()  # the CUDA sync debugger's settings, undone by `uninstall`
+
 
     def install(self) -> None:
         if self._mode is not None:
@@ -187,7 +171,7 @@ class SyncWatcher:
         self._mode.__enter__()
 
     def uninstall(self) -> None:
-        self.stop_cuda_debug()
+        self._stack.close()
         if self.host is not None:
             self.host.clear()
         if self._mode is not None:
@@ -261,9 +245,8 @@ class SyncWatcher:
         """Count the sync warnings `log[start:]` at `frame`'s site; `quiet`: already counted (or muted)."""
         kept = [w for w in log[start:] if _CUDA_SYNC_MESSAGE not in str(w.message)]
         if not quiet and len(kept) < len(log) - start:
-            while frame is not None and _in_torch(frame.f_code.co_filename):
-                frame = frame.f_back  # the debugger reports real syncs only: torch's own count too
-            site = locate(frame, "cuda-sync", self.skip)
+            # the debugger reports real syncs only: torch's own count too
+            site = locate(_outside(frame, (_TORCH_DIR,)), "cuda-sync", self.skip)
             if site is not None:
                 self.record(site, self.cuda_sites)
         log[start:] = kept
@@ -274,6 +257,3 @@ class SyncWatcher:
         for w in log:
             if _CUDA_SYNC_MESSAGE not in str(w.message):
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
-
-    def stop_cuda_debug(self) -> None:
-        self._stack.close()
