@@ -111,8 +111,12 @@ class Analysis:
         self.ops: OpStats = analyse(session.profiled_events or [], len(profiled))
 
         # Step and phases: medians of the timed steps.
-        self.step_s = self._step_time()
         self.host_s = statistics.median(r["host_s"] for r in self.rows)
+        self.step_s = self.host_s
+        marks = session.cuda_marks
+        if self.device.type == "cuda" and len(marks) > 1:
+            marks[-1].synchronize()  # sync: once, after the run
+            self.step_s = statistics.median(a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:]))
         self.phases = {p: statistics.median(r["phases"][p] for r in self.rows) for p in PHASES}
         self.phases["other"] = max(0.0, self.host_s - sum(self.phases.values()))
         self.compute_s = max(1e-9, self.host_s - self.phases["data"] - self.phases["h2d"])
@@ -123,7 +127,12 @@ class Analysis:
             watched = session.syncs.calls / len(profiled) * session.syncs.call_overhead()
             prof_compute = max(prof_compute / 2, prof_compute - watched)
         self.scale = min(1.0, self.compute_s / prof_compute) if prof_compute > 0 else 1.0  # profiler -> timed
-        self.kernel_share = self._kernel_share(prof_compute)
+        ops = self.ops
+        if ops.cuda_kernels is not None and ops.cuda_kernel_us is not None:  # the device's own account
+            device_s = ops.cuda_kernel_us * 1e-6 / ops.steps
+            self.kernel_share = min(1.0, device_s / max(1e-9, self.step_s - self.phases["data"]))
+        else:
+            self.kernel_share = min(1.0, ops.kernel_us_per_step * 1e-6 / prof_compute) if prof_compute > 0 else 0.0
         self.kernel_s = self.kernel_share * self.compute_s
 
         samples = [r["samples"] for r in self.rows if r["samples"] is not None]
@@ -135,71 +144,46 @@ class Analysis:
         debugged = self.device.type == "cuda" and syncs.cuda_debug is None
         self.sync_method = "cuda-sync-debug" if debugged else "tensor-reads"
         self.sync_sites = syncs.sites + syncs.cuda_sites
-        self.cuda_debug = syncs.cuda_debug
         self.synced_steps = len(profiled)  # the sync watcher watches the profiled window
         # A site that read in every watched step (one's slack: a read after a step's end lands in the next)
         # is the training step's; one that read in fewer is evaluation or logging, reported apart.
         self.site_steps = {site: len(syncs.site_steps.get(site, ())) for site in self.sync_sites}
         self.every_step = {site for site, seen in self.site_steps.items() if seen >= max(1, self.synced_steps - 1)}
-        self.syncs_per_step = sum(n for site, n in self.sync_sites.items() if site in self.every_step) / self.synced_steps
+        every = sum(n for site, n in self.sync_sites.items() if site in self.every_step)
+        self.syncs_per_step = every / self.synced_steps
 
         self.compute_dtype = short_dtype_name(self.acc.policy.compute_dtype)
         self.thread_peaks: dict[int, float] = {}  # fp32 matmul FLOP/s by thread count
-        self.peaks = self._peaks() if session.bench else {}
-        self.bandwidth = self._try("memory bandwidth", lambda: copy_bandwidth(self.device)) if session.bench else None
-        self.work_s = self._work_time()
-        self.stall_s = findings.stall_time(self.kernel_s, self.work_s, self.ops.per_step, self.thread_peaks,
+        self.peaks: dict[str, float] = {}  # best matmul FLOP/s here by dtype, over thread counts
+        self.bandwidth = None
+        if session.bench:
+            half = self.device.type == "cuda" or self.compute_dtype == "fp16"  # fp16 where it matters
+            names = ["fp32", "bf16", "fp16"] if half else ["fp32", "bf16"]
+            for name in names:
+                by_threads = self._try(f"{name} matmul peak", matmul_peaks, self.device, _DTYPES[name],
+                                       seconds=BENCH_SECONDS / len(names))
+                if by_threads is not None:
+                    self.peaks[name] = max(by_threads.values())
+                if name == "fp32":
+                    self.thread_peaks = by_threads or {}
+            self.bandwidth = self._try("memory bandwidth", copy_bandwidth, self.device)
+        peak = self.peaks.get(self.compute_dtype)
+        # Seconds per step the kernels' arithmetic and memory traffic need at this device's measured speed.
+        self.work_s = (sum(max(k.flops / peak, k.bytes / self.bandwidth) for k in ops.kernels) / ops.steps
+                       if peak and self.bandwidth else None)
+        self.stall_s = findings.stall_time(self.kernel_s, self.work_s, ops.per_step, self.thread_peaks,
                                            on_cpu=self.device.type == "cpu")
         self.work = advisor.Workload(
             host_outside_s=max(0.0, self.host_s - self.kernel_s),
-            dispatch_us=min(self.ops.floor_us * self.scale, advisor.LAUNCH_US), ops=self.ops,
+            dispatch_us=min(ops.floor_us * self.scale, advisor.LAUNCH_US), ops=ops,
             batch_bytes=self.batch_bytes, syncs_per_step=self.syncs_per_step)
 
-    # --- measurements -------------------------------------------------------------------------
-    def _step_time(self) -> float:
-        marks = self.s.cuda_marks
-        if self.device.type == "cuda" and len(marks) > 1:
-            marks[-1].synchronize()  # sync: once, after the run
-            return statistics.median(a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:]))
-        return statistics.median(r["host_s"] for r in self.rows)
-
-    def _kernel_share(self, prof_compute: float) -> float:
-        """Share of the compute time (data wait excluded) that kernels keep the device busy."""
-        ops = self.ops
-        if ops.cuda_kernels is not None and ops.cuda_kernel_us is not None:  # the device's own account
-            device_s = ops.cuda_kernel_us * 1e-6 / ops.steps
-            return min(1.0, device_s / max(1e-9, self.step_s - self.phases["data"]))
-        return min(1.0, ops.kernel_us_per_step * 1e-6 / prof_compute) if prof_compute > 0 else 0.0
-
-    def _peaks(self) -> dict[str, float]:
-        """Best matmul FLOP/s here by dtype (fp32, bf16, and fp16 where it matters), over thread counts."""
-        names = ["fp32", "bf16"]
-        if self.device.type == "cuda" or self.compute_dtype == "fp16":
-            names.append("fp16")
-        peaks = {}
-        for name in names:
-            by_threads = self._try(f"{name} matmul peak",
-                                   lambda: matmul_peaks(self.device, _DTYPES[name], seconds=BENCH_SECONDS / len(names)))
-            if by_threads is None:
-                continue
-            peaks[name] = max(by_threads.values())
-            if name == "fp32":
-                self.thread_peaks = by_threads
-        return peaks
-
-    def _try(self, what: str, measure: Callable[[], Any]) -> Any:
+    def _try(self, what: str, measure: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
-            return measure()
+            return measure(*args, **kwargs)
         except Exception as exc:  # a dtype this device cannot run, no memory for the buffers: "unknown"
             self.notes.append(f"{what} not measured ({type(exc).__name__}: {exc})")
             return None
-
-    def _work_time(self) -> float | None:
-        """Seconds per step the kernels' arithmetic and memory traffic need at this device's measured speed."""
-        peak = self.peaks.get(self.compute_dtype)
-        if not peak or not self.bandwidth:
-            return None
-        return sum(max(k.flops / peak, k.bytes / self.bandwidth) for k in self.ops.kernels) / self.ops.steps
 
     # --- the result ---------------------------------------------------------------------------
     def result(self) -> dict[str, Any]:
@@ -252,7 +236,7 @@ class Analysis:
             "sites": [{**dataclasses.asdict(site), "per_step": n / self.synced_steps, "reads": n,
                        "steps_seen": self.site_steps[site], "every_step": site in self.every_step}
                       for site, n in sites],
-            "cuda_debug": self.cuda_debug}
+            "cuda_debug": self.s.syncs.cuda_debug}
 
     def _utilisation(self) -> dict[str, Any]:
         dtype = self.compute_dtype
