@@ -1,8 +1,8 @@
 """The doctor's findings: what to change, ranked by the time it should save, each with its evidence.
 
-Each rule reads the result under construction and returns a `Finding` or nothing: what was seen,
-what to do, and the estimated saving per step here and, where it differs, on the reference GPU (a
-`loss.item()` costs nothing on a CPU and a step's overlap on a GPU).
+Each rule reads the result under construction and returns a `Finding` or nothing: what was seen, what
+to do, and the saving per step here and, where it differs, on the reference GPU (a `loss.item()` costs
+nothing on a CPU and a step's overlap on a GPU).
 """
 
 from __future__ import annotations
@@ -72,21 +72,17 @@ def diagnose(result: dict[str, Any], ctx: Context) -> list[dict[str, Any]]:
     return [f.as_dict(result["step"]["host_s"]) for f in found]
 
 
-def _phase(result: dict[str, Any], name: str) -> dict[str, Any]:
-    return next(p for p in result["phases"] if p["name"] == name)
-
-
 def _on_cpu(result: dict[str, Any]) -> bool:
     return result["device"]["device"] == "cpu"
 
 
 # --- data -------------------------------------------------------------------------------------------
 def data_wait(result: dict[str, Any], ctx: Context) -> Finding | None:
-    data = _phase(result, "data")
+    data = next(p for p in result["phases"] if p["name"] == "data")
     if data["share"] < DATA_SHARE:
         return None
     workers = max((w for w, _ in ctx.loaders), default=0)
-    pinned = all(p for _, p in ctx.loaders) if ctx.loaders else False
+    pinned = bool(ctx.loaders) and all(p for _, p in ctx.loaders)
     suggest = max(2, min(8, (os.cpu_count() or 2)))
     if workers == 0:
         fix = (f"load batches in background processes: DataLoader(..., num_workers={suggest}, "
@@ -111,7 +107,6 @@ def data_wait(result: dict[str, Any], ctx: Context) -> Finding | None:
 #: Kernel ops taking this many times longer than their work and fixed cost explain is not slowness
 #: of the arithmetic: the threads of parallel ops are waiting for a core.
 STALLED_RATIO = 10.0
-
 
 #: One thread doing a matmul this many times faster than torch's thread count: the extra threads
 #: wait for cores more than they help.
@@ -210,9 +205,7 @@ def small_batch(result: dict[str, Any], ctx: Context) -> Finding | None:
 # --- precision ----------------------------------------------------------------------------------
 def _ratio(ctx: Context, dtype: str) -> float | None:
     """Measured matmul throughput of `dtype` over fp32 here, or None."""
-    if dtype not in ctx.peaks or not ctx.peaks.get("fp32"):
-        return None
-    return ctx.peaks[dtype] / ctx.peaks["fp32"]
+    return ctx.peaks[dtype] / ctx.peaks["fp32"] if dtype in ctx.peaks and ctx.peaks.get("fp32") else None
 
 
 def precision(result: dict[str, Any], ctx: Context) -> Finding | None:

@@ -3,9 +3,7 @@
 A session counts the first prepared optimizer's applied steps (`on_step_end`), so the loop does not
 change; it may be made before anything is prepared (as a script's Accelerator is created). After its
 last step it takes every hook off (`hooks`, an ExitStack its subclass fills), builds the result,
-hands it to `on_done` and, with `stop=True`, ends the training by raising `StopTraining` from inside
-`optimizer.step()`. A loop that fails calls `close()`; one that ends early `finish()` (or leaves a
-`with` block).
+hands it to `on_done` and, with `stop=True`, raises `StopTraining` from inside `optimizer.step()`.
 """
 
 from __future__ import annotations
@@ -39,10 +37,9 @@ class DoctorError(RuntimeError):
 
 def check_counts(steps: int, warmup: int, what: str = "the steps to measure") -> None:
     """ValueError for a `steps` or `warmup` that is not a count, before anything runs."""
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"steps={steps!r}: expected an integer >= 1 ({what})")
-    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
-        raise ValueError(f"warmup={warmup!r}: expected an integer >= 0")
+    for name, value, least, why in (("steps", steps, 1, f" ({what})"), ("warmup", warmup, 0, "")):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"{name}={value!r}: expected an integer >= {least}{why}")
 
 
 class Watch(Listener):
@@ -59,8 +56,7 @@ class Watch(Listener):
                  subject: Result | None = None, on_done: Callable[[Result], None] | None = None) -> None:
         if not isinstance(acc, Accelerator):
             raise TypeError(f"{self.name} watches an ampkit.Accelerator; got {type(acc).__name__}")
-        self.acc = acc
-        self.steps, self.warmup, self.stop = steps, warmup, stop
+        self.acc, self.steps, self.warmup, self.stop = acc, steps, warmup, stop
         self.subject = subject or {"kind": "loop", "name": "training loop", "argv": []}
         self.on_done = on_done
         self.result: Result | None = None
@@ -158,11 +154,9 @@ class Watch(Listener):
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         """A loop that ends before `steps`: finish with the steps measured (and report them)."""
-        if self.result is not None:
-            return
-        if exc_type is None and self.measured():
+        if self.result is None and exc_type is None and self.measured():
             result = self.finish()
             if self.on_done is not None:
                 self.on_done(result)
-        else:
+        elif self.result is None:
             self.close()
