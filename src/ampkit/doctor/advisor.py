@@ -34,21 +34,23 @@ __all__ = ["GPUS", "LAUNCH_US", "MIN_KERNEL_US", "PCIE_GBPS", "Estimate", "GPUSp
            "find_gpu", "gpu_for_device", "mixed_dtype", "sync_cost"]
 
 
+def _key(name: str) -> str:
+    return name.replace(" ", "").lower()
+
+
 def find_gpu(name: str) -> GPUSpec:
     """The table row for `name` (case and spaces ignored: "rtx4090", "a100"), else a ValueError."""
-    key = name.replace(" ", "").lower()
-    for gpu in GPUS.values():
-        if gpu.name.replace(" ", "").lower() == key:
-            return gpu
-    raise ValueError(f"gpu={name!r} is not in the doctor's table; choose one of: {', '.join(GPUS)}")
+    gpu = next((g for g in GPUS.values() if _key(g.name) == _key(name)), None)
+    if gpu is None:
+        raise ValueError(f"gpu={name!r} is not in the doctor's table; choose one of: {', '.join(GPUS)}")
+    return gpu
 
 
 def gpu_for_device(device: torch.device) -> GPUSpec | None:
     """The table row for a CUDA device by its name ("NVIDIA A100-SXM4-80GB" -> A100), or None."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device).replace(" ", "").lower()
-    return next((g for g in GPUS.values() if g.name.replace(" ", "").lower() in name), None)
+    return next((g for g in GPUS.values() if _key(g.name) in _key(torch.cuda.get_device_name(device))), None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,18 +93,15 @@ def mixed_dtype(gpu: GPUSpec) -> str:
 
 def estimate(work: Workload, gpu: GPUSpec, dtype: str = "fp32") -> Estimate:
     """The step time of `work` on `gpu` with matmuls in `dtype` (see the module docstring)."""
-    ops = work.ops
-    matmul_peak = _matmul_peak(gpu, dtype) * 1e12
-    vector_peak = gpu.fp32_tflops * 1e12
-    bandwidth = gpu.memory_gbps * 1e9
+    matmul_peak, vector_peak = _matmul_peak(gpu, dtype) * 1e12, gpu.fp32_tflops * 1e12
     half = dtype in ("bf16", "fp16")
     device = 0.0
-    for k in ops.kernels:
+    for k in work.ops.kernels:
         moved = k.bytes / 2 if (half and k.matmul) else k.bytes  # half-precision operands
         compute = k.flops / (matmul_peak if k.matmul else vector_peak)
-        device += max(compute, moved / bandwidth, MIN_KERNEL_US * 1e-6)
-    device = device / ops.steps + work.batch_bytes / (PCIE_GBPS * 1e9)
-    host = work.host_outside_s + ops.per_step * (work.dispatch_us + gpu.launch_us) * 1e-6
+        device += max(compute, moved / (gpu.memory_gbps * 1e9), MIN_KERNEL_US * 1e-6)
+    device = device / work.ops.steps + work.batch_bytes / (PCIE_GBPS * 1e9)
+    host = work.host_outside_s + work.ops.per_step * (work.dispatch_us + gpu.launch_us) * 1e-6
     overlap = min(1.0, work.syncs_per_step)  # a sync per step serialises host and device
     step = max(host, device) + overlap * min(host, device)
     return Estimate(gpu=gpu.name, dtype=dtype, step_s=step, host_s=host, device_s=device,

@@ -1,11 +1,9 @@
 """From a finished session's measurements to the result (`DOCTOR_SCHEMA`): figures, bound, advice.
 
-The profiled steps give the ops, the share of the step inside them (both slowed alike, so the ratio
-holds) and the syncs; the timed steps the step and phase times (medians: one stalled step must not
-set them). This device's matmul peaks and copy bandwidth say how long the step's work *needs* here:
-what separates slow arithmetic from overhead and from threads waiting for cores. A *peak* (unlike
-`ampkit info --bench`'s sustained throughput) is the fastest of a few repeats: a stall on a busy
-machine makes a repeat slower, never faster.
+The profiled steps give the ops, the share of the step inside them (both slowed alike) and the syncs;
+the timed steps the step and phase times (medians). This device's matmul peaks and copy bandwidth say
+how long the step's work *needs* here, which separates slow arithmetic from overhead and from threads
+waiting for cores; a *peak* is the fastest of a few repeats (a stall only makes a repeat slower).
 """
 
 from __future__ import annotations
@@ -54,8 +52,7 @@ def sync_device(device: torch.device) -> None:
 
 
 def _fastest(run: Callable[[], object], device: torch.device, seconds: float, repeats: int) -> float:
-    """Seconds of the fastest of up to `repeats` calls of `run` (within ~`seconds`), after a warm-up call:
-    library init, kernel choice and the first touch of the pages stay out of the timing."""
+    """Seconds of the fastest of up to `repeats` calls of `run` (within ~`seconds`), after a warm-up call."""
     run()
     sync_device(device)
     best = float("inf")
@@ -140,9 +137,6 @@ class Analysis:
         self.batch_bytes = statistics.median(r["batch_bytes"] for r in self.rows)
 
         syncs = session.syncs
-        # Reads of device tensors by their method, plus (CUDA) every other op the sync debugger caught.
-        debugged = self.device.type == "cuda" and syncs.cuda_debug is None
-        self.sync_method = "cuda-sync-debug" if debugged else "tensor-reads"
         self.sync_sites = syncs.sites + syncs.cuda_sites
         self.synced_steps = len(profiled)  # the sync watcher watches the profiled window
         # A site that read in every watched step (one's slack: a read after a step's end lands in the next)
@@ -230,8 +224,11 @@ class Analysis:
 
     def _syncs(self) -> dict[str, Any]:
         sites = sorted(self.sync_sites.items(), key=lambda kv: -kv[1])
+        debugged = self.device.type == "cuda" and self.s.syncs.cuda_debug is None
         return {
-            "per_step": self.syncs_per_step, "method": self.sync_method, "real": self.device.type != "cpu",
+            # reads of device tensors by their method, plus (CUDA) every other op the sync debugger caught
+            "per_step": self.syncs_per_step, "method": "cuda-sync-debug" if debugged else "tensor-reads",
+            "real": self.device.type != "cpu",
             "watched_steps": self.synced_steps,
             "sites": [{**dataclasses.asdict(site), "per_step": n / self.synced_steps, "reads": n,
                        "steps_seen": self.site_steps[site], "every_step": site in self.every_step}
@@ -279,8 +276,8 @@ class Analysis:
         here = self.step_s
         estimates = [advisor.estimate(self.work, gpu, dtype) for gpu in advisor.GPUS.values()
                      for dtype in ("fp32", advisor.mixed_dtype(gpu))]
-        rows = [{"gpu": e.gpu, "dtype": e.dtype, "step_s": e.step_s, "host_s": e.host_s, "device_s": e.device_s,
-                 "bound": e.bound, "speedup": here / e.step_s if e.step_s > 0 else math.inf} for e in estimates]
+        rows = [{**dataclasses.asdict(e), "speedup": here / e.step_s if e.step_s > 0 else math.inf}
+                for e in estimates]
         ref = self.s.gpu
         best = min((r for r in rows if r["gpu"] == ref.name), key=lambda r: r["step_s"])
         here_name = "this GPU" if self.device.type == "cuda" else "this CPU"

@@ -20,13 +20,11 @@ DATA_SHARE = 0.10
 #: Below this share of the device's measured matmul peak, the batch is too small for the device.
 LOW_UTILISATION = 0.10
 
-#: The least one eager op costs beyond its arithmetic, µs: Python and dispatch on a CPU, the launch
-#: on a GPU (`advisor.LAUNCH_US`). A step whose whole work needs less than its ops' count times this
-#: is overhead-bound whatever the clock says (a busy machine can make tiny ops look long).
+#: The least one eager op costs beyond its arithmetic, µs (Python and dispatch on a CPU, the launch on
+#: a GPU): a step whose work needs less than its ops' count times this is overhead-bound.
 OP_FIXED_US = 5.0
 
-#: Share of per-op overhead that fusing (torch.compile, CUDA graphs) or a bigger batch is assumed
-#: to remove: an estimate to rank by, not a promise — measure after the change.
+#: Share of per-op overhead that fusing or a bigger batch is assumed to remove: an estimate to rank by.
 OVERHEAD_REMOVED = 0.5
 
 
@@ -115,11 +113,9 @@ THREADS_SLOWER = 1.5
 
 def stall_time(kernel_s: float, work_s: float | None, ops_per_step: float, thread_peaks: dict[int, float], *,
                on_cpu: bool) -> float:
-    """Seconds per step a CPU's kernel ops spend with threads waiting for cores (0 where nothing says so).
-
-    Two measured signs, either enough: kernel ops taking `STALLED_RATIO` times longer than their work
-    and dispatch need; or one thread running a matmul `THREADS_SLOWER` times faster than all of them.
-    """
+    """Seconds per step a CPU's kernel ops spend with threads waiting for cores (0 where nothing says so):
+    kernel ops `STALLED_RATIO` times slower than their work and dispatch need, or one thread running a
+    matmul `THREADS_SLOWER` times faster than all of them."""
     if not on_cpu:
         return 0.0
     stalls = [0.0]

@@ -114,10 +114,7 @@ class OpStats:
     @property
     def floor_us(self) -> float:
         """The cost of an op that does almost nothing here: the 10th percentile of kernel-op times."""
-        if not self.kernels:
-            return 0.0
-        times = sorted(k.us for k in self.kernels)
-        return times[len(times) // 10]
+        return sorted(k.us for k in self.kernels)[len(self.kernels) // 10] if self.kernels else 0.0
 
     @property
     def flops_per_step(self) -> float:
@@ -143,8 +140,7 @@ class OpStats:
             per_step = len(ks) / self.steps
             rows.append({"name": name, "per_step": per_step, "us_per_step": per_step * median, "median_us": median,
                          "share": per_step * median / total, "matmul": ks[0].matmul})
-        rows.sort(key=lambda r: -r["us_per_step"])
-        return rows[:n]
+        return sorted(rows, key=lambda r: r["us_per_step"], reverse=True)[:n]
 
 
 def _ancestors(event: Any) -> Iterator[Any]:
@@ -172,8 +168,7 @@ def analyse(events: list[Any], steps: int) -> OpStats:
     def kernel(e: Any) -> bool:
         return is_kernel(e.name, getattr(e, "overload_name", "") or "")
 
-    def outer(e: Any) -> bool:
-        """A kernel op inside no other."""
+    def outer(e: Any) -> bool:  # a kernel op inside no other
         return kernel(e) and not any(kernel(p) for p in _ancestors(e.cpu_parent))
 
     def is_data(e: Any) -> bool:
@@ -197,11 +192,8 @@ def analyse(events: list[Any], steps: int) -> OpStats:
         if not outer(e) or is_data(e):
             continue
         inputs = _input_bytes(e)
-        moved = sum(inputs)
-        if moved:
-            moved += max(inputs)  # the output
-        else:  # a TensorList op (foreach) records no shapes: what its inner ops touched
-            moved = sum(sum(_input_bytes(d)) for d in _descendants(e))
+        # the inputs and an output; a TensorList op (foreach) records no shapes: what its inner ops touched
+        moved = sum(inputs) + max(inputs) if any(inputs) else sum(sum(_input_bytes(d)) for d in _descendants(e))
         kernels.append(KernelOp(e.name, float(e.cpu_time_total), flops.get(id(e), 0), moved,
                                 bool(MATMUL_OPS.search(e.name))))
     cuda_us = float(sum(e.time_range.elapsed_us() for e in cuda))  # each kernel's own span on the device

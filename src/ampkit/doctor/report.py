@@ -21,7 +21,6 @@ Result = dict[str, Any]
 
 _BAR = 24  # characters of the widest phase bar
 
-
 #: Characters of a script's arguments a report's header shows (a long config override list is cut).
 ARGV_WIDTH = 60
 
@@ -35,9 +34,8 @@ def subject_line(subject: Result) -> str:
 
 
 def _title(r: Result) -> str:
-    name = subject_line(r["subject"])
     dev = r["device"]
-    return f"ampkit doctor — {name} on {dev['device']} ({dev['name']}), {dev['precision']}"
+    return f"ampkit doctor — {subject_line(r['subject'])} on {dev['device']} ({dev['name']}), {dev['precision']}"
 
 
 def _measured(r: Result) -> str:
@@ -61,10 +59,11 @@ def _bound_line(r: Result) -> str:
     return f"bound: {r['bound']['kind']} — {r['bound']['reason']}"
 
 
-def _phase_rows(r: Result) -> list[list[str]]:
+def _phase_rows(r: Result, html: bool = False) -> list[list[str]]:
     widest = max((p["share"] for p in r["phases"]), default=0.0) or 1.0
-    return [[p["name"], seconds(p["seconds"]), f"{p['share']:.0%}", "█" * round(_BAR * p["share"] / widest)]
-            for p in r["phases"]]
+    return [[p["name"], seconds(p["seconds"]), f"{p['share']:.0%}",
+             f'<span class="bar" style="width:{12 * p["share"] / widest:.2f}rem"></span>' if html
+             else "█" * round(_BAR * p["share"] / widest)] for p in r["phases"]]
 
 
 def _ops_line(r: Result) -> str:
@@ -94,14 +93,11 @@ def _sync_line(r: Result) -> str:
     return f"syncs: {count(s['per_step'])} per training step ({kind}){extra}"
 
 
-def _rate(s: Result, watched: int) -> str:
-    return count(s["per_step"]) if s["every_step"] else f"{s['reads']} in {s['steps_seen']}/{watched} steps"
-
-
 def _sync_rows(r: Result) -> list[list[str]]:
     watched = r["syncs"]["watched_steps"]
     return [[where(s["file"], s["line"]), s["code"], s["call"] + (f" via {s['via']}" if s["via"] else ""),
-             _rate(s, watched)] for s in r["syncs"]["sites"][:8]]
+             count(s["per_step"]) if s["every_step"] else f"{s['reads']} in {s['steps_seen']}/{watched} steps"]
+            for s in r["syncs"]["sites"][:8]]
 
 
 def _advisor_rows(r: Result) -> list[list[str]]:
@@ -130,17 +126,18 @@ def _saving(f: dict[str, Any], r: Result) -> str:
     return "est. saving: " + (", ".join(parts) if parts else "none here")
 
 
-_PHASE_HEADER = ["phase", "time", "share", ""]
-_OP_HEADER = ["kernel op", "per step", "time/step", "median", "share"]
-_SYNC_HEADER = ["where", "code", "call", "per step"]
-_ADVISOR_HEADER = ["device", "fp32 step", "mixed step", "host", "device time", "bound", "vs here"]
+# Each table's header and its numeric (right-aligned) columns.
+_PHASES = (["phase", "time", "share", ""], (1, 2))
+_OPS = (["kernel op", "per step", "time/step", "median", "share"], (1, 2, 3, 4))
+_SYNCS = (["where", "code", "call", "per step"], (3,))
+_ADVISOR = (["device", "fp32 step", "mixed step", "host", "device time", "bound", "vs here"], (1, 2, 3, 4, 6))
 
 
-def _table(title: str, header: list[str], rows: list[list[str]], right: tuple[int, ...]) -> Table:
+def _table(title: str, spec: tuple[list[str], tuple[int, ...]], rows: list[list[str]]) -> Table:
     # not `present.table`: that one collapses the padding and aligns every column after the first right
     t = Table(title=Text(title, style="bold"), title_justify="left", box=box.SIMPLE_HEAD)
-    for i, h in enumerate(header):
-        t.add_column(Text(h), justify="right" if i in right else "left")
+    for i, h in enumerate(spec[0]):
+        t.add_column(Text(h), justify="right" if i in spec[1] else "left")
     for row in rows:
         t.add_row(*(Text(str(c)) for c in row))
     return t
@@ -152,14 +149,13 @@ def _renderables(r: Result) -> list[Any]:
     lines: list[Any] = [
         Text(_title(r), style="bold"), Text(_measured(r), style="dim"), Text(_step_line(r)),
         Text(_bound_line(r), style=bound_style),
-        _table("where the step goes (host time):", _PHASE_HEADER, _phase_rows(r), (1, 2)),
-        Text(_ops_line(r)), _table("top kernel ops:", _OP_HEADER, _op_rows(r), (1, 2, 3, 4)),
-        Text(_sync_line(r), style="bold")]
+        _table("where the step goes (host time):", _PHASES, _phase_rows(r)),
+        Text(_ops_line(r)), _table("top kernel ops:", _OPS, _op_rows(r)), Text(_sync_line(r), style="bold")]
     if r["syncs"]["sites"]:
-        lines.append(_table("", _SYNC_HEADER, _sync_rows(r), (3,)))
+        lines.append(_table("", _SYNCS, _sync_rows(r)))
     lines += [Text("device advisor (* = reference GPU; host, device and bound of the faster precision): "
                    + r["advisor"]["verdict"], style="bold"),
-              _table("", _ADVISOR_HEADER, _advisor_rows(r), (1, 2, 3, 4, 6)),
+              _table("", _ADVISOR, _advisor_rows(r)),
               Text("assumptions: " + r["advisor"]["assumptions"], style="dim"),
               Text("\nfindings, ranked by estimated time saved:", style="bold")]
     if not r["findings"]:
@@ -197,12 +193,11 @@ _CSS = """
 """
 
 
-def _html_table(header: list[str], rows: list[list[str]], numeric: tuple[int, ...] = (),
-                raw: tuple[int, ...] = ()) -> str:
-    head = "".join(f"<th>{escape(h)}</th>" for h in header)
+def _html_table(spec: tuple[list[str], tuple[int, ...]], rows: list[list[str]], raw: tuple[int, ...] = ()) -> str:
+    head = "".join(f"<th>{escape(h)}</th>" for h in spec[0])
     body = "".join(
         "<tr>" + "".join(
-            f"<td{' class=n' if i in numeric else ''}>{c if i in raw else escape(c)}</td>" for i, c in enumerate(row)
+            f"<td{' class=n' if i in spec[1] else ''}>{c if i in raw else escape(c)}</td>" for i, c in enumerate(row)
         ) + "</tr>" for row in rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
@@ -210,10 +205,6 @@ def _html_table(header: list[str], rows: list[list[str]], numeric: tuple[int, ..
 def render_html_section(r: Result) -> str:
     """The report as one self-contained `<section>` (scoped style, no scripts, no links), every value
     escaped: a file name or source line of the user's cannot inject markup."""
-    widest = max((p["share"] for p in r["phases"]), default=0.0) or 1.0
-    phase_rows = [[p["name"], seconds(p["seconds"]), f"{p['share']:.0%}",
-                   f'<span class="bar" style="width:{12 * p["share"] / widest:.2f}rem"></span>']
-                  for p in r["phases"]]
     sync_rows = [[f"<code>{escape(cell)}</code>" if i < 2 else escape(cell) for i, cell in enumerate(row)]
                  for row in _sync_rows(r)]
     findings = "".join(
@@ -228,16 +219,16 @@ def render_html_section(r: Result) -> str:
         "<h3>Findings, ranked by estimated time saved</h3>",
         f"<ol class=findings>{findings}</ol>",
         "<h3>Where the step goes (host time)</h3>",
-        _html_table(_PHASE_HEADER, phase_rows, numeric=(1, 2), raw=(3,)),
+        _html_table(_PHASES, _phase_rows(r, html=True), raw=(3,)),
         "<h3>Kernel ops</h3>",
         f"<p>{escape(_ops_line(r))}</p>",
-        _html_table(_OP_HEADER, _op_rows(r), numeric=(1, 2, 3, 4)),
+        _html_table(_OPS, _op_rows(r)),
         "<h3>Host↔device syncs</h3>",
         f"<p>{escape(_sync_line(r))}</p>",
-        _html_table(_SYNC_HEADER, sync_rows, numeric=(3,), raw=(0, 1, 2, 3)) if sync_rows else "",
+        _html_table(_SYNCS, sync_rows, raw=(0, 1, 2, 3)) if sync_rows else "",
         "<h3>Device advisor</h3>",
         f"<p>{escape(r['advisor']['verdict'])}</p>",
-        _html_table(_ADVISOR_HEADER, _advisor_rows(r), numeric=(1, 2, 3, 4, 6)),
+        _html_table(_ADVISOR, _advisor_rows(r)),
         f"<p class=muted>{escape(r['advisor']['assumptions'])}. Peaks: "
         + "; ".join(f"{escape(g['name'])}: {escape(g['source'])}" for g in r["advisor"]["gpus"]) + "</p>",
         *(f"<p class=muted>note: {escape(n)}</p>" for n in r["notes"]),

@@ -1,8 +1,6 @@
 """The doctors' entry points: on a loop you already have (`profile`, `numerics`), on a user's script
 (`diagnose_script`, `numerics_script`), on a built-in task or loop (`diagnose_task`, `numerics_task`,
-`numerics_train_fn`).
-
-A script runs as `python train.py args...` would (`runpy`, `__main__`, `sys.argv`, its folder first
+`numerics_train_fn`). A script runs as `python train.py args...` would (`runpy`, `__main__`, `sys.argv`, its folder first
 on `sys.path`); `ampkit.events.watch_created` hands the doctor the first Accelerator it creates, and
 the session ends the script (`StopTraining`) once it has seen enough. The script does not change.
 """
@@ -49,9 +47,8 @@ def numerics(acc: Accelerator, steps: int = 20, *, warmup: int = 0, report: bool
 
 def _then(*calls: Callable[[Result], Any] | None) -> Callable[[Result], None]:
     def done(result: Result) -> None:
-        for call in calls:
-            if call is not None:
-                call(result)
+        for call in filter(None, calls):
+            call(result)
     return done
 
 
@@ -99,14 +96,9 @@ def check_script(script: str | Path) -> None:
 
 
 def run_script(script: str | Path, args: Sequence[str], start: Callable[[Accelerator], Watch]) -> Watch | None:
-    """Execute `script` as `python script args...` would; `start(acc)` on the first Accelerator it creates.
-
-    Returns that session (None: no Accelerator). `StopTraining` ends the script quietly; a non-zero
-    exit before the session has its result is a `DoctorError`; anything else is re-raised after the
-    session is closed. `sys.argv` and `sys.path` are restored whatever happens.
-    """
+    """Execute `script` as `python script args...` would; the session `start(acc)` makes on the first
+    Accelerator it creates, or None. A non-zero exit before the session has its result is a `DoctorError`."""
     check_script(script)
-    path = Path(script)
     sessions: list[Watch] = []
 
     def created(acc: Accelerator) -> None:
@@ -115,7 +107,7 @@ def run_script(script: str | Path, args: Sequence[str], start: Callable[[Acceler
 
     try:
         with watch_created(created):
-            _train(lambda: run_as_main(path, args), sessions)
+            _train(lambda: run_as_main(Path(script), args), sessions)
     except SystemExit as exc:
         if exc.code not in (None, 0) and not (sessions and sessions[0].result is not None):
             _close(sessions[0] if sessions else None)
@@ -140,7 +132,7 @@ def _subject(kind: str, name: str, args: Sequence[str] = ()) -> Result:
 
 
 def _train(loop: Callable[[], Any], sessions: list[Watch]) -> None:
-    """Run `loop` until it ends or the session (`sessions[0]`, once made) stops it; close it if the loop fails."""
+    """Run `loop` until it ends or the session (`sessions[0]`, once made) stops it."""
     try:
         loop()
     except StopTraining:
@@ -209,7 +201,7 @@ def numerics_train_fn(train_fn: Callable[[Accelerator], Any], *, steps: int = 20
 
 def _train_task(task: str, start: Callable[[Accelerator], Watch], *, precision: str = "auto", device: str = "auto",
                 batch_size: int | None = None, seed: int = 0, keep_fp32: Sequence[str] = ()) -> Result:
-    """Train the built-in `task` under the session `start(acc)` makes once it is prepared, until it stops."""
+    """Train the built-in `task` under the session `start(acc)` makes once it is prepared."""
     spec = get_task(task)
     data = spec.make_data(seed, batch_size or spec.default_batch_size)
     torch.manual_seed(seed)

@@ -37,9 +37,8 @@ from ampkit.optim import AmpOptimizer
 #: the profiler slows each step it records.
 MAX_PROFILED_STEPS = 5
 
-#: A line of kineto's log ("USDT:2026-01-01 10:00:00 71:71 SyncActivityProfilerHandler.cpp:52]
-#: profiler_start"): its C++ writes these to fd 2 at every profiler start and stop, whatever
-#: KINETO_LOG_LEVEL says, so the doctor filters them out of its own profiling.
+#: A line of kineto's log ("USDT:2026-01-01 10:00:00 71:71 SyncActivityProfilerHandler.cpp:52] ..."),
+#: written to fd 2 at every profiler start and stop whatever KINETO_LOG_LEVEL says: filtered out.
 KINETO_NOISE = re.compile(r"^(USDT|STAGE|INFO):\d{4}-\d\d-\d\d [\d:.]+ \d+:\d+ \S+\.cpp:\d+\] ")
 
 

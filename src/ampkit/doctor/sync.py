@@ -1,22 +1,21 @@
 """Finding the lines that make the host wait for the device: `.item()`, `float(t)`, `print(t)`, ...
 
-On a GPU each such read blocks the Python thread until every queued kernel has finished; on a CPU
-it costs nothing, which is why these lines survive until the code meets a GPU. `SyncWatcher` sees
-them on any device through a `torch.overrides.TorchFunctionMode` (this thread's only; nothing is
-patched) and names the user's file:line that called one of the `SYNC_METHODS`. Not seen: reads from
-other threads or from C++, and indexing with a tensor; a read nested in another (`print` →
-`__repr__` → `item`) is one sync. On CUDA it also records `torch.cuda.set_sync_debug_mode("warn")`'s
-warnings (every synchronizing op: the device's ground truth) at the tensor call that raised them.
+Each such read blocks the Python thread on a GPU and costs nothing on a CPU, so these lines survive
+until the code meets a GPU. `SyncWatcher` sees them on any device through a `TorchFunctionMode` (this
+thread's only; nothing is patched) and names the user's file:line that called one of `SYNC_METHODS`
+(not seen: other threads, C++, indexing with a tensor). On CUDA it also places the warnings of
+`torch.cuda.set_sync_debug_mode("warn")` (every synchronizing op) at the tensor call that raised them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import linecache
 import os
 import sys
 import sysconfig
-import time
+import timeit
 import warnings
 import weakref
 from collections import Counter
@@ -75,12 +74,8 @@ def _outside(frame: FrameType | None, dirs: tuple[str, ...]) -> FrameType | None
 
 
 def locate(frame: FrameType | None, call: str, skip: tuple[str, ...] = (DOCTOR_DIR,)) -> SyncSite | None:
-    """The site of a read made by `frame` (the caller of the Tensor method), or None to ignore it.
-
-    Torch's own reads are ignored (host tensors on purpose; on a GPU the sync debugger sees the real
-    ones); ampkit's are reported at the user's line that led to them, `via` ampkit's. Frames under
-    `skip` (the doctor's own) are passed over.
-    """
+    """The site of a read made by `frame` (the caller of the Tensor method), or None: torch's own reads
+    are ignored, ampkit's reported at the user's line that led to them, frames under `skip` passed over."""
     frame = _outside(frame, skip)
     if frame is None or frame.f_code.co_filename.startswith(_TORCH_DIR):
         return None
@@ -183,16 +178,10 @@ class SyncWatcher:
         """Host seconds the watching mode adds to one tensor function call here (best of three): the
         doctor takes it off the profiled steps' time, outside the ops the profiler times."""
         t = torch.zeros(())
-
-        def loop() -> float:
-            start = time.perf_counter()
-            for _ in range(calls):
-                t.add(t, alpha=1)
-            return time.perf_counter() - start
-
-        plain = min(loop() for _ in range(3))
+        call = functools.partial(t.add, t, alpha=1)
+        plain = min(timeit.repeat(call, number=calls, repeat=3))
         with _Mode(SyncWatcher(torch.device("cpu"))):
-            watched = min(loop() for _ in range(3))
+            watched = min(timeit.repeat(call, number=calls, repeat=3))
         return max(0.0, (watched - plain) / calls)
 
     def counts(self, tensor: Any) -> bool:
