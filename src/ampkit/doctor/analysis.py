@@ -93,12 +93,16 @@ def matmul_peaks(device: torch.device, dtype: torch.dtype, seconds: float = 0.3,
 
 
 class Analysis:
-    """The figures of one finished session, and the result built from them."""
+    """The figures of one finished session (which the findings read), and the result built from them."""
 
     def __init__(self, session: DoctorSession) -> None:
         self.s = session
         self.acc = session.acc
         self.device = session.acc.device
+        self.gpu = session.gpu  # the reference GPU; this device's row of the table, when it is a known GPU:
+        self.device_gpu = advisor.gpu_for_device(self.device)
+        # (num_workers, pin_memory) of each prepared DataLoader
+        self.loaders = [(int(dl.loader.num_workers), bool(dl.loader.pin_memory)) for dl in self.acc.loaders]
         self.notes: list[str] = []
         profiled, timed = session.rows["profiled"], session.rows["timed"]
         self.rows = timed or profiled
@@ -200,12 +204,7 @@ class Analysis:
             "phases": [{"name": p, "seconds": self.phases[p], "share": share[p]} for p in (*PHASES, "other")],
             "ops": self._ops(), "syncs": self._syncs(), "utilisation": self._utilisation(),
             "bound": self._bound(share), "advisor": self._advisor(), "findings": [], "notes": self.notes}
-        context = findings.Context(
-            work=self.work, gpu=s.gpu, device_gpu=advisor.gpu_for_device(self.device), peaks=self.peaks,
-            thread_peaks=self.thread_peaks,
-            loaders=[(int(l.loader.num_workers), bool(l.loader.pin_memory)) for l in acc.loaders],
-            compute_s=self.compute_s, kernel_s=self.kernel_s, work_s=self.work_s, stall_s=self.stall_s)
-        result["findings"] = findings.diagnose(result, context)
+        result["findings"] = findings.diagnose(result, self)
         return result
 
     def _ops(self) -> dict[str, Any]:

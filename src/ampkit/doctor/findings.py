@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ampkit.doctor import advisor
 from ampkit.present import article, count, flops, percent, seconds, times, where
+
+if TYPE_CHECKING:  # the rules read its figures: `gpu` (the reference GPU), `device_gpu`, `loaders`, ...
+    from ampkit.doctor.analysis import Analysis
 
 #: Data wait worth a finding, as a share of the step.
 DATA_SHARE = 0.10
@@ -46,23 +49,7 @@ class Finding:
                 "saved_on_gpu_s": self.saved_on_gpu_s}
 
 
-@dataclass(frozen=True, kw_only=True)
-class Context:
-    """What the rules need beyond the result dict."""
-
-    work: advisor.Workload
-    gpu: advisor.GPUSpec  # the reference GPU (`--gpu`)
-    device_gpu: advisor.GPUSpec | None  # this device's row of the table, when it is a known GPU
-    peaks: dict[str, float]  # measured peak matmul FLOP/s here, by dtype ("fp32", "bf16", "fp16")
-    loaders: list[tuple[int, bool]]  # (num_workers, pin_memory) of each prepared DataLoader
-    thread_peaks: dict[int, float]  # fp32 matmul FLOP/s here by torch thread count
-    compute_s: float  # step time minus data and h2d
-    kernel_s: float  # of which inside kernel ops
-    work_s: float | None  # what the kernels' FLOPs and bytes need at this device's measured speed
-    stall_s: float  # of the kernel time, what threads spent waiting for cores (`stall_time`)
-
-
-def diagnose(result: dict[str, Any], ctx: Context) -> list[dict[str, Any]]:
+def diagnose(result: dict[str, Any], ctx: Analysis) -> list[dict[str, Any]]:
     """All findings for `result` as dicts (`DOCTOR_SCHEMA`), ranked: most time saved here first, then on a GPU."""
     found = [rule(result, ctx) for rule in (data_wait, busy_threads, overhead_bound, small_batch, precision)]
     found = [f for f in found if f is not None] + syncs(result, ctx)
@@ -75,7 +62,7 @@ def _on_cpu(result: dict[str, Any]) -> bool:
 
 
 # --- data -------------------------------------------------------------------------------------------
-def data_wait(result: dict[str, Any], ctx: Context) -> Finding | None:
+def data_wait(result: dict[str, Any], ctx: Analysis) -> Finding | None:
     data = next(p for p in result["phases"] if p["name"] == "data")
     if data["share"] < DATA_SHARE:
         return None
@@ -129,7 +116,7 @@ def stall_time(kernel_s: float, work_s: float | None, ops_per_step: float, threa
     return max(stalls)
 
 
-def busy_threads(result: dict[str, Any], ctx: Context) -> Finding | None:
+def busy_threads(result: dict[str, Any], ctx: Analysis) -> Finding | None:
     if ctx.stall_s <= 0:
         return None
     ops = result["ops"]
@@ -161,7 +148,7 @@ def busy_threads(result: dict[str, Any], ctx: Context) -> Finding | None:
 
 
 # --- overhead -----------------------------------------------------------------------------------
-def overhead_bound(result: dict[str, Any], ctx: Context) -> Finding | None:
+def overhead_bound(result: dict[str, Any], ctx: Analysis) -> Finding | None:
     if result["bound"]["kind"] != "overhead":
         return None
     ops, adv = result["ops"], result["advisor"]
@@ -182,7 +169,7 @@ def overhead_bound(result: dict[str, Any], ctx: Context) -> Finding | None:
         fix=fix, saved_s=OVERHEAD_REMOVED * overhead)
 
 
-def small_batch(result: dict[str, Any], ctx: Context) -> Finding | None:
+def small_batch(result: dict[str, Any], ctx: Analysis) -> Finding | None:
     util = result["utilisation"]
     if util["fraction"] is None or util["fraction"] >= LOW_UTILISATION:
         return None
@@ -199,12 +186,12 @@ def small_batch(result: dict[str, Any], ctx: Context) -> Finding | None:
 
 
 # --- precision ----------------------------------------------------------------------------------
-def _ratio(ctx: Context, dtype: str) -> float | None:
+def _ratio(ctx: Analysis, dtype: str) -> float | None:
     """Measured matmul throughput of `dtype` over fp32 here, or None."""
     return ctx.peaks[dtype] / ctx.peaks["fp32"] if dtype in ctx.peaks and ctx.peaks.get("fp32") else None
 
 
-def precision(result: dict[str, Any], ctx: Context) -> Finding | None:
+def precision(result: dict[str, Any], ctx: Analysis) -> Finding | None:
     ops, dev = result["ops"], result["device"]
     step = result["step"]["host_s"]
     matmul_s = ops["matmul_share"] * ctx.kernel_s
@@ -284,7 +271,7 @@ def occasional_rate(site: dict[str, Any], watched: int) -> str:
     return f"{reads} in {site['steps_seen']} of {watched} watched steps"
 
 
-def syncs(result: dict[str, Any], ctx: Context) -> list[Finding]:
+def syncs(result: dict[str, Any], ctx: Analysis) -> list[Finding]:
     """One finding per site of the training step (the three most frequent), the rest in one; the
     sites that read only in some steps (evaluation, logging every N steps) in one of their own."""
     section = result["syncs"]
