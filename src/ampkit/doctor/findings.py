@@ -197,13 +197,12 @@ def precision(result: dict[str, Any], ctx: Analysis) -> Finding | None:
     matmul_s = ops["matmul_share"] * ctx.kernel_s
     share = matmul_s / step if step > 0 else 0.0
     where_ = "this CPU" if _on_cpu(result) else "this GPU"
-    low = dev["precision"] not in ("fp32",)
     gpu_fp32 = advisor.estimate(ctx.work, ctx.gpu, "fp32")
     gpu_mixed = advisor.estimate(ctx.work, ctx.gpu, advisor.mixed_dtype(ctx.gpu))
     on_gpu = (f"on {article(ctx.gpu.name)} {ctx.gpu.name}, {advisor.mixed_dtype(ctx.gpu)}-mixed would take the step from "
               f"~{seconds(gpu_fp32.step_s)} to ~{seconds(gpu_mixed.step_s)} (est.)")
     r = _ratio(ctx, "bf16")
-    if not low:
+    if dev["precision"] == "fp32":
         if dev["bf16_fast"] and r and r > 1:
             speedup = 1 / ((1 - share) + share / r)
             return Finding(
@@ -213,10 +212,10 @@ def precision(result: dict[str, Any], ctx: Analysis) -> Finding | None:
                 fix="Accelerator(precision='bf16-mixed'), or 'auto' which picks it on this hardware",
                 saved_s=step * (1 - 1 / speedup))
         slower = f"~{1 / r:.0f}× slower than fp32" if r and r < 1 else "slower than fp32 (no fast bf16 unit)"
-        measured = ""
-        if r is not None:  # a ratio above 1 on a device without bf16 units is a busy machine, not a fact
-            measured = (f"; bf16 matmuls measured {r:.2g}× fp32 here" if r < 1 else
-                        f"; the matmul benchmark was inconclusive here (bf16 {r:.2g}× fp32: a busy machine?)")
+        # a ratio above 1 on a device without bf16 units is a busy machine, not a fact
+        measured = "" if r is None else (
+            f"; bf16 matmuls measured {r:.2g}× fp32 here" if r < 1 else
+            f"; the matmul benchmark was inconclusive here (bf16 {r:.2g}× fp32: a busy machine?)")
         return Finding(
             id="precision", title=f"matmul/conv share {share:.0%}, but bf16 is {slower} on {where_}: stay on fp32",
             evidence=f"{where_} has no fast bf16 ({dev['name']}){measured}; {on_gpu}",
@@ -224,9 +223,8 @@ def precision(result: dict[str, Any], ctx: Analysis) -> Finding | None:
                  "or a CPU with AMX/AVX512-BF16"),
             saved_s=0.0, saved_on_gpu_s=max(0.0, gpu_fp32.step_s - gpu_mixed.step_s))
     dtype = "bf16" if "bf16" in dev["precision"] else "fp16"
-    fast = dev["bf16_fast"] if dtype == "bf16" else None
     r_low = _ratio(ctx, dtype)
-    if fast is False or (r_low is not None and r_low < 1):
+    if (dtype == "bf16" and dev["bf16_fast"] is False) or (r_low is not None and r_low < 1):
         saved = matmul_s * (1 - r_low) if r_low is not None and r_low < 1 else 0.0
         return Finding(
             id="precision",
@@ -295,8 +293,8 @@ def syncs(result: dict[str, Any], ctx: Analysis) -> list[Finding]:
     if not sites or total <= 0:
         return out
     for site in sites[:3]:
-        share = site["per_step"] / total
         n = site["per_step"]
+        share = n / total
         every = "1 sync per step" if abs(n - 1) < 1e-9 else (
             f"{count(n)} syncs per step" if n >= 1 else f"1 sync every {1 / n:.0f} steps")
         call = _CALL_NAMES.get(site["call"], f".{site['call']}()")

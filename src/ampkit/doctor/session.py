@@ -33,8 +33,7 @@ from ampkit.doctor.watch import DoctorError, Result, Watch, check_counts
 from ampkit.events import Listener
 from ampkit.optim import AmpOptimizer
 
-#: Most steps the profiler records: op counts repeat from step to step, so a few are enough, and
-#: the profiler slows each step it records.
+#: Most steps the profiler records (it slows each; op counts repeat from step to step).
 MAX_PROFILED_STEPS = 5
 
 #: A line of kineto's log ("USDT:2026-01-01 10:00:00 71:71 SyncActivityProfilerHandler.cpp:52] ..."),
