@@ -133,7 +133,8 @@ class Analysis:
             device_s = ops.cuda_kernel_us * 1e-6 / ops.steps
             self.kernel_share = min(1.0, device_s / max(1e-9, self.step_s - self.phases["data"]))
         else:
-            self.kernel_share = min(1.0, ops.kernel_us_per_step * 1e-6 / prof_compute) if prof_compute > 0 else 0.0
+            inside = ops.kernel_us_per_step * 1e-6
+            self.kernel_share = min(1.0, inside / prof_compute) if prof_compute > 0 else 0.0
         self.kernel_s = self.kernel_share * self.compute_s
 
         samples = [r["samples"] for r in self.rows if r["samples"] is not None]

@@ -193,7 +193,8 @@ def analyse(events: list[Any], steps: int) -> OpStats:
             continue
         inputs = _input_bytes(e)
         # the inputs and an output; a TensorList op (foreach) records no shapes: what its inner ops touched
-        moved = sum(inputs) + max(inputs) if any(inputs) else sum(sum(_input_bytes(d)) for d in _descendants(e))
+        moved = (sum(inputs) + max(inputs) if any(inputs)
+                 else sum(sum(_input_bytes(d)) for d in _descendants(e)))
         kernels.append(KernelOp(e.name, float(e.cpu_time_total), flops.get(id(e), 0), moved,
                                 bool(MATMUL_OPS.search(e.name))))
     cuda_us = float(sum(e.time_range.elapsed_us() for e in cuda))  # each kernel's own span on the device

@@ -35,7 +35,8 @@ def subject_line(subject: Result) -> str:
 
 def _title(r: Result) -> str:
     dev = r["device"]
-    return f"ampkit doctor — {subject_line(r['subject'])} on {dev['device']} ({dev['name']}), {dev['precision']}"
+    name = subject_line(r["subject"])
+    return f"ampkit doctor — {name} on {dev['device']} ({dev['name']}), {dev['precision']}"
 
 
 def _measured(r: Result) -> str:
@@ -96,8 +97,8 @@ def _sync_line(r: Result) -> str:
 def _sync_rows(r: Result) -> list[list[str]]:
     watched = r["syncs"]["watched_steps"]
     return [[where(s["file"], s["line"]), s["code"], s["call"] + (f" via {s['via']}" if s["via"] else ""),
-             count(s["per_step"]) if s["every_step"] else f"{s['reads']} in {s['steps_seen']}/{watched} steps"]
-            for s in r["syncs"]["sites"][:8]]
+             count(s["per_step"]) if s["every_step"] else
+             f"{s['reads']} in {s['steps_seen']}/{watched} steps"] for s in r["syncs"]["sites"][:8]]
 
 
 def _advisor_rows(r: Result) -> list[list[str]]:
@@ -193,11 +194,13 @@ _CSS = """
 """
 
 
-def _html_table(spec: tuple[list[str], tuple[int, ...]], rows: list[list[str]], raw: tuple[int, ...] = ()) -> str:
-    head = "".join(f"<th>{escape(h)}</th>" for h in spec[0])
+def _html_table(spec: tuple[list[str], tuple[int, ...]], rows: list[list[str]],
+                raw: tuple[int, ...] = ()) -> str:
+    header, numeric = spec
+    head = "".join(f"<th>{escape(h)}</th>" for h in header)
     body = "".join(
         "<tr>" + "".join(
-            f"<td{' class=n' if i in spec[1] else ''}>{c if i in raw else escape(c)}</td>" for i, c in enumerate(row)
+            f"<td{' class=n' if i in numeric else ''}>{c if i in raw else escape(c)}</td>" for i, c in enumerate(row)
         ) + "</tr>" for row in rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 

@@ -1,6 +1,8 @@
 """The doctors' entry points: on a loop you already have (`profile`, `numerics`), on a user's script
 (`diagnose_script`, `numerics_script`), on a built-in task or loop (`diagnose_task`, `numerics_task`,
-`numerics_train_fn`). A script runs as `python train.py args...` would (`runpy`, `__main__`, `sys.argv`, its folder first
+`numerics_train_fn`).
+
+A script runs as `python train.py args...` would (`runpy`, `__main__`, `sys.argv`, its folder first
 on `sys.path`); `ampkit.events.watch_created` hands the doctor the first Accelerator it creates, and
 the session ends the script (`StopTraining`) once it has seen enough. The script does not change.
 """

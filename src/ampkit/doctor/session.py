@@ -90,7 +90,7 @@ class PhaseClock(Listener):
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.samples: int | None = None
         self.batch_bytes = 0
-        self._forward_start: float | None = None  # a model call not followed by backward (evaluation) is "other"
+        self._forward_start: float | None = None  # a model call not followed by backward: "other"
         self._forward_excluded = 0.0  # data/h2d time that fell inside the forward span
 
     def take(self) -> tuple[dict[str, float], int | None, int]:
@@ -236,7 +236,8 @@ class DoctorSession(Watch):
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             with warnings.catch_warnings(), quiet_kineto():
                 warnings.simplefilter("ignore")  # kineto's start-up chatter is not the user's business
-                self._profiler = torch.profiler.profile(activities=activities, record_shapes=True, with_flops=True)
+                self._profiler = torch.profiler.profile(activities=activities, record_shapes=True,
+                                                        with_flops=True)
                 self._profiler.start()
             self.syncs.active = True
         elif window == "timed" and self.acc.device.type == "cuda":
