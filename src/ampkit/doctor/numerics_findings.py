@@ -16,8 +16,7 @@ Result = dict[str, Any]
 
 # --- loss-scale health and findings ------------------------------------------------------------
 def loss_scale_health(outcomes: list[Any], acc: Accelerator, localized: Result | None, census: Result) -> Result:
-    history = [o.scale for o in outcomes]
-    skipped = [i for i, o in enumerate(outcomes) if o.skipped]
+    history, skipped = [o.scale for o in outcomes], [i for i, o in enumerate(outcomes) if o.skipped]
     assert acc.scaler is not None
     health: Result = {"history": history, "skipped": len(skipped), "applied": len(outcomes) - len(skipped),
                       "halvings": sum(1 for a, b in zip(history, history[1:]) if b < a),
@@ -60,10 +59,8 @@ def lost_update_fix(precision: str, param_dtype: str, effective: str) -> tuple[s
     """(short, long) remedy for updates lost in the effective weights; never the preset in use."""
     if effective == "master" or param_dtype == "float32":  # the effective weights are fp32 already
         return "a larger learning rate", "a larger learning rate: even fp32 weights cannot hold these updates"
-    if param_dtype == "bfloat16":
-        options = [("bf16-master", "fp32 master weights"), ("bf16-true", "Kahan-compensated bf16")]
-    else:
-        options = [("fp16-master", "fp32 master weights")]
+    options = ([("bf16-master", "fp32 master weights"), ("bf16-true", "Kahan-compensated bf16")]
+               if param_dtype == "bfloat16" else [("fp16-master", "fp32 master weights")])
     options = [(name, what) for name, what in options if name != precision]
     return (f"use {' or '.join(n for n, _ in options)}",
             "use " + " or ".join(f"precision={n!r} ({what})" for n, what in options))
@@ -105,8 +102,8 @@ def findings(r: Result) -> list[Result]:
     out: list[Result] = []
     census, loc, lost, scale = r["census"], r["localizer"], r["lost_updates"], r["loss_scale"]
     keep = census["keep_fp32"]
-    if loc and (loc.get("forward") or loc.get("backward")):
-        c = loc["forward"] or loc["backward"]
+    c = loc and (loc.get("forward") or loc.get("backward"))
+    if c:
         phase = "forward" if loc["forward"] else "backward"
         if c["dtype"] == "float16":
             fix = (f"keep_fp32={keep!r}" if keep else
@@ -124,9 +121,8 @@ def findings(r: Result) -> list[Result]:
                                  f"{c['elements']}; largest finite value before it {num(c['max_finite_before'])} "
                                  f"(replay of that step's batch: {loc['trigger']})"),
                     "fix": fix})
-    overflow = [m for m in census["at_risk"] if m["overflow"]]
-    if overflow and not out:
-        m = overflow[0]
+    m = next((m for m in census["at_risk"] if m["overflow"]), None)
+    if m and not out:
         out.append({"id": "forward-overflow", "title": f"{label(m['name'])} ({m['type']}) exceeds fp16's range",
                     "evidence": "; ".join(m["reasons"]),
                     "fix": f"keep_fp32={keep!r}, or a bf16 preset"})
