@@ -78,14 +78,13 @@ class LiveBytes(TorchDispatchMode):
             storage = t.untyped_storage()
             key, nbytes = id(storage), self._bytes(storage)
             held = self.live.get(key)
-            if held is None:
-                self.live[key] = (nbytes, weakref.ref(storage, lambda _, key=key: self._freed(key)))
-            elif held[0] != nbytes:
-                self.live[key] = (nbytes, held[1])
-            else:
+            old = held[0] if held else 0
+            if held is not None and old == nbytes:
                 continue
-            self.total += nbytes - (held[0] if held else 0)
-            grew = grew or nbytes > (held[0] if held else 0)
+            ref = held[1] if held else weakref.ref(storage, lambda _, key=key: self._freed(key))
+            self.live[key] = (nbytes, ref)
+            self.total += nbytes - old
+            grew = grew or nbytes > old
         if grew and self.total > self.peak:
             self.peak, self.peak_phase, self.at_peak = self.total, self.phase, self.components()
 
