@@ -36,6 +36,11 @@ class _Catch(Listener):
         self.loader_batch: Any = None
         self.forward_batch: Any = None
 
+    def created(self, acc: Any) -> None:
+        if self.acc is None:
+            self.acc = acc
+            acc.events.add(self)
+
     def on_batch_wait_end(self, loader: Any, batch: Any) -> None:
         if self.loader_batch is None:
             self.loader_batch = batch
@@ -95,15 +100,9 @@ def capture(script: str | Path, args: list[str]) -> tuple[Any, Any, Any, Any, st
     if not path.is_file():
         raise ScriptPlanError(f"script {str(script)!r} not found (from {Path.cwd()})")
     catch = _Catch()
-
-    def created(acc: Any) -> None:
-        if catch.acc is None:
-            catch.acc = acc
-            acc.events.add(catch)
-
     hook = register_module_forward_pre_hook(catch.forward_pre)
     try:
-        with watch_created(created):
+        with watch_created(catch.created):
             run_as_main(path, args)
     except _Seen:
         pass
