@@ -148,7 +148,6 @@ class RangeCensus:
                 stats.tallies["grad_unscaled"].add(grad, scale)  # the true gradient: seen / this step's scale
         return hook
 
-    # --- reading ------------------------------------------------------------------------------
     def result(self, scaled: bool) -> dict[str, Any]:
         """Per-module figures, the ranked layers at risk and a `keep_fp32` that would fix them."""
         stats = list(self.modules.values())  # execution order: of their first forward
@@ -208,9 +207,7 @@ def _reasons(m: dict[str, Any]) -> list[str]:
 
 
 def _rank(modules: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Modules at risk, most severe first: the one that *creates* an overflow, then what reads it,
-    then gradient overflow, then gradient underflow. A container is dropped when a module inside
-    it is at risk (its figures are that module's)."""
+    """Modules at risk, most severe first (`_severity`); a container is dropped when a module inside it is."""
     risky = [(m, r) for m in modules if m["name"] and (r := _reasons(m))]
     names = [m["name"] for m, _ in risky]
     risky = [(m, r) for m, r in risky if not any(n.startswith(m["name"] + ".") for n in names)]

@@ -111,12 +111,8 @@ def _stats(t: torch.Tensor) -> tuple[list[int], str, torch.Tensor, torch.Tensor]
 
 def replay(capture: Capture, names: dict[nn.Module, str], device: torch.device,
            weights: list[tuple[nn.Parameter, torch.Tensor]] | None = None) -> dict[str, Any]:
-    """Rerun `capture`'s forward and backward with hooks; return where values first went inf/NaN.
-
-    `names`: module -> name; `weights` ((parameter, value before the step), `BatchKeeper.weights`):
-    replay on those and put the current ones back. Returns {"forward", "backward", "note"}, a
-    culprit being the localizer record of `NUMERICS_SCHEMA`.
-    """
+    """Rerun `capture`'s forward and backward with hooks (`names`: module -> name), on `weights` (parameter,
+    value before the step) if given; return {"forward", "backward", "note"}: where it first went inf/NaN."""
     model = capture.model
     events: list[_Event] = []
     handles: list[Any] = []
@@ -179,8 +175,7 @@ def replay(capture: Capture, names: dict[nn.Module, str], device: torch.device,
 def _first_nonfinite(events: list[_Event], note: str | None) -> dict[str, Any]:
     if not events:
         return {"forward": None, "backward": None, "note": note or "the replay ran no hooked module"}
-    # The replay's two reads, once it is over: the doctor's own, never inside a training step.
-    counts = torch.stack([e.counts for e in events]).tolist()  # sync: after the replay
+    counts = torch.stack([e.counts for e in events]).tolist()  # sync: after the replay, never inside a step
     known = [e.before for e in events if e.before is not None]
     maxes = torch.stack([e.absmax for e in events] + known).tolist()  # sync: see above
     befores = iter(maxes[len(events):])

@@ -14,7 +14,6 @@ from ampkit.precision import dtype_name
 Result = dict[str, Any]
 
 
-# --- loss-scale health and findings ------------------------------------------------------------
 def loss_scale_health(outcomes: list[Any], acc: Accelerator, localized: Result | None, census: Result) -> Result:
     history, skipped = [o.scale for o in outcomes], [i for i, o in enumerate(outcomes) if o.skipped]
     assert acc.scaler is not None
@@ -78,8 +77,7 @@ def with_recommendation(lost: Result, acc: Accelerator) -> Result:
 
 
 def _fp8_range(modules: list[Result]) -> Result:
-    """fp8-mixed: per layer that runs in fp8, its inputs' and gradients' largest |value| (the scale maps it to
-    e4m3's 448 / e5m2's 57344) and the share of values that scaling still flushes to 0."""
+    """fp8-mixed: the layers in fp8, their largest |value| and the share that scaling flushes to 0."""
     fp8 = [m for m in modules if m["type"] == "Float8Linear" and m["input"]]
     def flushed(m: Result) -> float:
         return max(m["input"]["flush_e4m3_share"], (m["grad"] or {}).get("flush_e5m2_share", 0.0))
@@ -157,7 +155,6 @@ def findings(r: Result) -> list[Result]:
     return out
 
 
-# --- the summary a comparison shows per run ----------------------------------------------------
 def summarize(r: Result) -> Result:
     """The few figures `ampkit compare` shows of a result (report.json's `runs[i].numerics`); `problem` is
     one line when something needs changing *in this run's precision* (an fp32 run that would overflow

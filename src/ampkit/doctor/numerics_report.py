@@ -15,7 +15,6 @@ from ampkit.present import escape
 Result = dict[str, Any]
 
 
-# --- the schema (built with the performance doctor's schema parts) -----------------------------
 _SHARE = {"type": "number", "minimum": 0, "maximum": 1}
 _SHARE_OR_NULL = {"type": ["number", "null"], "minimum": 0, "maximum": 1}
 
@@ -98,7 +97,6 @@ def validate_numerics(result: Result) -> None:
     validate_result(result, NUMERICS_SCHEMA)
 
 
-# --- the report ---------------------------------------------------------------------------------
 def label(name: str) -> str:
     return name or "(the model itself)"
 
