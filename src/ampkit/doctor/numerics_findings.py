@@ -33,13 +33,11 @@ def _diagnose_scale(h: Result, localized: Result | None, census: Result) -> str:
             f"({h['history'][0]:g} to {h['scale']:g})")
     keep = census["keep_fp32"]
     fix = f"keep_fp32={keep!r}" if keep else "keep_fp32=[the layer named above]"
-    if localized and localized.get("forward"):
-        f = localized["forward"]
+    if f := localized and localized.get("forward"):
         return (f"{head}: layer {label(f['module'])!r} ({f['type']}) overflows fp16 in the forward "
                 f"({f['inf']} inf, {f['nan']} NaN of {f['elements']} values; its largest finite input was "
                 f"{num(f['max_finite_before'])}). No loss scale fixes a forward overflow: {fix}, or a bf16 preset")
-    if localized and localized.get("backward"):
-        b = localized["backward"]
+    if b := localized and localized.get("backward"):
         where_ = (f"the gradient {b['what']} of {label(b['module'])!r} ({b['type']}) overflows fp16 in the backward "
                   f"(largest finite loss-scaled gradient before it {num(b['max_finite_before'])})")
         if not keep:
@@ -100,8 +98,7 @@ def findings(r: Result) -> list[Result]:
     out: list[Result] = []
     census, loc, lost, scale = r["census"], r["localizer"], r["lost_updates"], r["loss_scale"]
     keep = census["keep_fp32"]
-    c = loc and (loc.get("forward") or loc.get("backward"))
-    if c:
+    if c := loc and (loc.get("forward") or loc.get("backward")):
         phase = "forward" if loc["forward"] else "backward"
         if c["dtype"] == "float16":
             fix = (f"keep_fp32={keep!r}" if keep else
@@ -119,13 +116,11 @@ def findings(r: Result) -> list[Result]:
                                  f"{c['elements']}; largest finite value before it {num(c['max_finite_before'])} "
                                  f"(replay of that step's batch: {loc['trigger']})"),
                     "fix": fix})
-    m = next((m for m in census["at_risk"] if m["overflow"]), None)
-    if m and not out:
+    if not out and (m := next((m for m in census["at_risk"] if m["overflow"]), None)):
         out.append({"id": "forward-overflow", "title": f"{label(m['name'])} ({m['type']}) exceeds fp16's range",
                     "evidence": "; ".join(m["reasons"]),
                     "fix": f"keep_fp32={keep!r}, or a bf16 preset"})
-    under = [m for m in census["at_risk"] if not m["overflow"]]
-    if under:
+    if under := [m for m in census["at_risk"] if not m["overflow"]]:
         scaled = r["device"]["precision"].startswith("fp16")
         out.append({"id": "grad-underflow",
                     "title": f"{len(under)} layer(s) have gradients below fp16's normal range",

@@ -138,23 +138,20 @@ def _lines(r: Result) -> list[tuple[str, list[str]]]:
             row += f" (scaled {_share(grad.get('under_fp16_share'))})"
         rows.append(row)
     sections.append(("census (fp16: over = > 65504 or inf; under = below 2**-14; grad = true, unscaled)", rows))
-    loc = r["localizer"]
-    if loc is not None:
+    if (loc := r["localizer"]) is not None:
         lines = [f"{phase}: {label(c['module'])} ({c['type']}) {c['what']} {c['shape']} {c['dtype']} — "
                  f"{c['inf']} inf, {c['nan']} NaN of {c['elements']}; largest finite before it "
                  f"{num(c['max_finite_before'])}" for phase in ("forward", "backward") if (c := loc[phase])]
         lines += [loc["note"]] if loc["note"] else []
         sections.append((f"overflow localizer ({loc['trigger']})", lines))
-    lost = r["lost_updates"]
-    if lost is not None:
+    if (lost := r["lost_updates"]) is not None:
         lines = [f"over {lost['steps']} applied steps; effective weight: {lost['effective']}"]
         lines += [f"group {g['index']} ({g['elements']} weights, {g['storage_dtype']}): "
                   f"lost {_share(g['lost_share'])}, below half an ulp {_share(g['below_half_ulp_share'])}"
                   for g in lost["groups"]]
         lines += [lost["recommendation"]] if lost["recommendation"] else []
         sections.append(("lost updates", lines))
-    scale = r["loss_scale"]
-    if scale is not None:
+    if (scale := r["loss_scale"]) is not None:
         hist = ", ".join(f"{x:g}" for x in scale["history"][:12]) + (" ..." if len(scale["history"]) > 12 else "")
         since = {None: "no overflow", 0: "the last watched step overflowed"}.get(
             scale["steps_since_overflow"], f"{scale['steps_since_overflow']} step(s) since the last overflow")
