@@ -72,7 +72,7 @@ class NumericsSession(Watch):
         scaler = self.acc.scaler
         self._census = RangeCensus(models, self.acc.device, None if scaler is None else lambda: scaler.scale_tensor)
         self.hooks.callback(self._census.remove)
-        # without loss scaling a step with an inf/NaN loss is applied: a replay needs the weights from before it
+        # without loss scaling an inf/NaN-loss step is applied: a replay needs the weights from before it
         self._keeper = BatchKeeper(models, self.acc.device, keep_weights=scaler is None)
         self.hooks.callback(self._keeper.remove)
         self._lost = LostUpdateDetector(self.acc.optimizers[0])
