@@ -5,8 +5,7 @@ back into them. Per module and kind it keeps on the device (read once, in `resul
 finite |value| and the `COUNTS`: over fp16 (> 65504 or inf; NaN apart, so a NaN flowing downstream
 is not a new overflow), below fp16's smallest normal (2**-14) and subnormal (2**-24: flushed to 0),
 over or below bf16's range, NaN, and what per-tensor scaling to fp8 (e4m3, e5m2) would flush to 0.
-Loss-scaled gradients are measured as seen and divided by the
-step's scale (the true gradients): does fp16 hold them with scaling, would it without.
+Loss-scaled gradients are measured as seen and divided by the step's scale (the true gradients).
 """
 
 from __future__ import annotations
@@ -26,9 +25,8 @@ FP16_MIN_NORMAL = 2.0**-14
 FP16_MIN_SUBNORMAL = 2.0**-24
 BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 BF16_MIN_NORMAL = float(torch.finfo(torch.bfloat16).tiny)
-#: fp8 (fp8-mixed): a tensor is scaled so its largest |value| lands on the format's largest (torchao's
-#: dynamic scaling); what then falls below the smallest subnormal flushes to 0. e4m3 holds activations
-#: and weights (448, 2**-9), e5m2 gradients (57344, 2**-16).
+#: fp8: a tensor scaled so its largest |value| lands on the format's largest (torchao's dynamic scaling)
+#: flushes what falls below the smallest subnormal: e4m3 (448, 2**-9), e5m2 for gradients (57344, 2**-16).
 E4M3_FLUSH = 2.0**-9 / 448.0
 E5M2_FLUSH = 2.0**-16 / 57344.0
 
@@ -36,8 +34,7 @@ E5M2_FLUSH = 2.0**-16 / 57344.0
 COUNTS = ("over_fp16", "under_fp16", "flush_fp16", "over_bf16", "under_bf16", "nan", "flush_e4m3", "flush_e5m2")
 KINDS = ("input", "output", "grad", "grad_unscaled")
 
-#: A module whose true gradients fall below fp16's smallest normal this often is "at risk" of
-#: underflow without loss scaling.
+#: A module whose true gradients fall below fp16's smallest normal this often is at risk without loss scaling.
 UNDERFLOW_RISK_SHARE = 0.10
 
 
@@ -47,15 +44,10 @@ def float_tensors(obj: Any) -> list[torch.Tensor]:
 
 
 def measure(t: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `COUNTS` of `t` (int64, on its device) and its largest finite |value|; no sync.
-
-    In fp32 (a bf16 65504 would round to 65536). With `scale` (a loss-scaled gradient, measured at
-    its true size) an inf is no overflow: the scaling may have made it.
-    """
+    """The `COUNTS` of `t` (int64, on its device) and its largest finite |value|, in fp32; no sync.
+    With `scale` (a loss-scaled gradient, measured at its true size) an inf is no overflow."""
     x = t.detach().float()
-    a = x.abs()
-    if scale is not None:
-        a = a / scale.to(x.device)
+    a = x.abs() if scale is None else x.abs() / scale.to(x.device)
     over = a > FP16_MAX if scale is None else (a > FP16_MAX) & torch.isfinite(a)
     nonzero = a > 0  # False for NaN
     zero = torch.zeros((), device=a.device)
@@ -80,12 +72,13 @@ class _Tally:
     absmax: torch.Tensor | None = None
     elements: int = 0  # host-side: shapes are known without a sync
 
-    def add(self, t: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def add(self, t: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Tally `t`; return its overflowing and NaN elements together (on the device)."""
         counts, absmax = measure(t, scale)
         self.counts = counts if self.counts is None else self.counts + counts
         self.absmax = absmax if self.absmax is None else torch.maximum(self.absmax, absmax)
         self.elements += t.numel()
-        return counts, absmax
+        return counts[0] + counts[5]
 
 
 @dataclass
@@ -94,7 +87,6 @@ class ModuleStats:
 
     name: str
     type: str
-    order: int  # position of its first forward in the watched steps (execution order)
     calls: int = 0
     dtype: str | None = None  # dtype of its (first) output, last seen
     shape: list[int] | None = None
@@ -103,8 +95,7 @@ class ModuleStats:
 
 
 def _tally(stats: ModuleStats, kind: str, tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """Tally `tensors` as `kind`; their overflowing and NaN elements together (on the device), None without any."""
-    bad = [counts[0] + counts[5] for counts, _ in (stats.tallies[kind].add(t) for t in tensors)]
+    bad = [stats.tallies[kind].add(t) for t in tensors]
     return sum(bad[1:], bad[0]) if bad else None
 
 
@@ -113,17 +104,12 @@ class RangeCensus:
     `scale` returns the current loss-scale tensor (None: no loss scaling)."""
 
     def __init__(self, models: list[nn.Module], device: torch.device, scale: Any = None) -> None:
-        self._device = device
-        self._scale = scale
+        self._device, self._scale = device, scale
         self.enabled = True  # off while the localizer replays a batch
         self.modules: dict[str, ModuleStats] = {}
-        self._handles: list[Any] = []
-        self._order = 0
-        for index, model in enumerate(models):
-            named = [(n, m) for n, m in model.named_modules() if n or not list(m.children())]
-            for name, module in named:
-                full = name if len(models) == 1 else f"model{index}:{name}"
-                self._handles.append(module.register_forward_hook(self._forward_hook(full), with_kwargs=True))
+        named = [(name if len(models) == 1 else f"model{i}:{name}", module) for i, model in enumerate(models)
+                 for name, module in model.named_modules() if name or not list(module.children())]
+        self._handles = [m.register_forward_hook(self._forward_hook(n), with_kwargs=True) for n, m in named]
 
     def remove(self) -> None:
         """Take every hook off (tensor hooks on gradients in flight check `enabled`)."""
@@ -136,10 +122,7 @@ class RangeCensus:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if not self.enabled:
                 return
-            stats = self.modules.get(name)
-            if stats is None:
-                stats = self.modules[name] = ModuleStats(name, type(module).__name__, self._order)
-                self._order += 1
+            stats = self.modules.setdefault(name, ModuleStats(name, type(module).__name__))
             stats.calls += 1
             bad_in = _tally(stats, "input", float_tensors((args, kwargs)))
             outputs = float_tensors(output)
@@ -151,8 +134,7 @@ class RangeCensus:
                 stats.dtype = dtype_name(outputs[0].dtype)
                 stats.shape = list(outputs[0].shape)
             if bad_out is not None:
-                created = (bad_out > 0) if bad_in is None else (bad_out > 0) & (bad_in == 0)
-                created = created.to(torch.int64)
+                created = ((bad_out > 0) if bad_in is None else (bad_out > 0) & (bad_in == 0)).to(torch.int64)
                 stats.created = created if stats.created is None else stats.created + created
         return hook
 
@@ -166,58 +148,57 @@ class RangeCensus:
                 stats.tallies["grad_unscaled"].add(grad, scale)  # the true gradient: seen / this step's scale
         return hook
 
-    # --- reading ------------------------------------------------------------------------------
     def result(self, scaled: bool) -> dict[str, Any]:
         """Per-module figures, the ranked layers at risk and a `keep_fp32` that would fix them."""
-        stats = sorted(self.modules.values(), key=lambda s: s.order)
+        stats = list(self.modules.values())  # execution order: of their first forward
         wide = torch.float32 if self._device.type == "mps" else torch.float64  # exact counts where the device has fp64
+        zero = torch.zeros((), dtype=torch.int64, device=self._device)
         flat: list[torch.Tensor] = []
         for s in stats:
-            for kind in KINDS:
-                t = s.tallies[kind]
-                if t.counts is not None:
-                    flat += [t.counts.to(wide), t.absmax.to(wide).reshape(1)]
-            created = s.created if s.created is not None else torch.zeros((), dtype=torch.int64)
-            flat.append(created.to(wide).reshape(1))
-        flat = [f.to(self._device) for f in flat]  # the zero placeholders are made on the CPU
+            flat += [torch.cat([t.counts.to(self._device, wide), t.absmax.to(self._device, wide).reshape(1)])
+                     for t in s.tallies.values() if t.counts is not None]
+            flat.append((zero if s.created is None else s.created).to(wide).reshape(1))
         values = iter(torch.cat(flat).tolist() if flat else [])  # sync: once, after the watched steps
         modules = []
         for s in stats:
             entry: dict[str, Any] = {"name": s.name, "type": s.type, "calls": s.calls, "dtype": s.dtype,
-                                     "shape": s.shape}
-            for kind in KINDS:
-                t = s.tallies[kind]
-                if t.counts is None:
-                    entry[kind] = None
-                    continue
-                counts = [next(values) for _ in COUNTS]
-                absmax = next(values)
-                shares = {f"{c}_share": (n / t.elements if t.elements else 0.0) for c, n in zip(COUNTS, counts)}
-                entry[kind] = {"abs_max": absmax, "elements": t.elements, **shares}
+                                     "shape": s.shape, **dict.fromkeys(KINDS)}
+            for kind, t in s.tallies.items():
+                if t.counts is not None:
+                    *counts, absmax = (next(values) for _ in range(len(COUNTS) + 1))
+                    shares = {f"{c}_share": n / max(t.elements, 1) for c, n in zip(COUNTS, counts)}
+                    entry[kind] = {"abs_max": absmax, "elements": t.elements, **shares}
             entry["created_nonfinite"] = int(next(values))
             if not scaled:
                 entry["grad_unscaled"] = entry["grad"]  # without loss scaling the gradients seen are the true ones
             modules.append(entry)
         at_risk = _rank(modules)
-        return {"modules": modules, "at_risk": at_risk, "keep_fp32": _suggest(at_risk)}
+        # keep in fp32 what exceeds fp16's range (underflow alone is not: loss scaling is its fix)
+        return {"modules": modules, "at_risk": at_risk,
+                "keep_fp32": [m["name"] for m in at_risk if m["overflow"] and ":" not in m["name"]]}
 
 
 def _share(entry: dict[str, Any], kind: str, count: str) -> float:
-    tally = entry.get(kind)
-    return tally[f"{count}_share"] if tally else 0.0
+    return entry[kind][f"{count}_share"] if entry.get(kind) else 0.0
+
+
+def _severity(m: dict[str, Any]) -> tuple[float, ...]:
+    """(creates an overflow, output over, input over, true gradient over, true gradient under fp16)."""
+    return (m["created_nonfinite"] > 0, _share(m, "output", "over_fp16"), _share(m, "input", "over_fp16"),
+            _share(m, "grad_unscaled", "over_fp16"), _share(m, "grad_unscaled", "under_fp16"))
 
 
 def _reasons(m: dict[str, Any]) -> list[str]:
+    created, out_over, in_over, grad_over, under = _severity(m)
     reasons = []
-    if m["created_nonfinite"] or (_share(m, "output", "over_fp16") and not _share(m, "input", "over_fp16")):
+    if created or (out_over and not in_over):
         out = m["output"]["abs_max"] if m["output"] else 0.0
-        reasons.append(f"its output overflows fp16 ({_share(m, 'output', 'over_fp16'):.1%} of values > 65504 or inf; "
+        reasons.append(f"its output overflows fp16 ({out_over:.1%} of values > 65504 or inf; "
                        f"largest finite {out:.4g})")
-    if _share(m, "input", "over_fp16"):
-        reasons.append(f"it reads values that overflow fp16 ({_share(m, 'input', 'over_fp16'):.1%} of its input)")
-    if _share(m, "grad_unscaled", "over_fp16"):
-        reasons.append(f"its true gradient overflows fp16 ({_share(m, 'grad_unscaled', 'over_fp16'):.1%})")
-    under = _share(m, "grad_unscaled", "under_fp16")
+    if in_over:
+        reasons.append(f"it reads values that overflow fp16 ({in_over:.1%} of its input)")
+    if grad_over:
+        reasons.append(f"its true gradient overflows fp16 ({grad_over:.1%})")
     if under >= UNDERFLOW_RISK_SHARE:
         scaled = f" ({_share(m, 'grad', 'under_fp16'):.1%} with it)" if m["grad"] != m["grad_unscaled"] else ""
         reasons.append(f"{under:.0%} of its gradient is below fp16's smallest normal (2**-14) without loss scaling"
@@ -226,28 +207,14 @@ def _reasons(m: dict[str, Any]) -> list[str]:
 
 
 def _rank(modules: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Modules at risk, most severe first: the one that *creates* an overflow, then what reads it,
-    then gradient overflow, then gradient underflow. A container is dropped when a module inside
-    it is at risk (its figures are that module's)."""
-    risky = [(m, _reasons(m)) for m in modules if m["name"]]
-    risky = [(m, r) for m, r in risky if r]
+    """Modules at risk, most severe first (`_severity`); a container is dropped when a module inside it is."""
+    risky = [(m, r) for m in modules if m["name"] and (r := _reasons(m))]
     names = [m["name"] for m, _ in risky]
     risky = [(m, r) for m, r in risky if not any(n.startswith(m["name"] + ".") for n in names)]
-
-    def severity(m: dict[str, Any]) -> tuple[float, ...]:
-        return (m["created_nonfinite"] > 0, _share(m, "output", "over_fp16"), _share(m, "input", "over_fp16"),
-                _share(m, "grad_unscaled", "over_fp16"), _share(m, "grad_unscaled", "under_fp16"))
-
-    ranked = sorted(risky, key=lambda item: severity(item[0]), reverse=True)  # stable: ties keep execution order
-    return [{"name": m["name"], "type": m["type"], "reasons": reasons, "overflow": any(severity(m)[:4]),
+    ranked = sorted(risky, key=lambda item: _severity(item[0]), reverse=True)  # stable: ties keep their order
+    return [{"name": m["name"], "type": m["type"], "reasons": reasons, "overflow": any(_severity(m)[:4]),
              "activation_abs_max": _finite(m["output"] and m["output"]["abs_max"]),
              "grad_abs_max": _finite(m["grad_unscaled"] and m["grad_unscaled"]["abs_max"])} for m, reasons in ranked]
-
-
-def _suggest(at_risk: list[dict[str, Any]]) -> list[str]:
-    """Module names to keep in fp32: those whose values (or true gradients) exceed fp16's range
-    (underflow alone is not: loss scaling is its fix)."""
-    return [m["name"] for m in at_risk if m["overflow"] and ":" not in m["name"]]
 
 
 def _finite(x: float | None) -> float | None:

@@ -1,18 +1,16 @@
 """The overflow localizer: replay one batch exactly and name the first module that went inf/NaN.
 
 `BatchKeeper` keeps, per forward of the current step, references to the model's inputs, the RNG
-state before it and the loss-scaled dLoss/dOutput (a tensor hook on the output): enough to rerun the
-step without the user's loss function — restore RNG, `model(*args, **kwargs)` with hooks on every
-module, `torch.autograd.grad(output, params, grad_outputs=dLoss/dOutput)` (nothing lands in
-`.grad`), then put back the RNG and every buffer, so the run is bitwise unaffected. Exact for a
-skipped step; an applied one is replayed on the weights from before it (`keep_weights`).
-
-"First" is execution order: in the forward an inner module returns before its container; in the
-backward, gradients are produced from the output toward the input.
+state before it and the loss-scaled dLoss/dOutput: enough to rerun the step without the user's loss
+function (`torch.autograd.grad` with that dLoss/dOutput: nothing lands in `.grad`), then put back
+the RNG and every buffer, so the run is bitwise unaffected. Exact for a skipped step; an applied one
+is replayed on the weights from before it (`keep_weights`). "First" is execution order: in the
+forward an inner module returns before its container, in the backward from the output toward the input.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,8 +50,7 @@ class BatchKeeper:
         self.captures: list[Capture] = []  # the forwards of the step in progress
         self.previous: list[Capture] = []  # those of the last finished step (for an on-demand replay)
         self.keep_weights = keep_weights
-        # Each model's parameters before the step in progress (`keep_weights`): one device-side copy of
-        # the model per watched step, taken at the model's first forward of the step.
+        # per model, its parameters before the step in progress (`keep_weights`), from its first forward
         self.weights: dict[nn.Module, list[tuple[nn.Parameter, torch.Tensor]]] = {}
         self._handles: list[Any] = []
         for model in models:
@@ -65,9 +62,8 @@ class BatchKeeper:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self.captures = []
+        self.new_step()
         self.previous = []
-        self.weights = {}
 
     def new_step(self) -> None:
         """Start keeping a new step's forwards (called after each optimizer step); drop the older step's."""
@@ -84,16 +80,11 @@ class BatchKeeper:
     def _after(self, model: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if not self.enabled or not self.captures or self.captures[-1].model is not model:
             return
-        capture = self.captures[-1]
+        grads = self.captures[-1].output_grads
         for t in float_tensors(output):
-            if not t.requires_grad:
-                continue
-            slot = len(capture.output_grads)
-            capture.output_grads.append(None)
-
-            def keep(grad: torch.Tensor, slot: int = slot) -> None:
-                capture.output_grads[slot] = grad  # a reference: the doctor copies nothing per step
-            t.register_hook(keep)
+            if t.requires_grad:  # its gradient kept by reference: the doctor copies nothing per step
+                grads.append(None)
+                t.register_hook(functools.partial(grads.__setitem__, len(grads) - 1))
 
 
 @dataclass
@@ -120,12 +111,8 @@ def _stats(t: torch.Tensor) -> tuple[list[int], str, torch.Tensor, torch.Tensor]
 
 def replay(capture: Capture, names: dict[nn.Module, str], device: torch.device,
            weights: list[tuple[nn.Parameter, torch.Tensor]] | None = None) -> dict[str, Any]:
-    """Rerun `capture`'s forward and backward with hooks; return where values first went inf/NaN.
-
-    `names`: module -> name; `weights` ((parameter, value before the step), `BatchKeeper.weights`):
-    replay on those and put the current ones back. Returns {"forward", "backward", "note"}, a
-    culprit being the localizer record of `NUMERICS_SCHEMA`.
-    """
+    """Rerun `capture`'s forward and backward with hooks (`names`: module -> name), on `weights` (parameter,
+    value before the step) if given; return {"forward", "backward", "note"}: where it first went inf/NaN."""
     model = capture.model
     events: list[_Event] = []
     handles: list[Any] = []
@@ -188,13 +175,11 @@ def replay(capture: Capture, names: dict[nn.Module, str], device: torch.device,
 def _first_nonfinite(events: list[_Event], note: str | None) -> dict[str, Any]:
     if not events:
         return {"forward": None, "backward": None, "note": note or "the replay ran no hooked module"}
-    # The replay's three reads, once it is over: the doctor's own, never inside a training step.
-    counts = torch.stack([e.counts for e in events]).tolist()  # sync: after the replay
-    maxes = torch.stack([e.absmax for e in events]).tolist()  # sync: see above
-    befores = [e.before for e in events]
-    known = [b for b in befores if b is not None]
-    before_values = iter(torch.stack(known).tolist() if known else [])  # sync: see above
-    before = [next(before_values) if b is not None else None for b in befores]
+    counts = torch.stack([e.counts for e in events]).tolist()  # sync: after the replay, never inside a step
+    known = [e.before for e in events if e.before is not None]
+    maxes = torch.stack([e.absmax for e in events] + known).tolist()  # sync: see above
+    befores = iter(maxes[len(events):])
+    before = [next(befores) if e.before is not None else None for e in events]
     forward = backward = None
     last_finite_grad: float | None = None
     for e, c, m, b in zip(events, counts, maxes, before):

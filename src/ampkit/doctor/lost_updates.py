@@ -1,12 +1,10 @@
 """The lost-update detector: optimizer updates too small for the dtype the weights are stored in.
 
-In bf16 (8 significant bits) an update below half the gap to the next value (half an *ulp*) rounds
-away, and training quietly stalls; `*-master` presets keep fp32 masters, `bf16-true` a Kahan buffer.
-Per parameter group of the first optimizer, around each applied step, it compares the *effective*
-weight (the parameter, its fp32 master, or bf16 + compensation) before and after: of the elements
-with a nonzero gradient, those that did not move (**lost**) and those whose update is below half an
-ulp of the storage dtype. A group meant to stay put (learning rate 0, nothing moved) is not counted
-that step. Counts stay on the device until `result()`.
+In bf16 an update below half the gap to the next value (half an *ulp*) rounds away and training quietly
+stalls. Per parameter group of the first optimizer, around each applied step, it compares the *effective*
+weight (the parameter, its fp32 master, or bf16 + Kahan compensation) before and after: of the elements
+with a nonzero gradient, those that did not move (**lost**) and those whose update is below half an ulp
+of the storage dtype. A group meant to stay put (learning rate 0, nothing moved) is not counted that step.
 """
 
 from __future__ import annotations
@@ -30,25 +28,21 @@ _MANTISSA = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10, torch.floa
 def half_ulp(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Half the gap between `w` (fp32) and the next value of `dtype` away from zero, elementwise: a
     normal |w| in [2**(e-1), 2**e) has an ulp of 2**(e-1-mantissa bits); below the normals, a subnormal's."""
-    info = torch.finfo(dtype)
-    bits = _MANTISSA[dtype]
     _, exponent = torch.frexp(w.float())
-    min_exponent = math.frexp(info.tiny)[1]  # frexp's exponent of the smallest normal
+    min_exponent = math.frexp(torch.finfo(dtype).tiny)[1]  # frexp's exponent of the smallest normal
     exponent = torch.where(w == 0, min_exponent, exponent).clamp_(min=min_exponent)
-    ulp = torch.ldexp(torch.ones_like(w, dtype=torch.float32), exponent - 1 - bits)
-    return ulp * 0.5
+    return torch.ldexp(torch.ones_like(w, dtype=torch.float32), exponent - 1 - _MANTISSA[dtype]) * 0.5
 
 
 class LostUpdateDetector:
     """Counts lost and below-half-ulp updates per parameter group of `optimizer`."""
 
     def __init__(self, optimizer: AmpOptimizer) -> None:
-        self.optimizer = optimizer
-        weights = optimizer.weights
-        stand_in: dict[int, tuple[nn.Parameter, Any]] = {}  # optimizer param -> (model param, effective weight getter)
+        self.optimizer, weights = optimizer, optimizer.weights
         self.effective = weights.kind if weights is not None else "param"
-        for i, (param, stand) in enumerate(weights.pairs if weights is not None else []):
-            stand_in[id(stand)] = (param, functools.partial(weights.fp32_value, i))
+        # optimizer param -> (model param, effective weight getter)
+        stand_in = {id(stand): (param, functools.partial(weights.fp32_value, i))
+                    for i, (param, stand) in enumerate(weights.pairs if weights is not None else [])}
         # (group index, model param, getter) for every parameter the optimizer steps
         self._params: list[tuple[int, nn.Parameter, Any]] = []
         for index, group in enumerate(optimizer.param_groups):
@@ -75,8 +69,8 @@ class LostUpdateDetector:
             return
         self.steps += 1
         lrs = [g.get("lr") for g in self.optimizer.param_groups]
-        step: list[torch.Tensor | None] = [None] * self._groups
-        moved: list[torch.Tensor | None] = [None] * self._groups
+        step: dict[int, list[torch.Tensor]] = {}  # per group: [wanted, lost, small] per parameter
+        moved: dict[int, list[torch.Tensor]] = {}  # per group: did any of a parameter's elements move?
         with torch.no_grad():
             for (index, param, get), before in zip(self._params, snapshot):
                 grad = param.grad
@@ -86,15 +80,11 @@ class LostUpdateDetector:
                 wanted = grad != 0
                 lost = wanted & (update == 0)
                 small = wanted & (update.abs() < half_ulp(before, param.dtype))
-                counts = torch.stack([wanted.sum(), lost.sum(), small.sum()])
-                step[index] = counts if step[index] is None else step[index] + counts
-                any_moved = (update != 0).any()
-                moved[index] = any_moved if moved[index] is None else moved[index] | any_moved
-            for index, counts in enumerate(step):
-                if counts is None:
-                    continue
-                counts = counts * moved[index]  # a group no element of which moved: an update of exactly 0
-                self._counts[index] = counts if self._counts[index] is None else self._counts[index] + counts
+                step.setdefault(index, []).append(torch.stack([wanted.sum(), lost.sum(), small.sum()]))
+                moved.setdefault(index, []).append((update != 0).any())
+            for index, counts in step.items():  # a group no element of which moved: an update of exactly 0
+                total = torch.stack(counts).sum(0) * torch.stack(moved[index]).any()
+                self._counts[index] = total if self._counts[index] is None else self._counts[index] + total
 
     def result(self) -> dict[str, Any]:
         """Per-group shares and a recommendation (one read of the device counters)."""
@@ -107,9 +97,7 @@ class LostUpdateDetector:
             dtypes[index].add(dtype_name(param.dtype))
             sizes[index] += param.numel()
         for index in range(self._groups):
-            wanted = lost = small = 0
-            if self._counts[index] is not None:
-                wanted, lost, small = next(values)
+            wanted, lost, small = next(values) if self._counts[index] is not None else (0, 0, 0)
             groups.append({"index": index, "elements": sizes[index], "storage_dtype": ",".join(sorted(dtypes[index])),
                            "wanted": int(wanted), "lost_share": lost / wanted if wanted else None,
                            "below_half_ulp_share": small / wanted if wanted else None})

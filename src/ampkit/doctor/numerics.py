@@ -2,14 +2,11 @@
 
 `NumericsSession` watches `steps` optimizer steps with the range census (`census`), the overflow
 localizer (`localizer`: the first skipped step, or without loss scaling the first with an inf/NaN
-loss, replayed exactly to name the first module that went inf/NaN), the lost-update detector
-(`lost_updates`) and the loss scale's history, then takes every hook off.
-
-It changes no weight, buffer, gradient or random stream: the run is bitwise the run without it. It
-reads one flag per watched step (one sync: the scaler's overflow flag, else its own inf/NaN-loss
-flag), so a troubled step's batch is replayed before the next update. Made before the model and
-optimizer are prepared, it hooks on at the first event after they are (from the next step on when
-that is mid-step). A loss scale that collapses while it watches raises with its diagnosis.
+loss, replayed to name the first module that went inf/NaN), the lost-update detector and the loss
+scale's history, then takes every hook off. The run is bitwise the run without it; it reads one flag
+per watched step (one sync), so a troubled step is replayed before the next update. Made before the
+model and optimizer are prepared, it hooks on at the first event after (the next step, if mid-step).
+A loss scale that collapses while it watches raises with its diagnosis.
 """
 
 from __future__ import annotations
@@ -63,11 +60,7 @@ class NumericsSession(Watch):
         self.attach()
 
     # --- the hooks on and off -------------------------------------------------------------------
-    def started(self) -> None:
-        if self.warmup == 0:
-            self._maybe_open(mid_step=False)
-
-    def _maybe_open(self, mid_step: bool) -> None:
+    def _maybe_open(self, *_: Any, mid_step: bool = False) -> None:
         """Hooks on once the model and optimizer are prepared and the warm-up has passed: the watched
         window starts at the next forward (`mid_step`: at the next step's)."""
         if self._census is not None or self.result is not None or self.seen_steps < self.warmup or not (
@@ -79,14 +72,15 @@ class NumericsSession(Watch):
         scaler = self.acc.scaler
         self._census = RangeCensus(models, self.acc.device, None if scaler is None else lambda: scaler.scale_tensor)
         self.hooks.callback(self._census.remove)
-        # Without loss scaling nothing skips a step whose loss went inf/NaN: the update is applied
-        # before the doctor can know, so the replay needs the weights from before each step.
+        # without loss scaling an inf/NaN-loss step is applied: a replay needs the weights from before it
         self._keeper = BatchKeeper(models, self.acc.device, keep_weights=scaler is None)
         self.hooks.callback(self._keeper.remove)
         self._lost = LostUpdateDetector(self.acc.optimizers[0])
         for model in models:  # the weights before each step: taken at the step's first forward
             self.hooks.callback(model.register_forward_pre_hook(self._snapshot).remove)
             self.hooks.callback(model.register_forward_hook(self._returned_loss).remove)
+
+    started = on_batch_wait_start = on_zero_grad_start = _maybe_open  # moments to hook on, between steps
 
     def _snapshot(self, *_: Any) -> None:
         replaying = self._census is None or not self._census.enabled
@@ -99,12 +93,6 @@ class NumericsSession(Watch):
             opt.reconcile(block=True)  # sync: the doctor's own, so a skipped step is known before the next update
 
     # --- events -----------------------------------------------------------------------------------
-    def on_batch_wait_start(self, loader: Any) -> None:
-        self._maybe_open(mid_step=False)
-
-    def on_zero_grad_start(self, optimizer: AmpOptimizer) -> None:
-        self._maybe_open(mid_step=False)
-
     def on_outcome(self, optimizer: AmpOptimizer, outcome: Outcome) -> None:
         if self._census is not None and self.is_first(optimizer):
             self.outcomes.append(outcome)
@@ -128,17 +116,17 @@ class NumericsSession(Watch):
 
     def step_ended(self) -> None:
         """End of an optimizer step: count it, replay it if it was skipped, finish after the last one."""
-        if self._census is None:
-            self._maybe_open(mid_step=False)
-        elif self._partial:  # hooked from the middle of this step: the watch starts with the next
+        if self._keeper is None:
+            self._maybe_open()
+            return
+        if self._partial:  # hooked from the middle of this step: the watch starts with the next
             self._partial = False
             self._reconcile()
             self.outcomes.clear()
             self._loss_bad = None
-            assert self._keeper is not None
-            self._keeper.new_step()
         else:
             self._watch_step()
+        self._keeper.new_step()
 
     def _watch_step(self) -> None:
         self.watched_steps += 1
@@ -146,14 +134,11 @@ class NumericsSession(Watch):
             self._reconcile()
         except LossScaleCollapse as exc:
             self._on_collapse(exc)
-        opt = self.acc.optimizers[0]
-        skipped = opt.latest_outcome() is False
-        nonfinite_loss = False
-        if self._loss_bad is not None:
-            # sync: the doctor's own, once per watched step and only without loss scaling (where the
-            # overflow flag above is the read): an inf/NaN loss is replayed before the next update
-            nonfinite_loss = bool(self._loss_bad)
-            self._loss_bad = None
+        skipped = self.acc.optimizers[0].latest_outcome() is False
+        # sync: the doctor's own, once per watched step and only without loss scaling (where the
+        # overflow flag above is the read): an inf/NaN loss is replayed before the next update
+        nonfinite_loss = self._loss_bad is not None and bool(self._loss_bad)
+        self._loss_bad = None
         if self._lost is not None:
             self._lost.measure(applied=not skipped)
         if not self._replayed and (skipped or nonfinite_loss):
@@ -161,8 +146,6 @@ class NumericsSession(Watch):
             what = "was skipped (overflow)" if skipped else "had an inf/NaN loss"
             self._localized = self._replay(f"step {self.watched_steps} of the watched steps {what}",
                                            applied=not skipped)
-        assert self._keeper is not None
-        self._keeper.new_step()
         if self.watched_steps >= self.steps:
             self.done()
 
@@ -181,17 +164,13 @@ class NumericsSession(Watch):
     def _replay(self, trigger: str, on_demand: bool = False, applied: bool = False) -> Result | None:
         """Replay the held batch of the step; `applied`: on the weights from before it (it changed them)."""
         keeper, census = self._keeper, self._census
-        if keeper is None:
+        if keeper is None or census is None:
             return None
-        captures = keeper.captures
-        if on_demand and not captures:
-            captures = keeper.previous  # called between steps: the step that just ended
+        captures = keeper.captures or (keeper.previous if on_demand else [])  # on demand: the step just ended
         if not captures:
             return None
         models = list(self.acc.models)
-        keeper.enabled = False
-        if census is not None:
-            census.enabled = False
+        keeper.enabled = census.enabled = False
         try:
             found: Result | None = None
             for i, capture in enumerate(list(captures)):  # each micro-batch of the step, until one overflows
@@ -209,9 +188,7 @@ class NumericsSession(Watch):
                     break
             return found
         finally:
-            keeper.enabled = True
-            if census is not None:
-                census.enabled = True
+            keeper.enabled = census.enabled = True
 
     def localize(self) -> Result | None:
         """Replay the latest step's batch now and return where it first went inf/NaN (None: no batch held).

@@ -14,10 +14,8 @@ from ampkit.precision import dtype_name
 Result = dict[str, Any]
 
 
-# --- loss-scale health and findings ------------------------------------------------------------
 def loss_scale_health(outcomes: list[Any], acc: Accelerator, localized: Result | None, census: Result) -> Result:
-    history = [o.scale for o in outcomes]
-    skipped = [i for i, o in enumerate(outcomes) if o.skipped]
+    history, skipped = [o.scale for o in outcomes], [i for i, o in enumerate(outcomes) if o.skipped]
     assert acc.scaler is not None
     health: Result = {"history": history, "skipped": len(skipped), "applied": len(outcomes) - len(skipped),
                       "halvings": sum(1 for a, b in zip(history, history[1:]) if b < a),
@@ -35,13 +33,11 @@ def _diagnose_scale(h: Result, localized: Result | None, census: Result) -> str:
             f"({h['history'][0]:g} to {h['scale']:g})")
     keep = census["keep_fp32"]
     fix = f"keep_fp32={keep!r}" if keep else "keep_fp32=[the layer named above]"
-    if localized and localized.get("forward"):
-        f = localized["forward"]
+    if f := localized and localized.get("forward"):
         return (f"{head}: layer {label(f['module'])!r} ({f['type']}) overflows fp16 in the forward "
                 f"({f['inf']} inf, {f['nan']} NaN of {f['elements']} values; its largest finite input was "
                 f"{num(f['max_finite_before'])}). No loss scale fixes a forward overflow: {fix}, or a bf16 preset")
-    if localized and localized.get("backward"):
-        b = localized["backward"]
+    if b := localized and localized.get("backward"):
         where_ = (f"the gradient {b['what']} of {label(b['module'])!r} ({b['type']}) overflows fp16 in the backward "
                   f"(largest finite loss-scaled gradient before it {num(b['max_finite_before'])})")
         if not keep:
@@ -60,10 +56,8 @@ def lost_update_fix(precision: str, param_dtype: str, effective: str) -> tuple[s
     """(short, long) remedy for updates lost in the effective weights; never the preset in use."""
     if effective == "master" or param_dtype == "float32":  # the effective weights are fp32 already
         return "a larger learning rate", "a larger learning rate: even fp32 weights cannot hold these updates"
-    if param_dtype == "bfloat16":
-        options = [("bf16-master", "fp32 master weights"), ("bf16-true", "Kahan-compensated bf16")]
-    else:
-        options = [("fp16-master", "fp32 master weights")]
+    options = ([("bf16-master", "fp32 master weights"), ("bf16-true", "Kahan-compensated bf16")]
+               if param_dtype == "bfloat16" else [("fp16-master", "fp32 master weights")])
     options = [(name, what) for name, what in options if name != precision]
     return (f"use {' or '.join(n for n, _ in options)}",
             "use " + " or ".join(f"precision={n!r} ({what})" for n, what in options))
@@ -81,8 +75,7 @@ def with_recommendation(lost: Result, acc: Accelerator) -> Result:
 
 
 def _fp8_range(modules: list[Result]) -> Result:
-    """fp8-mixed: per layer that runs in fp8, its inputs' and gradients' largest |value| (the scale maps it to
-    e4m3's 448 / e5m2's 57344) and the share of values that scaling still flushes to 0."""
+    """fp8-mixed: the layers in fp8, their largest |value| and the share that scaling flushes to 0."""
     fp8 = [m for m in modules if m["type"] == "Float8Linear" and m["input"]]
     def flushed(m: Result) -> float:
         return max(m["input"]["flush_e4m3_share"], (m["grad"] or {}).get("flush_e5m2_share", 0.0))
@@ -105,8 +98,7 @@ def findings(r: Result) -> list[Result]:
     out: list[Result] = []
     census, loc, lost, scale = r["census"], r["localizer"], r["lost_updates"], r["loss_scale"]
     keep = census["keep_fp32"]
-    if loc and (loc.get("forward") or loc.get("backward")):
-        c = loc["forward"] or loc["backward"]
+    if c := loc and (loc.get("forward") or loc.get("backward")):
         phase = "forward" if loc["forward"] else "backward"
         if c["dtype"] == "float16":
             fix = (f"keep_fp32={keep!r}" if keep else
@@ -124,14 +116,11 @@ def findings(r: Result) -> list[Result]:
                                  f"{c['elements']}; largest finite value before it {num(c['max_finite_before'])} "
                                  f"(replay of that step's batch: {loc['trigger']})"),
                     "fix": fix})
-    overflow = [m for m in census["at_risk"] if m["overflow"]]
-    if overflow and not out:
-        m = overflow[0]
+    if not out and (m := next((m for m in census["at_risk"] if m["overflow"]), None)):
         out.append({"id": "forward-overflow", "title": f"{label(m['name'])} ({m['type']}) exceeds fp16's range",
                     "evidence": "; ".join(m["reasons"]),
                     "fix": f"keep_fp32={keep!r}, or a bf16 preset"})
-    under = [m for m in census["at_risk"] if not m["overflow"]]
-    if under:
+    if under := [m for m in census["at_risk"] if not m["overflow"]]:
         scaled = r["device"]["precision"].startswith("fp16")
         out.append({"id": "grad-underflow",
                     "title": f"{len(under)} layer(s) have gradients below fp16's normal range",
@@ -161,7 +150,6 @@ def findings(r: Result) -> list[Result]:
     return out
 
 
-# --- the summary a comparison shows per run ----------------------------------------------------
 def summarize(r: Result) -> Result:
     """The few figures `ampkit compare` shows of a result (report.json's `runs[i].numerics`); `problem` is
     one line when something needs changing *in this run's precision* (an fp32 run that would overflow

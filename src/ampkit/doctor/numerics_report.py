@@ -15,7 +15,6 @@ from ampkit.present import escape
 Result = dict[str, Any]
 
 
-# --- the schema (built with the performance doctor's schema parts) -----------------------------
 _SHARE = {"type": "number", "minimum": 0, "maximum": 1}
 _SHARE_OR_NULL = {"type": ["number", "null"], "minimum": 0, "maximum": 1}
 
@@ -98,7 +97,6 @@ def validate_numerics(result: Result) -> None:
     validate_result(result, NUMERICS_SCHEMA)
 
 
-# --- the report ---------------------------------------------------------------------------------
 def label(name: str) -> str:
     return name or "(the model itself)"
 
@@ -118,16 +116,13 @@ def _share(x: float | None) -> str:
 
 def _lines(r: Result) -> list[tuple[str, list[str]]]:
     """(heading, lines) sections shared by the text and HTML forms."""
-    s, d = r["steps"], r["device"]
-    subject = subject_line(r["subject"])
+    s, d, census = r["steps"], r["device"], r["census"]
     head = [f"{s['watched']} steps watched on {d['device']}, {d['precision']} "
             f"(params {d['param_dtype']}, compute {d['compute_dtype']})"
             + ("" if s["complete"] else f" — the loop ended before the {s['requested']} asked for")]
-    sections: list[tuple[str, list[str]]] = [(f"ampkit doctor --numerics — {subject}", head)]
-    census = r["census"]
+    sections = [(f"ampkit doctor --numerics — {subject_line(r['subject'])}", head)]
     risk = [f"{i}. {label(m['name'])} ({m['type']}): " + "; ".join(m["reasons"])
-            for i, m in enumerate(census["at_risk"], 1)]
-    risk = risk or ["none: every module's values fit fp16's range"]
+            for i, m in enumerate(census["at_risk"], 1)] or ["none: every module's values fit fp16's range"]
     if census["keep_fp32"]:
         risk.append(f"suggested: Accelerator(..., keep_fp32={census['keep_fp32']!r})")
     sections.append(("layers at risk", risk))
@@ -143,28 +138,20 @@ def _lines(r: Result) -> list[tuple[str, list[str]]]:
             row += f" (scaled {_share(grad.get('under_fp16_share'))})"
         rows.append(row)
     sections.append(("census (fp16: over = > 65504 or inf; under = below 2**-14; grad = true, unscaled)", rows))
-    loc = r["localizer"]
-    if loc is not None:
-        lines = []
-        for phase in ("forward", "backward"):
-            c = loc[phase]
-            if c:
-                lines.append(f"{phase}: {label(c['module'])} ({c['type']}) {c['what']} {c['shape']} {c['dtype']} — "
-                             f"{c['inf']} inf, {c['nan']} NaN of {c['elements']}; largest finite before it "
-                             f"{num(c['max_finite_before'])}")
-        if loc["note"]:
-            lines.append(loc["note"])
+    if (loc := r["localizer"]) is not None:
+        lines = [f"{phase}: {label(c['module'])} ({c['type']}) {c['what']} {c['shape']} {c['dtype']} — "
+                 f"{c['inf']} inf, {c['nan']} NaN of {c['elements']}; largest finite before it "
+                 f"{num(c['max_finite_before'])}" for phase in ("forward", "backward") if (c := loc[phase])]
+        lines += [loc["note"]] if loc["note"] else []
         sections.append((f"overflow localizer ({loc['trigger']})", lines))
-    lost = r["lost_updates"]
-    if lost is not None:
-        lines = [f"group {g['index']} ({g['elements']} weights, {g['storage_dtype']}): lost {_share(g['lost_share'])}, "
-                 f"below half an ulp {_share(g['below_half_ulp_share'])}" for g in lost["groups"]]
-        lines.insert(0, f"over {lost['steps']} applied steps; effective weight: {lost['effective']}")
-        if lost["recommendation"]:
-            lines.append(lost["recommendation"])
+    if (lost := r["lost_updates"]) is not None:
+        lines = [f"over {lost['steps']} applied steps; effective weight: {lost['effective']}"]
+        lines += [f"group {g['index']} ({g['elements']} weights, {g['storage_dtype']}): "
+                  f"lost {_share(g['lost_share'])}, below half an ulp {_share(g['below_half_ulp_share'])}"
+                  for g in lost["groups"]]
+        lines += [lost["recommendation"]] if lost["recommendation"] else []
         sections.append(("lost updates", lines))
-    scale = r["loss_scale"]
-    if scale is not None:
+    if (scale := r["loss_scale"]) is not None:
         hist = ", ".join(f"{x:g}" for x in scale["history"][:12]) + (" ..." if len(scale["history"]) > 12 else "")
         since = {None: "no overflow", 0: "the last watched step overflowed"}.get(
             scale["steps_since_overflow"], f"{scale['steps_since_overflow']} step(s) since the last overflow")

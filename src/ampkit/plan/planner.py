@@ -1,13 +1,13 @@
 """`ampkit.plan`: the peak training memory of each precision preset, and the largest batch that fits.
 
-Each preset's figure comes from two training steps through the real preset on fake tensors
-(`ampkit.plan.step`), so a model far larger than this machine is planned in seconds. A forward fake
-tensors cannot run (an `.item()`, a data-dependent shape) is measured instead: real steps at batch
-sizes 1 and 2 on the CPU, scaled linearly to the batch, and the row says so.
+Each figure comes from two training steps of the real preset on fake tensors (`ampkit.plan.step`), so a
+model far larger than this machine is planned in seconds; a forward fake tensors cannot run is measured
+instead (real steps at batch sizes 1 and 2 on the CPU, scaled linearly to the batch), and the row says so.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -127,7 +127,8 @@ def plan(model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Any], optimiz
             resolve_precision(name, dev)  # PrecisionError, before anything runs, for one the device cannot run
     batch = batch_fn()
     size = batch_size_of(batch)
-    meta = _meta_model(model_fn)
+    with torch.device("meta"):
+        meta = model_fn()
     count = sum(p.numel() for p in meta.parameters())
     unit = max((sum(p.numel() for p in u.parameters()) for u in fsdp_units(meta)), default=count)
     rows = []
@@ -157,16 +158,9 @@ def plan_task(name: str, precisions: Sequence[str] | None = None, *, size: str |
 
 
 def _runs(name: str, device: torch.device) -> bool:
-    support = capability(device)
-    if PRESETS[name].fp8 and fp8_problem(device):
-        return False
-    dtype = PRESETS[name].compute_dtype
-    return dtype == torch.float32 or (support.bf16_runs if dtype == torch.bfloat16 else support.fp16_runs)
-
-
-def _meta_model(model_fn: Callable[[], nn.Module]) -> nn.Module:
-    with torch.device("meta"):
-        return model_fn()
+    preset, support = PRESETS[name], capability(device)
+    runs = {torch.float32: True, torch.bfloat16: support.bf16_runs, torch.float16: support.fp16_runs}
+    return runs[preset.compute_dtype] and not (preset.fp8 and fp8_problem(device))
 
 
 class _Peaks:
@@ -175,8 +169,8 @@ class _Peaks:
 
     def __init__(self, model_fn: Callable[[], nn.Module], batch: Any, optimizer_fn: Callable[[Any], Any], name: str,
                  device: torch.device, loss_fn: Any, shard: Callable[[Measured], Measured] | None = None) -> None:
-        self.args = (model_fn, batch, optimizer_fn, name, device)
-        self.loss_fn, self.fallback, self.note, self.shard = loss_fn, None, "", shard
+        self.run = functools.partial(measure, model_fn, batch, optimizer_fn, name, loss_fn=loss_fn)
+        self.device, self.shard, self.fallback, self.note = device, shard, None, ""
         self.cache: dict[int, Measured] = {}
 
     def measured(self, size: int) -> Measured:
@@ -190,16 +184,13 @@ class _Peaks:
 
     def _fake(self, size: int) -> Measured:
         try:
-            return measure(*self.args, fake=True, batch_size=size, loss_fn=self.loss_fn)
+            return self.run(self.device, fake=True, batch_size=size)
         except FAKE_FAILURES as exc:
             op = getattr(exc, "func", None) or exc
             self.note = (f"the step cannot run on fake tensors ({op}: a data-dependent shape, a tensor read as a Python "
                          f"number in the forward or an op without a fake kernel); measured instead: real steps at batch 1 and 2 on the CPU, "
                          f"scaled to the batch")
-            model_fn, batch, optimizer_fn, name, _ = self.args
-            cpu = torch.device("cpu")
-            self.fallback = [measure(model_fn, batch, optimizer_fn, name, cpu, fake=False, batch_size=b,
-                                     loss_fn=self.loss_fn) for b in (1, 2)]
+            self.fallback = [self.run(torch.device("cpu"), fake=False, batch_size=b) for b in (1, 2)]
             return self._scaled(size)
 
     def _scaled(self, size: int) -> Measured:
@@ -209,11 +200,10 @@ class _Peaks:
 
 
 def fsdp_share(whole: Measured, nproc: int, unit: int, policy: Any) -> Measured:
-    """One rank's share of a one-process step under FSDP2 (`distributed.wrap_fsdp`) across `nproc` ranks:
-    parameters, gradients, optimizer state and ampkit's buffers at 1/nproc, plus the largest unit (`unit`
-    parameters) all-gathered in the compute dtype twice (the running unit and the prefetched next) and its
-    gradients unsharded in fp32 for the reduce-scatter; activations and temporaries as one process's.
-    An estimate from the one-process step: the collectives' own buffers are not traced."""
+    """One rank's share of a one-process step under FSDP2 across `nproc` ranks (an estimate: collectives'
+    buffers are not traced): parameters, gradients, optimizer state and ampkit's buffers at 1/nproc, plus the
+    largest unit (`unit` parameters) all-gathered in the compute dtype twice (running and prefetched) and its
+    gradients unsharded in fp32 for the reduce-scatter; activations and temporaries as one process's."""
     parts = dict(whole.components)
     sharded = ("parameters", "gradients", "optimizer_state", "ampkit_buffers")
     before = sum(parts[k] for k in sharded)
@@ -258,9 +248,8 @@ def recommend(rows: list[PlanRow], device: torch.device, budget: int, count: int
         return "no preset was planned"
     support = capability(device)
     fast = {torch.float32: False, torch.bfloat16: support.bf16_fast, torch.float16: support.fp16_fast}
-    order = ["bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master", "bf16-true", "fp8-mixed"]
-    ranked = ([n for n in order if fast[PRESETS[n].compute_dtype]] + ["fp32"]
-              + [n for n in order if not fast[PRESETS[n].compute_dtype]])
+    order = ["fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master", "bf16-true", "fp8-mixed"]
+    ranked = sorted(order, key=lambda n: not fast[PRESETS[n].compute_dtype])  # fast ones, fp32, the rest
     rows = sorted(rows, key=lambda r: ranked.index(r.precision))
     size = rows[0].batch_size
     fitting = [r for r in rows if r.fits]

@@ -1,9 +1,8 @@
 """`ampkit plan script.py`: plan the first model a training script prepares, with its optimizer and batch.
 
-The script runs in this process until its first `acc.backward` (nothing is trained). By then it has
-prepared its model and optimizer and fetched a batch; what the plan needs is taken from them:
-the model's structure as a meta-device copy (no memory), the optimizer's class and defaults, and
-the batch — its prepared loader's, else the model's first forward arguments.
+The script runs in this process until its first `acc.backward` (nothing is trained); the plan takes the
+model's structure as a meta-device copy, the optimizer's class and defaults, and the batch (its prepared
+loader's, else the model's first forward arguments).
 """
 
 from __future__ import annotations
@@ -37,6 +36,11 @@ class _Catch(Listener):
         self.loader_batch: Any = None
         self.forward_batch: Any = None
 
+    def created(self, acc: Any) -> None:
+        if self.acc is None:
+            self.acc = acc
+            acc.events.add(self)
+
     def on_batch_wait_end(self, loader: Any, batch: Any) -> None:
         if self.loader_batch is None:
             self.loader_batch = batch
@@ -44,9 +48,9 @@ class _Catch(Listener):
     def on_backward_start(self, acc: Any, loss: torch.Tensor) -> None:
         raise _Seen
 
-    def forward_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def forward_pre(self, module: nn.Module, args: tuple) -> None:
         if self.forward_batch is None and self.acc is not None and any(module is m for m in self.acc.models):
-            self.forward_batch = kwargs if kwargs else (args[0] if len(args) == 1 else args)
+            self.forward_batch = args[0] if len(args) == 1 else args
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -57,8 +61,8 @@ def meta_copy(model: nn.Module) -> nn.Module:
         dtype = torch.float32 if t.is_floating_point() else t.dtype
         empty = torch.empty_like(t, device="meta", dtype=dtype)
         memo[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
-    wrapped = [m for m in model.modules() if "forward" in m.__dict__]  # ampkit's policy / compile wrappers
-    memo.update({id(m.__dict__["forward"]): None for m in wrapped})  # not copied: the class's forward runs
+    # ampkit's policy / compile wrappers are not copied: the class's forward runs
+    memo.update({id(m.__dict__["forward"]): None for m in model.modules() if "forward" in m.__dict__})
     meta = copy.deepcopy(model, memo)
     for module in meta.modules():
         if module.__dict__.get("forward", 0) is None:
@@ -96,15 +100,9 @@ def capture(script: str | Path, args: list[str]) -> tuple[Any, Any, Any, Any, st
     if not path.is_file():
         raise ScriptPlanError(f"script {str(script)!r} not found (from {Path.cwd()})")
     catch = _Catch()
-
-    def created(acc: Any) -> None:
-        if catch.acc is None:
-            catch.acc = acc
-            acc.events.add(catch)
-
-    hook = register_module_forward_pre_hook(lambda m, a: catch.forward_pre(m, a, {}))
+    hook = register_module_forward_pre_hook(catch.forward_pre)
     try:
-        with watch_created(created):
+        with watch_created(catch.created):
             run_as_main(path, args)
     except _Seen:
         pass

@@ -67,8 +67,7 @@ def plot_png(result: Plan, path: str | Path) -> Path:
 
 def check_out(out: str | Path | None) -> None:
     """ValueError if `out` holds a plan.json that is not a plan ampkit wrote (it is never overwritten)."""
-    path = Path(out) / "plan.json" if out is not None else None
-    if path is not None and path.exists():
+    if out is not None and (path := Path(out) / "plan.json").exists():
         try:
             validate(json.loads(path.read_text()), PLAN_SCHEMA)
         except (ValueError, Invalid):

@@ -1,10 +1,8 @@
 """Two training steps through a real ampkit preset, on fake tensors (predicted) or real ones (measured).
 
-Two steps, because the first creates the optimizer's state and the second is the steady state: a
-step's backward with the state already there is where most runs peak. The model is built on the
-meta device and moved to the planning device under `FakeTensorMode`, so no parameter ever gets real
-memory; `Accelerator.prepare`, the autocast forward, `acc.backward` and the prepared optimizer's step
-are ampkit's own, unchanged.
+Two, because the first creates the optimizer's state and a step's backward with the state already there
+is where most runs peak. The model is built on the meta device and moved to the planning device under
+`FakeTensorMode` (no parameter gets real memory); preparing, the forward, backward and step are ampkit's own.
 """
 
 from __future__ import annotations
@@ -91,7 +89,11 @@ def measure(model_fn: Callable[[], nn.Module], batch: Any, optimizer_fn: Callabl
             loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> Measured:
     """Peak live bytes over two training steps of `precision` at `batch_size` (fake or real tensors)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-    with warnings.catch_warnings(), _built(model_fn, fake) as model, mode:
+    with torch.device("meta") if fake else contextlib.nullcontext():  # fake: its parameters never get memory
+        model = model_fn()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model_fn() returned a {type(model).__name__}; expected an nn.Module")
+    with warnings.catch_warnings(), mode:
         warnings.simplefilter("ignore")  # bf16 on a CPU without bf16 instructions: planned, not timed
         acc = Accelerator(precision=precision, device=device, grad_accum_steps=1, compile=False)  # not AMPKIT_*
         ties = _ties(model)
@@ -126,16 +128,6 @@ def measure(model_fn: Callable[[], nn.Module], batch: Any, optimizer_fn: Callabl
                 tracker.phase = "setup"
                 tracker.resync()
         return Measured(tracker.peak, tracker.at_peak, tracker.peak_phase, after)
-
-
-@contextlib.contextmanager
-def _built(model_fn: Callable[[], nn.Module], fake: bool) -> Iterator[nn.Module]:
-    """The model, on the meta device when fake (its parameters never get memory)."""
-    with torch.device("meta") if fake else contextlib.nullcontext():
-        model = model_fn()
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model_fn() returned a {type(model).__name__}; expected an nn.Module")
-    yield model
 
 
 def _ties(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

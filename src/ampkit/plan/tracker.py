@@ -1,12 +1,10 @@
 """Live tensor bytes over a training step, and what held them at the peak.
 
-`LiveBytes` is a `TorchDispatchMode`: every storage an op creates or writes is counted, with its
-bytes, from the first op that touches it until it is freed (a weak reference to the storage says
-when). The same mode runs over a real step (the measured figure) and over a step of fake tensors
-(the prediction), so the two are counted by one rule. At each new peak it asks `owners()` which
-tensors are parameters, gradients, optimizer state and ampkit's buffers at that moment; storages
-saved for backward are activations, low-precision copies of parameters made in the forward are
-autocast's cast weights, and everything else is a temporary.
+`LiveBytes` is a `TorchDispatchMode`: every storage an op creates or writes is counted from the first
+op that touches it until it is freed (a weak reference says when), over a real step and over a fake one
+alike. At each new peak `owners()` says which tensors are parameters, gradients, optimizer state and
+ampkit's buffers; storages saved for backward are activations, low-precision copies of parameters made
+in the forward autocast's cast weights, and everything else is a temporary.
 """
 
 from __future__ import annotations
@@ -80,16 +78,15 @@ class LiveBytes(TorchDispatchMode):
             storage = t.untyped_storage()
             key, nbytes = id(storage), self._bytes(storage)
             held = self.live.get(key)
-            if held is None:
-                self.live[key] = (nbytes, weakref.ref(storage, lambda _, key=key: self._freed(key)))
-            elif held[0] != nbytes:
-                self.live[key] = (nbytes, held[1])
-            else:
+            old = held[0] if held else 0
+            if held is not None and old == nbytes:
                 continue
-            self.total += nbytes - (held[0] if held else 0)
-            grew = grew or nbytes > (held[0] if held else 0)
+            ref = held[1] if held else weakref.ref(storage, lambda _, key=key: self._freed(key))
+            self.live[key] = (nbytes, ref)
+            self.total += nbytes - old
+            grew = grew or nbytes > old
         if grew and self.total > self.peak:
-            self._snapshot()
+            self.peak, self.peak_phase, self.at_peak = self.total, self.phase, self.components()
 
     def resync(self) -> None:
         """Re-read every live storage's size (at phase boundaries: buffers released between ops)."""
@@ -116,10 +113,6 @@ class LiveBytes(TorchDispatchMode):
             self.total -= held[0]
         self.saved.discard(key)
         self.casts.discard(key)
-
-    def _snapshot(self) -> None:
-        self.peak, self.peak_phase = self.total, self.phase
-        self.at_peak = self.components()
 
     def components(self) -> dict[str, int]:
         """The live bytes now, by component."""
