@@ -1,9 +1,6 @@
-"""Running one precision in a process of its own: spawned, or N processes under torchrun.
-
-A fresh process per run keeps the memory figures clean and stops anything leaking from one run
-into the next. The child streams its step count back for the progress bar, then the `Run`; a gated
-`Worker` also pauses where the comparison tells it, so that the runs' processes can take turns.
-`python -m ampkit.compare SPEC OUT PROGRESS` (`__main__.py`) is what each torchrun process executes.
+"""One precision in a process of its own (clean memory figures, nothing leaks into the next run): spawned,
+streaming its steps and then its `Run` (a gated `Worker` pauses where told, so that runs take turns), or N
+processes under torchrun, each running `python -m ampkit.compare SPEC OUT PROGRESS` (`__main__.py`).
 """
 
 from __future__ import annotations
@@ -29,14 +26,13 @@ class RunFailed(Exception):
     """A run's process failed or died; the message is what the report says of it."""
 
 
-def _throttled(send: Callable[[int], None]) -> Callable[[int], None]:
-    """`send` at most five times a second: progress is for people, the pipe is not free."""
+def throttled(send: Callable[[int], None], last_step: int | None = None) -> Callable[[int], None]:
+    """`send` at most five times a second (and at `last_step`): progress is for people, pipes cost."""
     last = [0.0]
 
     def progress(step: int) -> None:
-        now = time.monotonic()
-        if now - last[0] > 0.2:
-            last[0] = now
+        if step == last_step or time.monotonic() - last[0] > 0.2:
+            last[0] = time.monotonic()
             send(step)
 
     return progress
@@ -50,7 +46,7 @@ def _child(spec: RunSpec, conn: Any, gated: bool) -> None:
         return target if kind == "go" else None
 
     try:
-        progress = _throttled(lambda step: conn.send(("progress", step)))
+        progress = throttled(lambda step: conn.send(("progress", step)))
         conn.send(("done", run_one(spec, progress, gate if gated else None)))
     except KeyboardInterrupt:
         conn.send(("error", "interrupted"))
@@ -97,8 +93,11 @@ class Worker:
         self._wait(lambda step: None)
 
     def advance(self, target: int, on_progress: Callable[[int], None]) -> None:
-        self.conn.send(("go", target))
-        self.chunks.append(self._wait(on_progress))
+        if target <= self.done:  # there already: a chunk of no steps
+            self.chunks.append(None)
+        else:
+            self.conn.send(("go", target))
+            self.chunks.append(self._wait(on_progress))
 
     def finish(self, on_progress: Callable[[int], None]) -> Run:
         if self.gated:
@@ -148,7 +147,7 @@ def torchrun_worker(spec_file: str, out_file: str, progress_file: str) -> None:
     """Entry point of each torchrun process: train; rank 0 writes the run record and progress."""
     spec = pickle.loads(Path(spec_file).read_bytes())
     rank = int(os.environ.get("RANK", "0"))
-    run = run_one(spec, _throttled(lambda step: rank == 0 and Path(progress_file).write_text(str(step))))
+    run = run_one(spec, throttled(lambda step: rank == 0 and Path(progress_file).write_text(str(step))))
     if rank == 0:
         Path(out_file).write_bytes(pickle.dumps(run))
 

@@ -1,9 +1,8 @@
 """How a comparison's runs are scheduled: taking turns in gated processes, or one after another.
 
-Taking turns (a built-in task, each run in its own process): all processes start, each trains a few
-timed warm-up steps (from which the plan line estimates the total time, and a default comparison
-fits its steps to `BUDGET_S`), then `ROUNDS` chunks each in turn, so that a slow moment of a shared
-machine lands on every run and each speed-up comes with its spread over the rounds.
+Taking turns (a built-in task, a process per run): each trains a few timed warm-up steps (the plan line's
+estimate; a default comparison fits its steps to `BUDGET_S`), then `ROUNDS` chunks in turn, so that a slow
+moment of a shared machine lands on every run and each speed-up comes with its spread over the rounds.
 """
 
 from __future__ import annotations
@@ -30,9 +29,8 @@ ROUNDS = 4
 #: Timed warm-up steps of each full run (a probe: 2) before the plan line; the fastest gives the estimate.
 WARMUP_STEPS = 5
 
-#: Seconds a default comparison's training, evaluation and numerics passes should take; its full runs'
-#: steps are cut to fit (to half the task's steps at the least, so that they still learn), so that it
-#: finishes in about three minutes with startup.
+#: Seconds a default comparison's training, evaluation and numerics passes should take (about three
+#: minutes with startup); its full runs' steps are cut to fit, to half the task's at the least.
 BUDGET_S = 140.0
 
 #: A numerics pass (hooks on every module, a census of every tensor) costs about this many plain steps.
@@ -47,14 +45,12 @@ def blank_run(precision: str, status: str, reason: str, device: torch.device) ->
 def run_planned(spec: RunSpec, dev: torch.device, isolate: bool, progress: RunProgress, total: int | None) -> Run:
     """One planned run: skipped if the device cannot run it, else run (isolated, torchrun or in-process)."""
     name, probe = spec.precision, spec.probe
-    if (why := _unrunnable(name, dev)) is not None:
+    if (why := unrunnable(name, dev)) is not None:
         return blank_run(name, "skipped", why, dev)
     progress.start(f"{name} (probe: timing only)" if probe else name, total)
     try:
-        if spec.nproc > 1:
-            run = run_torchrun(spec, progress.update)
-        else:
-            run = run_isolated(spec, progress.update) if isolate else run_one(spec, progress.update)
+        how = run_torchrun if spec.nproc > 1 else run_isolated if isolate else run_one
+        run = how(spec, progress.update)
         progress.update(run.steps)
     except RunFailed as exc:
         return blank_run(name, "failed", str(exc).strip() or "failed", dev)
@@ -65,7 +61,7 @@ def run_planned(spec: RunSpec, dev: torch.device, isolate: bool, progress: RunPr
     return _probed(run, dev) if probe else run
 
 
-def _unrunnable(name: str, dev: torch.device) -> str | None:
+def unrunnable(name: str, dev: torch.device) -> str | None:
     """Why the device cannot run preset `name`, or None."""
     try:
         with warnings.catch_warnings():
@@ -102,14 +98,13 @@ def interleaved(specs: dict[str, RunSpec], report: Report, dev: torch.device, pr
 
     try:
         for name, spec in specs.items():
-            if (why := _unrunnable(spec.precision, dev)) is not None:
+            if (why := unrunnable(spec.precision, dev)) is not None:
                 runs[name] = blank_run(name, "skipped", why, dev)
             else:
                 workers[name] = Worker(spec, gated=True)
         each(lambda name, w: w.ready(), bar=False)
         warm = {n: min(2 if s.probe else WARMUP_STEPS, total[n]) for n, s in specs.items()}
-        each(lambda name, w: w.advance(warm[name], progress.update) if warm[name] > w.done else w.chunks.append(None),
-             bar=False)
+        each(lambda name, w: w.advance(warm[name], progress.update), bar=False)
         step_s = {n: min(w.chunks[-1] or [0.0]) for n, w in workers.items()}  # the first steps are slow
         full = [n for n, s in specs.items() if not s.probe and n in workers]
         extra = sum(NUMERICS_COST_STEPS * step_s[n] for n, s in specs.items() if s.numerics_steps and n in workers)
@@ -129,9 +124,8 @@ def interleaved(specs: dict[str, RunSpec], report: Report, dev: torch.device, pr
                        "(from the fastest of the timed warm-up steps)")
         progress.say(report.plan)
         for r in range(1, ROUNDS + 1):
-            each(lambda name, w, r=r: w.advance(target, progress.update)
-                 if (target := warm[name] + math.ceil(r * (total[name] - warm[name]) / ROUNDS)) > w.done
-                 else w.chunks.append(None))
+            each(lambda n, w, r=r: w.advance(warm[n] + math.ceil(r * (total[n] - warm[n]) / ROUNDS),
+                                             progress.update))
 
         def finish(name: str, worker: Worker) -> None:
             runs[name] = dataclasses.replace(worker.finish(progress.update), precision=name, round_step_times_s=[
