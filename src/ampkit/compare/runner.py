@@ -20,10 +20,10 @@ import torch
 
 from ampkit.accelerator import Accelerator
 from ampkit.compare.measure import NUMERICS_STEPS, PROBE_STEPS, RunSpec, TrainFn
+from ampkit.compare.html import write_report
 from ampkit.compare.records import Report, Run, Task, json_safe, validate_run
-from ampkit.compare.text import render_table
+from ampkit.compare.summary import render_table
 from ampkit.compare.turns import RunProgress, blank_run, interleaved, run_planned
-from ampkit.compare.write import write_report
 from ampkit.errors import AmpkitError, PrecisionError
 from ampkit.export import format_text as format_inference, measure as measure_inference, render_html_section
 from ampkit.files import atomic_write

@@ -25,15 +25,13 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
-from ampkit.compare.measure import seed_everything
+from ampkit.compare.html import write_report
+from ampkit.compare.measure import Recorder, seed_everything
 from ampkit.compare.memory import Memory
-from ampkit.compare.recorder import Recorder
 from ampkit.compare.records import Policy, Report, Run, Task
 from ampkit.compare.runner import compare_to_baseline, default_precisions, new_report, plan_runs
-from ampkit.compare.spawn import RunFailed, run_isolated, throttled
-from ampkit.compare.text import render_table
-from ampkit.compare.turns import RunProgress, blank_run, unrunnable
-from ampkit.compare.write import write_report
+from ampkit.compare.summary import render_table
+from ampkit.compare.turns import RunFailed, RunProgress, blank_run, run_isolated, throttled, unrunnable
 from ampkit.doctor.run import check_script, script_traceback
 from ampkit.events import watch_created
 from ampkit.hardware import resolve_device
