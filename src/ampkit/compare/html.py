@@ -60,11 +60,8 @@ def _task_items(task: Task | None) -> list[tuple[str, str]]:
         return [("task", "the user's own train_fn (no built-in task)")]
     direction = {True: " (higher is better)", False: " (lower is better)"}.get(task.higher_is_better, "")
     items = [("name", task.name), ("metric", f"{task.metric}{direction}" if task.metric else NONE)]
-    fields = dataclasses.asdict(task)
-    return items + [(k, _plain(v, k)) for k, v in fields.items() if k not in ("name", "metric", "higher_is_better")]
-
-
-_BASELINE_ROW = ' class="baseline"'
+    rest = {k: v for k, v in dataclasses.asdict(task).items() if k not in ("name", "metric", "higher_is_better")}
+    return items + [(k, _plain(v, k)) for k, v in rest.items()]
 
 
 def _table(report: Report) -> str:
@@ -77,7 +74,8 @@ def _table(report: Report) -> str:
         cells = [f"<td>{_e(row[0] + (' (baseline)' if baseline else ''))}</td>",
                  f'<td><span class="badge s-{_e(run.status)}">{_e(row[1])}</span></td>']
         cells += [f'<td class="num">{_e(cell)}</td>' for cell in row[NUMERIC_FROM:]]
-        body.append(f"<tr{_BASELINE_ROW if baseline else ''}>{''.join(cells)}</tr>")
+        attributes = ' class="baseline"' if baseline else ""
+        body.append(f"<tr{attributes}>{''.join(cells)}</tr>")
     return f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table></div>'
 
 
@@ -89,14 +87,10 @@ def _verdict_item(run: Run, line: str) -> str:
     return f'<li class="s-{_e(run.status)}">{_e(line)}{folded}{extra}</li>'
 
 
-def _png_size(data: bytes) -> tuple[int, int]:
-    """Width and height from a PNG's IHDR chunk, so the page reserves the space before decoding."""
-    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-
-
 def _figure(name: str, path: Path) -> str:
     data = path.read_bytes()
-    width, height = _png_size(data)
+    # width and height from the PNG's IHDR chunk, so that the page reserves the space before decoding
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
     uri = "data:image/png;base64," + base64.b64encode(data).decode("ascii")
     return (f'<figure><img src="{uri}" alt="{_e(name.replace("_", " "))} plot" width="{width}" '
             f'height="{height}"><figcaption>{_e(CAPTIONS[name])}</figcaption></figure>')
@@ -186,12 +180,9 @@ def write_report(report: Report | dict[str, Any], out_dir: str | Path, extra_plo
     atomic_write(paths["json"], lambda f: f.write(text.encode("utf-8")))
     for stale in PLOT_FILES.values():  # a plot left by an earlier report here would describe other runs
         (out / stale).unlink(missing_ok=True)
-    missing_reason = None
-    plots: dict[str, Path] = {}
-    if have_matplotlib():
-        plots = {**write_plots(checked, out), **(extra_plots or {})}
-    else:
-        missing_reason = _NO_MATPLOTLIB
+    missing_reason = None if have_matplotlib() else _NO_MATPLOTLIB
+    plots = {**write_plots(checked, out), **(extra_plots or {})} if missing_reason is None else {}
+    if missing_reason is not None:
         warnings.warn(_NO_MATPLOTLIB, stacklevel=2)
     page = render_html(checked, plots, missing_reason, sections).encode("utf-8")
     atomic_write(paths["html"], lambda f: f.write(page))

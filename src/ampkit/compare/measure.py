@@ -241,12 +241,8 @@ class Recorder(Listener):
         if not self.count:
             return []
         values = self.losses[: self.count].tolist()  # sync: once, after the run
-        curve, start = [], 0
-        for end in self.bounds:
-            chunk = values[start:end]
-            curve.append(sum(chunk) / len(chunk) if chunk else math.nan)
-            start = end
-        return curve
+        chunks = [values[start:end] for start, end in zip([0, *self.bounds], self.bounds)]
+        return [sum(chunk) / len(chunk) if chunk else math.nan for chunk in chunks]
 
     def step_times(self) -> list[float]:
         """Seconds between consecutive optimizer steps (the whole iteration: data, forward, backward, update)."""

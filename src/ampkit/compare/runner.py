@@ -60,36 +60,35 @@ def compare(train_fn: TrainFn | None = None, precisions: list[str] | tuple[str, 
     """Run `train_fn` (or a built-in `task`) once per precision and return the report dict.
 
     Args:
-        train_fn: `train_fn(acc) -> dict` runs your loop with the given Accelerator (use
-            `acc.prepare` and `acc.backward`) and returns its metrics, e.g. {"accuracy": 0.97}.
-            With `isolate=True` it must be a module-level function (it is pickled into a fresh
-            process, and your script needs an `if __name__ == "__main__":` guard).
-        precisions: presets to run; the first is the baseline. Default: fp32, the `auto` choice and
-            every preset fast on this hardware, plus a timing-only probe of bf16 where it is slow.
+        train_fn: `train_fn(acc) -> dict` runs your loop with the given Accelerator (use `acc.prepare`
+            and `acc.backward`) and returns its metrics, e.g. {"accuracy": 0.97}. With `isolate=True` it
+            must be a module-level function (it is pickled into a fresh process, and your script needs
+            an `if __name__ == "__main__":` guard).
+        precisions: presets to run; the first is the baseline. Default: fp32, the `auto` choice and every
+            preset fast on this hardware, plus a timing-only probe of bf16 where it is slow.
         task: a built-in task name (see `ampkit.tasks.TASKS`) instead of `train_fn`.
-        size: the task's model size (tiny-lm: small, medium, large); default: the one sized for the device
-            (`tasks.default_size`: large on a GPU, medium on a CPU with fast bf16, else small).
+        size: the task's model size (tiny-lm: small, medium, large); default: the one sized for the
+            device (`tasks.default_size`: large on a GPU, medium on a CPU with fast bf16, else small).
         steps, batch_size: override the task's defaults; without `steps` the full runs' steps are cut,
             if need be, so that the comparison's training fits `BUDGET_S`.
-        out: folder for report.json, the PNG plots and report.html (None: write nothing). Checked
-            before any training: a comparison is never lost to a folder it cannot write.
+        out: folder for report.json, the PNG plots and report.html (None: write nothing). Checked before
+            any training: a comparison is never lost to a folder it cannot write.
         metric: which key of `train_fn`'s dict is the headline metric (default: the first key).
         metric_direction: "higher" or "lower": which way the metric is better (val_loss: "lower").
         samples_per_step: for `train_fn`, to report samples/s.
         isolate: run each precision in its own process (clean memory figures). False runs in-process.
         resume: continue an interrupted comparison in `out`: finished runs are kept, an unfinished
             built-in-task run resumes from its last checkpoint (they are written to `out` as it trains).
-        nproc: run each precision data-parallel under `torchrun --nproc-per-node=nproc` (batch_size
-            is per process); figures are rank 0's.
+        nproc: run each precision data-parallel under `torchrun --nproc-per-node=nproc` (batch_size is
+            per process); figures are rank 0's.
         numerics: after each run (not probes, not with nproc > 1), watch `NUMERICS_STEPS` steps of the
-            same training, on a fresh model with the same seed, under the numerics doctor (layers at
-            risk, lost updates, loss-scale health): `runs[i].numerics`. A separate pass: the run's
-            time and memory figures do not include it.
-        accelerator_kwargs: more `Accelerator` arguments for every run (`grad_accum_steps`,
-            `keep_fp32`, `compile`, ...); a key that names a preset holds that preset's own, e.g.
+            same training, on a fresh model with the same seed, under the numerics doctor (layers at risk,
+            lost updates, loss-scale health): `runs[i].numerics`; a separate pass, in no time or memory figure.
+        accelerator_kwargs: more `Accelerator` arguments for every run (`grad_accum_steps`, `keep_fp32`,
+            `compile`, ...); a key that names a preset holds that preset's own, e.g.
             {"grad_accum_steps": 4, "fp16-mixed": {"keep_fp32": ["head"]}}.
-        inference: afterwards (a task, with `out`), export the task's fp32-trained model in each
-            precision and backend and measure it (`ampkit export`): out/inference.json and a page section.
+        inference: afterwards (a task, with `out`), export the task's fp32-trained model in each precision
+            and backend and measure it (`ampkit export`): out/inference.json and a page section.
 
     With a task and `out`, the page also shows the peak memory `ampkit plan` predicted per precision.
     """

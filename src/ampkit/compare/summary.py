@@ -41,8 +41,7 @@ def metric_delta(run: Run, baseline: Run | None, task: Task | None) -> str | Non
 
 
 def same_speed(run: Run) -> bool:
-    """Whether the speed-up is indistinguishable from 1: its spread over the interleaved rounds covers
-    1.0, or (no rounds) it is within ±5%, which repeated runs differ by."""
+    """The speed-up's spread over the rounds covers 1.0, or (no rounds) it is within ±5%, as reruns differ."""
     speedup, low, high = run.speedup_vs_baseline or 1.0, run.speedup_low, run.speedup_high
     return low <= 1 <= high if low is not None and high is not None else 0.95 <= speedup < 1.05
 
@@ -61,7 +60,7 @@ def speed(run: Run) -> str:
 
 def within_noise(run: Run, baseline: Run | None, task: Task | None) -> bool | None:
     """True: the metric is within the baseline's noise band or better; False: worse beyond it; None: no band."""
-    if baseline is None or run.metric is None or baseline.metric is None or baseline.metric_band is None:
+    if baseline is None or None in (run.metric, baseline.metric, baseline.metric_band):
         return None
     worse = (baseline.metric - run.metric) if (task is None or task.higher_is_better) else (run.metric - baseline.metric)
     return worse <= baseline.metric_band
@@ -99,8 +98,8 @@ def recommendation(report: Report) -> str | None:
 
 
 def numerics_findings(run: Run) -> list[str]:
-    """The numerics pass's findings that matter for this run's precision: fp16 underflow only in fp16,
-    lost updates only where weights are stored below fp32, overflow where it happened (or in fp16)."""
+    """The numerics pass's findings that matter for this run's precision: fp16 underflow only in fp16, lost
+    updates only where weights are stored below fp32, overflow where it happened (or in fp16)."""
     detail = run.numerics.detail if run.numerics is not None else None
     if not detail:
         return [f"the diagnosis failed ({first_line(run.numerics.error)})"] if run.numerics and run.numerics.error else []
@@ -149,7 +148,7 @@ def verdicts(report: Report) -> list[str]:
 
 
 def first_line(reason: str) -> str:
-    """A failed run's reason may carry a traceback; the verdict is one line, the rest is detail."""
+    """A reason's first line (a failed run's may carry a traceback: the rest is detail)."""
     return reason.strip().split("\n", 1)[0]
 
 
@@ -168,12 +167,9 @@ def numerics_line(run: Run) -> str | None:
 
 
 def _comparisons(run: Run) -> list[str]:
-    parts = []
-    if run.speedup_vs_baseline is not None:
-        parts.append(speed(run))
-    if run.memory_ratio_vs_baseline is not None:
-        parts.append(f"{times(run.memory_ratio_vs_baseline)} memory")
-    return parts
+    ratio = run.memory_ratio_vs_baseline
+    memory = [] if ratio is None else [f"{times(ratio)} memory"]
+    return ([] if run.speedup_vs_baseline is None else [speed(run)]) + memory
 
 
 def _baseline_summary(run: Run, task: Task | None) -> str:
@@ -285,11 +281,8 @@ def _renderables(report: Report) -> Group:
         Text("Verdict:", style="bold"),
     ]
     for run, line in zip(report.runs, verdicts(report)):
-        out.append(indented(line, 2))
-        if details(run):
-            out.append(indented(details(run) or "", 6, "dim"))
-        if numerics_line(run):
-            out.append(indented(numerics_line(run) or "", 6, "yellow"))
+        under = ((details(run), "dim"), (numerics_line(run), "yellow"))
+        out += [indented(line, 2), *(indented(text, 6, style) for text, style in under if text)]
     if policies := policy_lines(report):
         out += [Text("Precision policies:", style="bold"), *(indented(line, 2) for line in policies)]
     return Group(*out)
