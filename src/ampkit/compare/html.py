@@ -60,8 +60,8 @@ def _task_items(task: Task | None) -> list[tuple[str, str]]:
         return [("task", "the user's own train_fn (no built-in task)")]
     direction = {True: " (higher is better)", False: " (lower is better)"}.get(task.higher_is_better, "")
     items = [("name", task.name), ("metric", f"{task.metric}{direction}" if task.metric else NONE)]
-    rest = {k: v for k, v in dataclasses.asdict(task).items() if k not in ("name", "metric", "higher_is_better")}
-    return items + [(k, _plain(v, k)) for k, v in rest.items()]
+    shown = dataclasses.asdict(task).items()
+    return items + [(k, _plain(v, k)) for k, v in shown if k not in ("name", "metric", "higher_is_better")]
 
 
 def _table(report: Report) -> str:

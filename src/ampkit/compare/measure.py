@@ -1,5 +1,5 @@
-"""One precision's run, measured (in each spawned process, or with `isolate=False` in the comparison):
-train, then read the `Recorder` (the per-step figures, gathered without syncs) and the memory probe into a `Run`."""
+"""One precision's run, measured (in each spawned process, or with `isolate=False` in the comparison): train,
+then read the `Recorder` (per-step figures, gathered without syncs) and the memory probe into a `Run`."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from ampkit.compare.records import Numerics, Policy, Run
 from ampkit.events import Listener
 from ampkit.hardware import resolve_device
 from ampkit.outcomes import Outcome
+from ampkit.precision import PRESETS, dtype_name
 from ampkit.schema import build
 from ampkit.tasks import get_task
 
@@ -63,8 +64,7 @@ def seed_everything(seed: int) -> None:
 
 
 def _prepared(acc: Accelerator, spec: RunSpec, memory: Memory | None = None) -> tuple[Any, ...]:
-    """The built-in task, its data, and its model, optimizer and loader through `acc.prepare` (memory
-    measured from after the data)."""
+    """The built-in task, its data, and its model, optimizer and loader prepared (`memory` from the model)."""
     task = get_task(spec.task or "", spec.size)
     data = task.make_data(spec.seed, spec.batch_size or task.default_batch_size)
     if memory is not None:
@@ -143,6 +143,10 @@ def run_one(spec: RunSpec, progress: Callable[[int], None] | None = None, gate: 
     resumed_at = acc.optimizers[0].attempted_steps - recorder.steps if acc.optimizers else 0
     if resumed_at > 0:
         notes.append(f"resumed from a checkpoint at step {resumed_at}: the loss curve and timings cover the steps after it")
+    if spec.probe:  # why its figures are timing only, in place of any notes
+        dtype = dtype_name(PRESETS[spec.precision].compute_dtype)
+        notes = [f"timing only: {device.type} runs {dtype} slowly here, so a full run was left out; name it "
+                 f"in --precisions to run it fully"]
     median = summary["step_time_median_s"]
     return Run(
         precision=spec.precision, status="probe" if spec.probe else "ok", reason="; ".join(notes) or None,
@@ -154,9 +158,8 @@ def run_one(spec: RunSpec, progress: Callable[[int], None] | None = None, gate: 
 
 
 def numerics_pass(spec: RunSpec, device: torch.device) -> Numerics:
-    """`spec.numerics_steps` steps of the same training (same seed: the run's first batches) on a fresh
-    model under the numerics doctor, after the timed run: in none of its figures. A failed diagnosis is
-    its `error`."""
+    """The same training's first `spec.numerics_steps` steps on a fresh model under the numerics doctor, after
+    the timed run (in none of its figures); a failed diagnosis is its `error`."""
     from ampkit.doctor import numerics_train_fn, summarize
 
     seed_everything(spec.seed)
@@ -227,8 +230,7 @@ class Recorder(Listener):
             self.outcomes.append(outcome)
 
     def restart(self) -> None:
-        """Training resumes after a pause (an interleaved comparison ran another precision meanwhile):
-        the time since the last step is no step's."""
+        """Training resumes after a pause (another run's turn): the time since the last step is no step's."""
         self.paused.add(len(self.stamps) - 1)
         self.stamps.append(self._stamp())
 

@@ -162,8 +162,7 @@ def _memory(report: Report, ax: Any, colors: dict[str, str]) -> str | None:
 
 
 def _lost_shares(report: Report) -> dict[str, dict[str, float]]:
-    """{layer: {run: share of its values outside the compute dtype's range}}, a layer being a module's name
-    up to its first index ("blocks.0"); fp32 runs lose none."""
+    """{layer ("blocks.0"): {run: share of its values outside the compute dtype's range}}; fp32 loses none."""
     rows: dict[str, dict[str, float]] = {}
     for run in report.runs:
         detail = run.numerics.detail if run.numerics is not None else None

@@ -81,9 +81,9 @@ def compare(train_fn: TrainFn | None = None, precisions: list[str] | tuple[str, 
             built-in-task run resumes from its last checkpoint (they are written to `out` as it trains).
         nproc: run each precision data-parallel under `torchrun --nproc-per-node=nproc` (batch_size is
             per process); figures are rank 0's.
-        numerics: after each run (not probes, not with nproc > 1), watch `NUMERICS_STEPS` steps of the
-            same training, on a fresh model with the same seed, under the numerics doctor (layers at risk,
-            lost updates, loss-scale health): `runs[i].numerics`; a separate pass, in no time or memory figure.
+        numerics: after each run (not probes, not with nproc > 1), `NUMERICS_STEPS` steps of the same
+            training on a fresh model with the same seed under the numerics doctor (layers at risk, lost
+            updates, loss-scale health): `runs[i].numerics`; a separate pass, in none of the run's figures.
         accelerator_kwargs: more `Accelerator` arguments for every run (`grad_accum_steps`, `keep_fp32`,
             `compile`, ...); a key that names a preset holds that preset's own, e.g.
             {"grad_accum_steps": 4, "fp16-mixed": {"keep_fp32": ["head"]}}.

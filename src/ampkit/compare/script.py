@@ -95,8 +95,8 @@ class ScriptRecorder(Recorder):
                                    None)
 
     def on_metric(self, acc: Any, name: str, value: Any, higher_is_better: bool | None) -> None:
-        """Keep each metric's latest value (a tensor is copied on the device: no sync); after the step
-        limit, the first metric ends the run: the script's evaluation has run."""
+        """Keep each metric's latest value (a tensor copied on the device: no sync); after the step limit,
+        the first one ends the run: the script's evaluation has run."""
         self.metrics[name] = (value.detach().clone() if isinstance(value, torch.Tensor) else value, higher_is_better)
         if self.spec.steps is not None and self.steps >= self.spec.steps:
             raise ScriptStop

@@ -11,7 +11,8 @@ from rich.text import Text
 
 from ampkit.compare.records import MEMORY_KINDS, Report, Run, Task, as_report
 from ampkit.precision import PRESETS
-from ampkit.present import NONE, as_text, console as default_console, indented, sig, signed, size, table, times
+from ampkit.present import (NONE, as_text, console as default_console, indented, sig, signed, size, table,
+                            times)
 from ampkit.schema import build
 
 
@@ -253,8 +254,7 @@ def rows(report: Report) -> list[list[str]]:
 
 
 def _column(values: list[float | None]) -> Any:
-    """One number format for a whole column: 4 significant digits of its largest value, the same
-    decimals in every row ("3.210" beside "3.211", never "3.21")."""
+    """One format for a column: 4 significant digits of its largest value, the same decimals in every row."""
     finite = [abs(v) for v in values if v is not None and math.isfinite(v)]
     top = max(finite, default=0.0)
     decimals = min(6, max(0, 3 - math.floor(math.log10(top)))) if top > 0 else 3

@@ -32,7 +32,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ampkit.compare.measure import PROBE_STEPS, RunSpec, run_one
 from ampkit.compare.records import Report, Run
 from ampkit.errors import PrecisionError
-from ampkit.precision import PRESETS, dtype_name, resolve_precision
+from ampkit.precision import resolve_precision
 from ampkit.present import console, seconds
 
 #: Rounds an interleaved comparison's timed steps are split into, after the warm-up chunk.
@@ -186,10 +186,10 @@ def blank_run(precision: str, status: str, reason: str, device: torch.device) ->
 
 def run_planned(spec: RunSpec, dev: torch.device, isolate: bool, progress: RunProgress, total: int | None) -> Run:
     """One planned run: skipped if the device cannot run it, else run (isolated, torchrun or in-process)."""
-    name, probe = spec.precision, spec.probe
+    name = spec.precision
     if (why := unrunnable(name, dev)) is not None:
         return blank_run(name, "skipped", why, dev)
-    progress.start(f"{name} (probe: timing only)" if probe else name, total)
+    progress.start(f"{name} (probe: timing only)" if spec.probe else name, total)
     try:
         how = run_torchrun if spec.nproc > 1 else run_isolated if isolate else run_one
         run = how(spec, progress.update)
@@ -200,7 +200,7 @@ def run_planned(spec: RunSpec, dev: torch.device, isolate: bool, progress: RunPr
         return blank_run(name, "failed", f"{type(exc).__name__}: {exc}", dev)
     finally:
         progress.stop()
-    return _probed(run, dev) if probe else run
+    return run
 
 
 def unrunnable(name: str, dev: torch.device) -> str | None:
@@ -212,12 +212,6 @@ def unrunnable(name: str, dev: torch.device) -> str | None:
     except PrecisionError as exc:
         return str(exc)
     return None
-
-
-def _probed(run: Run, dev: torch.device) -> Run:
-    run.reason = (f"timing only: {dev.type} runs {dtype_name(PRESETS[run.precision].compute_dtype)} slowly here, "
-                  f"so a full run was left out; name it in --precisions to run it fully")
-    return run
 
 
 def interleaved(specs: dict[str, RunSpec], report: Report, dev: torch.device, progress: RunProgress,
@@ -279,7 +273,7 @@ def interleaved(specs: dict[str, RunSpec], report: Report, dev: torch.device, pr
         for worker in workers.values():
             worker.close()
         progress.stop()
-    return {n: _probed(run, dev) if run.status == "probe" else run for n, run in runs.items()}
+    return runs
 
 
 class RunProgress:
