@@ -112,10 +112,9 @@ def compare(train_fn: TrainFn | None = None, precisions: list[str] | tuple[str, 
     plan = plan_runs(precisions, dev)
     if precisions is None and task is not None:  # the default experiment also measures its own noise
         plan.insert(1, (f"{plan[0][0]} (seed {seed + 1})", False))
-    state_dir = None
-    if out is not None:
-        _check_writable(Path(out))
-        state_dir = Path(out) / ".compare"
+    state_dir = None if out is None else Path(out) / ".compare"
+    if state_dir is not None:
+        _check_writable(state_dir.parent)
         if not resume:
             shutil.rmtree(state_dir, ignore_errors=True)  # a new comparison: forget an old one's runs
     kept = _finished_runs(state_dir, [p for p, _ in plan]) if resume and state_dir is not None else {}
