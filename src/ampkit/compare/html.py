@@ -164,8 +164,8 @@ def write_report(report: Report | dict[str, Any], out_dir: str | Path, extra_plo
                  sections: Sequence[str] = ()) -> dict[str, Path]:
     """Write report.json, the plots and report.html into `out_dir`; return {name: path} written.
 
-    Names: "json", "html", and each of "loss_curves", "throughput", "scale_history" that had data
-    (scale_history only when some run was loss-scaled). NaN and infinities become null first, so
+    Names: "json", "html", and each plot of `PLOT_FILES` that had data (scale_history only when some
+    run was loss-scaled). NaN and infinities become null first, so
     report.json is strict JSON; then the report is validated, so a bad one fails before any file
     is written. Without matplotlib the plots are left out, with one warning and a note in the page.
     `extra_plots` (name in `CAPTIONS` -> a PNG already written) join the plots; `sections` (HTML) follow
