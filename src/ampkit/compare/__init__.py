@@ -1,19 +1,18 @@
 """`ampkit compare`: the same training once per precision, and what each one buys.
 
-- `runner`: `compare()`, the plan, progress, resume and ratios; `spawn`: a run in a process of its
-  own (or under torchrun); `measure`: one run, measured (`RunSpec`, `run_one`), with `recorder`
-  (the event listener that gathers losses, step times and scales) and `memory` (peak memory).
+- `runner`: `compare()`, the plan, resume and ratios; `script`: the same on a user's script; `turns`: the
+  runs in processes of their own, taking turns; `measure`: one run, measured (`RunSpec`, `run_one`, the
+  `Recorder` of its events), with `memory` (peak memory).
 - `records`: the report as typed records, `REPORT_SCHEMA` generated from them, `validate_report`.
-- `summary` (verdicts in words), `text` (the terminal), `plots`, `html`, `write` (the files).
+- `summary` (verdicts in words, the terminal), `plots`, `html` (the page; `write_report`, the files).
 """
 
+from ampkit.compare.html import write_report
 from ampkit.compare.measure import RunSpec, run_one
 from ampkit.compare.plots import PLOT_FILES
 from ampkit.compare.records import MEMORY_KINDS, REPORT_SCHEMA, STATUSES, Report, Run, validate_report
 from ampkit.compare.runner import compare, default_precisions
-from ampkit.compare.summary import verdict
-from ampkit.compare.text import format_text, render_table
-from ampkit.compare.write import write_report
+from ampkit.compare.summary import format_text, render_table, verdict
 
 __all__ = ["MEMORY_KINDS", "PLOT_FILES", "REPORT_SCHEMA", "STATUSES", "Report", "Run", "RunSpec", "compare",
            "default_precisions", "format_text", "render_table", "run_one", "validate_report", "verdict",

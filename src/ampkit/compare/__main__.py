@@ -2,7 +2,7 @@
 
 import sys
 
-from ampkit.compare.spawn import torchrun_worker
+from ampkit.compare.turns import torchrun_worker
 
 if len(sys.argv) != 4:
     sys.exit("this is the worker `ampkit compare --nproc N` starts under torchrun; run `ampkit compare` instead")

@@ -1,18 +1,22 @@
-"""report.html: the whole comparison as one self-contained page (works offline, from a file, in any browser)."""
+"""Writing a comparison, each file whole or not at all: report.json, the plots and report.html, the whole
+comparison as one self-contained page (works offline, from a file, in any browser)."""
 
 from __future__ import annotations
 
 import base64
 import dataclasses
+import json
 import numbers
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ampkit.compare.plots import CAPTIONS
-from ampkit.compare.records import Report, Run, Task
+from ampkit.compare.plots import CAPTIONS, PLOT_FILES, have_matplotlib, write_plots
+from ampkit.compare.records import Report, Run, Task, json_safe, validate_report
 from ampkit.compare.summary import (NUMERIC_FROM, columns, details, notes, numerics_findings, numerics_line, policy_lines,
                                     recommendation, rows, title, verdicts)
+from ampkit.files import atomic_write
 from ampkit.present import NONE, escape as _e, page, size
 
 _CSS = """
@@ -56,11 +60,8 @@ def _task_items(task: Task | None) -> list[tuple[str, str]]:
         return [("task", "the user's own train_fn (no built-in task)")]
     direction = {True: " (higher is better)", False: " (lower is better)"}.get(task.higher_is_better, "")
     items = [("name", task.name), ("metric", f"{task.metric}{direction}" if task.metric else NONE)]
-    fields = dataclasses.asdict(task)
-    return items + [(k, _plain(v, k)) for k, v in fields.items() if k not in ("name", "metric", "higher_is_better")]
-
-
-_BASELINE_ROW = ' class="baseline"'
+    shown = dataclasses.asdict(task).items()
+    return items + [(k, _plain(v, k)) for k, v in shown if k not in ("name", "metric", "higher_is_better")]
 
 
 def _table(report: Report) -> str:
@@ -73,7 +74,8 @@ def _table(report: Report) -> str:
         cells = [f"<td>{_e(row[0] + (' (baseline)' if baseline else ''))}</td>",
                  f'<td><span class="badge s-{_e(run.status)}">{_e(row[1])}</span></td>']
         cells += [f'<td class="num">{_e(cell)}</td>' for cell in row[NUMERIC_FROM:]]
-        body.append(f"<tr{_BASELINE_ROW if baseline else ''}>{''.join(cells)}</tr>")
+        attributes = ' class="baseline"' if baseline else ""
+        body.append(f"<tr{attributes}>{''.join(cells)}</tr>")
     return f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table></div>'
 
 
@@ -85,14 +87,10 @@ def _verdict_item(run: Run, line: str) -> str:
     return f'<li class="s-{_e(run.status)}">{_e(line)}{folded}{extra}</li>'
 
 
-def _png_size(data: bytes) -> tuple[int, int]:
-    """Width and height from a PNG's IHDR chunk, so the page reserves the space before decoding."""
-    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-
-
 def _figure(name: str, path: Path) -> str:
     data = path.read_bytes()
-    width, height = _png_size(data)
+    # width and height from the PNG's IHDR chunk, so that the page reserves the space before decoding
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
     uri = "data:image/png;base64," + base64.b64encode(data).decode("ascii")
     return (f'<figure><img src="{uri}" alt="{_e(name.replace("_", " "))} plot" width="{width}" '
             f'height="{height}"><figcaption>{_e(CAPTIONS[name])}</figcaption></figure>')
@@ -156,3 +154,36 @@ def render_html(report: Report, plots: dict[str, Path], missing_reason: str | No
 </details>
 <footer>Every number on this page is in report.json beside it (schema version {_e(report.schema_version)}).</footer>"""
     return page(title(report), body, _CSS)
+
+
+_NO_MATPLOTLIB = ("No plots: matplotlib is not installed. Install it with pip install 'ampkit[compare]' "
+                  "and run the comparison again; report.json holds every number meanwhile.")
+
+
+def write_report(report: Report | dict[str, Any], out_dir: str | Path, extra_plots: dict[str, Path] | None = None,
+                 sections: Sequence[str] = ()) -> dict[str, Path]:
+    """Write report.json, the plots and report.html into `out_dir`; return {name: path} written.
+
+    Names: "json", "html", and each plot of `PLOT_FILES` that had data (scale_history only when some
+    run was loss-scaled). NaN and infinities become null first, so
+    report.json is strict JSON; then the report is validated, so a bad one fails before any file
+    is written. Without matplotlib the plots are left out, with one warning and a note in the page.
+    `extra_plots` (name in `CAPTIONS` -> a PNG already written) join the plots; `sections` (HTML) follow
+    the numerics section.
+    """
+    clean = json_safe(dataclasses.asdict(report) if isinstance(report, Report) else report)
+    checked = validate_report(clean)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "report.json", "html": out / "report.html"}
+    text = json.dumps(clean, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+    atomic_write(paths["json"], lambda f: f.write(text.encode("utf-8")))
+    for stale in PLOT_FILES.values():  # a plot left by an earlier report here would describe other runs
+        (out / stale).unlink(missing_ok=True)
+    missing_reason = None if have_matplotlib() else _NO_MATPLOTLIB
+    plots = {**write_plots(checked, out), **(extra_plots or {})} if missing_reason is None else {}
+    if missing_reason is not None:
+        warnings.warn(_NO_MATPLOTLIB, stacklevel=2)
+    page = render_html(checked, plots, missing_reason, sections).encode("utf-8")
+    atomic_write(paths["html"], lambda f: f.write(page))
+    return {**paths, **plots}

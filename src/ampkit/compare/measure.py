@@ -1,13 +1,13 @@
-"""One precision's run, measured: train, then read the recorder and the memory probe into a `Run`.
-
-This is what each spawned process (or, with `isolate=False`, the comparison itself) does once.
-"""
+"""One precision's run, measured (in each spawned process, or with `isolate=False` in the comparison): train,
+then read the `Recorder` (per-step figures, gathered without syncs) and the memory probe into a `Run`."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import random
+import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -19,8 +19,10 @@ import torch
 from ampkit.accelerator import Accelerator
 from ampkit.compare.memory import Memory
 from ampkit.compare.records import Numerics, Policy, Run
-from ampkit.compare.recorder import Recorder
+from ampkit.events import Listener
 from ampkit.hardware import resolve_device
+from ampkit.outcomes import Outcome
+from ampkit.precision import PRESETS, dtype_name
 from ampkit.schema import build
 from ampkit.tasks import get_task
 
@@ -61,16 +63,22 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _prepared(acc: Accelerator, spec: RunSpec, memory: Memory | None = None) -> tuple[Any, ...]:
+    """The built-in task, its data, and its model, optimizer and loader prepared (`memory` from the model)."""
+    task = get_task(spec.task or "", spec.size)
+    data = task.make_data(spec.seed, spec.batch_size or task.default_batch_size)
+    if memory is not None:
+        memory.mark()
+    model = task.make_model(spec.seed)
+    optimizer = task.make_optimizer(model.parameters(), task.default_lr)
+    return task, data, *acc.prepare(model, optimizer, data.train_loader)
+
+
 def train_task(acc: Accelerator, spec: RunSpec, steps: int, memory: Memory,
                pause: Callable[[int], int | None]) -> tuple[dict[str, float], dict[str, int]]:
     """The built-in task's loop (`Task.training`) up to the step `pause(steps done)` names, again and again
     until it names none it has not reached (`steps` without interleaving); its metrics and memory parts."""
-    task = get_task(spec.task or "", spec.size)
-    data = task.make_data(spec.seed, spec.batch_size or task.default_batch_size)
-    memory.mark()
-    model = task.make_model(spec.seed)
-    optimizer = task.make_optimizer(model.parameters(), task.default_lr)
-    model, optimizer, loader = acc.prepare(model, optimizer, data.train_loader)
+    task, data, model, optimizer, loader = _prepared(acc, spec, memory)
     every = max(1, steps // 10)
     if spec.checkpoints is not None:
         acc.resume(spec.checkpoints)
@@ -122,9 +130,8 @@ def run_one(spec: RunSpec, progress: Callable[[int], None] | None = None, gate: 
         return target
 
     start = time.perf_counter()
-    parts = None
     if spec.train_fn is not None:
-        metrics = dict(spec.train_fn(acc))
+        metrics, parts = dict(spec.train_fn(acc)), None
     else:
         metrics, parts = train_task(acc, spec, steps, memory, pause)
     skipped = acc.state.skipped_steps  # waits for the outcomes still in flight: the run is over
@@ -136,25 +143,23 @@ def run_one(spec: RunSpec, progress: Callable[[int], None] | None = None, gate: 
     resumed_at = acc.optimizers[0].attempted_steps - recorder.steps if acc.optimizers else 0
     if resumed_at > 0:
         notes.append(f"resumed from a checkpoint at step {resumed_at}: the loss curve and timings cover the steps after it")
+    if spec.probe:  # why its figures are timing only, in place of any notes
+        dtype = dtype_name(PRESETS[spec.precision].compute_dtype)
+        notes = [f"timing only: {device.type} runs {dtype} slowly here, so a full run was left out; name it "
+                 f"in --precisions to run it fully"]
     median = summary["step_time_median_s"]
     return Run(
         precision=spec.precision, status="probe" if spec.probe else "ok", reason="; ".join(notes) or None,
-        policy=build(Policy, acc.policy.as_dict()),
-        **summary, skipped_steps=skipped,
+        policy=build(Policy, acc.policy.as_dict()), **summary, skipped_steps=skipped,
         # every process trains a batch per step: the job's throughput is nproc times one rank's
         samples_per_s=spec.samples_per_step * spec.nproc / median if spec.samples_per_step and median else None,
-        memory_kind=kind, peak_memory_bytes=peak, peak_rss_bytes=raw,
-        eval={k: float(v) for k, v in metrics.items()}, wall_time_s=wall, numerics=numerics, memory_parts=parts,
-    )
+        memory_kind=kind, peak_memory_bytes=peak, peak_rss_bytes=raw, memory_parts=parts,
+        eval={k: float(v) for k, v in metrics.items()}, wall_time_s=wall, numerics=numerics)
 
 
 def numerics_pass(spec: RunSpec, device: torch.device) -> Numerics:
-    """`spec.numerics_steps` steps of the same training under the numerics doctor, on a fresh model.
-
-    A pass of its own after the timed run, so that the run's step times, peak memory and wall time
-    stay those of plain training; the same seed, so it watches the run's first batches. A failed
-    diagnosis is its `error`, never a failed run.
-    """
+    """The same training's first `spec.numerics_steps` steps on a fresh model under the numerics doctor, after
+    the timed run (in none of its figures); a failed diagnosis is its `error`."""
     from ampkit.doctor import numerics_train_fn, summarize
 
     seed_everything(spec.seed)
@@ -170,14 +175,92 @@ def numerics_pass(spec: RunSpec, device: torch.device) -> Numerics:
     return Numerics(**summarize(result))
 
 
-
 def _train_forever(spec: RunSpec, acc: Accelerator) -> dict[str, float]:
     """The task's loop for the numerics pass, which stops it after the steps it watches."""
-    task = get_task(spec.task or "", spec.size)
-    data = task.make_data(spec.seed, spec.batch_size or task.default_batch_size)
-    model = task.make_model(spec.seed)
-    model, optimizer, loader = acc.prepare(model, task.make_optimizer(model.parameters(), task.default_lr),
-                                           data.train_loader)
+    task, _, model, optimizer, loader = _prepared(acc, spec)
     for _ in task.training(acc, model, optimizer, loader):
         pass
     return {}
+
+
+class Recorder(Listener):
+    """A run's per-step losses, step times and loss-scale outcomes, from the events of `acc` (the Accelerator
+    the training code gets): each loss passed to `acc.backward` (kept on the device), a timestamp at each step
+    of the first prepared optimizer (a CUDA event on a GPU: the host never waits) and each step's outcome.
+    `summary()` reads it all back once, at the end."""
+
+    def __init__(self, acc: Accelerator, on_step: Callable[[int], None] | None = None) -> None:
+        self.acc = acc
+        self.cuda = acc.device.type == "cuda"
+        # One slot per acc.backward in one preallocated device buffer (doubled when full): keeping
+        # thousands of tiny tensors alive instead fragments the host heap and RSS creeps up.
+        self.losses = torch.empty(1024, dtype=torch.float32, device=acc.device)
+        self.count = 0
+        self.bounds: list[int] = []  # self.count at each optimizer step
+        self.stamps: list[Any] = [self._stamp()]  # perf_counter floats, or CUDA events
+        self.outcomes: list[Outcome] = []
+        self.on_step = on_step
+        self.paused: set[int] = set()  # indexes of the stamp intervals that were pauses, not steps
+
+    def _stamp(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def on_backward_start(self, acc: Any, loss: torch.Tensor) -> None:
+        """Keep one micro-step's loss (a device-to-device copy: no sync)."""
+        if self.count == len(self.losses):
+            self.losses = torch.cat([self.losses, torch.empty_like(self.losses)])
+        self.losses[self.count] = loss.detach().reshape(())
+        self.count += 1
+
+    def on_step_end(self, optimizer: Any, stepped: bool) -> None:
+        """Mark an optimizer step: the micro-step losses since the last mark belong to it."""
+        if not stepped or optimizer is not self.acc.optimizers[0]:
+            return
+        self.bounds.append(self.count)
+        self.stamps.append(self._stamp())
+        if self.on_step is not None:
+            self.on_step(len(self.bounds))
+
+    def on_outcome(self, optimizer: Any, outcome: Outcome) -> None:
+        if optimizer is self.acc.optimizers[0]:
+            self.outcomes.append(outcome)
+
+    def restart(self) -> None:
+        """Training resumes after a pause (another run's turn): the time since the last step is no step's."""
+        self.paused.add(len(self.stamps) - 1)
+        self.stamps.append(self._stamp())
+
+    @property
+    def steps(self) -> int:
+        return len(self.bounds)
+
+    def loss_curve(self) -> list[float]:
+        """Mean loss of each optimizer step's micro-steps (NaN where non-finite). One sync."""
+        if not self.count:
+            return []
+        values = self.losses[: self.count].tolist()  # sync: once, after the run
+        chunks = [values[start:end] for start, end in zip([0, *self.bounds], self.bounds)]
+        return [sum(chunk) / len(chunk) if chunk else math.nan for chunk in chunks]
+
+    def step_times(self) -> list[float]:
+        """Seconds between consecutive optimizer steps (the whole iteration: data, forward, backward, update)."""
+        if self.cuda:
+            self.stamps[-1].synchronize()  # sync: after the run, or at a pause between rounds
+        pairs = [p for i, p in enumerate(zip(self.stamps, self.stamps[1:])) if i not in self.paused]
+        return [a.elapsed_time(b) / 1e3 if self.cuda else b - a for a, b in pairs]
+
+    def summary(self, warmup: int) -> dict[str, Any]:
+        """Median step time (warm-up dropped), loss curve and the scale history: `Run` fields."""
+        times = self.step_times()
+        kept = times[warmup:] or times
+        return {
+            "steps": self.steps,
+            "warmup_steps": min(warmup, len(times)),
+            "step_time_median_s": statistics.median(kept) if kept else None,
+            "loss_curve": self.loss_curve(),
+            "scale_history": [o.scale for o in self.outcomes] or None,
+        }

@@ -23,11 +23,10 @@ def proc_status(key: str) -> int | None:
 def reset_peak_rss() -> bool:
     """Reset the kernel's resident-memory high-water mark to the current RSS (Linux >= 4.0)."""
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
+        Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         return False
+    return True
 
 
 def peak_rss_bytes() -> int:

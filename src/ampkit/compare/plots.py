@@ -73,6 +73,8 @@ def _colors(report: Report) -> dict[str, str]:
 
 
 def _losses(report: Report, ax: Any, colors: dict[str, str]) -> str | None:
+    from matplotlib.ticker import FuncFormatter
+
     runs = [r for r in report.runs if any(v is not None for v in r.loss_curve or [])]
     if not runs:
         return None
@@ -86,23 +88,17 @@ def _losses(report: Report, ax: Any, colors: dict[str, str]) -> str | None:
         if run.status == "diverged" and last is not None and last < len(values):
             ax.plot([last], [values[last]], marker="x", markersize=9, color=colors[run.precision])
     if positive:  # a log axis needs positive losses; a custom train_fn may not have them
-        _log_axis_plain_labels(ax)
+        ax.set_yscale("log")  # labelled 2, 3, 5, 10 rather than 2×10⁰: losses span a decade or two at most
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _pos: f"{value:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(_minor_label))
     ax.set(xlabel="optimizer step", ylabel="training loss" + (" (log scale)" if positive else ""))
     ax.grid(True, which="both", alpha=0.3)
     return "Training loss"
 
 
-def _log_axis_plain_labels(ax: Any) -> None:
-    """Log y axis labelled 2, 3, 5, 10 rather than 2×10⁰: losses span one decade or two at most."""
-    from matplotlib.ticker import FuncFormatter
-
-    def minor(value: float, _pos: int) -> str:
-        mantissa = value / 10 ** math.floor(math.log10(value) + 1e-9)
-        return f"{value:g}" if round(mantissa) in (2, 3, 5) and abs(mantissa - round(mantissa)) < 1e-6 else ""
-
-    ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _pos: f"{value:g}"))
-    ax.yaxis.set_minor_formatter(FuncFormatter(minor))
+def _minor_label(value: float, _pos: int) -> str:
+    mantissa = value / 10 ** math.floor(math.log10(value) + 1e-9)
+    return f"{value:g}" if round(mantissa) in (2, 3, 5) and abs(mantissa - round(mantissa)) < 1e-6 else ""
 
 
 def _throughput(report: Report, ax: Any, colors: dict[str, str]) -> str | None:
@@ -166,8 +162,7 @@ def _memory(report: Report, ax: Any, colors: dict[str, str]) -> str | None:
 
 
 def _lost_shares(report: Report) -> dict[str, dict[str, float]]:
-    """{layer: {run: share of its values outside the compute dtype's range}}, a layer being a module's name
-    up to its first index ("blocks.0"); fp32 runs lose none."""
+    """{layer ("blocks.0"): {run: share of its values outside the compute dtype's range}}; fp32 loses none."""
     rows: dict[str, dict[str, float]] = {}
     for run in report.runs:
         detail = run.numerics.detail if run.numerics is not None else None

@@ -1,9 +1,6 @@
-"""report.json as typed records: what one comparison measured, and the format's schema.
-
-The runner fills these records; the table, plots and page read them. `REPORT_SCHEMA` is generated
-from them, and `validate_report` checks a report against it (with the standard library alone)
-before any file is written or after one is read back.
-"""
+"""report.json as typed records (the runner fills them; the table, plots and page read them), `REPORT_SCHEMA`
+generated from them, and `validate_report`, which checks a report against it (with the standard library
+alone) before any file is written or after one is read back."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""`ampkit compare`: train the same thing once per precision and report what each one buys.
-
-Each precision runs in its own process (`spawn.py`) with the same seed and data order and sends
-back one `Run`; a built-in task's runs take turns (`turns.py`). This module plans the runs, keeps
-finished runs for `--resume`, computes the ratios against the baseline and hands the `Report` to
-the table and the writer.
+"""`ampkit compare`: plan the runs (each precision in its own process, `spawn.py`; a built-in task's
+taking turns, `turns.py`), keep finished runs for `--resume`, compute the ratios against the baseline
+and hand the `Report` to the table and the writer.
 """
 
 from __future__ import annotations
@@ -23,17 +20,19 @@ import torch
 
 from ampkit.accelerator import Accelerator
 from ampkit.compare.measure import NUMERICS_STEPS, PROBE_STEPS, RunSpec, TrainFn
+from ampkit.compare.html import write_report
 from ampkit.compare.records import Report, Run, Task, json_safe, validate_run
-from ampkit.compare.text import render_table
-from ampkit.compare.extras import inference as measure_inference, planned
+from ampkit.compare.summary import render_table
 from ampkit.compare.turns import RunProgress, blank_run, interleaved, run_planned
-from ampkit.compare.write import write_report
-from ampkit.errors import PrecisionError
+from ampkit.errors import AmpkitError, PrecisionError
+from ampkit.export import format_text as format_inference, measure as measure_inference, render_html_section
 from ampkit.files import atomic_write
 from ampkit.hardware import auto_precision, capability, describe, resolve_device
+from ampkit.plan import plan_task, plot_png
 from ampkit.precision import PRESETS, fp8_problem
 from ampkit.tasks import default_size, get_task
 from ampkit.version import ampkit_version
+
 
 def default_precisions(device: torch.device) -> tuple[list[str], list[str]]:
     """(full runs, timing-only probes) for `device` when the user names no precisions.
@@ -51,62 +50,45 @@ def default_precisions(device: torch.device) -> tuple[list[str], list[str]]:
     return full, probes
 
 
-def compare(
-    train_fn: TrainFn | None = None,
-    precisions: list[str] | tuple[str, ...] | None = None,
-    *,
-    task: str | None = None,
-    steps: int | None = None,
-    batch_size: int | None = None,
-    seed: int = 0,
-    device: str = "auto",
-    out: str | Path | None = None,
-    metric: str | None = None,
-    samples_per_step: int | None = None,
-    isolate: bool = True,
-    show: bool = True,
-    command: str | None = None,
-    resume: bool = False,
-    nproc: int = 1,
-    numerics: bool = True,
-    accelerator_kwargs: dict[str, Any] | None = None,
-    metric_direction: str | None = None,
-    size: str | None = None,
-    inference: bool = False,
-) -> dict[str, Any]:
+def compare(train_fn: TrainFn | None = None, precisions: list[str] | tuple[str, ...] | None = None, *,
+            task: str | None = None, steps: int | None = None, batch_size: int | None = None, seed: int = 0,
+            device: str = "auto", out: str | Path | None = None, metric: str | None = None,
+            samples_per_step: int | None = None, isolate: bool = True, show: bool = True,
+            command: str | None = None, resume: bool = False, nproc: int = 1, numerics: bool = True,
+            accelerator_kwargs: dict[str, Any] | None = None, metric_direction: str | None = None,
+            size: str | None = None, inference: bool = False) -> dict[str, Any]:
     """Run `train_fn` (or a built-in `task`) once per precision and return the report dict.
 
     Args:
-        train_fn: `train_fn(acc) -> dict` runs your loop with the given Accelerator (use
-            `acc.prepare` and `acc.backward`) and returns its metrics, e.g. {"accuracy": 0.97}.
-            With `isolate=True` it must be a module-level function (it is pickled into a fresh
-            process, and your script needs an `if __name__ == "__main__":` guard).
-        precisions: presets to run; the first is the baseline. Default: fp32, the `auto` choice and
-            every preset fast on this hardware, plus a timing-only probe of bf16 where it is slow.
+        train_fn: `train_fn(acc) -> dict` runs your loop with the given Accelerator (use `acc.prepare`
+            and `acc.backward`) and returns its metrics, e.g. {"accuracy": 0.97}. With `isolate=True` it
+            must be a module-level function (it is pickled into a fresh process, and your script needs
+            an `if __name__ == "__main__":` guard).
+        precisions: presets to run; the first is the baseline. Default: fp32, the `auto` choice and every
+            preset fast on this hardware, plus a timing-only probe of bf16 where it is slow.
         task: a built-in task name (see `ampkit.tasks.TASKS`) instead of `train_fn`.
-        size: the task's model size (tiny-lm: small, medium, large); default: the one sized for the device
-            (`tasks.default_size`: large on a GPU, medium on a CPU with fast bf16, else small).
+        size: the task's model size (tiny-lm: small, medium, large); default: the one sized for the
+            device (`tasks.default_size`: large on a GPU, medium on a CPU with fast bf16, else small).
         steps, batch_size: override the task's defaults; without `steps` the full runs' steps are cut,
             if need be, so that the comparison's training fits `BUDGET_S`.
-        out: folder for report.json, the PNG plots and report.html (None: write nothing). Checked
-            before any training: a comparison is never lost to a folder it cannot write.
+        out: folder for report.json, the PNG plots and report.html (None: write nothing). Checked before
+            any training: a comparison is never lost to a folder it cannot write.
         metric: which key of `train_fn`'s dict is the headline metric (default: the first key).
         metric_direction: "higher" or "lower": which way the metric is better (val_loss: "lower").
         samples_per_step: for `train_fn`, to report samples/s.
         isolate: run each precision in its own process (clean memory figures). False runs in-process.
         resume: continue an interrupted comparison in `out`: finished runs are kept, an unfinished
             built-in-task run resumes from its last checkpoint (they are written to `out` as it trains).
-        nproc: run each precision data-parallel under `torchrun --nproc-per-node=nproc` (batch_size
-            is per process); figures are rank 0's.
-        numerics: after each run (not probes, not with nproc > 1), watch `NUMERICS_STEPS` steps of the
-            same training, on a fresh model with the same seed, under the numerics doctor (layers at
-            risk, lost updates, loss-scale health): `runs[i].numerics`. A separate pass: the run's
-            time and memory figures do not include it.
-        accelerator_kwargs: more `Accelerator` arguments for every run (`grad_accum_steps`,
-            `keep_fp32`, `compile`, ...); a key that names a preset holds that preset's own, e.g.
+        nproc: run each precision data-parallel under `torchrun --nproc-per-node=nproc` (batch_size is
+            per process); figures are rank 0's.
+        numerics: after each run (not probes, not with nproc > 1), `NUMERICS_STEPS` steps of the same
+            training on a fresh model with the same seed under the numerics doctor (layers at risk, lost
+            updates, loss-scale health): `runs[i].numerics`; a separate pass, in none of the run's figures.
+        accelerator_kwargs: more `Accelerator` arguments for every run (`grad_accum_steps`, `keep_fp32`,
+            `compile`, ...); a key that names a preset holds that preset's own, e.g.
             {"grad_accum_steps": 4, "fp16-mixed": {"keep_fp32": ["head"]}}.
-        inference: afterwards (a task, with `out`), export the task's fp32-trained model in each
-            precision and backend and measure it (`ampkit export`): out/inference.json and a page section.
+        inference: afterwards (a task, with `out`), export the task's fp32-trained model in each precision
+            and backend and measure it (`ampkit export`): out/inference.json and a page section.
 
     With a task and `out`, the page also shows the peak memory `ampkit plan` predicted per precision.
     """
@@ -127,19 +109,16 @@ def compare(
         task_info = Task(name=getattr(train_fn, "__name__", "train_fn"), metric=metric, steps=steps or 0, seed=seed,
                          higher_is_better=None if metric_direction is None else metric_direction == "higher",
                          batch_size=samples_per_step)
-    plan = _plan(precisions, dev)
+    plan = plan_runs(precisions, dev)
     if precisions is None and task is not None:  # the default experiment also measures its own noise
         plan.insert(1, (f"{plan[0][0]} (seed {seed + 1})", False))
-    state_dir = None
-    if out is not None:
-        _check_writable(Path(out))
-        state_dir = Path(out) / ".compare"
+    state_dir = None if out is None else Path(out) / ".compare"
+    if state_dir is not None:
+        _check_writable(state_dir.parent)
         if not resume:
             shutil.rmtree(state_dir, ignore_errors=True)  # a new comparison: forget an old one's runs
     kept = _finished_runs(state_dir, [p for p, _ in plan]) if resume and state_dir is not None else {}
-    report = Report(ampkit_version=ampkit_version(), command=command or "ampkit.compare(...)", task=task_info,
-                    created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    machine=describe(dev), baseline=plan[0][0])
+    report = new_report(command or "ampkit.compare(...)", task_info, dev, plan[0][0])
     base = RunSpec(precision="", device=str(dev), seed=seed, task=task, steps=task_info.steps or None, size=size,
                    batch_size=batch_size, train_fn=train_fn, samples_per_step=samples_per_step, nproc=nproc,
                    numerics_steps=NUMERICS_STEPS if numerics else 0)
@@ -184,9 +163,12 @@ def compare(
     compare_to_baseline(report)
     extra_plots, sections = {}, []
     if out is not None and task is not None and not report.interrupted:
-        extra_plots = planned(report, task, size, seed, batch_size, dev, Path(out))
-        try:
-            sections = measure_inference(task, seed, Path(out), show) if inference else []
+        extra_plots = _planned(report, task, size, seed, batch_size, dev, Path(out))
+        try:  # `ampkit export`: the task's fp32-trained model in each precision and backend, measured
+            result = measure_inference(task, out=Path(out), seed=seed) if inference else None
+            if show and result is not None:
+                print(format_inference(result), end="")
+            sections = [render_html_section(result)] if result is not None else []
         except (ImportError, ValueError, RuntimeError, OSError) as exc:  # the comparison stands without it
             warnings.warn(f"no inference section in the report: ampkit export failed: {exc}", stacklevel=2)
     if out is not None:
@@ -239,7 +221,7 @@ def _accelerator_kwargs(given: dict[str, Any] | None) -> Any:
     return lambda name: {**common, **given.get(name, {})}
 
 
-def _plan(precisions: list[str] | tuple[str, ...] | None, dev: torch.device) -> list[tuple[str, bool]]:
+def plan_runs(precisions: list[str] | tuple[str, ...] | None, dev: torch.device) -> list[tuple[str, bool]]:
     """(preset, probe?) in the order they run; the first is the baseline."""
     if precisions is None:
         full, probes = default_precisions(dev)
@@ -248,6 +230,32 @@ def _plan(precisions: list[str] | tuple[str, ...] | None, dev: torch.device) -> 
     if unknown or not precisions:
         raise PrecisionError(f"unknown precision(s) {unknown!r}; choose from: {', '.join([*PRESETS, 'auto'])}")
     return [(p, False) for p in dict.fromkeys(auto_precision(dev)[0] if p == "auto" else p for p in precisions)]
+
+
+def new_report(command: str, task: Task, dev: torch.device, baseline: str) -> Report:
+    """A comparison's report before its runs, stamped now."""
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return Report(ampkit_version=ampkit_version(), command=command, task=task, created=now,
+                  machine=describe(dev), baseline=baseline)
+
+
+def _planned(report: Report, task: str, size: str | None, seed: int, batch_size: int | None,
+             dev: torch.device, out: Path) -> dict[str, Path]:
+    """{"plan": out/plan.png}: the peak `ampkit plan` predicted for each precision that ran, by part; {}
+    where planning or plotting fails (a warning says why: the comparison itself stands)."""
+    ran = (r.precision.split(" ")[0] for r in report.runs if r.status in ("ok", "probe"))
+    precisions = list(dict.fromkeys(ran))
+    if not precisions:
+        return {}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the runs already said what is slow here
+            result = plan_task(task, precisions, size=size, seed=seed, batch_size=batch_size, device=dev,
+                               search=False)
+        return {"plan": plot_png(result, out / "plan.png")}
+    except (ImportError, ValueError, RuntimeError, AmpkitError) as exc:
+        warnings.warn(f"no predicted-memory plot in the report: ampkit plan failed: {exc}", stacklevel=3)
+        return {}
 
 
 def _check_writable(out: Path) -> None:

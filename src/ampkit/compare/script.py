@@ -1,18 +1,14 @@
 """`ampkit compare train.py`: the precision comparison on the user's own script, unchanged.
 
-Each precision runs the script in a fresh process, as `python train.py args...` would run it
-(`runpy`), with AMPKIT_PRECISION set and, with `steps`, AMPKIT_MAX_STEPS (`ampkit.launch`): the
-script's training passes end after that many optimizer steps and its evaluation still runs. The
-first Accelerator the script creates is recorded (`events.watch_created`): losses from
-`acc.backward`, step times and loss scales (the `Recorder`), peak memory from its creation to the
-last step, and what the script passes to `acc.report_metric`. The run ends at the script's end,
-at its first metric after the limit, or `GRACE` after the limit if neither comes.
+Each precision runs the script in a fresh process (`runpy`) with AMPKIT_PRECISION and, with `steps`,
+AMPKIT_MAX_STEPS set (`ampkit.launch`: training ends after that many steps, evaluation still runs). The
+first Accelerator it creates is recorded: the `Recorder`'s figures, peak memory up to the last step and
+its `acc.report_metric` values. A run ends at the script's end, its first metric after the limit, or `GRACE`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import math
 import os
 import signal
@@ -21,7 +17,6 @@ import tempfile
 import threading
 import time
 import traceback
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,23 +25,18 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
-from ampkit.compare.measure import seed_everything
+from ampkit.compare.html import write_report
+from ampkit.compare.measure import Recorder, seed_everything
 from ampkit.compare.memory import Memory
-from ampkit.compare.recorder import Recorder
 from ampkit.compare.records import Policy, Report, Run, Task
-from ampkit.compare.runner import compare_to_baseline, default_precisions
-from ampkit.compare.turns import RunProgress
-from ampkit.compare.spawn import RunFailed, run_isolated
-from ampkit.compare.text import render_table
-from ampkit.compare.write import write_report
+from ampkit.compare.runner import compare_to_baseline, default_precisions, new_report, plan_runs
+from ampkit.compare.summary import render_table
+from ampkit.compare.turns import RunFailed, RunProgress, blank_run, run_isolated, throttled, unrunnable
 from ampkit.doctor.run import check_script, script_traceback
-from ampkit.errors import PrecisionError
 from ampkit.events import watch_created
+from ampkit.hardware import resolve_device
 from ampkit.launch import run_as_main
-from ampkit.hardware import describe, resolve_device
-from ampkit.precision import PRESETS, resolve_precision
 from ampkit.schema import build
-from ampkit.version import ampkit_version
 
 GRACE = (60.0, 3.0)
 """After the step limit: (at least seconds, times the time the steps took) the script gets to end or report."""
@@ -73,9 +63,9 @@ class ScriptSpec:
 class ScriptRecorder(Recorder):
     """The comparison's `Recorder` plus what a script run needs: its metrics, batch size and the stop."""
 
-    def __init__(self, acc: Any, spec: ScriptSpec, memory: Memory, progress: Callable[[int], None]) -> None:
+    def __init__(self, acc: Any, spec: ScriptSpec, progress: Callable[[int], None]) -> None:
         super().__init__(acc, on_step=self._stepped)
-        self.spec, self.memory, self.progress = spec, memory, progress
+        self.spec, self.memory, self.progress = spec, Memory(acc.device), progress
         self.metrics: dict[str, tuple[Any, bool | None]] = {}
         self.batch_size: int | None = None
         self.stopped: str | None = None
@@ -105,22 +95,18 @@ class ScriptRecorder(Recorder):
                                    None)
 
     def on_metric(self, acc: Any, name: str, value: Any, higher_is_better: bool | None) -> None:
-        """Keep each metric's latest value (a tensor is copied on the device: no sync); after the step
-        limit, the first metric ends the run: the script's evaluation has run."""
+        """Keep each metric's latest value (a tensor copied on the device: no sync); after the step limit,
+        the first one ends the run: the script's evaluation has run."""
         self.metrics[name] = (value.detach().clone() if isinstance(value, torch.Tensor) else value, higher_is_better)
         if self.spec.steps is not None and self.steps >= self.spec.steps:
             raise ScriptStop
-
-    def reported(self) -> dict[str, float]:
-        return {name: float(value) for name, (value, _) in self.metrics.items()}  # sync: once, after the run
 
 
 def measure_script(spec: ScriptSpec, progress: Callable[[int], None]) -> tuple[Run, dict[str, bool | None]]:
     """Run the script once at `spec.precision` in this process: its run record, and the direction
     (higher is better?) of each metric it reported."""
-    saved_env = {name: os.environ.get(name) for name in ("AMPKIT_PRECISION", "AMPKIT_MAX_STEPS")}
+    saved_env = {name: os.environ.pop(name, None) for name in ("AMPKIT_PRECISION", "AMPKIT_MAX_STEPS")}
     os.environ["AMPKIT_PRECISION"] = spec.precision
-    os.environ.pop("AMPKIT_MAX_STEPS", None)
     if spec.steps is not None:
         os.environ["AMPKIT_MAX_STEPS"] = str(spec.steps)
     process_seed = (spec.seed * 0x9E3779B9 + 0x5EED) % 2**32  # a seed no script picks: its own seeding shows
@@ -133,7 +119,7 @@ def measure_script(spec: ScriptSpec, progress: Callable[[int], None]) -> tuple[R
         if acc.policy.name != spec.precision:
             raise ScriptProblem(f"{spec.script} passes precision={acc.policy.name!r} to ampkit.Accelerator, so the "
                                 f"comparison cannot choose it: drop precision= (or pass 'auto') and AMPKIT_PRECISION applies")
-        found.append(ScriptRecorder(acc, spec, Memory(acc.device), progress))
+        found.append(ScriptRecorder(acc, spec, progress))
         acc.events.add(found[0])
 
     def plain_step(optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -168,9 +154,8 @@ def measure_script(spec: ScriptSpec, progress: Callable[[int], None]) -> tuple[R
             found[0].timer.join()
         signal.signal(signal.SIGUSR1, previous)
         for name, value in saved_env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
+            os.environ.pop(name, None)
+            if value is not None:
                 os.environ[name] = value
     if not found:
         raise ScriptProblem(f"{spec.script} ended without creating an ampkit.Accelerator: convert it with the "
@@ -184,6 +169,7 @@ def measure_script(spec: ScriptSpec, progress: Callable[[int], None]) -> tuple[R
                                      for i in range(4)] if len(timed) >= 4 else None
     peak, raw, kind = rec.memory.read()
     notes = [rec.stopped] if rec.stopped else []
+    metrics = {name: float(value) for name, (value, _) in rec.metrics.items()}  # sync: once, after the run
     if torch.initial_seed() == process_seed:
         notes.append(f"the script does not seed torch itself: every run started from the same seed, set by ampkit "
                      f"(--seed {spec.seed}) before the script ran")
@@ -191,7 +177,7 @@ def measure_script(spec: ScriptSpec, progress: Callable[[int], None]) -> tuple[R
     return Run(precision=spec.precision, status="ok", reason="; ".join(notes) or None,
                policy=build(Policy, acc.policy.as_dict()), **summary, skipped_steps=skipped,
                samples_per_s=per_step / median if per_step and median else None, memory_kind=kind,
-               peak_memory_bytes=peak, peak_rss_bytes=raw, eval=rec.reported(), wall_time_s=wall), \
+               peak_memory_bytes=peak, peak_rss_bytes=raw, eval=metrics, wall_time_s=wall), \
         {name: direction for name, (_, direction) in rec.metrics.items()}
 
 
@@ -200,13 +186,7 @@ def _child(spec: ScriptSpec, conn: Any, gated: bool = False) -> None:
     fd = os.open(spec.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    last = [0.0]
-
-    def progress(step: int) -> None:
-        if step == spec.steps or time.monotonic() - last[0] > 0.2:
-            last[0] = time.monotonic()
-            conn.send(("progress", step))
-
+    progress = throttled(lambda step: conn.send(("progress", step)), spec.steps)
     try:
         conn.send(("done", measure_script(spec, progress)))
     except ScriptProblem as exc:
@@ -236,11 +216,8 @@ def compare_script(script: str | Path, args: Sequence[str] = (), precisions: Seq
     if steps is not None and (not isinstance(steps, int) or steps < 1):
         raise ValueError(f"steps={steps!r}: expected an integer >= 1 (optimizer steps per run), or None for the whole script")
     dev = resolve_device("auto")
-    names = list(precisions) if precisions else default_precisions(dev)[0]
-    unknown = [p for p in names if p not in PRESETS and p != "auto"]
-    if unknown:
-        raise PrecisionError(f"unknown precision(s) {unknown!r}; choose from: {', '.join([*PRESETS, 'auto'])}")
-    names = list(dict.fromkeys(resolve_precision("auto", dev).name if p == "auto" else p for p in names))
+    given = list(precisions) if precisions else default_precisions(dev)[0]
+    names = [name for name, _ in plan_runs(given, dev)]
     logs = Path(out) / "logs" if out is not None else Path(tempfile.mkdtemp(prefix="ampkit-compare-"))
     try:
         logs.mkdir(parents=True, exist_ok=True)
@@ -248,9 +225,7 @@ def compare_script(script: str | Path, args: Sequence[str] = (), precisions: Seq
         raise ValueError(f"cannot write the report into {str(out)!r} ({exc.strerror or exc}); name a folder you can "
                          f"write to") from None
     task = Task(name=str(script), metric=None, higher_is_better=None, steps=steps or 0, batch_size=None, seed=seed)
-    report = Report(ampkit_version=ampkit_version(), command=command or "ampkit.compare_script(...)", task=task,
-                    created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    machine=describe(dev), baseline=names[0])
+    report = new_report(command or "ampkit.compare_script(...)", task, dev, names[0])
     progress = RunProgress(show)
     for name in names:
         report.runs.append(_one(ScriptSpec(str(script), tuple(map(str, args)), name, steps, seed,
@@ -264,18 +239,13 @@ def compare_script(script: str | Path, args: Sequence[str] = (), precisions: Seq
 
 
 def _one(spec: ScriptSpec, dev: torch.device, progress: RunProgress, task: Task) -> Run:
-    kind = "cuda_max_allocated" if dev.type == "cuda" else "cpu_peak_rss_delta"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a slow dtype: the run's log has the script's own warning
-            resolve_precision(spec.precision, dev)
-    except PrecisionError as exc:
-        return Run(precision=spec.precision, status="skipped", reason=str(exc), memory_kind=kind)
+    if (why := unrunnable(spec.precision, dev)) is not None:
+        return blank_run(spec.precision, "skipped", why, dev)
     progress.start(spec.precision, spec.steps)
     try:
         run, directions = run_isolated(spec, progress.update, target=_child)
     except RunFailed as exc:
-        return Run(precision=spec.precision, status="failed", reason=str(exc).strip(), memory_kind=kind)
+        return blank_run(spec.precision, "failed", str(exc).strip(), dev)
     finally:
         progress.stop()
     if task.metric is None and directions:

@@ -1,16 +1,18 @@
-"""What a report means in words: one verdict per run, the caveats, the policy each run used.
-
-Shared by the terminal table, the HTML page and the plots' labels, so they never disagree.
-"""
+"""What a report means in words (one verdict per run, the caveats, the policy each run used), shared by the
+HTML page and the plots so that they never disagree, and the terminal's rendering of it."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from ampkit.compare.records import MEMORY_KINDS, Report, Run, Task
+from rich.console import Console, Group
+from rich.text import Text
+
+from ampkit.compare.records import MEMORY_KINDS, Report, Run, Task, as_report
 from ampkit.precision import PRESETS
-from ampkit.present import NONE, sig, signed, size, times
+from ampkit.present import (NONE, as_text, console as default_console, indented, sig, signed, size, table,
+                            times)
 from ampkit.schema import build
 
 
@@ -40,8 +42,7 @@ def metric_delta(run: Run, baseline: Run | None, task: Task | None) -> str | Non
 
 
 def same_speed(run: Run) -> bool:
-    """Whether the speed-up is indistinguishable from 1: its spread over the interleaved rounds covers
-    1.0, or (no rounds) it is within ±5%, which repeated runs differ by."""
+    """The speed-up's spread over the rounds covers 1.0, or (no rounds) it is within ±5%, as reruns differ."""
     speedup, low, high = run.speedup_vs_baseline or 1.0, run.speedup_low, run.speedup_high
     return low <= 1 <= high if low is not None and high is not None else 0.95 <= speedup < 1.05
 
@@ -60,7 +61,7 @@ def speed(run: Run) -> str:
 
 def within_noise(run: Run, baseline: Run | None, task: Task | None) -> bool | None:
     """True: the metric is within the baseline's noise band or better; False: worse beyond it; None: no band."""
-    if baseline is None or run.metric is None or baseline.metric is None or baseline.metric_band is None:
+    if baseline is None or None in (run.metric, baseline.metric, baseline.metric_band):
         return None
     worse = (baseline.metric - run.metric) if (task is None or task.higher_is_better) else (run.metric - baseline.metric)
     return worse <= baseline.metric_band
@@ -98,8 +99,8 @@ def recommendation(report: Report) -> str | None:
 
 
 def numerics_findings(run: Run) -> list[str]:
-    """The numerics pass's findings that matter for this run's precision: fp16 underflow only in fp16,
-    lost updates only where weights are stored below fp32, overflow where it happened (or in fp16)."""
+    """The numerics pass's findings that matter for this run's precision: fp16 underflow only in fp16, lost
+    updates only where weights are stored below fp32, overflow where it happened (or in fp16)."""
     detail = run.numerics.detail if run.numerics is not None else None
     if not detail:
         return [f"the diagnosis failed ({first_line(run.numerics.error)})"] if run.numerics and run.numerics.error else []
@@ -148,7 +149,7 @@ def verdicts(report: Report) -> list[str]:
 
 
 def first_line(reason: str) -> str:
-    """A failed run's reason may carry a traceback; the verdict is one line, the rest is detail."""
+    """A reason's first line (a failed run's may carry a traceback: the rest is detail)."""
     return reason.strip().split("\n", 1)[0]
 
 
@@ -167,12 +168,9 @@ def numerics_line(run: Run) -> str | None:
 
 
 def _comparisons(run: Run) -> list[str]:
-    parts = []
-    if run.speedup_vs_baseline is not None:
-        parts.append(speed(run))
-    if run.memory_ratio_vs_baseline is not None:
-        parts.append(f"{times(run.memory_ratio_vs_baseline)} memory")
-    return parts
+    ratio = run.memory_ratio_vs_baseline
+    memory = [] if ratio is None else [f"{times(ratio)} memory"]
+    return ([] if run.speedup_vs_baseline is None else [speed(run)]) + memory
 
 
 def _baseline_summary(run: Run, task: Task | None) -> str:
@@ -256,9 +254,45 @@ def rows(report: Report) -> list[list[str]]:
 
 
 def _column(values: list[float | None]) -> Any:
-    """One number format for a whole column: 4 significant digits of its largest value, the same
-    decimals in every row ("3.210" beside "3.211", never "3.21")."""
+    """One format for a column: 4 significant digits of its largest value, the same decimals in every row."""
     finite = [abs(v) for v in values if v is not None and math.isfinite(v)]
     top = max(finite, default=0.0)
     decimals = min(6, max(0, 3 - math.floor(math.log10(top)))) if top > 0 else 3
     return lambda x: f"{x:.{decimals}f}" if math.isfinite(x) else str(x)
+
+
+_STATUS_STYLE = {"ok": "green", "diverged": "bold red", "failed": "red", "skipped": "dim",
+                 "interrupted": "magenta", "probe": "yellow"}
+
+
+def _renderables(report: Report) -> Group:
+    cells = rows(report)
+    for run, row in zip(report.runs, cells):
+        row[1] = Text(row[1], style=_STATUS_STYLE.get(run.status, ""))
+    rec = recommendation(report)
+    out: list[Any] = [
+        Text(f"$ {report.command}", style="dim"),
+        *([Text.assemble(("Use ", "bold green"), (rec, "bold"))] if rec else []),
+        # Two-line headers ("peak" / "memory") so that the table fits a 120-column terminal; the
+        # baseline row is bold and named in the caption.
+        table(columns(report.task), cells, title=title(report), caption="; ".join(notes(report)),
+              numeric_from=NUMERIC_FROM, two_line_headers=True,
+              row_styles=["bold" if r.precision == report.baseline else None for r in report.runs]),
+        Text("Verdict:", style="bold"),
+    ]
+    for run, line in zip(report.runs, verdicts(report)):
+        under = ((details(run), "dim"), (numerics_line(run), "yellow"))
+        out += [indented(line, 2), *(indented(text, 6, style) for text, style in under if text)]
+    if policies := policy_lines(report):
+        out += [Text("Precision policies:", style="bold"), *(indented(line, 2) for line in policies)]
+    return Group(*out)
+
+
+def render_table(report: Report | dict[str, Any], console: Console | None = None) -> None:
+    """Print the comparison: the table, then verdicts and policy reasons (`console`: default stdout)."""
+    (console or default_console()).print(_renderables(as_report(report)))
+
+
+def format_text(report: Report | dict[str, Any]) -> str:
+    """What `render_table` prints, as plain text without colour: for logs."""
+    return as_text(_renderables(as_report(report)))

@@ -1,17 +1,29 @@
 """How a comparison's runs are scheduled: taking turns in gated processes, or one after another.
 
-Taking turns (a built-in task, each run in its own process): all processes start, each trains a few
-timed warm-up steps (from which the plan line estimates the total time, and a default comparison
-fits its steps to `BUDGET_S`), then `ROUNDS` chunks each in turn, so that a slow moment of a shared
-machine lands on every run and each speed-up comes with its spread over the rounds.
+Each run has a process of its own (clean memory figures, nothing leaks into the next run): spawned, it streams
+its steps and then its `Run`; or N processes under torchrun run `python -m ampkit.compare SPEC OUT PROGRESS`.
+Taking turns (a built-in task, a gated `Worker` per run): each trains a few timed warm-up steps (the plan
+line's estimate; a default comparison fits its steps to `BUDGET_S`), then `ROUNDS` chunks in turn, so that a
+slow moment of a shared machine lands on every run and each speed-up comes with its spread over the rounds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import multiprocessing
+import os
+import pickle
 import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
 import warnings
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,9 +31,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ampkit.compare.measure import PROBE_STEPS, RunSpec, run_one
 from ampkit.compare.records import Report, Run
-from ampkit.compare.spawn import RunFailed, Worker, run_isolated, run_torchrun
 from ampkit.errors import PrecisionError
-from ampkit.precision import PRESETS, dtype_name, resolve_precision
+from ampkit.precision import resolve_precision
 from ampkit.present import console, seconds
 
 #: Rounds an interleaved comparison's timed steps are split into, after the warm-up chunk.
@@ -30,13 +41,142 @@ ROUNDS = 4
 #: Timed warm-up steps of each full run (a probe: 2) before the plan line; the fastest gives the estimate.
 WARMUP_STEPS = 5
 
-#: Seconds a default comparison's training, evaluation and numerics passes should take; its full runs'
-#: steps are cut to fit (to half the task's steps at the least, so that they still learn), so that it
-#: finishes in about three minutes with startup.
+#: Seconds a default comparison's training, evaluation and numerics passes should take (about three
+#: minutes with startup); its full runs' steps are cut to fit, to half the task's at the least.
 BUDGET_S = 140.0
 
 #: A numerics pass (hooks on every module, a census of every tensor) costs about this many plain steps.
 NUMERICS_COST_STEPS = 40
+
+
+class RunFailed(Exception):
+    """A run's process failed or died; the message is what the report says of it."""
+
+
+def throttled(send: Callable[[int], None], last_step: int | None = None) -> Callable[[int], None]:
+    """`send` at most five times a second (and at `last_step`): progress is for people, pipes cost."""
+    last = [0.0]
+
+    def progress(step: int) -> None:
+        if step == last_step or time.monotonic() - last[0] > 0.2:
+            last[0] = time.monotonic()
+            send(step)
+
+    return progress
+
+
+def _child(spec: RunSpec, conn: Any, gated: bool) -> None:
+    """Entry point of a run's process: stream progress (and pauses, when gated), then send the record or the error."""
+    def gate(done: int, times: list[float]) -> int | None:
+        conn.send(("paused", done, times))
+        kind, target = conn.recv()
+        return target if kind == "go" else None
+
+    try:
+        progress = throttled(lambda step: conn.send(("progress", step)))
+        conn.send(("done", run_one(spec, progress, gate if gated else None)))
+    except KeyboardInterrupt:
+        conn.send(("error", "interrupted"))
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes a reported status
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=-3)}"))
+    finally:
+        conn.close()
+
+
+class Worker:
+    """One run in a spawned process. Gated, it trains only when told: `advance(target)` trains up to step
+    `target`, keeping that chunk's step times in `chunks`; `finish()` ends training and returns the `Run`."""
+
+    def __init__(self, spec: Any, gated: bool, target: Callable[[Any, Any, bool], None] = _child) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=target, args=(spec, child, gated), daemon=True)
+        self.proc.start()
+        child.close()
+        self.gated, self.done, self.chunks = gated, 0, []  # steps done; each chunk's step times (None: none ran)
+
+    def _wait(self, on_progress: Callable[[int], None]) -> Any:
+        while True:
+            if self.conn.poll(0.1):
+                try:
+                    kind, *payload = self.conn.recv()
+                except EOFError:
+                    break
+                if kind == "progress":
+                    on_progress(payload[0])
+                elif kind == "paused":
+                    self.done = payload[0]
+                    return payload[1]
+                elif kind == "done":
+                    return payload[0]
+                else:
+                    raise RunFailed(payload[0])
+            elif not self.proc.is_alive() and not self.conn.poll():
+                break
+        raise RunFailed(f"the run's process died (exit code {self.proc.exitcode}) before reporting")
+
+    def ready(self) -> None:
+        """Wait until the run has built its model and data and paused before its first step."""
+        self._wait(lambda step: None)
+
+    def advance(self, target: int, on_progress: Callable[[int], None]) -> None:
+        if target <= self.done:  # there already: a chunk of no steps
+            self.chunks.append(None)
+        else:
+            self.conn.send(("go", target))
+            self.chunks.append(self._wait(on_progress))
+
+    def finish(self, on_progress: Callable[[int], None]) -> Run:
+        if self.gated:
+            self.conn.send(("stop", None))
+        return self._wait(on_progress)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self.proc.terminate()
+        self.proc.join(timeout=10)
+
+
+def run_isolated(spec: Any, on_progress: Callable[[int], None], target: Callable[[Any, Any, bool], None] = _child) -> Any:
+    """`run_one(spec)` in a spawned process (or another `target(spec, conn, gated)` sending the same messages)."""
+    worker = Worker(spec, gated=False, target=target)
+    try:
+        return worker.finish(on_progress)
+    finally:
+        worker.close()
+
+
+def run_torchrun(spec: RunSpec, on_progress: Callable[[int], None]) -> Run:
+    """`run_one(spec)` as `torchrun --nproc-per-node=N -m ampkit.compare`; rank 0 reports."""
+    with tempfile.TemporaryDirectory(prefix="ampkit-compare-") as tmp:
+        spec_file, out_file, progress_file = Path(tmp, "spec.pkl"), Path(tmp, "run.pkl"), Path(tmp, "progress")
+        spec_file.write_bytes(pickle.dumps(spec))  # our own files, read back by our own code
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.nproc}",
+               "-m", "ampkit.compare", str(spec_file), str(out_file), str(progress_file)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            while proc.poll() is None:
+                time.sleep(0.2)
+                with contextlib.suppress(OSError, ValueError):
+                    on_progress(int(progress_file.read_text() or 0))
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
+        output = proc.stdout.read() if proc.stdout else ""
+        if proc.returncode != 0 or not out_file.exists():
+            tail = [line for line in output.splitlines() if "Error" in line][-1:] or output.splitlines()[-1:]
+            raise RunFailed(f"torchrun exited with code {proc.returncode}: {tail[0] if tail else 'no output'}")
+        return pickle.loads(out_file.read_bytes())
+
+
+def torchrun_worker(spec_file: str, out_file: str, progress_file: str) -> None:
+    """Entry point of each torchrun process: train; rank 0 writes the run record and progress."""
+    spec = pickle.loads(Path(spec_file).read_bytes())
+    rank = int(os.environ.get("RANK", "0"))
+    run = run_one(spec, throttled(lambda step: rank == 0 and Path(progress_file).write_text(str(step))))
+    if rank == 0:
+        Path(out_file).write_bytes(pickle.dumps(run))
 
 
 def blank_run(precision: str, status: str, reason: str, device: torch.device) -> Run:
@@ -46,15 +186,13 @@ def blank_run(precision: str, status: str, reason: str, device: torch.device) ->
 
 def run_planned(spec: RunSpec, dev: torch.device, isolate: bool, progress: RunProgress, total: int | None) -> Run:
     """One planned run: skipped if the device cannot run it, else run (isolated, torchrun or in-process)."""
-    name, probe = spec.precision, spec.probe
-    if (why := _unrunnable(name, dev)) is not None:
+    name = spec.precision
+    if (why := unrunnable(name, dev)) is not None:
         return blank_run(name, "skipped", why, dev)
-    progress.start(f"{name} (probe: timing only)" if probe else name, total)
+    progress.start(f"{name} (probe: timing only)" if spec.probe else name, total)
     try:
-        if spec.nproc > 1:
-            run = run_torchrun(spec, progress.update)
-        else:
-            run = run_isolated(spec, progress.update) if isolate else run_one(spec, progress.update)
+        how = run_torchrun if spec.nproc > 1 else run_isolated if isolate else run_one
+        run = how(spec, progress.update)
         progress.update(run.steps)
     except RunFailed as exc:
         return blank_run(name, "failed", str(exc).strip() or "failed", dev)
@@ -62,10 +200,10 @@ def run_planned(spec: RunSpec, dev: torch.device, isolate: bool, progress: RunPr
         return blank_run(name, "failed", f"{type(exc).__name__}: {exc}", dev)
     finally:
         progress.stop()
-    return _probed(run, dev) if probe else run
+    return run
 
 
-def _unrunnable(name: str, dev: torch.device) -> str | None:
+def unrunnable(name: str, dev: torch.device) -> str | None:
     """Why the device cannot run preset `name`, or None."""
     try:
         with warnings.catch_warnings():
@@ -74,12 +212,6 @@ def _unrunnable(name: str, dev: torch.device) -> str | None:
     except PrecisionError as exc:
         return str(exc)
     return None
-
-
-def _probed(run: Run, dev: torch.device) -> Run:
-    run.reason = (f"timing only: {dev.type} runs {dtype_name(PRESETS[run.precision].compute_dtype)} slowly here, "
-                  f"so a full run was left out; name it in --precisions to run it fully")
-    return run
 
 
 def interleaved(specs: dict[str, RunSpec], report: Report, dev: torch.device, progress: RunProgress,
@@ -102,14 +234,13 @@ def interleaved(specs: dict[str, RunSpec], report: Report, dev: torch.device, pr
 
     try:
         for name, spec in specs.items():
-            if (why := _unrunnable(spec.precision, dev)) is not None:
+            if (why := unrunnable(spec.precision, dev)) is not None:
                 runs[name] = blank_run(name, "skipped", why, dev)
             else:
                 workers[name] = Worker(spec, gated=True)
         each(lambda name, w: w.ready(), bar=False)
         warm = {n: min(2 if s.probe else WARMUP_STEPS, total[n]) for n, s in specs.items()}
-        each(lambda name, w: w.advance(warm[name], progress.update) if warm[name] > w.done else w.chunks.append(None),
-             bar=False)
+        each(lambda name, w: w.advance(warm[name], progress.update), bar=False)
         step_s = {n: min(w.chunks[-1] or [0.0]) for n, w in workers.items()}  # the first steps are slow
         full = [n for n, s in specs.items() if not s.probe and n in workers]
         extra = sum(NUMERICS_COST_STEPS * step_s[n] for n, s in specs.items() if s.numerics_steps and n in workers)
@@ -129,9 +260,8 @@ def interleaved(specs: dict[str, RunSpec], report: Report, dev: torch.device, pr
                        "(from the fastest of the timed warm-up steps)")
         progress.say(report.plan)
         for r in range(1, ROUNDS + 1):
-            each(lambda name, w, r=r: w.advance(target, progress.update)
-                 if (target := warm[name] + math.ceil(r * (total[name] - warm[name]) / ROUNDS)) > w.done
-                 else w.chunks.append(None))
+            each(lambda n, w, r=r: w.advance(warm[n] + math.ceil(r * (total[n] - warm[n]) / ROUNDS),
+                                             progress.update))
 
         def finish(name: str, worker: Worker) -> None:
             runs[name] = dataclasses.replace(worker.finish(progress.update), precision=name, round_step_times_s=[
@@ -143,7 +273,7 @@ def interleaved(specs: dict[str, RunSpec], report: Report, dev: torch.device, pr
         for worker in workers.values():
             worker.close()
         progress.stop()
-    return {n: _probed(run, dev) if run.status == "probe" else run for n, run in runs.items()}
+    return runs
 
 
 class RunProgress:
