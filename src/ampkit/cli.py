@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from ampkit.precision import PRESET_NAMES
 
@@ -15,6 +17,11 @@ def _usage(command: str, problem: object) -> int:
     return 2
 
 
+def _names(text: str | None, default: list[str] | None = None) -> list[str] | None:
+    """A comma-separated list from the command line, or `default` when none was given."""
+    return [p.strip() for p in text.split(",") if p.strip()] if text else default
+
+
 def _compare(args: argparse.Namespace) -> int:
     from ampkit.compare import compare
     from ampkit.errors import PrecisionError
@@ -22,12 +29,12 @@ def _compare(args: argparse.Namespace) -> int:
     if args.script is not None:  # ampkit compare train.py [args...]
         return _compare_script(args)
 
-    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()] if args.precisions else None
-    command = "ampkit " + " ".join(shlex.quote(a) for a in args.argv)
+    command = "ampkit " + shlex.join(args.argv)
     try:
-        compare(task=args.task, precisions=precisions, steps=args.steps, batch_size=args.batch_size,
-                seed=args.seed, device=args.device, out=args.out, command=command, resume=args.resume,
-                nproc=args.nproc, numerics=not args.no_numerics, size=args.size, inference=args.inference)
+        compare(task=args.task, precisions=_names(args.precisions), steps=args.steps, seed=args.seed,
+                batch_size=args.batch_size, device=args.device, out=args.out, command=command,
+                resume=args.resume, nproc=args.nproc, numerics=not args.no_numerics, size=args.size,
+                inference=args.inference)
     except (PrecisionError, ValueError) as exc:
         return _usage("compare", exc)
     except KeyboardInterrupt:
@@ -41,11 +48,10 @@ def _compare(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from ampkit.export import PRECISIONS, format_text, measure
 
-    def names(text: str | None, default: tuple[str, ...]) -> list[str]:
-        return [p.strip() for p in text.split(",") if p.strip()] if text else list(default)
     try:
-        report = measure(args.task, names(args.precisions, PRECISIONS), names(args.backends, ("torch", "onnx")),
-                         args.out, steps=args.steps, seed=args.seed, rounds=args.rounds, threads=args.threads)
+        precisions = _names(args.precisions, list(PRECISIONS))
+        report = measure(args.task, precisions, _names(args.backends, ["torch", "onnx"]), args.out,
+                         steps=args.steps, seed=args.seed, rounds=args.rounds, threads=args.threads)
     except ValueError as exc:
         return _usage("export", exc)
     print(format_text(report), end="")
@@ -80,11 +86,10 @@ def _compare_script(args: argparse.Namespace) -> int:
         if value != default:
             return _usage("compare", f"{flag} is for the built-in tasks; a script chooses its own device, batch size "
                                      f"and processes, and its comparison has no numerics pass or export")
-    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()] if args.precisions else None
-    command = "ampkit " + " ".join(shlex.quote(a) for a in args.argv)
+    command = "ampkit " + shlex.join(args.argv)
     try:
-        report = compare_script(args.script, script_args, precisions, steps=args.steps, seed=args.seed, out=args.out,
-                                command=command)
+        report = compare_script(args.script, script_args, _names(args.precisions), steps=args.steps,
+                                seed=args.seed, out=args.out, command=command)
     except (FileNotFoundError, PrecisionError, ValueError) as exc:
         return _usage("compare", exc)
     except KeyboardInterrupt:
@@ -154,22 +159,19 @@ def _doctor(args: argparse.Namespace) -> int:
     if args.numerics and args.gpu is not None:
         return _usage("doctor", "--gpu is for the performance doctor; --numerics quotes no GPU costs")
     warmup = args.warmup if args.warmup is not None else (0 if args.numerics else 5)
-    gpu = args.gpu or "A100"
+    options = {"steps": args.steps, "warmup": warmup} | ({} if args.numerics else {"gpu": args.gpu or "A100"})
+    if args.task is not None:
+        diagnose, target = (numerics_task if args.numerics else diagnose_task), (args.task,)
+        options |= {"precision": args.precision or "auto", "device": args.device or "auto",
+                    "batch_size": args.batch_size, "seed": args.seed}
+    else:
+        diagnose = numerics_script if args.numerics else diagnose_script
+        target = (args.script, args.script_args)
     # With --json, stdout carries only the JSON: the script's own prints go to stderr.
     quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
     try:
         with quiet:
-            if args.numerics and args.task is not None:
-                result = numerics_task(args.task, steps=args.steps, warmup=warmup, precision=args.precision or "auto",
-                                       device=args.device or "auto", batch_size=args.batch_size, seed=args.seed)
-            elif args.numerics:
-                result = numerics_script(args.script, args.script_args, steps=args.steps, warmup=warmup)
-            elif args.task is not None:
-                result = diagnose_task(args.task, steps=args.steps, warmup=warmup, gpu=gpu,
-                                       precision=args.precision or "auto", device=args.device or "auto",
-                                       batch_size=args.batch_size, seed=args.seed)
-            else:
-                result = diagnose_script(args.script, args.script_args, steps=args.steps, warmup=warmup, gpu=gpu)
+            result = diagnose(*target, **options)
     except KeyboardInterrupt:
         print("\nampkit doctor: interrupted", file=sys.stderr)
         return 130
@@ -198,7 +200,7 @@ def _plan(args: argparse.Namespace) -> int:
     from ampkit.errors import PrecisionError
     from ampkit.plan import check_out, parse_memory, plan, plan_task, render_plan, write_plan
 
-    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()] if args.precisions else None
+    precisions = _names(args.precisions)
     sharding = {"strategy": "none" if args.nproc is None else "fsdp", "nproc": 1 if args.nproc is None else args.nproc}
     try:
         memory = parse_memory(args.memory) if args.memory is not None else None
@@ -226,15 +228,22 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _command(sub: Any, name: str, func: Callable[[argparse.Namespace], int], help: str,
+             description: str) -> argparse.ArgumentParser:
+    """The subcommand `name`, run by `func(args)`."""
+    parser = sub.add_parser(name, help=help, description=description)
+    parser.set_defaults(func=func)
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ampkit", description="Mixed-precision training for PyTorch: measured and explained.")
     sub = parser.add_subparsers(dest="command", required=True)
-    cmp = sub.add_parser(
-        "compare", help="train a task once per precision and compare time, memory, loss and accuracy",
-        description="Train the same task once per precision preset, each in its own process with the same seed "
-                    "and data order, and report time per step, peak memory, the loss curve and the eval metric "
-                    "against fp32.",
-    )
+    cmp = _command(sub, "compare", _compare,
+                   "train a task once per precision and compare time, memory, loss and accuracy",
+                   "Train the same task once per precision preset, each in its own process with the same seed "
+                   "and data order, and report time per step, peak memory, the loss curve and the eval metric "
+                   "against fp32.")
     cmp.add_argument("--task", default="tiny-lm", help="built-in task: tiny-lm (default), digits-cnn, iris-mlp")
     cmp.add_argument("--precisions", default=None,
                      help=f"comma-separated presets, the first is the baseline (choices: {', '.join(PRESET_NAMES)}); "
@@ -258,19 +267,17 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--inference", action="store_true",
                      help="afterwards, export the task's fp32-trained model in fp32/bf16/fp16/int8 (torch.export and "
                           "onnxruntime) and measure latency, size, memory and accuracy (see `ampkit export`)")
-    cmp.set_defaults(func=_compare)
     cmp.add_argument("script", nargs="?", default=None,
                      help="instead of --task: your training script (converted with ampkit.Accelerator, no precision= "
                           "passed), run once per precision; --precisions/--steps/--seed/--out may follow it, and "
                           "everything after `--` is the script's")
     cmp.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
-    run = sub.add_parser(
-        "run", help="run a training script with the precision and processes chosen at launch",
-        description="Run a script that trains with ampkit.Accelerator, with every Accelerator it creates taking "
-                    "what it does not pass itself from the launcher (AMPKIT_PRECISION, AMPKIT_GRAD_ACCUM_STEPS, "
-                    "AMPKIT_COMPILE, AMPKIT_MAX_STEPS). --nproc > 1 runs it under torchrun, with the rendezvous "
-                    "flags passed on. Options go before the script; everything after it is the script's.",
-    )
+    run = _command(sub, "run", _run,
+                   "run a training script with the precision and processes chosen at launch",
+                   "Run a script that trains with ampkit.Accelerator, with every Accelerator it creates taking "
+                   "what it does not pass itself from the launcher (AMPKIT_PRECISION, AMPKIT_GRAD_ACCUM_STEPS, "
+                   "AMPKIT_COMPILE, AMPKIT_MAX_STEPS). --nproc > 1 runs it under torchrun, with the rendezvous "
+                   "flags passed on. Options go before the script; everything after it is the script's.")
     run.add_argument("--precision", default=None, help=f"precision preset: {', '.join(PRESET_NAMES)}")
     run.add_argument("--nproc", type=int, default=None, help="processes on this node (>1: torchrun, data parallel)")
     run.add_argument("--grad-accum-steps", type=int, default=None, help="micro-batches per optimizer step")
@@ -283,14 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
         run.add_argument(flag, default=None, help=f"passed to torchrun as {flag}")
     run.add_argument("script", nargs="?", default=None, help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
-    run.set_defaults(func=_run)
-    exp = sub.add_parser(
-        "export", help="train a task in fp32, export it in reduced precision, measure what each precision buys",
-        description="Train a built-in task briefly in fp32, export it in each precision (fp32, bf16, fp16, int8) with "
-                    "each backend (torch: torch.export .pt2; onnx: onnxruntime), and report latency at batch 1 and "
-                    "at a throughput batch (median of interleaved rounds), file size, peak memory and the held-out "
-                    "metric against fp32, with a verdict per export and the auto choice for this device.",
-    )
+    exp = _command(sub, "export", _export,
+                   "train a task in fp32, export it in reduced precision, measure what each precision buys",
+                   "Train a built-in task briefly in fp32, export it in each precision (fp32, bf16, fp16, int8) with "
+                   "each backend (torch: torch.export .pt2; onnx: onnxruntime), and report latency at batch 1 and "
+                   "at a throughput batch (median of interleaved rounds), file size, peak memory and the held-out "
+                   "metric against fp32, with a verdict per export and the auto choice for this device.")
     exp.add_argument("--task", default="digits-cnn", help="built-in task: digits-cnn (default), tiny-lm, iris-mlp")
     exp.add_argument("--precisions", default=None, help="comma-separated, from fp32,bf16,fp16,int8 (default: all)")
     exp.add_argument("--backends", default=None, help="comma-separated, from torch,onnx (default: both)")
@@ -299,13 +304,11 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--seed", type=int, default=0, help="seed for model init and data order (default: 0)")
     exp.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (default: 7)")
     exp.add_argument("--threads", type=int, default=None, help="intra-op threads of both runtimes (default: torch's)")
-    exp.set_defaults(func=_export)
-    info = sub.add_parser(
-        "info", help="what this machine runs fast in low precision, and what precision='auto' picks here",
-        description="Show torch/CUDA/cuDNN versions, every device (name, compute capability, memory, SMs), "
-                    "which low-precision dtypes each runs fast (with the source of each fact; 'unknown' where "
-                    "ampkit does not know), the CPU's flags, and the preset precision='auto' picks with its reason.",
-    )
+    info = _command(sub, "info", _info,
+                   "what this machine runs fast in low precision, and what precision='auto' picks here",
+                   "Show torch/CUDA/cuDNN versions, every device (name, compute capability, memory, SMs), "
+                   "which low-precision dtypes each runs fast (with the source of each fact; 'unknown' where "
+                   "ampkit does not know), the CPU's flags, and the preset precision='auto' picks with its reason.")
     info.add_argument("--device", default="auto",
                       help="device the recommendation and benchmark are for: auto (default), cpu, cuda, cuda:N, mps")
     info.add_argument("--json", action="store_true", help="print the report as JSON (schema: ampkit.info.INFO_SCHEMA)")
@@ -313,16 +316,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also time matmuls in fp32, bf16 and fp16 on the device, to confirm the table by speed")
     info.add_argument("--bench-seconds", type=float, default=2.0,
                       help="time budget of --bench for all dtypes together (default: 2)")
-    info.set_defaults(func=_info)
-    doc = sub.add_parser(
-        "doctor", help="run a training script (or a built-in task) for a few steps and say where the time goes",
-        description="Run a script that trains with ampkit (or a built-in task) for a few steps under "
-                    "instrumentation: per-step time by phase (data, host->device copy, forward, backward, "
-                    "optimizer, other), kernel ops per step and their duration, host<->device syncs with the "
-                    "file:line that caused them, an estimate of the step on known GPUs, and findings ranked "
-                    "by the time they should save. Doctor options go before the script; everything after "
-                    "the script is passed to it.",
-    )
+    doc = _command(sub, "doctor", _doctor,
+                   "run a training script (or a built-in task) for a few steps and say where the time goes",
+                   "Run a script that trains with ampkit (or a built-in task) for a few steps under "
+                   "instrumentation: per-step time by phase (data, host->device copy, forward, backward, "
+                   "optimizer, other), kernel ops per step and their duration, host<->device syncs with the "
+                   "file:line that caused them, an estimate of the step on known GPUs, and findings ranked "
+                   "by the time they should save. Doctor options go before the script; everything after "
+                   "the script is passed to it.")
     doc.add_argument("script", nargs="?", default=None, help="the training script (it must use ampkit.Accelerator)")
     doc.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     doc.add_argument("--task", default=None, help="diagnose a built-in task instead: iris-mlp, digits-cnn, tiny-lm")
@@ -345,14 +346,12 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--device", default=None, help="--task only: auto (default), cpu, cuda, cuda:N, mps")
     doc.add_argument("--batch-size", type=int, default=None, help="--task only: batch size (default: the task's)")
     doc.add_argument("--seed", type=int, default=0, help="--task only: seed (default: 0)")
-    doc.set_defaults(func=_doctor)
-    pln = sub.add_parser(
-        "plan", help="predict each precision's peak training memory and the largest batch that fits, without running it",
-        description="Run two training steps of a task through each precision preset on fake tensors (no memory is "
-                    "allocated), and show the peak with its parts: parameters, gradients, optimizer state, ampkit's "
-                    "master weights and buffers, activations, autocast's weight casts, temporaries; whether it fits "
-                    "in --memory and the largest batch size that does; and the fastest preset that fits.",
-    )
+    pln = _command(sub, "plan", _plan,
+                   "predict each precision's peak training memory and the largest batch that fits, without running it",
+                   "Run two training steps of a task through each precision preset on fake tensors (no memory is "
+                   "allocated), and show the peak with its parts: parameters, gradients, optimizer state, ampkit's "
+                   "master weights and buffers, activations, autocast's weight casts, temporaries; whether it fits "
+                   "in --memory and the largest batch size that does; and the fastest preset that fits.")
     pln.add_argument("script", nargs="?", default=None, help="a training script (its first prepared model, optimizer and batch; it runs to its first acc.backward)")
     pln.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     pln.add_argument("--task", default="tiny-lm", help="built-in task: tiny-lm (default), digits-cnn, iris-mlp")
@@ -369,7 +368,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="plan one rank's share with the model sharded by FSDP2 across this many processes")
     pln.add_argument("--json", action="store_true", help="print the plan as JSON (schema: ampkit.plan.PLAN_SCHEMA)")
     pln.add_argument("--out", default=None, help="also write plan.json and plan.png (stacked bars) into this folder")
-    pln.set_defaults(func=_plan)
     return parser
 
 

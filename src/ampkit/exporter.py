@@ -135,11 +135,14 @@ def export(model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tenso
     if precision == "int8" and backend == "torch":
         # torch.ao's own dynamic quantization packs weights in TorchScript objects torch.export cannot trace
         need("torchao.quantization", "precision='int8' with backend='torch'")
-    clean = fp32_copy(model, acc)
+    dtype = DTYPES[precision]
+    clean = fp32_copy(model, acc).to(dtype)
+    inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
     path.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"ampkit_export": 1, "precision": precision, "backend": backend, "inputs": len(inputs),
-            "ampkit_version": ampkit_version(), "torch_version": torch.__version__}
-    (_export_torch if backend == "torch" else _export_onnx)(clean, inputs, precision, path, meta)
+    meta = json.dumps({"ampkit_export": 1, "precision": precision, "backend": backend, "inputs": len(inputs),
+                       "ampkit_version": ampkit_version(), "torch_version": torch.__version__})
+    data = (_export_torch if backend == "torch" else _export_onnx)(clean, inputs, precision, meta)
+    atomic_write(path, lambda f: f.write(data))
     return load(path)
 
 
@@ -192,25 +195,20 @@ def untraceable(model: nn.Module, err: BaseException) -> str:
             "with torch.where or torch.cond, or move it out of forward")
 
 
-def _export_torch(model: nn.Module, inputs: tuple[torch.Tensor, ...], precision: str, path: Path,
-                  meta: dict[str, Any]) -> None:
-    dtype = DTYPES[precision]
-    model = model.to(dtype)
-    inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
+def _export_torch(model: nn.Module, inputs: tuple[torch.Tensor, ...], precision: str, meta: str) -> bytes:
+    """The `.pt2` file's bytes: `model` (already in the precision's dtype) traced, int8 quantized first."""
     if precision == "int8":
         quant = need("torchao.quantization", "precision='int8' with backend='torch'")
         quant.quantize_(model, quant.Int8DynamicActivationInt8WeightConfig())
-    program = _trace(model, inputs)
     buffer = io.BytesIO()
-    torch.export.save(program, buffer, extra_files={META: json.dumps(meta)})
-    atomic_write(path, lambda f: f.write(buffer.getvalue()))
+    torch.export.save(_trace(model, inputs), buffer, extra_files={META: meta})
+    return buffer.getvalue()
 
 
-def _export_onnx(model: nn.Module, inputs: tuple[torch.Tensor, ...], precision: str, path: Path,
-                 meta: dict[str, Any]) -> None:
+def _export_onnx(model: nn.Module, inputs: tuple[torch.Tensor, ...], precision: str, meta: str) -> bytes:
+    """The `.onnx` file's bytes: `model` (already in the precision's dtype) traced, int8 quantized after."""
     onnx = need("onnx", "backend='onnx'")
-    dtype = DTYPES[precision]
-    program = _trace(model.to(dtype), tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs))
+    program = _trace(model, inputs)
     with contextlib.redirect_stdout(io.StringIO()):  # the exporter prints its progress
         proto = torch.onnx.export(program, dynamo=True, verbose=False).model_proto
     if precision == "int8":
@@ -220,9 +218,8 @@ def _export_onnx(model: nn.Module, inputs: tuple[torch.Tensor, ...], precision: 
             quantization.quantize_dynamic(f"{tmp}/fp32.onnx", f"{tmp}/int8.onnx", op_types_to_quantize=["MatMul", "Gemm"],
                                           weight_type=quantization.QuantType.QInt8)
             proto = onnx.load(f"{tmp}/int8.onnx")
-    onnx.helper.set_model_props(proto, {META: json.dumps(meta)})
-    data = proto.SerializeToString()
-    atomic_write(path, lambda f: f.write(data))
+    onnx.helper.set_model_props(proto, {META: meta})
+    return proto.SerializeToString()
 
 
 # --- load --------------------------------------------------------------------------------------

@@ -36,11 +36,10 @@ def parse_cpu_flags(cpuinfo_text: str) -> dict[str, bool]:
 def read_cpu_flags(path: str | Path = "/proc/cpuinfo") -> dict[str, bool] | None:
     """`CPU_FLAGS` read from `path`, or None where it does not say: no such file (not Linux), or no
     "flags" line (not x86: reading that as "no bf16" would be a guess)."""
-    try:
+    with contextlib.suppress(OSError):
         text = Path(path).read_text()
-    except OSError:
-        return None
-    return parse_cpu_flags(text) if proc_field(text, "flags") is not None else None
+        return parse_cpu_flags(text) if proc_field(text, "flags") is not None else None
+    return None
 
 
 @functools.cache
@@ -175,32 +174,31 @@ GPU_MODELS: dict[str, GPUModel] = {g.name: g for g in (
 )}
 
 
+def _dotted(cc: tuple[int, int]) -> str:
+    return f"{cc[0]}.{cc[1]}"
+
+
 def gpu_capabilities(major: int, minor: int) -> dict[str, Fact]:
     """`CAPABILITIES` of an NVIDIA GPU of compute capability `major.minor`, from `CUDA_ARCHITECTURES`:
     before the first row every fact is a "no", off the rows (newer, or between) "unknown"."""
-    cc = f"{major}.{minor}"
-    (first_major, first_minor), first_arch = FIRST_IN["fp16"]
-    if (major, minor) < (first_major, first_minor):
-        return {c: Fact(False, f"NVIDIA compute capability {cc} (before {first_arch} {first_major}.{first_minor}): "
-                               "no Tensor Cores") for c in CAPABILITIES}
-    row = CUDA_ARCHITECTURES.get((major, minor))
-    if row is None:
-        known = ", ".join(f"{a}.{b}" for a, b in CUDA_ARCHITECTURES)
-        return {c: Fact(None, f"NVIDIA compute capability {cc} is not in ampkit's table ({known}): unknown")
+    cc = f"NVIDIA compute capability {major}.{minor}"
+    first, first_arch = FIRST_IN["fp16"]
+    if (major, minor) < first:
+        return {c: Fact(False, f"{cc} (before {first_arch} {_dotted(first)}): no Tensor Cores")
                 for c in CAPABILITIES}
+    if (row := CUDA_ARCHITECTURES.get((major, minor))) is None:
+        known = ", ".join(map(_dotted, CUDA_ARCHITECTURES))
+        return {c: Fact(None, f"{cc} is not in ampkit's table ({known}): unknown") for c in CAPABILITIES}
     arch, has = row
-    return {
-        c: Fact(True, f"NVIDIA compute capability {cc} ({arch}): {c} Tensor Cores") if c in has
-        else Fact(False, f"NVIDIA compute capability {cc} ({arch}): no {c} Tensor Cores "
-                         f"(first in {FIRST_IN[c][1]}, {FIRST_IN[c][0][0]}.{FIRST_IN[c][0][1]})")
-        for c in CAPABILITIES
-    }
+    return {c: Fact(True, f"{cc} ({arch}): {c} Tensor Cores") if c in has
+            else Fact(False, f"{cc} ({arch}): no {c} Tensor Cores (first in {FIRST_IN[c][1]}, "
+                             f"{_dotted(FIRST_IN[c][0])})")
+            for c in CAPABILITIES}
 
 
 def rocm_capabilities(arch: str) -> dict[str, Fact]:
     """`CAPABILITIES` of an AMD GPU of gfx architecture `arch` ("gfx942"), from `ROCM_ARCHITECTURES`."""
-    row = ROCM_ARCHITECTURES.get(arch)
-    if row is None:
+    if (row := ROCM_ARCHITECTURES.get(arch)) is None:
         known = ", ".join(ROCM_ARCHITECTURES)
         return {c: Fact(None, f"AMD {arch} (ROCm) is not in ampkit's table ({known}): unknown") for c in CAPABILITIES}
     name, has = row
@@ -216,15 +214,15 @@ def _cpu_has(flags: dict[str, bool], dtype: str) -> list[str]:
 def cpu_capabilities(flags: dict[str, bool] | None) -> dict[str, Fact]:
     """`CAPABILITIES` of a CPU from its `CPU_FLAGS` (None: unread): bf16 from avx512_bf16 or amx_bf16,
     fp16 likewise; tf32 and fp8 "unknown" (no flag ampkit reads speaks for them)."""
-    facts = {c: Fact(None, f"no CPU flag ampkit reads covers {c}: unknown") for c in ("tf32", "fp8")}
+    facts = {c: Fact(None, f"no CPU flag ampkit reads covers {c}: unknown") for c in CAPABILITIES}
     for c in ("bf16", "fp16"):
         if flags is None:
             facts[c] = Fact(None, "CPU flags could not be read (no x86 flags line in /proc/cpuinfo): unknown")
-            continue
-        have = _cpu_has(flags, c)
-        facts[c] = (Fact(True, f"/proc/cpuinfo flags: {' and '.join(have)}") if have
-                    else Fact(False, f"/proc/cpuinfo flags: neither avx512_{c} nor amx_{c}"))
-    return {c: facts[c] for c in CAPABILITIES}
+        elif have := _cpu_has(flags, c):
+            facts[c] = Fact(True, f"/proc/cpuinfo flags: {' and '.join(have)}")
+        else:
+            facts[c] = Fact(False, f"/proc/cpuinfo flags: neither avx512_{c} nor amx_{c}")
+    return facts
 
 
 def rocm_arch(device: torch.device) -> str | None:
@@ -285,11 +283,7 @@ def capability(device: torch.device) -> Support:
     facts = device_capabilities(device)
     gpu = device.type != "cpu"
     bf16_runs = _bf16_runs(device)
-
-    def fast(dtype: str, runs: bool) -> bool:
-        known = facts[dtype].supported
-        return runs and (gpu if known is None else known)
-
+    fast = {c: gpu if facts[c].supported is None else facts[c].supported for c in ("bf16", "fp16")}
     if gpu:
         name, source = _gpu_named(device)
         name = f"{torch.cuda.get_device_name(device)} ({name})" if device.type == "cuda" else name
@@ -298,8 +292,8 @@ def capability(device: torch.device) -> Support:
     else:
         have = [f for f, on in flags.items() if on]
         name, source = f"CPU ({', '.join(have) if have else 'no bf16/fp16 instructions'})", "/proc/cpuinfo flags"
-    return Support(device=name, bf16_runs=bf16_runs, bf16_fast=fast("bf16", bf16_runs), fp16_runs=True,
-                   fp16_fast=fast("fp16", True), source=source)
+    return Support(device=name, bf16_runs=bf16_runs, bf16_fast=bf16_runs and fast["bf16"], fp16_runs=True,
+                   fp16_fast=fast["fp16"], source=source)
 
 
 def auto_precision(device: torch.device) -> tuple[str, str]:

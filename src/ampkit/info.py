@@ -227,14 +227,6 @@ def _bench_one(device: torch.device, dtype: torch.dtype, budget: float) -> dict[
 # --- Presenting: one list of blocks, rendered by rich (to the terminal, or as plain text) ---
 
 
-def _versions(info: Info) -> str:
-    parts = [f"ampkit {info['ampkit_version']}", f"torch {info['torch']}", f"CUDA {info['cuda'] or 'none'}",
-             f"cuDNN {info['cudnn'] or 'none'}"]
-    if info["hip"]:
-        parts.append(f"ROCm {info['hip']}")
-    return " · ".join(parts)
-
-
 def _cpu_line(info: Info) -> str:
     cpu = info["cpu"]
     head = f"CPU: {cpu['name']}, {cpu['threads']} torch threads; flags"
@@ -252,6 +244,9 @@ def _selected_capabilities(info: Info) -> dict[str, dict[str, Any]]:
     return info["cpu"]["capabilities"]
 
 
+_SPEED = {True: "fast", False: "slow", None: "unknown"}
+
+
 def _bench_rows(info: Info) -> list[list[str]]:
     rows = []
     for r in info["bench"]["results"]:
@@ -263,8 +258,7 @@ def _bench_rows(info: Info) -> list[list[str]]:
         if r["dtype"] == "fp32":
             table, measured = "", "baseline"
         else:
-            table = {True: "fast", False: "slow", None: "unknown"}[r["table"]]
-            measured = {True: "fast", False: "slow", None: "unknown"}[r["fast_here"]]
+            table, measured = (_SPEED[r[k]] for k in ("table", "fast_here"))
             if r["table"] is not None and r["fast_here"] is not None:
                 measured += " (agrees)" if r["table"] == r["fast_here"] else " (DISAGREES)"
         rows.append([r["dtype"], present.flops(r["flops_per_s"]), ratio, str(r["size"]), table, measured])
@@ -277,7 +271,10 @@ def _table(title: str, header: list[str], rows: list[list[str]]) -> Table:
 
 def _renderables(info: Info) -> list[Any]:
     """The report, top to bottom: what the terminal shows and what `format_info_text` writes."""
-    out: list[Any] = [Text(_versions(info)), Text(f"Python {info['python']} · {info['platform']}"),
+    rocm = [f"ROCm {info['hip']}"] if info["hip"] else []
+    parts = [f"ampkit {info['ampkit_version']}", f"torch {info['torch']}", f"CUDA {info['cuda'] or 'none'}",
+             f"cuDNN {info['cudnn'] or 'none'}", *rocm]
+    out: list[Any] = [Text(" · ".join(parts)), Text(f"Python {info['python']} · {info['platform']}"),
                       Text(_cpu_line(info))]
     if info["gpus"]:
         out.append(_table("GPUs", ["device", "name", "compute capability", "memory", "SMs"], [

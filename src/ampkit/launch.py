@@ -19,6 +19,7 @@ the variable, before anything is built.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -35,16 +36,6 @@ ENV = {"precision": "AMPKIT_PRECISION", "grad_accum_steps": "AMPKIT_GRAD_ACCUM_S
 DEFAULTS: dict[str, Any] = {"precision": "auto", "grad_accum_steps": 1, "compile": False, "max_steps": None}
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def _count(var: str, text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{var}={text!r}: expected an integer >= 1; fix or unset {var}")
-    return value
 
 
 def read_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -66,7 +57,10 @@ def read_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
                                  f"({', '.join(COMPILE_MODES)}); fix or unset {var}")
             found[key] = low in _TRUE or ({"mode": low} if low in COMPILE_MODES else False)
         else:
-            found[key] = _count(var, text)
+            with contextlib.suppress(ValueError):
+                found[key] = int(text)
+            if found.get(key, 0) < 1:
+                raise ValueError(f"{var}={text!r}: expected an integer >= 1; fix or unset {var}")
     return found
 
 

@@ -64,20 +64,6 @@ def auto_choice(device: torch.device | str = "cpu") -> tuple[str, str]:
                     "int8 and bf16 gain little or lose here")
 
 
-def _train(task_name: str, steps: int | None, seed: int) -> tuple:
-    """The task's model trained `steps` optimizer steps in fp32 on the CPU, with its data and Accelerator."""
-    task = get_task(task_name)
-    steps = task.default_steps if steps is None else steps
-    acc = Accelerator(precision="fp32", device="cpu", grad_accum_steps=1, compile=False)  # not AMPKIT_*
-    model = task.make_model(seed)
-    data = task.make_data(seed, task.default_batch_size)
-    model, optimizer, loader = acc.prepare(model, task.make_optimizer(model.parameters(), task.default_lr),
-                                           data.train_loader)
-    for _, _ in zip(range(steps), task.training(acc, model, optimizer, loader)):
-        pass
-    return task, acc, model, data, steps
-
-
 def _median_times(calls: dict, rounds: int) -> dict:
     """Median seconds per call of each `(call, repeats)`, timed `repeats` times per round, in turn."""
     for call, _ in calls.values():
@@ -127,10 +113,6 @@ def _predictions(run: Callable[[torch.Tensor], torch.Tensor], inputs: torch.Tens
     return torch.cat([run(x).argmax(-1).flatten() for x in inputs.split(256)])
 
 
-def _change(metric: str, value: float, reference: float) -> float:
-    return (value - reference) * 100 if metric == "accuracy" else (value / reference - 1) * 100
-
-
 def measure(task: str = "digits-cnn", precisions: Sequence[str] = PRECISIONS,
             backends: Sequence[str] = ("torch", "onnx"), out: str | Path | None = None, *, steps: int | None = None,
             seed: int = 0, rounds: int = 7, throughput_batch: int | None = None, threads: int | None = None) -> InferenceReport:
@@ -155,17 +137,24 @@ def measure(task: str = "digits-cnn", precisions: Sequence[str] = PRECISIONS,
 
 def _measure(task: str, precisions: Sequence[str], backends: Sequence[str], out: str | Path | None, steps: int | None,
              seed: int, rounds: int, throughput_batch: int | None) -> InferenceReport:
-    bad = [p for p in precisions if p not in PRECISIONS]
-    if bad or not precisions:
+    if not precisions or any(p not in PRECISIONS for p in precisions):
         raise ValueError(f"precisions={list(precisions)!r}: expected some of {', '.join(PRECISIONS)}")
     if not backends or any(b not in RUNTIME for b in backends):
         raise ValueError(f"backends={list(backends)!r}: expected some of {', '.join(RUNTIME)}")
-    get_task(task)  # an unknown task fails before training
+    the_task = get_task(task)  # an unknown task fails before training
     if steps is not None and (not isinstance(steps, int) or steps < 0):
         raise ValueError(f"steps={steps!r}: expected an integer >= 0 (fp32 training steps before the export)")
     check_out(out)  # a folder with someone else's inference.json fails before training too
     order = ["fp32"] + [p for p in precisions if p != "fp32"]  # fp32 is every runtime's reference
-    the_task, acc, model, data, steps = _train(task, steps, seed)
+    steps = the_task.default_steps if steps is None else steps
+    # The model trained `steps` optimizer steps in fp32 on the CPU (an Accelerator that reads no AMPKIT_*).
+    acc = Accelerator(precision="fp32", device="cpu", grad_accum_steps=1, compile=False)
+    model = the_task.make_model(seed)
+    data = the_task.make_data(seed, the_task.default_batch_size)
+    optimizer = the_task.make_optimizer(model.parameters(), the_task.default_lr)
+    model, optimizer, loader = acc.prepare(model, optimizer, data.train_loader)
+    for _, _ in zip(range(steps), the_task.training(acc, model, optimizer, loader)):
+        pass
     folder = Path(out) / "exports" if out is not None else Path(tempfile.mkdtemp(prefix="ampkit-inference-"))
     inputs = data.eval_inputs
     batch_n = min(throughput_batch or 256, len(inputs))
@@ -186,7 +175,8 @@ def _measure(task: str, precisions: Sequence[str], backends: Sequence[str], out:
             exports[backend, precision] = exported
             row.size_bytes = exported.size_bytes
             row.metric = the_task.evaluate(exported.as_module(), data, "cpu")[the_task.metric]
-            row.metric_change = _change(the_task.metric, row.metric, reference)
+            ratio = row.metric - reference if the_task.metric == "accuracy" else row.metric / reference - 1
+            row.metric_change = ratio * 100
             row.agreement = (_predictions(exported.run, inputs) == eager).float().mean().item()  # sync: a report figure
     one, many = inputs[:1], inputs[:batch_n]
     calls = {(*k, b): ((lambda e=e, x=x: e.run(x)), n) for k, e in exports.items() for b, x, n in (("1", one, 10), ("n", many, 1))}

@@ -135,13 +135,6 @@ def render_html_section(report: InferenceReport) -> str:
             f"<div class=scroll><table><tr>{head}</tr>{body}</table></div><ul>{items}</ul>{notes}</section>")
 
 
-def as_dict(report: InferenceReport) -> dict:
-    """The report as JSON data, checked against `SCHEMA`."""
-    data = dataclasses.asdict(report)
-    validate(data, SCHEMA)
-    return data
-
-
 def check_out(folder: Path | str | None) -> None:
     """ValueError if `folder` holds an inference.json (or an inference.txt without one) ampkit did not write."""
     if folder is None:
@@ -161,8 +154,10 @@ def write(report: InferenceReport, folder: Path) -> Path:
     An inference.json there that ampkit did not write is never overwritten (ValueError)."""
     check_out(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    data = json.dumps(as_dict(report), indent=2, allow_nan=False).encode()
-    atomic_write(folder / "inference.json", lambda f: f.write(data))
+    data = dataclasses.asdict(report)
+    validate(data, SCHEMA)
+    blob = json.dumps(data, indent=2, allow_nan=False).encode()
+    atomic_write(folder / "inference.json", lambda f: f.write(blob))
     text = format_text(report).encode()
     atomic_write(folder / "inference.txt", lambda f: f.write(text))
     return folder / "inference.json"

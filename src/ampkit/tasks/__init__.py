@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from . import digits, iris, tiny_lm
+from . import classification, tiny_lm
 from .task import Task, TaskData
 
-TASKS: dict[str, Task] = {t.name: t for t in (iris.TASK, digits.TASK, tiny_lm.TASK)}
+TASKS: dict[str, Task] = {t.name: t for t in (classification.IRIS, classification.DIGITS, tiny_lm.TASK)}
 """Every built-in task by name. Building one is lazy: nothing loads until make_data."""
 
 

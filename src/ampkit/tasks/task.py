@@ -21,79 +21,46 @@ if TYPE_CHECKING:
     from ampkit.accelerator import Accelerator
     from ampkit.optim import AmpOptimizer
 
-_METRIC_DIRECTION = {"accuracy": True, "perplexity": False}
-"""Each supported metric and whether a higher value is better."""
+_METRIC_DIRECTION = {"accuracy": True, "perplexity": False}  # each supported metric: is higher better?
 
 
 @dataclass(frozen=True, kw_only=True)
 class TaskData:
-    """One seeded instance of a task's data: a training stream and a held-out split."""
+    """One seeded instance of a task's data: a training stream and a held-out split.
+
+    `train_loader` is shuffled with a generator seeded from the task seed, `drop_last=True` so every
+    step has the same batch shape (a changing shape would skew timing and recompile under
+    `torch.compile`). Re-iterable: each pass is a new epoch in a new order. The generator is consumed
+    as epochs pass, so build a fresh `TaskData` per run when two runs must see the same order.
+    """
 
     train_loader: DataLoader
-    """Shuffled with a generator seeded from the task seed, `drop_last=True` so every
-    step has the same batch shape (a changing shape would skew timing and recompile
-    under `torch.compile`). Re-iterable: each pass is a new epoch in a new order. The
-    generator is consumed as epochs pass, so build a fresh `TaskData` per run when two
-    runs must see the same order."""
-
-    eval_inputs: Tensor
-    """Held-out inputs on the CPU, never trained on; `evaluate` moves them itself."""
-
-    eval_targets: Tensor
-    """Targets matching `eval_inputs` row for row."""
-
-    info: Mapping[str, object] = field(default_factory=dict)
-    """Provenance for reports (split sizes, source files), so a result says what it saw."""
-
-
-ModelFactory = Callable[[int], nn.Module]
-DataFactory = Callable[[int, int], TaskData]
-OptimizerFactory = Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer]
-LossFn = Callable[[Tensor, Tensor], Tensor]
-EvaluateFn = Callable[[nn.Module, TaskData, torch.device | str], dict[str, float]]
+    eval_inputs: Tensor  # held-out inputs on the CPU, never trained on; `evaluate` moves them itself
+    eval_targets: Tensor  # targets matching `eval_inputs` row for row
+    info: Mapping[str, object] = field(default_factory=dict)  # provenance for reports (split sizes, sources)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Task:
-    """A built-in training task whose data ships with the install (no downloads)."""
+    """A built-in training task whose data ships with the install (no downloads).
 
-    name: str
-    """Registry key, used on the command line (`ampkit compare --task NAME`)."""
+    `make_optimizer` passes no fused/foreach flags, so the precision engine stays free to choose the
+    implementation; `evaluate` runs in eval mode under `no_grad`, restoring the model's previous
+    train/eval mode afterwards.
+    """
 
-    description: str
-    """One line for `--help` and reports: the model, the data and the regime it probes."""
-
-    metric: str
-    """Headline metric `evaluate` returns: "accuracy" or "perplexity"."""
-
-    higher_is_better: bool
-    """Direction of `metric`, so a report can say which run won without a table of names."""
-
-    default_steps: int
-    """Optimizer steps of a default run: enough that fp32 clearly learns, few enough for a short CPU compare."""
-
-    default_batch_size: int
-    """Batch size the defaults were measured with; `make_data` accepts others."""
-
-    default_lr: float
-    """Learning rate that converges at the default steps and batch size."""
-
-    make_model: ModelFactory
-    """`make_model(seed)`: a fresh fp32 CPU model, bitwise the same for the same seed."""
-
-    make_data: DataFactory
-    """`make_data(seed, batch_size)`: the data, shuffled in an order fixed by the seed."""
-
-    make_optimizer: OptimizerFactory
-    """`make_optimizer(params, lr)`: the optimizer. No fused/foreach flags, so the
-    precision engine stays free to choose the implementation."""
-
-    loss_fn: LossFn
-    """`loss_fn(output, target)`: a scalar loss, computed in fp32 whatever the output dtype."""
-
-    evaluate: EvaluateFn
-    """`evaluate(model, data, device)`: metrics on the held-out split, in eval mode and
-    under `no_grad`, restoring the model's previous train/eval mode afterwards."""
+    name: str  # registry key, used on the command line (`ampkit compare --task NAME`)
+    description: str  # one line for `--help` and reports: the model, the data and the regime it probes
+    metric: str  # headline metric `evaluate` returns: "accuracy" or "perplexity"
+    higher_is_better: bool  # direction of `metric`, so a report can say which run won
+    default_steps: int  # enough that fp32 clearly learns, few enough for a short CPU compare
+    default_batch_size: int  # what the defaults were measured with; `make_data` accepts others
+    default_lr: float  # converges at the default steps and batch size
+    make_model: Callable[[int], nn.Module]  # (seed): a fresh fp32 CPU model, bitwise the same per seed
+    make_data: Callable[[int, int], TaskData]  # (seed, batch_size): the data, in an order fixed by the seed
+    make_optimizer: Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer]  # (params, lr)
+    loss_fn: Callable[[Tensor, Tensor], Tensor]  # (output, target): a scalar loss, computed in fp32
+    evaluate: Callable[[nn.Module, TaskData, torch.device | str], dict[str, float]]  # held-out metrics
 
     def __post_init__(self) -> None:
         if self.metric not in _METRIC_DIRECTION:
@@ -124,11 +91,8 @@ class Task:
 
 @contextlib.contextmanager
 def seeded(seed: int) -> Iterator[None]:
-    """Seed torch's global CPU generator for a block, then put the caller's state back.
-
-    Module constructors draw their init from the global generator; forking it makes the
-    init a function of `seed` alone without disturbing the caller's random stream.
-    """
+    """Seed torch's global CPU generator for a block, then put the caller's state back: module init
+    becomes a function of `seed` alone without disturbing the caller's random stream."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         yield
@@ -147,12 +111,6 @@ def check_batch_size(task: str, batch_size: int, n_train: int) -> None:
 
 
 def input_dtype(model: nn.Module) -> torch.dtype | None:
-    """The floating dtype the model's parameters are stored in, or None without any.
-
-    Float inputs are cast to it at evaluation so a model kept in bf16/fp16 runs without
-    autocast; under autocast with fp32 parameters this is fp32, which changes nothing.
-    """
-    for p in model.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return None
+    """The floating dtype the model's parameters are stored in, or None without any: evaluation casts
+    float inputs to it, so a model kept in bf16/fp16 runs without autocast (fp32 changes nothing)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)

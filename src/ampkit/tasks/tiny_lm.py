@@ -33,21 +33,10 @@ BLOCK = 64
 EVAL_FRACTION = 0.1
 EVAL_BATCH_SIZE = 64
 
-STDLIB_FILES = (
-    "argparse.py",
-    "collections/__init__.py",
-    "dataclasses.py",
-    "enum.py",
-    "functools.py",
-    "inspect.py",
-    "textwrap.py",
-    "typing.py",
-)
+STDLIB_FILES = ("argparse.py", "collections/__init__.py", "dataclasses.py", "enum.py", "functools.py",
+                "inspect.py", "textwrap.py", "typing.py")
 """Modules that are plain files on every CPython >= 3.10, in a fixed order. Their text
 changes between Python versions, so perplexities compare only on one interpreter."""
-
-
-# ----------------------------------------------------------------------------- data
 
 
 def load_corpus() -> tuple[bytes, list[str]]:
@@ -70,11 +59,8 @@ def windows(data: Tensor, step: int) -> tuple[Tensor, Tensor]:
 
 
 def make_data(seed: int, batch_size: int) -> TaskData:
-    """Random windows of the first 90% of the text; the last 10% is held out.
-
-    One epoch draws as many windows (with replacement, from the seeded generator) as
-    fit in the train text end to end, so an epoch is one pass over it in expectation.
-    """
+    """Random windows of the first 90% of the text; the last 10% is held out. One epoch draws as many
+    windows (with replacement, seeded) as fit in the train text end to end: one pass in expectation."""
     text, files = load_corpus()
     data = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(torch.int64)
     split = int(len(data) * (1 - EVAL_FRACTION))
@@ -85,17 +71,9 @@ def make_data(seed: int, batch_size: int) -> TaskData:
     sampler = RandomSampler(dataset, replacement=True, num_samples=windows_per_epoch, generator=seeded_generator(seed))
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
     eval_x, eval_y = windows(held_out, BLOCK)  # fixed and non-overlapping
-    info = {
-        "source": "python stdlib " + sys.version.split()[0],
-        "files": ", ".join(files),
-        "train_bytes": len(train),
-        "eval_bytes": len(held_out),
-        "eval_windows": len(eval_x),
-    }
+    info = {"source": "python stdlib " + sys.version.split()[0], "files": ", ".join(files),
+            "train_bytes": len(train), "eval_bytes": len(held_out), "eval_windows": len(eval_x)}
     return TaskData(train_loader=loader, eval_inputs=eval_x, eval_targets=eval_y, info=info)
-
-
-# ---------------------------------------------------------------------------- model
 
 
 class CausalSelfAttention(nn.Module):
@@ -132,11 +110,8 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    """Byte-level GPT: token + learned position embeddings, blocks, final LayerNorm, head.
-
-    No dropout, so a training step draws nothing from the global RNG and the loss curve
-    is a function of the seed alone.
-    """
+    """Byte-level GPT: token + learned position embeddings, blocks, final LayerNorm, head. No dropout:
+    a training step draws nothing from the global RNG, so the loss curve is a function of the seed alone."""
 
     def __init__(self, *, vocab: int, block: int, d_model: int, n_heads: int, n_layers: int) -> None:
         super().__init__()
@@ -201,18 +176,13 @@ def make_model(seed: int, size: str = "small") -> nn.Module:
         return TinyLM(vocab=VOCAB, block=BLOCK, d_model=s.d_model, n_heads=s.n_heads, n_layers=s.n_layers)
 
 
-# ------------------------------------------------------------------ loss, optimizer, eval
-
-
 def loss_fn(output: Tensor, target: Tensor) -> Tensor:
-    """Mean next-byte cross-entropy, in fp32: half-precision logits lose too much in
-    log-softmax over 256 classes."""
+    """Mean next-byte cross-entropy, in fp32: half-precision logits lose too much in log-softmax."""
     return F.cross_entropy(output.float().flatten(0, 1), target.flatten())
 
 
 def make_optimizer(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    """AdamW with GPT betas (0.9, 0.95): a shorter second-moment memory is steadier on
-    short runs at a high constant learning rate. fused/foreach are left for torch."""
+    """AdamW with GPT betas (0.9, 0.95), steadier on short runs at a high constant learning rate."""
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
 
 
@@ -236,19 +206,10 @@ def evaluate(model: nn.Module, data: TaskData, device: torch.device | str) -> di
 
 
 TASK = Task(
-    name=NAME,
-    description="byte-level transformer LM on Python stdlib source (small: 3 layers, d_model 96)",
-    metric="perplexity",
-    higher_is_better=False,
-    default_steps=500,
-    default_batch_size=32,
-    default_lr=2e-3,
-    make_model=make_model,
-    make_data=make_data,
-    make_optimizer=make_optimizer,
-    loss_fn=loss_fn,
-    evaluate=evaluate,
-)
+    name=NAME, description="byte-level transformer LM on Python stdlib source (small: 3 layers, d_model 96)",
+    metric="perplexity", higher_is_better=False, default_steps=500, default_batch_size=32, default_lr=2e-3,
+    make_model=make_model, make_data=make_data, make_optimizer=make_optimizer, loss_fn=loss_fn,
+    evaluate=evaluate)
 
 
 def sized(size: str) -> Task:
