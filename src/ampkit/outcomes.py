@@ -1,12 +1,9 @@
 """The host learns whether each optimizer step was applied or skipped, without waiting for it.
 
-A loss-scaled step decides on the device whether it overflowed. Reading that flag at once
-(`found_inf.item()`) would make the host wait for the whole step on a GPU — the sync that makes
-small models slower on a GPU than on a CPU. Instead each step's outcome (overflow flag and the scale
-it used) is copied into a slot of a pinned host ring without blocking, and an event marks when it
-has landed. `poll()` hands back the outcomes that have arrived, oldest first; `poll(block=True)`
-waits for all of them (for exact counters on demand, never inside a step). On a CPU the copy is
-synchronous, so every outcome is known as soon as it is recorded.
+Reading the overflow flag at once would make the host wait for the whole step on a GPU. Instead each
+step's outcome (overflow flag, scale) is copied into a slot of a pinned host ring without blocking, an
+event marking when it landed. `poll()` returns the outcomes that arrived, oldest first; `poll(block=True)`
+waits for all (exact counters on demand, never inside a step). On a CPU every outcome is known at once.
 """
 
 from __future__ import annotations
@@ -42,8 +39,7 @@ class StepOutcomes:
         self._landed: list[Outcome] = []  # read out of slots that had to be reused before a poll
 
     def record(self, found_inf: torch.Tensor, scale: torch.Tensor) -> None:
-        """Queue the outcome of the step that just ran (both 0-dim device tensors); never blocks
-        unless `_RING` outcomes are already in flight."""
+        """Queue the outcome of the step that just ran (0-dim device tensors); blocks only at `_RING`."""
         if len(self._pending) == _RING:  # the oldest slot is reused: read it first, never lose an outcome
             slot, event = self._pending.popleft()
             if event is not None:
