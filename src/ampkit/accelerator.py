@@ -56,19 +56,17 @@ class Accelerator:
         grad_accum_steps: micro-batches per optimizer step (None: AMPKIT_GRAD_ACCUM_STEPS, else 1). The
             loss is divided by it (see divide_loss), and the prepared optimizer and scheduler act only
             on every k-th call. Launch-time settings (`ampkit.launch`) fill what is not passed.
-        divide_loss: whether acc.backward divides the loss by grad_accum_steps. None (default)
-            divides and says so once (a script that still divides its own loss divides twice);
-            True divides silently; False leaves the division to the loop.
+        divide_loss: whether acc.backward divides the loss by grad_accum_steps. None (default) divides
+            and says so once; True divides silently; False leaves the division to the loop.
         device: "auto" (cuda, then mps, then cpu), or e.g. "cpu", "cuda:1".
         scaler: a custom `LossScaler` for the fp16 presets (default: dynamic, 2**16, growth every 2000).
         keep_fp32: module types or name patterns (fnmatch, e.g. "head", "blocks.*.attn") that run and
             are stored in fp32. Norm layers are kept in fp32 by the -master presets anyway.
-        step_scheduler_with_optimizer: True (default) for schedulers stepped once per optimizer
-            step: they advance only on applied steps. False passes every scheduler.step() through
-            (schedulers stepped once per epoch).
-        strategy: under torchrun (WORLD_SIZE > 1), "auto" or "ddp" wraps models in
-            DistributedDataParallel and shards DataLoaders; "fsdp" shards the model with FSDP2
-            (`fully_shard`) instead; "none" leaves both to you. Ignored in a single process.
+        step_scheduler_with_optimizer: True (default) for schedulers stepped once per optimizer step: they
+            advance only on applied steps. False passes every scheduler.step() through (per-epoch ones).
+        strategy: under torchrun (WORLD_SIZE > 1), "auto" or "ddp" wraps models in DistributedDataParallel
+            and shards DataLoaders; "fsdp" shards the model with FSDP2 (`fully_shard`) instead; "none"
+            leaves both to you. Ignored in a single process.
         backend: the process group's backend (default: nccl on CUDA, gloo on CPU).
         compile: torch.compile each prepared model's forward, precision policy inside (True, or a dict
             of torch.compile arguments such as {"mode": "max-autotune"}; None: AMPKIT_COMPILE, else False).
@@ -77,40 +75,26 @@ class Accelerator:
         channels_last: store 4-D weights and batches in channels-last layout (NHWC), which the
             convolution kernels of GPUs (tensor cores) and of oneDNN on CPUs run fastest.
         cuda_graphs: replay each step's forward and backward kernels as CUDA graphs (torch.compile's
-            "reduce-overhead" mode), for small launch-bound models. CUDA only; input shapes should
-            be static (each new shape records a new graph).
+            "reduce-overhead" mode), for small launch-bound models. CUDA only; static input shapes.
         free_step_buffers: free between steps the full-size fp32 buffers of the updates that are not
             chunked (the `-master` presets' gradients with loss scaling or clipping; bf16-true's after
             `clip_grad_norm_` or with an optimizer it cannot step in chunks). Free on a GPU (the caching
             allocator keeps the memory); on a CPU it is faulted in again at the next step.
-        cast_outputs: cast a prepared model's bf16/fp16 outputs to fp32, so that a loss computed
-            outside the model runs in fp32. False returns them as the model made them: for a model
-            that computes its loss itself and returns large logits beside it (that copy is never used).
+        cast_outputs: cast a prepared model's bf16/fp16 outputs to fp32, so that a loss computed outside
+            the model runs in fp32. False: as the model made them (for a model that computes its loss).
         fp8_recipe, fp8_emulate, fp8_min_weight: for precision="fp8-mixed" only (see `ampkit.fp8`):
             torchao's scaling, "tensorwise" (default) or "rowwise"; True runs torchao's emulation on
             any device (tests; no speed-up); the smallest in·out features of a Linear run in fp8.
     """
 
     def __init__(
-        self,
-        precision: str | Precision = "auto",
-        grad_accum_steps: int | None = None,
-        device: str | torch.device = "auto",
-        *,
-        scaler: LossScaler | None = None,
-        keep_fp32: KeepSpec = (),
-        step_scheduler_with_optimizer: bool = True,
-        strategy: str = "auto",
-        backend: str | None = None,
-        compile: bool | Mapping[str, Any] | None = None,
-        channels_last: bool = False,
-        cuda_graphs: bool = False,
-        free_step_buffers: bool = True,
-        cast_outputs: bool = True,
+        self, precision: str | Precision = "auto", grad_accum_steps: int | None = None,
+        device: str | torch.device = "auto", *, scaler: LossScaler | None = None, keep_fp32: KeepSpec = (),
+        step_scheduler_with_optimizer: bool = True, strategy: str = "auto", backend: str | None = None,
+        compile: bool | Mapping[str, Any] | None = None, channels_last: bool = False,
+        cuda_graphs: bool = False, free_step_buffers: bool = True, cast_outputs: bool = True,
         divide_loss: bool | None = None,
-        fp8_recipe: str | None = None,
-        fp8_emulate: bool = False,
-        fp8_min_weight: int = MIN_WEIGHT,
+        fp8_recipe: str | None = None, fp8_emulate: bool = False, fp8_min_weight: int = MIN_WEIGHT,
     ) -> None:
         # What the script did not pass comes from the launcher (AMPKIT_* variables, `ampkit.launch`).
         precision, grad_accum_steps, compile, self.max_steps = launch_settings(

@@ -1,9 +1,6 @@
-"""Where the loop is inside one gradient-accumulation cycle, and the loss-scale updates it owes.
-
-Shared by an Accelerator and what it prepares: `acc.backward` advances it, the optimizer steps and
-zeroes at its boundaries, DDP syncs gradients in its last micro-step. It holds the overflow flags of
-optimizer steps whose scale update is owed: applied on the device at the next backward (so several
-optimizers on one scale agree), or when a checkpoint or `acc.state.scale` needs the current scale.
+"""Where the loop is inside one gradient-accumulation cycle, and the loss-scale updates it owes:
+the overflow flags of optimizer steps whose scale update runs on the device at the next backward (so
+several optimizers on one scale agree), or when a checkpoint or `acc.state.scale` needs the scale.
 """
 
 from __future__ import annotations

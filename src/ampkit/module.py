@@ -77,10 +77,6 @@ def _to_fp32(obj: Any) -> Any:
 _FP32 = (torch.float32,)
 
 
-def is_prepared(model: nn.Module) -> bool:
-    return isinstance(uncompiled(model.__dict__.get("forward")), PolicyForward)  # compile=True wraps it
-
-
 def kept_fp32_roots(model: nn.Module, keep_fp32: KeepSpec) -> list[nn.Module]:
     """The outermost modules that `keep_fp32` (types or fnmatch name patterns) selects. ValueError for an
     entry of the wrong kind or a pattern that matches nothing (a typo would leave a layer in fp16)."""
@@ -105,12 +101,11 @@ def kept_fp32_roots(model: nn.Module, keep_fp32: KeepSpec) -> list[nn.Module]:
     return roots
 
 
-def prepare_module(
-    model: nn.Module, policy: Precision, device: torch.device, keep_fp32: KeepSpec, cast_outputs: bool = True
-) -> dict[nn.Parameter, torch.Tensor]:
+def prepare_module(model: nn.Module, policy: Precision, device: torch.device, keep_fp32: KeepSpec,
+                   cast_outputs: bool = True) -> dict[nn.Parameter, torch.Tensor]:
     """Move `model` to `device`, store its parameters as `policy` says and wrap its forward. Returns the fp32
     values of the parameters cast down: masters or compensation start from the exact initial weights."""
-    if is_prepared(model):
+    if isinstance(uncompiled(model.__dict__.get("forward")), PolicyForward):  # compile=True wraps it
         raise ValueError(f"{model.__class__.__name__} was already prepared; prepare each model once")
     model.to(device)
     roots = kept_fp32_roots(model, keep_fp32)

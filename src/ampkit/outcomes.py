@@ -1,9 +1,6 @@
-"""The host learns whether each optimizer step was applied or skipped, without waiting for it.
-
-Reading the overflow flag at once would make the host wait for the whole step on a GPU. Instead each
-step's outcome (overflow flag, scale) is copied into a slot of a pinned host ring without blocking, an
-event marking when it landed. `poll()` returns the outcomes that arrived, oldest first; `poll(block=True)`
-waits for all (exact counters on demand, never inside a step). On a CPU every outcome is known at once.
+"""The host learns whether each optimizer step was applied or skipped, without waiting for it: each
+step's (overflow flag, scale) is copied into a pinned host ring without blocking, an event marking when
+it landed. `poll()` returns the landed outcomes oldest first; `poll(block=True)` waits for all.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""What `Accelerator.prepare` does to each kind of object, and the record of what it prepared.
-
-Models are cast to the policy's dtypes in place (`ampkit.module`), compiled or wrapped for DDP/FSDP;
-optimizers are wrapped in `AmpOptimizer` (pointed at fp32 stand-ins for low-precision weights);
-DataLoaders in `DeviceLoader`; schedulers in `AmpScheduler`. `Prepared` reads the Accelerator's
-public settings only, and the Accelerator exposes what was prepared as tuples (`acc.models`, ...).
+"""What `Accelerator.prepare` does to each kind of object (models cast in place by `ampkit.module`,
+compiled or wrapped for DDP/FSDP; optimizers, loaders and schedulers wrapped), and the record of it.
 """
 
 from __future__ import annotations

@@ -31,17 +31,9 @@ class LossScaler:
     """
 
     def __init__(
-        self,
-        init_scale: float = 2.0**16,
-        *,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        min_scale: float | None = 1.0,
-        max_scale: float | None = 2.0**24,
-        hysteresis: int = 1,
-        dynamic: bool = True,
-        collapse_after: int = 50,
+        self, init_scale: float = 2.0**16, *, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+        growth_interval: int = 2000, min_scale: float | None = 1.0, max_scale: float | None = 2.0**24,
+        hysteresis: int = 1, dynamic: bool = True, collapse_after: int = 50,
     ) -> None:
         _require(init_scale > 0 and math.isfinite(init_scale), "init_scale", init_scale, "a finite number > 0")
         _require(growth_factor > 1, "growth_factor", growth_factor, "a number > 1")
@@ -51,15 +43,10 @@ class LossScaler:
         _require(collapse_after >= 1, "collapse_after", collapse_after, "an integer >= 1")
         if min_scale is not None and max_scale is not None:
             _require(min_scale <= max_scale, "min_scale", min_scale, f"<= max_scale ({max_scale})")
-        self.init_scale = float(init_scale)
-        self.growth_factor = float(growth_factor)
-        self.backoff_factor = float(backoff_factor)
-        self.growth_interval = int(growth_interval)
-        self.min_scale = min_scale
-        self.max_scale = max_scale
-        self.hysteresis = int(hysteresis)
-        self.dynamic = dynamic
-        self.collapse_after = int(collapse_after)
+        self.init_scale, self.growth_factor = float(init_scale), float(growth_factor)
+        self.backoff_factor, self.growth_interval = float(backoff_factor), int(growth_interval)
+        self.hysteresis, self.collapse_after = int(hysteresis), int(collapse_after)
+        self.min_scale, self.max_scale, self.dynamic = min_scale, max_scale, dynamic
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
         self._hysteresis_left: torch.Tensor | None = None

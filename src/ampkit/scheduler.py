@@ -1,9 +1,6 @@
-"""The wrapped LR scheduler: it advances once per *applied* optimizer step, without a sync.
-
-Where a loss-scaled step's outcome has reached the host (always on a CPU) the scheduler acts on it
-exactly; where not, it advances optimistically (overflows are rare) and, if the step turns out skipped,
-skips its next advance. It never drifts from the applied-step count; on a GPU it can run one step
-ahead between an overflow and the host learning of it.
+"""The wrapped LR scheduler: it advances once per *applied* optimizer step, without a sync. Where a step's
+outcome has not reached the host yet it advances optimistically and, if the step was skipped, skips its
+next advance: on a GPU it can run one step ahead between an overflow and the host learning of it.
 """
 
 from __future__ import annotations

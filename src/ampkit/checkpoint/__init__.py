@@ -1,10 +1,9 @@
 """Complete, atomic, safe training checkpoints: a crash never loses the last good state.
 
-A checkpoint is one digest-sealed file of tensors and plain data (`payload.py`: nothing in it can
-run code), written atomically; under strategy="fsdp" a folder of DCP shards plus that file
-(`sharded.py`). It holds everything that decides the next step (`state.py`); loading checks all of
-it against the current setup before changing anything, and restores bit for bit under the same
-preset or converts from the fp32 truth under another. Folders of checkpoints: `folder.py`.
+One digest-sealed file of tensors and plain data (`payload.py`), or under strategy="fsdp" a folder of
+DCP shards plus that file (`sharded.py`), holding everything that decides the next step (`state.py`):
+checked against the setup before anything changes, restored bit for bit under the same preset or
+converted from the fp32 truth under another. Folders of checkpoints: `folder.py`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """A folder of checkpoints: save every N steps, keep the newest few, resume from the newest good one.
-
-Its manifest (`ampkit-checkpoints.json`) names the run writing there and its checkpoints, oldest
-first. ampkit deletes only what the manifest says it wrote and its own dead writers' temporary
-files, never a user's file; a fresh run refuses another run's folder, and resume never falls back
-from one run's checkpoint to another's.
+Its manifest (`ampkit-checkpoints.json`) names the writing run and its checkpoints, oldest first; ampkit
+deletes only what it says ampkit wrote (and dead writers' temporary files), and never mixes two runs.
 """
 
 from __future__ import annotations
