@@ -27,7 +27,7 @@ from torch import nn
 
 from ampkit import checkpoint
 from ampkit.compiler import CompileStats, compile_setup
-from ampkit.cycle import AccumulationCycle, check_steps
+from ampkit.cycle import AccumulationCycle
 from ampkit.data import DeviceLoader
 from ampkit.distributed import FSDP_PRESETS, DistributedContext, barrier, gather_objects, sum_across_ranks
 from ampkit.errors import PrecisionError, StepOrderError
@@ -99,9 +99,12 @@ class Accelerator:
         # What the script did not pass comes from the launcher (AMPKIT_* variables, `ampkit.launch`).
         precision, grad_accum_steps, compile, self.max_steps = launch_settings(
             {"precision": precision, "grad_accum_steps": grad_accum_steps, "compile": compile}).values()
-        check_steps(grad_accum_steps)
+        steps = grad_accum_steps
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"grad_accum_steps={steps!r}: expected an integer >= 1")
         for name, flag in (("fp8_emulate", fp8_emulate), ("channels_last", channels_last),
-                           ("free_step_buffers", free_step_buffers), ("cast_outputs", cast_outputs)):
+                           ("cuda_graphs", cuda_graphs), ("free_step_buffers", free_step_buffers),
+                           ("cast_outputs", cast_outputs)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name}={flag!r}: expected True or False")
         if scaler is not None and not isinstance(scaler, LossScaler):
@@ -124,8 +127,7 @@ class Accelerator:
             raise PrecisionError(
                 f"strategy='fsdp' runs the presets {', '.join(FSDP_PRESETS)} (FSDP's sharded fp32 parameters are the "
                 f"master weights) without keep_fp32; got precision={self.policy.name!r}"
-                + (f", keep_fp32={list(keep_fp32)!r}" if keep_fp32 else "")
-            )
+                + (f", keep_fp32={list(keep_fp32)!r}" if keep_fp32 else ""))
         if scaler is not None and not self.policy.loss_scaling:
             raise PrecisionError(
                 f"scaler= was given but precision {self.policy.name!r} does not scale the loss; loss scaling "
@@ -149,14 +151,12 @@ class Accelerator:
         self._metrics = MetricTracker()
         created(self)
 
-    # --- prepare ------------------------------------------------------------------------------
     def prepare(self, *objs: Any) -> Any:
         """Prepare models, optimizers, DataLoaders and LR schedulers; return them in the same order.
         Models first (whatever the order given), so an optimizer finds its model's parameters
         already in their training dtype. One object in, one object out; several in, a tuple out."""
         return self._prepared.prepare(*objs)
 
-    # --- the step -----------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """`loss.backward()` with loss scaling and gradient accumulation (the loop's one changed line).
         A backward that raises (a loss without grad, say) does not count as a micro-step."""
@@ -200,7 +200,6 @@ class Accelerator:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.policy.compute_dtype)
 
-    # --- checkpoints --------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
         """Write the whole training state to one file, atomically (see `ampkit.checkpoint`). Under torchrun
         call it on every rank: rank 0 writes, and no rank returns before the file is durable."""
@@ -241,7 +240,6 @@ class Accelerator:
             yield epoch
         self._epoch = max(n, start)
 
-    # --- what was prepared, and the Accelerator's own state -------------------------------------
     @property
     def models(self) -> tuple[nn.Module, ...]:
         """The prepared models, in the order prepared (the user's modules, without DDP)."""
@@ -286,7 +284,6 @@ class Accelerator:
         if not (self._prepared.models or self._prepared.optimizers):
             raise StepOrderError(f"acc.{what}() needs the prepared objects to restore into: call acc.prepare(model, optimizer, ...) first")
 
-    # --- metrics and helpers ------------------------------------------------------------------
     def track(self, name: str, value: torch.Tensor | float) -> None:
         """Accumulate `value` into the running mean `name` on the device (no sync)."""
         self._metrics.track(name, value)
@@ -303,7 +300,6 @@ class Accelerator:
         if self.events:
             self.events.emit(Listener.on_metric, self, name, value, higher_is_better)
 
-    # --- distributed --------------------------------------------------------------------------
     @property
     def rank(self) -> int:
         """This process's rank (0 without torchrun)."""

@@ -55,8 +55,6 @@ def compile_setup(device: torch.device, compile: bool | Mapping[str, Any], cuda_
     """torch.compile arguments for `Accelerator(compile=, cuda_graphs=)`, or None (with a warning where
     the compiler cannot run here); `cuda_graphs` is compile's reduce-overhead mode."""
     options = compile_options(compile)
-    if not isinstance(cuda_graphs, bool):
-        raise TypeError(f"cuda_graphs={cuda_graphs!r}: expected True or False")
     if cuda_graphs:
         if device.type != "cuda":
             raise ValueError(

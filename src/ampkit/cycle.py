@@ -13,12 +13,6 @@ import torch
 from ampkit.scaler import LossScaler
 
 
-def check_steps(steps: Any) -> None:
-    """ValueError unless `steps` (Accelerator's grad_accum_steps) is an integer >= 1."""
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"grad_accum_steps={steps!r}: expected an integer >= 1")
-
-
 class AccumulationCycle:
     """The position in a cycle of `steps` micro-steps (0 before the first backward, then 1..steps)."""
 

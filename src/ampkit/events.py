@@ -100,10 +100,7 @@ class Events:
         finally:
             self.remove(listener)
 
-    def __bool__(self) -> bool:
-        return bool(self._listeners)
-
-    def __len__(self) -> int:
+    def __len__(self) -> int:  # also its truth: `if events:` is the emit sites' one check
         return len(self._listeners)
 
     def emit(self, event: Callable[..., None], *args: Any) -> None:

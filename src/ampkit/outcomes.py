@@ -26,10 +26,9 @@ class StepOutcomes:
     """A ring of pinned host slots receiving per-step (found_inf, scale) pairs from the device."""
 
     def __init__(self, device: torch.device) -> None:
-        pin = device.type == "cuda"
-        self._device = device
+        self._cuda = device.type == "cuda"
         with unset_fake_temporarily():  # host memory, real even while `ampkit.plan` steps fake tensors
-            self._host = torch.zeros((_RING, 2), dtype=torch.float32, pin_memory=pin)
+            self._host = torch.zeros((_RING, 2), dtype=torch.float32, pin_memory=self._cuda)
         self._view = self._host.numpy()  # reads of landed slots: plain memory, no tensor op
         self._pending: deque[tuple[int, torch.cuda.Event | None]] = deque()
         self._next = 0
@@ -45,10 +44,9 @@ class StepOutcomes:
         slot = self._next
         self._next = (self._next + 1) % _RING
         pair = torch.stack((found_inf.float(), scale.float()))
-        self._host[slot].copy_(pair, non_blocking=self._device.type == "cuda")
-        event = None
-        if self._device.type == "cuda":
-            event = torch.cuda.Event()
+        self._host[slot].copy_(pair, non_blocking=self._cuda)
+        event = torch.cuda.Event() if self._cuda else None
+        if event is not None:
             event.record()
         self._pending.append((slot, event))
 

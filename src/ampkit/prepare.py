@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 _KINDS = ((nn.Module, "model"), (torch.optim.Optimizer, "optimizer"), (DataLoader, "loader"),
           ((torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau), "scheduler"))
+_ORDER = [kind for _, kind in _KINDS]  # the order prepare() prepares them in
 
 
 @dataclass(frozen=True)
@@ -55,10 +56,8 @@ class Prepared:
     def prepare(self, *objs: Any) -> Any:
         kinds = [self._kind(obj, i) for i, obj in enumerate(objs)]
         out: list[Any] = list(objs)
-        for kind in ("model", "optimizer", "loader", "scheduler"):
-            for i, obj in enumerate(objs):
-                if kinds[i] == kind:
-                    out[i] = getattr(self, f"_prepare_{kind}")(obj)
+        for i in sorted(range(len(objs)), key=lambda i: _ORDER.index(kinds[i])):  # models first, ...
+            out[i] = getattr(self, f"_prepare_{kinds[i]}")(objs[i])
         return out[0] if len(out) == 1 else tuple(out)
 
     def compiled(self, model: nn.Module) -> None:
