@@ -96,8 +96,7 @@ def kept_fp32_roots(model: nn.Module, keep_fp32: KeepSpec) -> list[nn.Module]:
         names = [n for n, _ in model.named_modules() if n][:12]
         raise ValueError(
             f"keep_fp32={list(keep_fp32)!r}: {missing!r} matched no module of {model.__class__.__name__}; "
-            f"its modules are named like: {', '.join(names)}"
-        )
+            f"its modules are named like: {', '.join(names)}")
     return roots
 
 

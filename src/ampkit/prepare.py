@@ -166,10 +166,8 @@ class Prepared:
         order rounds differently); built again only when the prepared parameters change."""
         key = (len(self.models), tuple(len(g["params"]) for opt in self.optimizers for g in opt.param_groups))
         if self._clip_key != key:
-            order: dict[int, int] = {}
-            for model in self.models:
-                for p in model.parameters():
-                    order.setdefault(id(p), len(order))
+            ids = dict.fromkeys(id(p) for model in self.models for p in model.parameters())  # first places
+            order = {key: i for i, key in enumerate(ids)}
             if not self.optimizers:  # fp32 / bf16-mixed: the gradients are the models' own, unscaled
                 params = [p for model in self.models for p in model.parameters()]
             else:
@@ -180,14 +178,13 @@ class Prepared:
         return self._clip_params
 
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AmpOptimizer:
-        weights = None
         if self.fsdp_params:  # re-point an optimizer built before sharding at the sharded parameters
             if optimizer.state:
                 raise StepOrderError("strategy='fsdp': prepare the optimizer before its first step (FSDP replaces the parameters)")
             for group in optimizer.param_groups:
                 group["params"] = [self.fsdp_params.get(id(p), p) for p in group["params"]]
-        if (self.acc.policy.master_weights or self.acc.policy.compensated) and self.acc.strategy != "fsdp":
-            weights = self._low_precision_weights(optimizer)
+        lowp = self.acc.policy.master_weights or self.acc.policy.compensated
+        weights = self._low_precision_weights(optimizer) if lowp and self.acc.strategy != "fsdp" else None
         # State created before prepare (a loaded optimizer) follows its parameters' device and dtype.
         if optimizer.state:
             optimizer.load_state_dict(optimizer.state_dict())

@@ -36,14 +36,11 @@ def _without_weights(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
-    return {
-        "python": _lists(random.getstate()),
-        "numpy": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].copy()), "pos": int(np_state[2]),
-                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
+    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()[:5]
+    numpy = {"name": name, "keys": torch.from_numpy(keys.copy()), "pos": int(pos),
+             "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
+    return {"python": _lists(random.getstate()), "numpy": numpy, "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
