@@ -47,15 +47,15 @@ from ampkit.training_state import TrainingState
 
 
 class Accelerator:
-    """Mixed-precision training on the right device, with gradient accumulation.
+    """Mixed-precision training on the right device, with gradient accumulation. Launch-time settings
+    (`ampkit.launch`: AMPKIT_* variables) fill what is not passed.
 
     Args:
         precision: "auto" (the launcher's AMPKIT_PRECISION if set, else chosen from the hardware;
             `acc.policy.reason` says why), a preset name ("fp32", "bf16-mixed", "fp16-mixed",
             "fp16-master", "bf16-master", "bf16-true", "fp8-mixed") or an `ampkit.Precision`.
-        grad_accum_steps: micro-batches per optimizer step (None: AMPKIT_GRAD_ACCUM_STEPS, else 1). The
-            loss is divided by it (see divide_loss), and the prepared optimizer and scheduler act only
-            on every k-th call. Launch-time settings (`ampkit.launch`) fill what is not passed.
+        grad_accum_steps: micro-batches per optimizer step (None: AMPKIT_GRAD_ACCUM_STEPS, else 1); the loss
+            is divided by it (see divide_loss), the prepared optimizer and scheduler act on every k-th call.
         divide_loss: whether acc.backward divides the loss by grad_accum_steps. None (default) divides
             and says so once; True divides silently; False leaves the division to the loop.
         device: "auto" (cuda, then mps, then cpu), or e.g. "cpu", "cuda:1".
@@ -68,10 +68,9 @@ class Accelerator:
             and shards DataLoaders; "fsdp" shards the model with FSDP2 (`fully_shard`) instead; "none"
             leaves both to you. Ignored in a single process.
         backend: the process group's backend (default: nccl on CUDA, gloo on CPU).
-        compile: torch.compile each prepared model's forward, precision policy inside (True, or a dict
-            of torch.compile arguments such as {"mode": "max-autotune"}; None: AMPKIT_COMPILE, else False).
-            Falls back to eager with a warning where the compiler is unavailable or fails;
-            `acc.compile_stats` keeps the first step's compile time apart from the steady state.
+        compile: torch.compile each prepared model's forward, precision policy inside (True, or a dict of
+            torch.compile arguments such as {"mode": "max-autotune"}; None: AMPKIT_COMPILE, else False); eager
+            with a warning where it fails. `acc.compile_stats` keeps the first step's compile time apart.
         channels_last: store 4-D weights and batches in channels-last layout (NHWC), which the
             convolution kernels of GPUs (tensor cores) and of oneDNN on CPUs run fastest.
         cuda_graphs: replay each step's forward and backward kernels as CUDA graphs (torch.compile's

@@ -82,7 +82,7 @@ class Float8Training:
             warnings.warn(
                 f"precision 'fp8-mixed' on {device} without compile=True: torchao's fp8 casts then run as separate "
                 f"kernels and the fp8 layers are usually slower than bf16-mixed; pass Accelerator(compile=True)",
-                stacklevel=5)
+                stacklevel=4)
 
     @property
     def reason(self) -> str:

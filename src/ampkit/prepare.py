@@ -60,21 +60,6 @@ class Prepared:
             out[i] = getattr(self, f"_prepare_{kinds[i]}")(objs[i])
         return out[0] if len(out) == 1 else tuple(out)
 
-    def compiled(self, model: nn.Module) -> None:
-        """Compile `model`'s (prepared) forward in place, if compile= asked for it."""
-        acc, name = self.acc, type(model).__name__
-        if acc.compile_options is not None:
-            model.forward = CompiledForward(model.forward, acc.compile_options, acc.compile_stats, name)
-            acc.compile_stats.models.append(name)
-
-    def _to_channels_last(self, model: nn.Module) -> None:
-        if not self.acc.channels_last:
-            return
-        if not any(p.dim() == 4 for p in model.parameters()):
-            warnings.warn(f"channels_last=True: {type(model).__name__} has no 4-D (convolution) weights, so "
-                          f"the layout changes nothing for it", stacklevel=4)
-        model.to(memory_format=torch.channels_last)
-
     @staticmethod
     def _kind(obj: Any, position: int) -> str:
         if isinstance(obj, (AmpOptimizer, AmpScheduler, DeviceLoader)):
@@ -86,11 +71,6 @@ class Prepared:
             f"prepare() argument {position} is a {type(obj).__module__}.{type(obj).__qualname__}; "
             f"expected an nn.Module, a torch.optim.Optimizer, a torch.utils.data.DataLoader or a torch LR "
             f"scheduler")
-
-    def _fp8(self, model: nn.Module) -> None:
-        if self.acc.fp8 is not None:
-            self.acc.fp8.convert(model, self.acc.keep_fp32, self.acc.device, self.acc.compile_options is not None)
-            self.acc.policy = dataclasses.replace(self.acc.policy, reason=self.acc.fp8.reason)
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
         acc = self.acc
@@ -108,12 +88,21 @@ class Prepared:
             model.to(acc.device)
         else:
             originals = prepare_module(model, acc.policy, acc.device, acc.keep_fp32, acc.cast_outputs)
-        self._fp8(model)  # before sharding: FSDP2 then shards the Float8Linear weights
-        self._to_channels_last(model)
+        if acc.fp8 is not None:  # before sharding: FSDP2 then shards the Float8Linear weights
+            acc.fp8.convert(model, acc.keep_fp32, acc.device, acc.compile_options is not None)
+            acc.policy = dataclasses.replace(acc.policy, reason=acc.fp8.reason)
+        if acc.channels_last:
+            if not any(p.dim() == 4 for p in model.parameters()):
+                warnings.warn(f"channels_last=True: {type(model).__name__} has no 4-D (convolution) weights, "
+                              f"so the layout changes nothing for it", stacklevel=3)
+            model.to(memory_format=torch.channels_last)
         if acc.strategy == "fsdp":
             model, params = wrap_fsdp(model, acc.policy.compute_dtype)
             self.fsdp_params.update(params)
-        self.compiled(model)
+        if acc.compile_options is not None:
+            name = type(model).__name__
+            model.forward = CompiledForward(model.forward, acc.compile_options, acc.compile_stats, name)
+            acc.compile_stats.models.append(name)
         self.originals[id(model)] = _Model(originals)
         self.models.append(model)
         wrapped = wrap_ddp(model, acc.device) if acc.strategy == "ddp" else model
