@@ -156,10 +156,8 @@ def _describe(exc: BaseException) -> str:
         return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
 
     root, seen = exc, {id(exc)}
-    while True:
-        inner = getattr(root, "inner_exception", None) or root.__cause__ or root.__context__
-        if not isinstance(inner, BaseException) or id(inner) in seen:
-            break
+    while (isinstance(inner := getattr(root, "inner_exception", None) or root.__cause__ or root.__context__,
+                      BaseException) and id(inner) not in seen):
         root = inner
         seen.add(id(root))
     return line(exc) if root is exc else f"{line(exc)} (caused by {line(root)})"
