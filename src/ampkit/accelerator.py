@@ -8,9 +8,6 @@ for x, y in loader:
     acc.backward(loss)          # was: loss.backward()
     optimizer.step(); scheduler.step(); optimizer.zero_grad()
 ```
-
-It owns the policy, the device, the loss scaler and the accumulation cycle, emits events to listeners
-(`ampkit.events`) and owns its `state_dict()`. Nothing on the step path waits for the device.
 """
 
 from __future__ import annotations

@@ -81,10 +81,9 @@ class DeviceLoader:
         resume, self._resume = self._resume, None
         if resume is None and self._started:
             self.epoch += 1
-        # A resumed pass is replayed from its starting random state, pulling the batches it had already
-        # handed out while that state is active: a sampler without its own generator draws its seed at
-        # the first batch, and the pass's generators must end where they did. Everything after them
-        # continues from the checkpoint's state (fork_rng restores it).
+        # A resumed pass replays its start's random state, pulling the batches it had handed out under it
+        # (a sampler without a generator draws its seed at the first batch; the pass's generators must end
+        # where they did); everything after continues from the checkpoint's state (fork_rng restores it).
         with torch.random.fork_rng(devices=[]) if resume else contextlib.nullcontext():
             if resume:
                 self._restore_rng(resume[1])

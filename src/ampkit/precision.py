@@ -27,24 +27,15 @@ NORM_TYPES: tuple[type[torch.nn.Module], ...] = (
 class Precision:
     """One precision policy. Build it with `resolve_precision` or pick a row of `PRESETS`."""
 
-    name: str
-    """The preset's name, e.g. "bf16-mixed"."""
-    compute_dtype: torch.dtype
-    """dtype of matmuls and convolutions (autocast's target). fp32 means autocast is off."""
-    param_dtype: torch.dtype
-    """dtype the model's parameters are stored in (kept-fp32 modules aside)."""
-    master_weights: bool = False
-    """Keep an fp32 copy of low-precision parameters and apply the update to it (apex O2)."""
-    compensated: bool = False
-    """Apply the update in fp32 and keep the rounding error in a low-precision Kahan buffer."""
-    loss_scaling: bool = False
-    """Scale the loss dynamically so small fp16 gradients do not flush to zero."""
-    norms_fp32: bool = False
-    """Keep normalisation layers' parameters in fp32 (the -master presets)."""
-    fp8: bool = False
-    """Run the qualifying nn.Linear layers' matmuls in float8 through torchao (`ampkit.fp8`)."""
-    reason: str = ""
-    """Why this policy was chosen: "requested" or the hardware fact behind `auto`."""
+    name: str  # the preset's name, e.g. "bf16-mixed"
+    compute_dtype: torch.dtype  # of matmuls and convolutions (autocast's target); fp32: autocast is off
+    param_dtype: torch.dtype  # the model's parameters are stored in (kept-fp32 modules aside)
+    master_weights: bool = False  # keep an fp32 copy of low-precision parameters, update it (apex O2)
+    compensated: bool = False  # update in fp32, keep the rounding error in a low-precision Kahan buffer
+    loss_scaling: bool = False  # scale the loss dynamically so small fp16 gradients do not flush to zero
+    norms_fp32: bool = False  # keep normalisation layers' parameters in fp32 (the -master presets)
+    fp8: bool = False  # run the qualifying nn.Linear layers' matmuls in float8 via torchao (`ampkit.fp8`)
+    reason: str = ""  # why this policy was chosen: "requested" or the hardware fact behind `auto`
 
     @property
     def autocast(self) -> bool:

@@ -29,12 +29,9 @@ OWN_FILES = (META, DCP_META)
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata",)
 _ALLOWED = {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),
-    ("torch", "Size"),
-    ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
-}
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
+    ("torch", "Size"), ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):

@@ -104,8 +104,7 @@ def collect(acc: Accelerator, weights: bool = True) -> dict[str, Any]:
     meta = {"ampkit_version": ampkit_version(), "torch_version": torch.__version__, "precision": acc.policy.as_dict(),
             "world_size": acc.world_size}
     return {
-        "meta": json.dumps(meta, sort_keys=True),
-        "accelerator": acc.state_dict(),
+        "meta": json.dumps(meta, sort_keys=True), "accelerator": acc.state_dict(),
         "models": [_cpu(m.state_dict()) for m in acc.models] if weights else [],
         "optimizers": _cpu(optimizers),
         "fp32_weights": _cpu({names[id(p)]: v for o in acc.optimizers for p, v in o.fp32_values() if id(p) in names})
