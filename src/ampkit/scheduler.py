@@ -14,9 +14,7 @@ class AmpScheduler:
     """The scheduler `Accelerator.prepare` returns; attribute access goes to the wrapped scheduler."""
 
     def __init__(self, scheduler: Any, optimizer: AmpOptimizer, per_step: bool) -> None:
-        self.scheduler = scheduler
-        self._optimizer = optimizer
-        self._per_step = per_step
+        self.scheduler, self._optimizer, self._per_step = scheduler, optimizer, per_step
         self._seen_attempts = 0
         self._optimistic: set[int] = set()  # step indices advanced for before their outcome landed
         self._owed = 0  # advances taken for steps that turned out skipped
