@@ -313,7 +313,7 @@ class Accelerator:
     @property
     def is_main(self) -> bool:
         """True on rank 0: the process that prints, writes reports and writes checkpoints."""
-        return self.distributed.is_main
+        return self.distributed.rank == 0
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """`print` on rank 0 only."""

@@ -30,11 +30,6 @@ class CompileStats:
     fallback: str | None = None  # why a model runs eagerly after all (None while every model is compiled)
     models: list[str] = field(default_factory=list)  # class names of the compiled models
 
-    @property
-    def first_step_extra_s(self) -> float:
-        """Seconds the first step spent in forward and backward (compile included); 0 if not yet run."""
-        return (self.first_forward_s or 0.0) + (self.first_backward_s or 0.0)
-
 
 def compile_options(value: bool | Mapping[str, Any]) -> dict[str, Any] | None:
     """Normalise `Accelerator(compile=...)`: False → None, True → {}, a mapping → torch.compile kwargs."""

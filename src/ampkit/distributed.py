@@ -47,10 +47,6 @@ class DistributedContext:
     def enabled(self) -> bool:
         return self.world_size > 1
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
     def init(self, device: torch.device, backend: str | None) -> None:
         """Create the default process group (if torchrun did not) and destroy it at exit."""
         if not self.enabled or dist.is_initialized():
