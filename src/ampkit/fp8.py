@@ -1,9 +1,6 @@
-"""fp8 training (the `fp8-mixed` preset): which nn.Linear layers run their matmuls in float8, and
-their conversion by torchao (`torchao.float8.convert_to_float8_training`).
-
-An fp8 matmul pays only where the GEMM is large (each first computes scales and casts its operands to
-fp8, traffic a small matmul does not win back). A layer runs in fp8 only if all of these hold; the rest
-run in bf16 autocast as under bf16-mixed:
+"""fp8 training (`fp8-mixed`): which nn.Linear layers run their matmuls in float8, converted by torchao
+(`convert_to_float8_training`). An fp8 matmul pays only where the GEMM is large (it first scales and
+casts its operands to fp8), so a layer runs in fp8 only if all of these hold (the rest in bf16 autocast):
 
 - it is an `nn.Linear` itself (a subclass may compute its own way) outside the `keep_fp32` modules;
 - in_features and out_features are multiples of 16 (the shapes fp8 tensor cores take);

@@ -30,8 +30,8 @@ class PolicyForward:
         self.forward, self.device_type, self.dtype = forward, device_type, dtype
         self.fp32 = fp32  # True: a kept-fp32 layer inside an autocast model
         # True for presets that store parameters in `dtype`: fp32 inputs are cast to it at the model's
-        # boundary (as apex O2 and Lightning's bf16-true do), so that ops autocast leaves alone (a
-        # residual add, then LayerNorm with bf16 weights on a CPU) never meet fp32 data and bf16 weights.
+        # boundary (as apex O2 and Lightning's bf16-true do), so ops autocast leaves alone never mix fp32
+        # data and bf16 weights (a residual add, then LayerNorm with bf16 weights on a CPU).
         self.cast_inputs, self.cast_outputs = cast_inputs, cast_outputs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
