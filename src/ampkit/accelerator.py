@@ -8,10 +8,6 @@ for x, y in loader:
     acc.backward(loss)          # was: loss.backward()
     optimizer.step(); scheduler.step(); optimizer.zero_grad()
 ```
-
-It owns the policy, the device, the loss scaler and the accumulation cycle (`ampkit.cycle`), emits
-events to listeners (`ampkit.events`) and owns its `state_dict()`. Nothing on the step path waits
-for the device except where a comment marked `# sync:` says why.
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ from torch import nn
 
 from ampkit import checkpoint
 from ampkit.compiler import CompileStats, compile_setup
-from ampkit.cycle import AccumulationCycle, check_steps
+from ampkit.cycle import AccumulationCycle
 from ampkit.data import DeviceLoader
 from ampkit.distributed import FSDP_PRESETS, DistributedContext, barrier, gather_objects, sum_across_ranks
 from ampkit.errors import PrecisionError, StepOrderError
@@ -48,121 +44,97 @@ from ampkit.training_state import TrainingState
 
 
 class Accelerator:
-    """Mixed-precision training on the right device, with gradient accumulation.
+    """Mixed-precision training on the right device, with gradient accumulation. Launch-time settings
+    (`ampkit.launch`: AMPKIT_* variables) fill what is not passed.
 
     Args:
         precision: "auto" (the launcher's AMPKIT_PRECISION if set, else chosen from the hardware;
             `acc.policy.reason` says why), a preset name ("fp32", "bf16-mixed", "fp16-mixed",
             "fp16-master", "bf16-master", "bf16-true", "fp8-mixed") or an `ampkit.Precision`.
-        grad_accum_steps: micro-batches per optimizer step (None: AMPKIT_GRAD_ACCUM_STEPS, else 1). The
-            loss is divided by it (see divide_loss), and the prepared optimizer and scheduler act only
-            on every k-th call. Launch-time settings (`ampkit.launch`) fill what is not passed.
-        divide_loss: whether acc.backward divides the loss by grad_accum_steps. None (default)
-            divides and says so once (a script that still divides its own loss divides twice);
-            True divides silently; False leaves the division to the loop.
+        grad_accum_steps: micro-batches per optimizer step (None: AMPKIT_GRAD_ACCUM_STEPS, else 1); the loss
+            is divided by it (see divide_loss), the prepared optimizer and scheduler act on every k-th call.
+        divide_loss: whether acc.backward divides the loss by grad_accum_steps. None (default) divides
+            and says so once; True divides silently; False leaves the division to the loop.
         device: "auto" (cuda, then mps, then cpu), or e.g. "cpu", "cuda:1".
         scaler: a custom `LossScaler` for the fp16 presets (default: dynamic, 2**16, growth every 2000).
         keep_fp32: module types or name patterns (fnmatch, e.g. "head", "blocks.*.attn") that run and
             are stored in fp32. Norm layers are kept in fp32 by the -master presets anyway.
-        step_scheduler_with_optimizer: True (default) for schedulers stepped once per optimizer
-            step: they advance only on applied steps. False passes every scheduler.step() through
-            (schedulers stepped once per epoch).
-        strategy: under torchrun (WORLD_SIZE > 1), "auto" or "ddp" wraps models in
-            DistributedDataParallel and shards DataLoaders; "fsdp" shards the model with FSDP2
-            (`fully_shard`) instead; "none" leaves both to you. Ignored in a single process.
+        step_scheduler_with_optimizer: True (default) for schedulers stepped once per optimizer step: they
+            advance only on applied steps. False passes every scheduler.step() through (per-epoch ones).
+        strategy: under torchrun (WORLD_SIZE > 1), "auto" or "ddp" wraps models in DistributedDataParallel
+            and shards DataLoaders; "fsdp" shards the model with FSDP2 (`fully_shard`) instead; "none"
+            leaves both to you. Ignored in a single process.
         backend: the process group's backend (default: nccl on CUDA, gloo on CPU).
-        compile: torch.compile each prepared model's forward, precision policy inside (True, or a
-            dict of torch.compile arguments such as {"mode": "max-autotune"}; None: AMPKIT_COMPILE,
-            else False). Falls back to eager
-            with a warning where the compiler is unavailable or fails; `acc.compile_stats` keeps
-            the first step's compile time apart from the steady state.
+        compile: torch.compile each prepared model's forward, precision policy inside (True, or a dict of
+            torch.compile arguments such as {"mode": "max-autotune"}; None: AMPKIT_COMPILE, else False); eager
+            with a warning where it fails. `acc.compile_stats` keeps the first step's compile time apart.
         channels_last: store 4-D weights and batches in channels-last layout (NHWC), which the
             convolution kernels of GPUs (tensor cores) and of oneDNN on CPUs run fastest.
         cuda_graphs: replay each step's forward and backward kernels as CUDA graphs (torch.compile's
-            "reduce-overhead" mode), for small launch-bound models. CUDA only; input shapes should
-            be static (each new shape records a new graph).
-        free_step_buffers: free between steps the full-size fp32 buffers of the updates that are
-            not chunked: the `-master` presets' gradients with loss scaling or clipping, and
-            bf16-true's after `clip_grad_norm_` or with an optimizer it cannot step in chunks. On
-            a GPU the caching allocator keeps freed memory, so this costs nothing; on a CPU it goes
-            back to the OS and is faulted in again at the next step. The chunked updates work in a
-            fixed workspace of a few MB and have nothing to free.
-        cast_outputs: cast a prepared model's bf16/fp16 outputs to fp32, so that a loss computed
-            outside the model runs in fp32. False returns them as the model made them: for a model
-            that computes its loss itself and returns large logits beside it (that copy is never used).
+            "reduce-overhead" mode), for small launch-bound models. CUDA only; static input shapes.
+        free_step_buffers: free between steps the full-size fp32 buffers of the updates that are not
+            chunked (the `-master` presets' gradients with loss scaling or clipping; bf16-true's after
+            `clip_grad_norm_` or with an optimizer it cannot step in chunks). Free on a GPU (the caching
+            allocator keeps the memory); on a CPU it is faulted in again at the next step.
+        cast_outputs: cast a prepared model's bf16/fp16 outputs to fp32, so that a loss computed outside
+            the model runs in fp32. False: as the model made them (for a model that computes its loss).
         fp8_recipe, fp8_emulate, fp8_min_weight: for precision="fp8-mixed" only (see `ampkit.fp8`):
             torchao's scaling, "tensorwise" (default) or "rowwise"; True runs torchao's emulation on
             any device (tests; no speed-up); the smallest in·out features of a Linear run in fp8.
     """
 
     def __init__(
-        self,
-        precision: str | Precision = "auto",
-        grad_accum_steps: int | None = None,
-        device: str | torch.device = "auto",
-        *,
-        scaler: LossScaler | None = None,
-        keep_fp32: KeepSpec = (),
-        step_scheduler_with_optimizer: bool = True,
-        strategy: str = "auto",
-        backend: str | None = None,
-        compile: bool | Mapping[str, Any] | None = None,
-        channels_last: bool = False,
-        cuda_graphs: bool = False,
-        free_step_buffers: bool = True,
-        cast_outputs: bool = True,
+        self, precision: str | Precision = "auto", grad_accum_steps: int | None = None,
+        device: str | torch.device = "auto", *, scaler: LossScaler | None = None, keep_fp32: KeepSpec = (),
+        step_scheduler_with_optimizer: bool = True, strategy: str = "auto", backend: str | None = None,
+        compile: bool | Mapping[str, Any] | None = None, channels_last: bool = False,
+        cuda_graphs: bool = False, free_step_buffers: bool = True, cast_outputs: bool = True,
         divide_loss: bool | None = None,
-        fp8_recipe: str | None = None,
-        fp8_emulate: bool = False,
-        fp8_min_weight: int = MIN_WEIGHT,
+        fp8_recipe: str | None = None, fp8_emulate: bool = False, fp8_min_weight: int = MIN_WEIGHT,
     ) -> None:
         # What the script did not pass comes from the launcher (AMPKIT_* variables, `ampkit.launch`).
         precision, grad_accum_steps, compile, self.max_steps = launch_settings(
             {"precision": precision, "grad_accum_steps": grad_accum_steps, "compile": compile}).values()
-        check_steps(grad_accum_steps)
+        steps = grad_accum_steps
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"grad_accum_steps={steps!r}: expected an integer >= 1")
+        for name, flag in (("fp8_emulate", fp8_emulate), ("channels_last", channels_last),
+                           ("cuda_graphs", cuda_graphs), ("free_step_buffers", free_step_buffers),
+                           ("cast_outputs", cast_outputs)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name}={flag!r}: expected True or False")
+        if scaler is not None and not isinstance(scaler, LossScaler):
+            raise TypeError(f"scaler={scaler!r}: expected an ampkit.LossScaler")
         if isinstance(keep_fp32, (str, type)):
             keep_fp32 = [keep_fp32]  # type: ignore[list-item]
         if strategy not in ("auto", "ddp", "fsdp", "none"):
             raise ValueError(f"strategy={strategy!r}: expected 'auto', 'ddp', 'fsdp' or 'none'")
         self.distributed = DistributedContext.from_env()
         if self.distributed.enabled and str(device) in ("auto", "cuda") and torch.cuda.is_available():
-            device = self.distributed.local_device("cuda")  # one GPU per rank
+            device = torch.device("cuda", self.distributed.local_rank % torch.cuda.device_count())  # per rank
         self.device = resolve_device(device)
-        if not isinstance(fp8_emulate, bool):  # before the device check, which it changes
-            raise TypeError(f"fp8_emulate={fp8_emulate!r}: expected True or False")
         self.policy = resolve_precision(precision, self.device, fp8_emulate=fp8_emulate)
         self.fp8 = fp8_training(self.policy, fp8_recipe, fp8_emulate, fp8_min_weight)  # None unless fp8-mixed
         self.distributed.init(self.device, backend)
-        if not self.distributed.enabled or strategy == "none":
-            self.strategy = "none"
-        else:
+        self.strategy = "none"
+        if self.distributed.enabled and strategy != "none":
             self.strategy = "fsdp" if strategy == "fsdp" else "ddp"
         if self.strategy == "fsdp" and (self.policy.name not in FSDP_PRESETS or keep_fp32):
             raise PrecisionError(
                 f"strategy='fsdp' runs the presets {', '.join(FSDP_PRESETS)} (FSDP's sharded fp32 parameters are the "
                 f"master weights) without keep_fp32; got precision={self.policy.name!r}"
-                + (f", keep_fp32={list(keep_fp32)!r}" if keep_fp32 else "")
-            )
-        if scaler is not None and not isinstance(scaler, LossScaler):
-            raise TypeError(f"scaler={scaler!r}: expected an ampkit.LossScaler")
+                + (f", keep_fp32={list(keep_fp32)!r}" if keep_fp32 else ""))
         if scaler is not None and not self.policy.loss_scaling:
             raise PrecisionError(
-                f"scaler= was given but precision {self.policy.name!r} does not scale the loss; "
-                f"loss scaling is for fp16: use precision='fp16-mixed' or 'fp16-master', or drop scaler="
-            )
+                f"scaler= was given but precision {self.policy.name!r} does not scale the loss; loss scaling "
+                f"is for fp16: use precision='fp16-mixed' or 'fp16-master', or drop scaler=")
         self.scaler = (scaler or LossScaler()).to(self.device) if self.policy.loss_scaling else None
         self.cycle = AccumulationCycle(grad_accum_steps, self.scaler, divide_loss)
         self.events = Events()  # listeners: ampkit.events.Listener
         self.compile_options = compile_setup(self.device, compile, cuda_graphs)  # torch.compile kwargs, or None
         self.cuda_graphs = cuda_graphs and self.compile_options is not None
         self.compile_stats = CompileStats()
-        if not isinstance(channels_last, bool):
-            raise TypeError(f"channels_last={channels_last!r}: expected True or False")
-        self.channels_last = channels_last
-        for name, flag in (("free_step_buffers", free_step_buffers), ("cast_outputs", cast_outputs)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name}={flag!r}: expected True or False")
-        self.free_step_buffers = free_step_buffers
+        self.channels_last, self.free_step_buffers = channels_last, free_step_buffers
         self.cast_outputs = cast_outputs
         self.grad_accum_steps = grad_accum_steps
         self.keep_fp32 = list(keep_fp32)
@@ -175,21 +147,15 @@ class Accelerator:
         self._metrics = MetricTracker()
         created(self)
 
-    # --- prepare ------------------------------------------------------------------------------
     def prepare(self, *objs: Any) -> Any:
         """Prepare models, optimizers, DataLoaders and LR schedulers; return them in the same order.
-
         Models first (whatever the order given), so an optimizer finds its model's parameters
-        already in their training dtype. One object in, one object out; several in, a tuple out.
-        """
+        already in their training dtype. One object in, one object out; several in, a tuple out."""
         return self._prepared.prepare(*objs)
 
-    # --- the step -----------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """`loss.backward()` with loss scaling and gradient accumulation (the loop's one changed line).
-
-        A backward that raises (a loss without grad, say) leaves the step as it was: it does not
-        count as a micro-step."""
+        A backward that raises (a loss without grad, say) does not count as a micro-step."""
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"acc.backward(loss) expects the loss tensor the model's output produced; got a {type(loss).__name__} ({loss!r})")
         self._prepared.check_backward()
@@ -218,12 +184,10 @@ class Accelerator:
         return self.cycle.at_end
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
-        """Clip the unscaled gradients of the prepared optimizers (or models, with none); return the
-        total norm, summed in model-parameter order as a hand-written `clip_grad_norm_(model.parameters())`.
-
-        On an overflowing step the norm is inf/NaN: nothing raises and the step is skipped. The norm
-        stays on the device (no sync). On a micro-step that does not end an accumulation cycle it
-        does nothing and returns None, so the loop needs no `if` around it."""
+        """Clip the unscaled gradients of the prepared optimizers (or models, with none); return the total
+        norm (on the device), summed in model-parameter order as `clip_grad_norm_(model.parameters())`.
+        On an overflowing step it is inf/NaN and the step is skipped; on a micro-step that does not end
+        an accumulation cycle it does nothing and returns None, so the loop needs no `if` around it."""
         return self._prepared.clip_grad_norm_(max_norm, norm_type)
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
@@ -232,11 +196,9 @@ class Accelerator:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.policy.compute_dtype)
 
-    # --- checkpoints --------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
-        """Write the whole training state to one file, atomically (see `ampkit.checkpoint`).
-
-        Under torchrun call it on every rank: rank 0 writes, and no rank returns before the file is durable."""
+        """Write the whole training state to one file, atomically (see `ampkit.checkpoint`). Under torchrun
+        call it on every rank: rank 0 writes, and no rank returns before the file is durable."""
         return checkpoint.save(self, path)
 
     def load(self, path: str | Path) -> None:
@@ -249,21 +211,16 @@ class Accelerator:
         return checkpoint.save_checkpoint(self, folder, keep)
 
     def resume(self, folder: str | Path) -> Path | None:
-        """Load the newest valid checkpoint in `folder` (skipping broken ones with a warning).
-
-        Returns its path, or None on a fresh start (no folder, or no checkpoint in it): call it
-        unconditionally before the loop. A folder whose checkpoints all fail to load raises
-        `CheckpointError`; a checkpoint file passed instead of a folder is loaded.
-        """
+        """Load the newest valid checkpoint in `folder` (skipping broken ones with a warning); return its
+        path, or None on a fresh start: call it unconditionally before the loop. A folder whose
+        checkpoints all fail raises `CheckpointError`; a checkpoint file instead of a folder is loaded."""
         self._require_prepared("resume")
         return checkpoint.resume(self, folder)
 
     def epochs(self, n: int) -> Iterator[int]:
         """Yield the epochs still to run, 0..n-1 on a fresh start, from the saved epoch on a resume.
-
-        Prepared loaders follow it: each epoch gets its own shuffle (and `set_epoch` on a
-        DistributedSampler), and an epoch interrupted by a crash resumes at its next batch.
-        """
+        Prepared loaders follow it: each epoch gets its own shuffle (`set_epoch` on a DistributedSampler),
+        and an epoch interrupted by a crash resumes at its next batch."""
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"epochs({n!r}): expected an integer >= 0")
         start = self._epoch
@@ -279,7 +236,6 @@ class Accelerator:
             yield epoch
         self._epoch = max(n, start)
 
-    # --- what was prepared, and the Accelerator's own state -------------------------------------
     @property
     def models(self) -> tuple[nn.Module, ...]:
         """The prepared models, in the order prepared (the user's modules, without DDP)."""
@@ -324,14 +280,12 @@ class Accelerator:
         if not (self._prepared.models or self._prepared.optimizers):
             raise StepOrderError(f"acc.{what}() needs the prepared objects to restore into: call acc.prepare(model, optimizer, ...) first")
 
-    # --- metrics and helpers ------------------------------------------------------------------
     def track(self, name: str, value: torch.Tensor | float) -> None:
         """Accumulate `value` into the running mean `name` on the device (no sync)."""
         self._metrics.track(name, value)
 
     def metrics(self) -> dict[str, float]:
         """Means of everything tracked since the last call (over all ranks), as floats; then reset.
-
         One sync (and, under torchrun, one all-reduce)."""
         return self._metrics.read(reduce=sum_across_ranks if self.distributed.enabled else None)
 
@@ -342,7 +296,6 @@ class Accelerator:
         if self.events:
             self.events.emit(Listener.on_metric, self, name, value, higher_is_better)
 
-    # --- distributed --------------------------------------------------------------------------
     @property
     def rank(self) -> int:
         """This process's rank (0 without torchrun)."""
@@ -360,7 +313,7 @@ class Accelerator:
     @property
     def is_main(self) -> bool:
         """True on rank 0: the process that prints, writes reports and writes checkpoints."""
-        return self.distributed.is_main
+        return self.distributed.rank == 0
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """`print` on rank 0 only."""
@@ -393,8 +346,6 @@ class Accelerator:
         return capability(self.device).bf16_runs
 
     def __repr__(self) -> str:
-        return (
-            f"Accelerator(precision={self.policy.name!r}, device={str(self.device)!r}, "
-            f"grad_accum_steps={self.grad_accum_steps}, rank={self.rank}/{self.world_size})"
-        )
+        return (f"Accelerator(precision={self.policy.name!r}, device={str(self.device)!r}, "
+                f"grad_accum_steps={self.grad_accum_steps}, rank={self.rank}/{self.world_size})")
 

@@ -1,16 +1,8 @@
-"""`Accelerator(compile=True)`: torch.compile of a prepared model, with the precision policy inside.
-
-The compiled function is the model's `forward` as ampkit prepared it (autocast and the fp32 output
-cast included), so the compiler sees the same dtypes the eager step runs and can fuse the casts
-into the kernels around them. The module object, its class, parameters, state_dict keys and hooks
-stay the user's.
-
-torch.compile is lazy: it traces and generates code on the first call. Two things can go wrong
-there, and neither should cost a user their run: the compiler may be unavailable (no C++ compiler
-for the CPU backend, an unsupported Python), or it may fail on this model. In both cases the model
-runs eagerly, with one warning that says why. The first call's time (tracing, code generation, the
-forward itself) and the first backward's are kept apart from the steady-state step
-(`CompileStats`), because a benchmark that averages them in reports nonsense.
+"""`Accelerator(compile=True)`: torch.compile of a prepared model's `forward`, precision policy inside
+(autocast and the fp32 output cast: the compiler can fuse the casts). The module, its parameters,
+state_dict keys and hooks stay the user's. Where the compiler is unavailable (no C++ compiler, an
+unsupported Python) or fails on the model, it runs eagerly with one warning that says why. The first
+call's and first backward's time (tracing, code generation) are kept apart in `CompileStats`.
 """
 
 from __future__ import annotations
@@ -30,25 +22,13 @@ import torch
 
 @dataclass
 class CompileStats:
-    """What compiling cost, in host seconds (tracing and code generation run on the host).
+    """What compiling cost, in host seconds (tracing and code generation run on the host). With
+    `cuda_graphs=True` the graphs are recorded during the next few steps, so steps 2-3 are slower too."""
 
-    With `cuda_graphs=True` the graphs are recorded during the next few steps (torch's CUDA graph
-    trees warm up before recording), so steps 2-3 are slower too; a benchmark should drop them.
-    """
-
-    first_forward_s: float | None = None
-    """Wall time of the first compiled forward: tracing, code generation and the forward itself."""
-    first_backward_s: float | None = None
-    """Wall time of the first backward through the compiled graph (its backward is compiled there)."""
-    fallback: str | None = None
-    """Why a model runs eagerly after all (None while every model is compiled)."""
-    models: list[str] = field(default_factory=list)
-    """Class names of the compiled models."""
-
-    @property
-    def first_step_extra_s(self) -> float:
-        """Seconds the first step spent in forward and backward (compile included); 0 if not yet run."""
-        return (self.first_forward_s or 0.0) + (self.first_backward_s or 0.0)
+    first_forward_s: float | None = None  # the first compiled forward: tracing, code generation, the forward
+    first_backward_s: float | None = None  # the first backward through the compiled graph (compiled there)
+    fallback: str | None = None  # why a model runs eagerly after all (None while every model is compiled)
+    models: list[str] = field(default_factory=list)  # class names of the compiled models
 
 
 def compile_options(value: bool | Mapping[str, Any]) -> dict[str, Any] | None:
@@ -57,72 +37,56 @@ def compile_options(value: bool | Mapping[str, Any]) -> dict[str, Any] | None:
         return None
     if value is True:
         return {}
-    if isinstance(value, Mapping):
-        allowed = {"backend", "mode", "fullgraph", "dynamic", "options"}
-        unknown = sorted(set(value) - allowed)
-        if unknown:
-            raise ValueError(
-                f"compile={dict(value)!r}: unknown key(s) {unknown}; expected True, False or a dict of "
-                f"torch.compile arguments ({', '.join(sorted(allowed))})"
-            )
-        return dict(value)
-    raise TypeError(f"compile={value!r}: expected True, False or a dict of torch.compile arguments")
+    if not isinstance(value, Mapping):
+        raise TypeError(f"compile={value!r}: expected True, False or a dict of torch.compile arguments")
+    allowed = {"backend", "mode", "fullgraph", "dynamic", "options"}
+    if unknown := sorted(set(value) - allowed):
+        raise ValueError(f"compile={dict(value)!r}: unknown key(s) {unknown}; expected True, False or a dict "
+                         f"of torch.compile arguments ({', '.join(sorted(allowed))})")
+    return dict(value)
 
 
 def compile_setup(device: torch.device, compile: bool | Mapping[str, Any], cuda_graphs: bool) -> dict[str, Any] | None:
     """torch.compile arguments for `Accelerator(compile=, cuda_graphs=)`, or None (with a warning where
     the compiler cannot run here); `cuda_graphs` is compile's reduce-overhead mode."""
     options = compile_options(compile)
-    if not isinstance(cuda_graphs, bool):
-        raise TypeError(f"cuda_graphs={cuda_graphs!r}: expected True or False")
     if cuda_graphs:
         if device.type != "cuda":
             raise ValueError(
                 f"cuda_graphs=True needs a CUDA device (a CUDA graph replays recorded GPU kernels); "
-                f"this Accelerator runs on {str(device)!r}: drop cuda_graphs=True, or use compile=True"
-            )
+                f"this Accelerator runs on {str(device)!r}: drop cuda_graphs=True, or use compile=True")
         options = options or {}
         if options.get("mode", "reduce-overhead") != "reduce-overhead":
             raise ValueError(
                 f"cuda_graphs=True records CUDA graphs through torch.compile's 'reduce-overhead' mode; "
-                f"compile={compile!r} asks for mode={options['mode']!r}: drop one of the two"
-            )
+                f"compile={compile!r} asks for mode={options['mode']!r}: drop one of the two")
         options["mode"] = "reduce-overhead"
-    if options is None:
-        return None
-    reason = unavailable_reason(device, options)
-    if reason is not None:
-        asked = "cuda_graphs=True" if cuda_graphs else "compile=True"
-        effect = "no CUDA graphs" if cuda_graphs else "no compiler speed-up"
-        warnings.warn(f"{asked}: {reason}; the model runs eagerly (same results, {effect})", stacklevel=3)
-        return None
-    return options
+    if options is None or (reason := unavailable_reason(device, options)) is None:
+        return options
+    asked = "cuda_graphs=True" if cuda_graphs else "compile=True"
+    effect = "no CUDA graphs" if cuda_graphs else "no compiler speed-up"
+    warnings.warn(f"{asked}: {reason}; the model runs eagerly (same results, {effect})", stacklevel=3)
+    return None
 
 
 def unavailable_reason(device: torch.device, options: Mapping[str, Any]) -> str | None:
-    """Why torch.compile cannot run here, or None. Checked before the first step, so the warning
-    comes at prepare time rather than as a compiler traceback in the middle of training."""
+    """Why torch.compile cannot run here (said at prepare time, not as a traceback mid-training), or None."""
     if not torch._dynamo.is_dynamo_supported():
         return "torch.compile does not support this Python version"
-    backend = options.get("backend", "inductor")
-    if backend == "inductor" and device.type == "cpu":
-        cxx = os.environ.get("CXX") or "g++"
-        if not any(shutil.which(c) for c in (cxx, "g++", "clang++", "c++")):
-            return f"the CPU backend (inductor) needs a C++ compiler and none was found (looked for {cxx}, g++, clang++, c++)"
+    cxx = os.environ.get("CXX") or "g++"
+    if options.get("backend", "inductor") == "inductor" and device.type == "cpu" and not any(
+            shutil.which(c) for c in (cxx, "g++", "clang++", "c++")):
+        return (f"the CPU backend (inductor) needs a C++ compiler and none was found (looked for {cxx}, g++, "
+                f"clang++, c++)")
     return None
 
 
 class CompiledForward:
-    """A module's forward, compiled on first use; eager (with one warning) if compiling fails.
-
-    A class rather than a closure so a prepared model stays picklable and deep-copyable.
-    """
+    """A module's forward, compiled on first use; eager (with one warning) if compiling fails. A class
+    rather than a closure so a prepared model stays picklable and deep-copyable."""
 
     def __init__(self, forward: Any, options: Mapping[str, Any], stats: CompileStats, label: str) -> None:
-        self.forward = forward
-        self.options = dict(options)
-        self.stats = stats
-        self.label = label
+        self.forward, self.options, self.stats, self.label = forward, dict(options), stats, label
         self._compiled: Any = None
         self._first = True
         self._eager = False  # this model's compile failed (others may still compile)
@@ -171,13 +135,10 @@ def _call(*args: Any, **kwargs: Any) -> Any:
 
 
 def _own_frame(fn: Any) -> Any:
-    """`fn` behind a function with a code object of its own.
-
-    Dynamo caches compiled graphs per code object, with at most `recompile_limit` (8) entries each:
-    every prepared forward is the same `PolicyForward.__call__`, so the ninth compiled model would
-    silently run eagerly. A fresh copy of a one-line function, calling `fn` through globals of its
-    own, gives each model its own cache (dynamo inlines `fn` into it).
-    """
+    """`fn` behind a function with a code object of its own. Dynamo caches compiled graphs per code
+    object, at most `recompile_limit` (8) each: every prepared forward is the same `PolicyForward.__call__`,
+    so the ninth compiled model would silently run eagerly. A copy of a one-line function calling `fn`
+    through globals of its own gives each model its own cache (dynamo inlines `fn` into it)."""
     code = _call.__code__.replace(co_name="ampkit_compiled_forward")
     return types.FunctionType(code, {"fn": fn, "__builtins__": __builtins__}, "ampkit_compiled_forward")
 
@@ -190,10 +151,8 @@ def _describe(exc: BaseException) -> str:
         return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
 
     root, seen = exc, {id(exc)}
-    while True:
-        inner = getattr(root, "inner_exception", None) or root.__cause__ or root.__context__
-        if not isinstance(inner, BaseException) or id(inner) in seen:
-            break
+    while (isinstance(inner := getattr(root, "inner_exception", None) or root.__cause__ or root.__context__,
+                      BaseException) and id(inner) not in seen):
         root = inner
         seen.add(id(root))
     return line(exc) if root is exc else f"{line(exc)} (caused by {line(root)})"

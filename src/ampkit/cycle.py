@@ -1,11 +1,6 @@
-"""Where the loop is inside one gradient-accumulation cycle, and the loss-scale updates it owes.
-
-One `AccumulationCycle` is shared by an Accelerator and everything it prepares: `acc.backward`
-advances it, the prepared optimizer steps and zeroes only at its boundaries, and DDP's gradient
-sync is switched on for the cycle's last micro-step. It also holds the overflow flags of the
-optimizer steps whose loss-scale update has not run yet: the update is applied on the device at
-the next backward (so several optimizers stepping on one scale agree), or when a checkpoint or a
-reader of `acc.state.scale` needs the current scale.
+"""Where the loop is inside one gradient-accumulation cycle, and the loss-scale updates it owes:
+the overflow flags of optimizer steps whose scale update runs on the device at the next backward (so
+several optimizers on one scale agree), or when a checkpoint or `acc.state.scale` needs the scale.
 """
 
 from __future__ import annotations
@@ -18,17 +13,10 @@ import torch
 from ampkit.scaler import LossScaler
 
 
-def check_steps(steps: Any) -> None:
-    """ValueError unless `steps` (Accelerator's grad_accum_steps) is an integer >= 1."""
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"grad_accum_steps={steps!r}: expected an integer >= 1")
-
-
 class AccumulationCycle:
     """The position in a cycle of `steps` micro-steps (0 before the first backward, then 1..steps)."""
 
     def __init__(self, steps: int, scaler: LossScaler | None, divide_loss: bool | None = None) -> None:
-        check_steps(steps)
         if divide_loss not in (None, True, False):
             raise TypeError(f"divide_loss={divide_loss!r}: expected True, False or None")
         self.steps = steps
@@ -38,16 +26,9 @@ class AccumulationCycle:
         self.position = 0
         self._owed: list[torch.Tensor] = []  # found_inf flags of steps whose scale update is owed
 
-    # --- the position ---------------------------------------------------------------------------
-    def advance(self) -> int:
-        """One more backward: return the previous position (to `restore` if the backward fails)."""
-        previous = self.position
+    def advance(self) -> None:
+        """One more backward ran."""
         self.position = self.position % self.steps + 1
-        return previous
-
-    def restore(self, position: int) -> None:
-        """Undo an `advance` whose backward raised: the failed micro-step did not count."""
-        self.position = position
 
     @property
     def started(self) -> bool:
@@ -70,11 +51,9 @@ class AccumulationCycle:
         return self.position % self.steps + 1 == self.steps
 
     def micro_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The share of `loss` one micro-step contributes: `loss / steps` unless `divide_loss=False`.
-
-        A script converted from its own accumulation often still divides its loss: divided twice, the
-        gradients are k times too small and nothing fails. So unless the choice was made explicitly,
-        the first division says so once."""
+        """The share of `loss` one micro-step contributes: `loss / steps` unless `divide_loss=False`. A
+        converted script may still divide its loss itself (gradients k times too small, nothing fails): unless
+        the choice was made explicitly, the first division says so once."""
         if self.steps == 1 or not self.divide_loss:
             return loss
         if self._tell:
@@ -87,23 +66,16 @@ class AccumulationCycle:
                 f"divide_loss=False keeps the loop's own division", stacklevel=3)
         return loss / self.steps
 
-    # --- owed loss-scale updates ------------------------------------------------------------------
     def owe_scale_update(self, found_inf: torch.Tensor) -> None:
         """An optimizer step with this overflow flag ran; the scale update follows later."""
         self._owed.append(found_inf)
 
     def flush_scale_update(self) -> None:
         """Apply the owed scale update now (on the device: no sync)."""
-        if not self._owed or self.scaler is None:
-            self._owed.clear()
-            return
-        found = self._owed[0]
-        for other in self._owed[1:]:
-            found = found + other
+        if self._owed and self.scaler is not None:
+            self.scaler.update(sum(self._owed[1:], self._owed[0]))
         self._owed.clear()
-        self.scaler.update(found)
 
-    # --- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The position (owed updates are flushed first: the scaler's state then holds them)."""
         self.flush_scale_update()
@@ -117,8 +89,7 @@ class AccumulationCycle:
         return None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        problem = self.check_state_dict(state)
-        if problem is not None:
+        if problem := self.check_state_dict(state):
             raise ValueError(problem)
         self.position = int(state["position"]) if state["steps"] == self.steps else 0
         self._owed.clear()

@@ -1,11 +1,10 @@
-"""Moving batches to the training device: nested structures, pinned memory, copies ahead of use.
-
-`DeviceLoader` wraps a user's DataLoader so that every batch arrives on the device. On CUDA it
-pins host memory and copies the next batch without blocking while the current one trains.
+"""`DeviceLoader`: a user's DataLoader whose batches (nested structures) arrive on the training device;
+on CUDA from pinned memory, the next batch copied without blocking while the current one trains.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -18,11 +17,8 @@ from ampkit.events import Events, Listener
 
 def move_to_device(obj: Any, device: torch.device, non_blocking: bool = False,
                    memory_format: torch.memory_format | None = None) -> Any:
-    """Return `obj` with every tensor inside it (tuples, lists, dicts, dataclasses, namedtuples) on `device`.
-
-    With `memory_format` (channels_last), 4-D floating tensors (image batches) are laid out in it
-    during the same copy.
-    """
+    """Return `obj` with every tensor inside it (tuples, lists, dicts, dataclasses, namedtuples) on `device`;
+    with `memory_format` (channels_last), 4-D floating tensors (image batches) laid out in it by the copy."""
     if isinstance(obj, torch.Tensor):
         if memory_format is not None and obj.dim() == 4 and obj.is_floating_point():
             return obj.to(device, non_blocking=non_blocking, memory_format=memory_format)
@@ -34,24 +30,16 @@ def move_to_device(obj: Any, device: torch.device, non_blocking: bool = False,
     if isinstance(obj, (list, tuple)):
         return type(obj)(move_to_device(v, device, non_blocking, memory_format) for v in obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {
-            f.name: move_to_device(getattr(obj, f.name), device, non_blocking, memory_format)
-            for f in dataclasses.fields(obj)
-            if f.init
-        }
-        return dataclasses.replace(obj, **changes)
+        names = [f.name for f in dataclasses.fields(obj) if f.init]
+        return dataclasses.replace(
+            obj, **{n: move_to_device(getattr(obj, n), device, non_blocking, memory_format) for n in names})
     return obj
 
 
 class DeviceLoader:
-    """A DataLoader whose batches arrive on `device`; everything else is the wrapped loader's.
-
-    Iterating yields the same batches in the same order as the wrapped loader. Attribute access
-    (`dataset`, `batch_size`, `sampler`, ...) goes to the wrapped loader.
-
-    It also keeps its place — the epoch, the batches handed out in it, and the random state the
-    epoch's shuffle started from — so a checkpoint can resume mid-epoch at the exact next batch.
-    """
+    """A DataLoader whose batches arrive on `device`: the wrapped loader's batches in its order; attribute
+    access (`dataset`, `batch_size`, ...) goes to it. It keeps its place (the epoch, the batches handed out
+    in it, the random state its shuffle started from): a checkpoint resumes mid-epoch at the next batch."""
 
     def __init__(self, loader: DataLoader, device: torch.device, memory_format: torch.memory_format | None = None,
                  events: Events | None = None, stop: Callable[[], bool] | None = None) -> None:
@@ -62,8 +50,7 @@ class DeviceLoader:
         self.memory_format = memory_format  # channels_last for image batches, or None
         self._cuda = device.type == "cuda"
         if self._cuda and not loader.pin_memory and loader.num_workers == 0:
-            # Pinned host memory lets the host→device copy run without blocking the host.
-            loader.pin_memory = True
+            loader.pin_memory = True  # the host→device copy then runs without blocking the host
         self.epoch = 0  # passes started before the current one
         self.batch_index = 0  # batches handed out in the current pass
         self._finished = False  # the current pass ran to its end
@@ -71,7 +58,6 @@ class DeviceLoader:
         self._epoch_rng: dict[str, torch.Tensor] = {}  # random state at the start of the current pass
         self._resume: tuple[int, dict[str, torch.Tensor]] | None = None  # (batches to skip, rng to replay)
 
-    # --- random state that decides a pass's order ---------------------------------------------
     def _generators(self) -> dict[str, torch.Generator]:
         found: dict[str, torch.Generator] = {}
         for name, owner in (("loader", self.loader), ("sampler", getattr(self.loader, "sampler", None)),
@@ -82,9 +68,8 @@ class DeviceLoader:
         return found
 
     def _capture_rng(self) -> dict[str, torch.Tensor]:
-        state = {"global": torch.get_rng_state()}
-        state.update({name: gen.get_state() for name, gen in self._generators().items()})
-        return state
+        generators = {name: gen.get_state() for name, gen in self._generators().items()}
+        return {"global": torch.get_rng_state(), **generators}
 
     def _restore_rng(self, state: dict[str, torch.Tensor]) -> None:
         torch.set_rng_state(state["global"])
@@ -92,32 +77,24 @@ class DeviceLoader:
             if name in state:
                 gen.set_state(state[name])
 
-    # --- iteration ----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
-        if self._resume is not None:
-            skip, epoch_rng = self._resume
-            self._resume = None
-            # Replay the interrupted pass from its starting random state, pulling the batches it had
-            # already handed out while that state is active: a sampler without its own generator
-            # draws its seed at the first batch, and the pass's generators must end where they did.
-            # Everything after them continues from the checkpoint's state (fork_rng restores it).
-            with torch.random.fork_rng(devices=[]):
-                self._restore_rng(epoch_rng)
-                self._epoch_rng = epoch_rng
-                self._set_sampler_epoch()
-                it = iter(self.loader)
-                self._started, self._finished, self.batch_index = True, False, 0
-                for _ in range(skip):
-                    if next(it, _END) is _END:
-                        break
-                    self.batch_index += 1
-        else:
-            if self._started:
-                self.epoch += 1
-            self._epoch_rng = self._capture_rng()
+        resume, self._resume = self._resume, None
+        if resume is None and self._started:
+            self.epoch += 1
+        # A resumed pass replays its start's random state, pulling the batches it had handed out under it
+        # (a sampler without a generator draws its seed at the first batch; the pass's generators must end
+        # where they did); everything after continues from the checkpoint's state (fork_rng restores it).
+        with torch.random.fork_rng(devices=[]) if resume else contextlib.nullcontext():
+            if resume:
+                self._restore_rng(resume[1])
+            self._epoch_rng = resume[1] if resume else self._capture_rng()
             self._set_sampler_epoch()
             it = iter(self.loader)
             self._started, self._finished, self.batch_index = True, False, 0
+            for _ in range(resume[0] if resume else 0):
+                if next(it, _END) is _END:
+                    break
+                self.batch_index += 1
         yield from self._on_device(it)
         self._finished = True
 
@@ -182,25 +159,17 @@ class DeviceLoader:
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(self.epoch)  # DistributedSampler: a new shuffle per epoch
 
-    # --- checkpointing ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Where the loader is: epoch, batches handed out, the pass's starting random state, and its
         generators' state now (a finished pass is not replayed: the next one starts from that)."""
-        return {
-            "epoch": self.epoch,
-            "batch_index": self.batch_index,
-            "finished": self._finished,
-            "started": self._started,
-            "epoch_rng": dict(self._epoch_rng),
-            "generators": {name: gen.get_state() for name, gen in self._generators().items()},
-        }
+        return {"epoch": self.epoch, "batch_index": self.batch_index, "finished": self._finished,
+                "started": self._started, "epoch_rng": dict(self._epoch_rng),
+                "generators": {name: gen.get_state() for name, gen in self._generators().items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Arrange for the next pass to resume exactly where `state` was taken."""
-        self.epoch = int(state["epoch"])
-        self._started = bool(state["started"])
-        self._finished = bool(state["finished"])
-        self.batch_index = int(state["batch_index"])
+        self.epoch, self.batch_index = int(state["epoch"]), int(state["batch_index"])
+        self._started, self._finished = bool(state["started"]), bool(state["finished"])
         if self._started and not self._finished and state["epoch_rng"]:
             self._resume = (self.batch_index, dict(state["epoch_rng"]))
         elif self._started and self._finished:

@@ -1,16 +1,12 @@
-"""Data parallelism on PyTorch's own engine: torchrun's environment, the process group, DDP,
-sharded data and agreement between ranks.
-
-ampkit invents no launcher and no communication layer. Under `torchrun` the environment names
-this process's rank; `DistributedContext` turns it into a process group (NCCL on CUDA, Gloo on a
-CPU), pins the rank to its local device, and tears the group down at exit. The Accelerator asks it
-to wrap models in DDP, to shard DataLoaders with a DistributedSampler, and to reduce the few
-things ranks must agree on (the overflow flag, tracked metrics) on the device.
+"""Data parallelism on PyTorch's own engine: torchrun's environment, the process group (NCCL on CUDA,
+Gloo on a CPU, torn down at exit), DDP and FSDP2 wrapping, sharded DataLoaders, and the few things ranks
+must agree on (the overflow flag, tracked metrics), reduced on the device.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import inspect
 import io
 import os
@@ -51,16 +47,6 @@ class DistributedContext:
     def enabled(self) -> bool:
         return self.world_size > 1
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def local_device(self, device_type: str) -> torch.device:
-        """The device this rank trains on when the user asked for a device type without an index."""
-        if device_type == "cuda":
-            return torch.device("cuda", self.local_rank % max(1, torch.cuda.device_count()))
-        return torch.device(device_type)
-
     def init(self, device: torch.device, backend: str | None) -> None:
         """Create the default process group (if torchrun did not) and destroy it at exit."""
         if not self.enabled or dist.is_initialized():
@@ -78,21 +64,21 @@ class DistributedContext:
 
 
 def _destroy() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if _active():
         # Leave together: a rank tearing down its connections while a peer still uses them makes
         # gloo abort that peer ("terminate called without an active exception").
-        try:
+        with contextlib.suppress(Exception):  # a peer is already gone: nothing left to wait for
             dist.barrier()
-        except Exception:  # a peer is already gone: nothing left to wait for
-            pass
         dist.destroy_process_group()
 
 
-def wrap_ddp(model: nn.Module, device: torch.device) -> nn.parallel.DistributedDataParallel:
-    """DDP over `model` on this rank's device (gradients are averaged across ranks in backward).
+def _active() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
-    A script converted from its own DDP code may still wrap the result in a DDP of its own: both
-    would all-reduce every gradient. The first forward looks for an enclosing DDP and raises."""
+
+def wrap_ddp(model: nn.Module, device: torch.device) -> nn.parallel.DistributedDataParallel:
+    """DDP over `model` on this rank's device. A script converted from its own DDP code may still wrap
+    the result in a DDP of its own (both would all-reduce): the first forward looks for one and raises."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
         raise StepOrderError(_NESTED.format(where="prepare() got a model already wrapped in DistributedDataParallel"))
     device_ids = [device.index] if device.type == "cuda" else None
@@ -125,59 +111,48 @@ class NestedDDPCheck:
 
 
 def shard_loader(loader: DataLoader, ctx: DistributedContext) -> DataLoader:
-    """A copy of `loader` whose sampler gives this rank its share of every epoch.
-
-    Sequential stays sequential (rank r takes samples r, r+W, ...); a random sampler becomes a
-    shuffling DistributedSampler seeded from the loader's generator, so every rank agrees on the
-    epoch's permutation and `set_epoch` makes each epoch differ.
-    """
+    """A copy of `loader` whose sampler gives this rank its share of every epoch. Sequential stays
+    sequential (rank r takes samples r, r+W, ...); a random sampler becomes a shuffling DistributedSampler
+    seeded from the loader's generator, so every rank agrees on the epoch's permutation."""
+    if isinstance(loader.dataset, IterableDataset):
+        warnings.warn("an IterableDataset cannot be sharded by ampkit: make it yield this rank's share "
+                      "(acc.rank, acc.world_size)", stacklevel=3)
     if isinstance(loader.sampler, DistributedSampler) or isinstance(loader.dataset, IterableDataset):
-        if isinstance(loader.dataset, IterableDataset):
-            warnings.warn("an IterableDataset cannot be sharded by ampkit: make it yield this rank's share "
-                          "(acc.rank, acc.world_size)", stacklevel=3)
         return loader
     sampler = loader.sampler
     if not isinstance(sampler, (RandomSampler, SequentialSampler)) or loader.batch_sampler is None:
         raise ValueError(
             f"prepare() cannot shard a DataLoader with a {type(sampler).__name__} across {ctx.world_size} ranks; "
-            f"give it a DistributedSampler yourself (it is then left as it is)"
-        )
+            f"give it a DistributedSampler yourself (it is then left as it is)")
     shuffle = isinstance(sampler, RandomSampler)
     generator = getattr(sampler, "generator", None) or loader.generator
     seed = generator.initial_seed() if shuffle and generator is not None else 0
-    dist_sampler = DistributedSampler(
-        loader.dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=shuffle, seed=seed,
-        drop_last=loader.drop_last,
-    )
-    kwargs: dict[str, Any] = dict(
-        batch_size=loader.batch_size, sampler=dist_sampler, num_workers=loader.num_workers,
+    dist_sampler = DistributedSampler(loader.dataset, num_replicas=ctx.world_size, rank=ctx.rank,
+                                      shuffle=shuffle, seed=seed, drop_last=loader.drop_last)
+    return DataLoader(
+        loader.dataset, batch_size=loader.batch_size, sampler=dist_sampler, num_workers=loader.num_workers,
         collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
         timeout=loader.timeout, worker_init_fn=loader.worker_init_fn, persistent_workers=loader.persistent_workers,
-    )
-    if loader.num_workers > 0:
-        kwargs["prefetch_factor"] = loader.prefetch_factor
-    return DataLoader(loader.dataset, **kwargs)
+        prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None)
 
 
 def agree_on_overflow(found_inf: torch.Tensor) -> None:
     """Make `found_inf` the max over all ranks, on the device: every rank skips the same steps."""
-    if dist.is_available() and dist.is_initialized():
+    if _active():
         dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
 
 
 def sum_across_ranks(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_available() and dist.is_initialized():
+    if _active():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
 
 
 def gather_objects(obj: Any) -> list[Any]:
-    """Every rank's `obj` (tensors and plain data), in rank order; a list of one without a group.
-
-    The objects travel as `torch.save` bytes and come back through `torch.load(weights_only=True)`:
-    all_gather_object cannot carry tensors' storages on every backend.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
+    """Every rank's `obj` (tensors and plain data), in rank order; a list of one without a group. They
+    travel as `torch.save` bytes (all_gather_object cannot carry tensors' storages on every backend)
+    and come back through `torch.load(weights_only=True)`."""
+    if not _active():
         return [obj]
     buf = io.BytesIO()
     torch.save(obj, buf)
@@ -187,7 +162,7 @@ def gather_objects(obj: Any) -> list[Any]:
 
 
 def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if _active():
         dist.barrier()
 
 
@@ -197,19 +172,14 @@ FSDP_PRESETS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master"
 
 
 def wrap_fsdp(model: nn.Module, compute_dtype: torch.dtype) -> tuple[nn.Module, dict[int, nn.Parameter]]:
-    """Shard `model` with FSDP2 `fully_shard`: each top-level block its own unit, then the root.
-
-    Returns the model (the same object, now an FSDPModule) and a map from the id of each old
-    parameter to its sharded replacement, so an optimizer built before prepare can be re-pointed.
-    """
+    """Shard `model` with FSDP2 `fully_shard` (each of `fsdp_units` a unit, then the root); return it (the
+    same object) and a map from each old parameter's id to its sharded replacement (re-points optimizers)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     old = dict(model.named_parameters())
-    mp = MixedPrecisionPolicy(
-        param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
-        reduce_dtype=torch.float32,  # gradients are averaged in fp32: no precision lost across ranks
-        output_dtype=None if compute_dtype == torch.float32 else torch.float32,
-    )
+    low = compute_dtype != torch.float32  # gradients are averaged in fp32: no precision lost across ranks
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype if low else None, reduce_dtype=torch.float32,
+                              output_dtype=torch.float32 if low else None)
     for unit in fsdp_units(model):
         fully_shard(unit, mp_policy=mp)
     fully_shard(model, mp_policy=mp)

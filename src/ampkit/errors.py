@@ -1,8 +1,4 @@
-"""The exceptions ampkit raises.
-
-Every one of them says what was passed, what was expected and what to do next: a user who meets
-one should not need to read ampkit's source to recover.
-"""
+"""The exceptions ampkit raises. Each says what was passed, what was expected and what to do next."""
 
 from __future__ import annotations
 

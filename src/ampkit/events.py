@@ -1,8 +1,5 @@
-"""What the engine tells observers: typed events, delivered to registered listeners.
-
-The engine (Accelerator, the prepared optimizer, the prepared DataLoader) emits; tools listen
-(`ampkit compare`'s recorder, the performance and numerics doctors). Calls go one way: a listener
-reads the public API of what it is handed and never patches the engine.
+"""What the engine (Accelerator, prepared optimizer and DataLoader) tells observers (`ampkit compare`'s
+recorder, the doctors): typed events, delivered to listeners that read what they are handed.
 
 ```python
 class Losses(ampkit.events.Listener):
@@ -13,13 +10,10 @@ with acc.events.listening(Losses()):          # or acc.events.add(l) / acc.event
     ...                                       # the training loop, unchanged
 ```
 
-Every emit site costs one empty-list check when nothing listens. Events arrive in the training
-thread, in the order the loop runs; an exception a listener raises propagates into the loop (a
-doctor that has measured enough ends a script's training that way). Listeners must not wait for
-the device unless they say so (`# sync:`): they run inside the step.
-
-`on_created` is process-wide: `watch_created(callback)` sees every Accelerator made while it is
-active — how `ampkit doctor script.py` finds the Accelerator a script creates.
+With nothing listening an emit site costs one empty-list check. Events arrive in the training thread
+in loop order; a listener's exception propagates into the loop (how a doctor ends a script's training).
+Listeners run inside the step: they must not wait for the device unless they say so (`# sync:`).
+`watch_created(callback)` sees every Accelerator made while it is active (process-wide).
 """
 
 from __future__ import annotations
@@ -50,10 +44,8 @@ class Listener:
         """`optimizer.step()` was called on a prepared optimizer (every call, micro-steps too)."""
 
     def on_step_end(self, optimizer: AmpOptimizer, stepped: bool) -> None:
-        """`optimizer.step()` is about to return; `stepped` is False on a non-boundary micro-step.
-
-        On a stepped call the update ran (or was skipped on the device for an overflow: the
-        outcome follows as `on_outcome`)."""
+        """`optimizer.step()` is about to return; `stepped` is False on a non-boundary micro-step. On a
+        stepped call the update ran (or was skipped on the device for an overflow: see `on_outcome`)."""
 
     def on_outcome(self, optimizer: AmpOptimizer, outcome: Outcome) -> None:
         """A loss-scaled step's outcome (applied or skipped, and its scale) reached the host."""
@@ -108,10 +100,7 @@ class Events:
         finally:
             self.remove(listener)
 
-    def __bool__(self) -> bool:
-        return bool(self._listeners)
-
-    def __len__(self) -> int:
+    def __len__(self) -> int:  # also its truth: `if events:` is the emit sites' one check
         return len(self._listeners)
 
     def emit(self, event: Callable[..., None], *args: Any) -> None:

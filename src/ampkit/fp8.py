@@ -1,25 +1,16 @@
-"""fp8 training (the `fp8-mixed` preset): which nn.Linear layers run their matmuls in float8, and
-their conversion by torchao (`torchao.float8.convert_to_float8_training`).
+"""fp8 training (`fp8-mixed`): which nn.Linear layers run their matmuls in float8, converted by torchao
+(`convert_to_float8_training`). An fp8 matmul pays only where the GEMM is large (it first scales and
+casts its operands to fp8), so a layer runs in fp8 only if all of these hold (the rest in bf16 autocast):
 
-An fp8 matmul pays only where the GEMM is large: each one first computes scales and casts its
-operands (input, weight, output gradient) to fp8, memory traffic that a small matmul does not win
-back, and without `torch.compile` fusing those casts even large layers rarely gain. So a layer runs
-in fp8 only if all of these hold, and everything else runs in bf16 autocast as under bf16-mixed:
-
-- it is an `nn.Linear` itself (a subclass may compute its own way, as MultiheadAttention's
-  out_proj does) outside the `keep_fp32` modules;
+- it is an `nn.Linear` itself (a subclass may compute its own way) outside the `keep_fp32` modules;
 - in_features and out_features are multiples of 16 (the shapes fp8 tensor cores take);
-- in_features·out_features (the weight's K·N) is at least `MIN_WEIGHT`, 2048·2048. torchao's
-  H100 GEMM benchmarks put the crossover there: a 1024×2048 weight runs at 0.80× of bf16 (M=1024),
-  a 8192×16384 one at 1.39× (M=4096), and torchao's own size filter leaves out tensorwise layers
-  with K ≤ 4096 and N ≤ 1024. It also depends on M (tokens per step), which prepare cannot see:
-  lower or raise it with `Accelerator(fp8_min_weight=...)`;
-- it is neither the first nor the last nn.Linear of the model (in registration order): the input
-  projection and the output head are the layers most hurt by fp8 rounding, and HF Accelerate's and
-  torchao's guides keep them in higher precision.
+- in_features·out_features is at least `MIN_WEIGHT`, 2048·2048, about where torchao's GEMM benchmarks
+  put the crossover (it also depends on the tokens per step: `Accelerator(fp8_min_weight=...)`);
+- it is neither the first nor the last nn.Linear of the model (registration order): the input
+  projection and the output head are the layers most hurt by fp8 rounding.
 
-The weights stay ordinary fp32 parameters with unchanged names (torchao swaps the module, not its
-parameters), so checkpoints load across fp8-mixed and the other presets.
+The weights stay fp32 parameters with unchanged names (torchao swaps the module), so checkpoints load
+across fp8-mixed and the other presets.
 """
 
 from __future__ import annotations
@@ -88,16 +79,15 @@ class Float8Training:
             warnings.warn(
                 f"precision 'fp8-mixed' on {device} without compile=True: torchao's fp8 casts then run as separate "
                 f"kernels and the fp8 layers are usually slower than bf16-mixed; pass Accelerator(compile=True)",
-                stacklevel=5,
-            )
+                stacklevel=4)
 
     @property
     def reason(self) -> str:
         """The policy's reason: how many Linear layers run in fp8, and why the others do not."""
-        fp8 = [n for n, why in self.layers if why is None]
         head = f"{self.requested}; fp8 (torchao {self.recipe}{', emulated' if self.emulate else ''}): "
         if not self.layers:
             return head + "no model prepared yet"
+        fp8 = [n for n, why in self.layers if why is None]
         groups: dict[str, list[str]] = {}
         for name, why in self.layers:
             if why is not None:

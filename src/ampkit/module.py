@@ -1,11 +1,8 @@
 """Preparing a model for a precision policy: device, parameter dtypes, autocast, kept-fp32 layers.
 
-`prepare_module` returns the user's own module object (same class, same state_dict keys) with its
-`forward` run under the policy's autocast and (with `cast_outputs`) its bf16/fp16 outputs cast to
-fp32, so a loss computed outside the model, outside any autocast region, runs in fp32 rather than
-in the low precision. That is what `torch.autocast` gives the losses on its fp32 list
-(cross_entropy, nll_loss, ...); for one autocast would run in low precision, compute the loss under
-`acc.autocast()` on uncast outputs to get autocast's numerics exactly.
+`prepare_module` keeps the user's module object (same class, same state_dict keys) and runs its
+`forward` under the policy's autocast with (`cast_outputs`) bf16/fp16 outputs cast to fp32, so a loss
+computed outside the model runs in fp32, as autocast runs the losses on its fp32 list (cross_entropy, ...).
 """
 
 from __future__ import annotations
@@ -25,29 +22,24 @@ KeepSpec = Sequence["type[nn.Module] | str"]
 
 
 class PolicyForward:
-    """A module's forward run under autocast (or with autocast off, for kept-fp32 layers).
-
-    A class rather than a closure so a prepared model stays picklable and deep-copyable.
-    """
+    """A module's forward run under autocast (or with autocast off, for kept-fp32 layers). A class rather
+    than a closure so a prepared model stays picklable and deep-copyable."""
 
     def __init__(self, forward: Any, device_type: str, dtype: torch.dtype, fp32: bool, cast_inputs: bool = False,
                  cast_outputs: bool = True) -> None:
-        self.forward = forward
-        self.device_type = device_type
-        self.dtype = dtype
+        self.forward, self.device_type, self.dtype = forward, device_type, dtype
         self.fp32 = fp32  # True: a kept-fp32 layer inside an autocast model
         # True for presets that store parameters in `dtype`: fp32 inputs are cast to it at the model's
-        # boundary (as apex O2 and Lightning's bf16-true do), so that ops autocast leaves alone (a
-        # residual add, then LayerNorm with bf16 weights on a CPU) never meet fp32 data and bf16 weights.
-        self.cast_inputs = cast_inputs
-        self.cast_outputs = cast_outputs
+        # boundary (as apex O2 and Lightning's bf16-true do), so ops autocast leaves alone never mix fp32
+        # data and bf16 weights (a residual add, then LayerNorm with bf16 weights on a CPU).
+        self.cast_inputs, self.cast_outputs = cast_inputs, cast_outputs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.fp32:
             with torch.autocast(self.device_type, enabled=False):
                 return self.forward(*_to_fp32(args), **_to_fp32(kwargs))
         if self.cast_inputs:
-            args, kwargs = _cast_fp32(args, self.dtype), _cast_fp32(kwargs, self.dtype)
+            args, kwargs = _cast(args, _FP32, self.dtype), _cast(kwargs, _FP32, self.dtype)
         with torch.autocast(self.device_type, dtype=self.dtype):
             out = self.forward(*args, **kwargs)
         return _to_fp32(out) if self.cast_outputs else out
@@ -82,53 +74,37 @@ def _to_fp32(obj: Any) -> Any:
     return _cast(obj, (torch.float16, torch.bfloat16), torch.float32)
 
 
-def _cast_fp32(obj: Any, dtype: torch.dtype) -> Any:
-    """`obj` with every fp32 tensor inside it cast to `dtype`."""
-    return _cast(obj, (torch.float32,), dtype)
-
-
-def is_prepared(model: nn.Module) -> bool:
-    return isinstance(uncompiled(model.__dict__.get("forward")), PolicyForward)  # compile=True wraps it
+_FP32 = (torch.float32,)
 
 
 def kept_fp32_roots(model: nn.Module, keep_fp32: KeepSpec) -> list[nn.Module]:
-    """The outermost modules that `keep_fp32` (types or fnmatch name patterns) selects.
-
-    Raises ValueError for an entry of the wrong kind or a pattern that matches nothing: a typo here
-    would silently leave an overflowing layer in fp16.
-    """
-    roots: list[nn.Module] = []
-    covered: set[int] = set()
-    matched = {id(spec): False for spec in keep_fp32}
+    """The outermost modules that `keep_fp32` (types or fnmatch name patterns) selects. ValueError for an
+    entry of the wrong kind or a pattern that matches nothing (a typo would leave a layer in fp16)."""
     for spec in keep_fp32:
         if not (isinstance(spec, str) or (isinstance(spec, type) and issubclass(spec, nn.Module))):
             raise ValueError(f"keep_fp32 entry {spec!r}: expected an nn.Module subclass or a module-name pattern like 'head' or 'blocks.*.attn'")
+    roots: list[nn.Module] = []
+    covered: set[int] = set()
+    matched: set[int] = set()
     for name, module in model.named_modules():
         hits = [s for s in keep_fp32 if (isinstance(s, str) and fnmatch.fnmatchcase(name, s)) or (isinstance(s, type) and isinstance(module, s))]
-        for s in hits:
-            matched[id(s)] = True
+        matched.update(id(s) for s in hits)
         if hits and id(module) not in covered:
             roots.append(module)
             covered.update(id(m) for m in module.modules())
-    missing = [s for s in keep_fp32 if not matched[id(s)]]
-    if missing:
+    if missing := [s for s in keep_fp32 if id(s) not in matched]:
         names = [n for n, _ in model.named_modules() if n][:12]
         raise ValueError(
             f"keep_fp32={list(keep_fp32)!r}: {missing!r} matched no module of {model.__class__.__name__}; "
-            f"its modules are named like: {', '.join(names)}"
-        )
+            f"its modules are named like: {', '.join(names)}")
     return roots
 
 
-def prepare_module(
-    model: nn.Module, policy: Precision, device: torch.device, keep_fp32: KeepSpec, cast_outputs: bool = True
-) -> dict[nn.Parameter, torch.Tensor]:
-    """Move `model` to `device`, store its parameters as `policy` says and wrap its forward.
-
-    Returns the fp32 values of the parameters that were cast down, so the optimizer's master or
-    compensation buffers start from the exact initial weights rather than their rounded copies.
-    """
-    if is_prepared(model):
+def prepare_module(model: nn.Module, policy: Precision, device: torch.device, keep_fp32: KeepSpec,
+                   cast_outputs: bool = True) -> dict[nn.Parameter, torch.Tensor]:
+    """Move `model` to `device`, store its parameters as `policy` says and wrap its forward. Returns the fp32
+    values of the parameters cast down: masters or compensation start from the exact initial weights."""
+    if isinstance(uncompiled(model.__dict__.get("forward")), PolicyForward):  # compile=True wraps it
         raise ValueError(f"{model.__class__.__name__} was already prepared; prepare each model once")
     model.to(device)
     roots = kept_fp32_roots(model, keep_fp32)

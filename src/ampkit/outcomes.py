@@ -1,12 +1,6 @@
-"""The host learns whether each optimizer step was applied or skipped, without waiting for it.
-
-A loss-scaled step decides on the device whether it overflowed. Reading that flag at once
-(`found_inf.item()`) would make the host wait for the whole step on a GPU — the sync that makes
-small models slower on a GPU than on a CPU. Instead each step's outcome (overflow flag and the scale
-it used) is copied into a slot of a pinned host ring without blocking, and an event marks when it
-has landed. `poll()` hands back the outcomes that have arrived, oldest first; `poll(block=True)`
-waits for all of them (for exact counters on demand, never inside a step). On a CPU the copy is
-synchronous, so every outcome is known as soon as it is recorded.
+"""The host learns whether each optimizer step was applied or skipped, without waiting for it: each
+step's (overflow flag, scale) is copied into a pinned host ring without blocking, an event marking when
+it landed. `poll()` returns the landed outcomes oldest first; `poll(block=True)` waits for all.
 """
 
 from __future__ import annotations
@@ -32,18 +26,16 @@ class StepOutcomes:
     """A ring of pinned host slots receiving per-step (found_inf, scale) pairs from the device."""
 
     def __init__(self, device: torch.device) -> None:
-        pin = device.type == "cuda"
-        self._device = device
+        self._cuda = device.type == "cuda"
         with unset_fake_temporarily():  # host memory, real even while `ampkit.plan` steps fake tensors
-            self._host = torch.zeros((_RING, 2), dtype=torch.float32, pin_memory=pin)
+            self._host = torch.zeros((_RING, 2), dtype=torch.float32, pin_memory=self._cuda)
         self._view = self._host.numpy()  # reads of landed slots: plain memory, no tensor op
         self._pending: deque[tuple[int, torch.cuda.Event | None]] = deque()
         self._next = 0
         self._landed: list[Outcome] = []  # read out of slots that had to be reused before a poll
 
     def record(self, found_inf: torch.Tensor, scale: torch.Tensor) -> None:
-        """Queue the outcome of the step that just ran (both 0-dim device tensors); never blocks
-        unless `_RING` outcomes are already in flight."""
+        """Queue the outcome of the step that just ran (0-dim device tensors); blocks only at `_RING`."""
         if len(self._pending) == _RING:  # the oldest slot is reused: read it first, never lose an outcome
             slot, event = self._pending.popleft()
             if event is not None:
@@ -52,10 +44,9 @@ class StepOutcomes:
         slot = self._next
         self._next = (self._next + 1) % _RING
         pair = torch.stack((found_inf.float(), scale.float()))
-        self._host[slot].copy_(pair, non_blocking=self._device.type == "cuda")
-        event = None
-        if self._device.type == "cuda":
-            event = torch.cuda.Event()
+        self._host[slot].copy_(pair, non_blocking=self._cuda)
+        event = torch.cuda.Event() if self._cuda else None
+        if event is not None:
             event.record()
         self._pending.append((slot, event))
 

@@ -1,9 +1,7 @@
-"""Precision policies: what runs in which dtype, as data rather than a chain of ifs.
-
-A `Precision` is a frozen record of a few decisions (compute dtype, parameter dtype, how the
-optimizer update is kept accurate, whether the loss is scaled, whether large matmuls run in fp8). The named presets are rows of one
-table, `PRESETS`. `resolve_precision` turns a name (or "auto") into a policy for one device, and
-either explains the choice in `.reason` or raises `PrecisionError` saying what would work.
+"""Precision policies as data: a `Precision` is a frozen record of a few decisions (compute and parameter
+dtypes, how the update is kept accurate, loss scaling, fp8 matmuls); the presets are rows of `PRESETS`.
+`resolve_precision` turns a name (or "auto") into a policy for one device, explaining the choice in
+`.reason` or raising `PrecisionError` saying what would work.
 """
 
 from __future__ import annotations
@@ -21,36 +19,23 @@ from ampkit.hardware import FIRST_IN, auto_precision, capability, device_capabil
 #: Module types kept in fp32 by the presets that store parameters in low precision: their
 #: statistics (mean/variance) lose too much in bf16/fp16 and they are a tiny share of the weights.
 NORM_TYPES: tuple[type[torch.nn.Module], ...] = (
-    torch.nn.modules.batchnorm._NormBase,
-    torch.nn.LayerNorm,
-    torch.nn.GroupNorm,
-    torch.nn.LocalResponseNorm,
-    torch.nn.RMSNorm,
-)
+    torch.nn.modules.batchnorm._NormBase, torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.LocalResponseNorm,
+    torch.nn.RMSNorm)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Precision:
     """One precision policy. Build it with `resolve_precision` or pick a row of `PRESETS`."""
 
-    name: str
-    """The preset's name, e.g. "bf16-mixed"."""
-    compute_dtype: torch.dtype
-    """dtype of matmuls and convolutions (autocast's target). fp32 means autocast is off."""
-    param_dtype: torch.dtype
-    """dtype the model's parameters are stored in (kept-fp32 modules aside)."""
-    master_weights: bool = False
-    """Keep an fp32 copy of low-precision parameters and apply the update to it (apex O2)."""
-    compensated: bool = False
-    """Apply the update in fp32 and keep the rounding error in a low-precision Kahan buffer."""
-    loss_scaling: bool = False
-    """Scale the loss dynamically so small fp16 gradients do not flush to zero."""
-    norms_fp32: bool = False
-    """Keep normalisation layers' parameters in fp32 (the -master presets)."""
-    fp8: bool = False
-    """Run the qualifying nn.Linear layers' matmuls in float8 through torchao (`ampkit.fp8`)."""
-    reason: str = ""
-    """Why this policy was chosen: "requested" or the hardware fact behind `auto`."""
+    name: str  # the preset's name, e.g. "bf16-mixed"
+    compute_dtype: torch.dtype  # of matmuls and convolutions (autocast's target); fp32: autocast is off
+    param_dtype: torch.dtype  # the model's parameters are stored in (kept-fp32 modules aside)
+    master_weights: bool = False  # keep an fp32 copy of low-precision parameters, update it (apex O2)
+    compensated: bool = False  # update in fp32, keep the rounding error in a low-precision Kahan buffer
+    loss_scaling: bool = False  # scale the loss dynamically so small fp16 gradients do not flush to zero
+    norms_fp32: bool = False  # keep normalisation layers' parameters in fp32 (the -master presets)
+    fp8: bool = False  # run the qualifying nn.Linear layers' matmuls in float8 via torchao (`ampkit.fp8`)
+    reason: str = ""  # why this policy was chosen: "requested" or the hardware fact behind `auto`
 
     @property
     def autocast(self) -> bool:
@@ -64,23 +49,14 @@ class Precision:
 
     def as_dict(self) -> dict[str, object]:
         """The policy as plain JSON-able data (checkpoints and reports store it this way)."""
-        return {"name": self.name, "reason": self.reason, "compute_dtype": dtype_name(self.compute_dtype),
-                "param_dtype": dtype_name(self.param_dtype), "master_weights": self.master_weights,
-                "compensated": self.compensated, "loss_scaling": self.loss_scaling, "norms_fp32": self.norms_fp32,
-                "fp8": self.fp8}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {"name": self.name, "reason": self.reason} | {
+            k: dtype_name(v) if isinstance(v, torch.dtype) else v for k, v in fields.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """torch.bfloat16 -> "bfloat16": the one way ampkit writes a dtype in files and reports."""
     return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """"bfloat16" (or "torch.bfloat16") -> torch.bfloat16; ValueError for anything else."""
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{name!r} is not a torch dtype name (e.g. 'float32', 'bfloat16')")
-    return dtype
 
 
 _bf16, _fp16, _fp32 = torch.bfloat16, torch.float16, torch.float32
@@ -92,14 +68,10 @@ PRESETS: dict[str, Precision] = {
         Precision(name="fp32", compute_dtype=_fp32, param_dtype=_fp32),
         Precision(name="bf16-mixed", compute_dtype=_bf16, param_dtype=_fp32),
         Precision(name="fp16-mixed", compute_dtype=_fp16, param_dtype=_fp32, loss_scaling=True),
-        Precision(
-            name="fp16-master", compute_dtype=_fp16, param_dtype=_fp16,
-            master_weights=True, loss_scaling=True, norms_fp32=True,
-        ),
-        Precision(
-            name="bf16-master", compute_dtype=_bf16, param_dtype=_bf16,
-            master_weights=True, norms_fp32=True,
-        ),
+        Precision(name="fp16-master", compute_dtype=_fp16, param_dtype=_fp16, master_weights=True,
+                  loss_scaling=True, norms_fp32=True),
+        Precision(name="bf16-master", compute_dtype=_bf16, param_dtype=_bf16, master_weights=True,
+                  norms_fp32=True),
         Precision(name="bf16-true", compute_dtype=_bf16, param_dtype=_bf16, compensated=True),
         Precision(name="fp8-mixed", compute_dtype=_bf16, param_dtype=_fp32, fp8=True),
     )
@@ -118,19 +90,15 @@ def resolve_precision(precision: str | Precision, device: torch.device, *, fp8_e
     if isinstance(precision, Precision):
         policy = precision
     elif not isinstance(precision, str):
-        raise PrecisionError(
-            f"precision={precision!r} must be a preset name or an ampkit.Precision; "
-            f"choose one of: {', '.join(PRESET_NAMES)}"
-        )
+        raise PrecisionError(f"precision={precision!r} must be a preset name or an ampkit.Precision; "
+                             f"choose one of: {', '.join(PRESET_NAMES)}")
     elif precision == "auto":
         name, reason = auto_precision(device)
         return dataclasses.replace(PRESETS[name], reason=f"auto: {reason}")
     elif precision in PRESETS:
         policy = dataclasses.replace(PRESETS[precision], reason="requested")
     else:
-        raise PrecisionError(
-            f"unknown precision {precision!r}; choose one of: {', '.join(PRESET_NAMES)}"
-        )
+        raise PrecisionError(f"unknown precision {precision!r}; choose one of: {', '.join(PRESET_NAMES)}")
     _check_runs(policy, device)
     if policy.fp8 and (problem := fp8_problem(device, fp8_emulate)):
         raise PrecisionError(f"precision {policy.name!r}: {problem}")
@@ -162,26 +130,19 @@ def _check_runs(policy: Precision, device: torch.device) -> None:
         working = [n for n, p in PRESETS.items() if runs[p.compute_dtype]]
         nearest = next((n for n in working if n != "fp32" and PRESETS[n].compute_dtype != dtype), "fp32")
         raise PrecisionError(
-            f"precision {policy.name!r} needs {_dtype_name(dtype)}, which {support.device} cannot run "
-            f"(per {support.source}); it supports: {', '.join(working)}. Nearest that works: {nearest!r}"
-        )
+            f"precision {policy.name!r} needs {short_dtype_name(dtype)}, which {support.device} cannot run "
+            f"(per {support.source}); it supports: {', '.join(working)}. Nearest that works: {nearest!r}")
     if not fast[dtype] and device.type == "cpu":
         warnings.warn(
-            f"precision {policy.name!r} on {support.device}: this CPU has no {_dtype_name(dtype)} "
+            f"precision {policy.name!r} on {support.device}: this CPU has no {short_dtype_name(dtype)} "
             f"instructions, so it runs far slower than fp32{_FP16_CPU_OPS if dtype == _fp16 else ''}. Use it only "
-            f"to test; precision='auto' picks what is fast here",
-            stacklevel=3,
-        )
+            f"to test; precision='auto' picks what is fast here", stacklevel=3)
 
 
 _FP16_CPU_OPS = ", and some ops may not run at all (oneDNN's LSTM has no fp16 forward on CPUs: it raises)"
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {_bf16: "bf16", _fp16: "fp16", _fp32: "fp32"}[dtype]
-
-
 def short_dtype_name(dtype: torch.dtype) -> str:
     """ampkit's short name of a compute dtype, as the presets and the capability table spell it:
     "bf16" for `torch.bfloat16` (fp32, bf16, fp16 only; a KeyError for any other)."""
-    return _dtype_name(dtype)
+    return {_bf16: "bf16", _fp16: "fp16", _fp32: "fp32"}[dtype]

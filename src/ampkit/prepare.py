@@ -1,9 +1,5 @@
-"""What `Accelerator.prepare` does to each kind of object, and the record of what it prepared.
-
-Models are cast to the policy's dtypes in place (`ampkit.module`), compiled or wrapped for DDP/FSDP;
-optimizers are wrapped in `AmpOptimizer` (pointed at fp32 stand-ins for low-precision weights);
-DataLoaders in `DeviceLoader`; schedulers in `AmpScheduler`. `Prepared` reads the Accelerator's
-public settings only, and the Accelerator exposes what was prepared as tuples (`acc.models`, ...).
+"""What `Accelerator.prepare` does to each kind of object (models cast in place by `ampkit.module`,
+compiled or wrapped for DDP/FSDP; optimizers, loaders and schedulers wrapped), and the record of it.
 """
 
 from __future__ import annotations
@@ -25,13 +21,15 @@ from ampkit.launch import max_steps_reached
 from ampkit.lowp_weights import CompensatedWeights, LowPrecisionWeights, MasterWeights
 from ampkit.module import prepare_module
 from ampkit.optim import AmpOptimizer
-from ampkit.precision import Precision, dtype_name
+from ampkit.precision import dtype_name
 from ampkit.scheduler import AmpScheduler
 
 if TYPE_CHECKING:
     from ampkit.accelerator import Accelerator
 
-_Scheduler = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+_KINDS = ((nn.Module, "model"), (torch.optim.Optimizer, "optimizer"), (DataLoader, "loader"),
+          ((torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau), "scheduler"))
+_ORDER = [kind for _, kind in _KINDS]  # the order prepare() prepares them in
 
 
 @dataclass(frozen=True)
@@ -58,89 +56,62 @@ class Prepared:
     def prepare(self, *objs: Any) -> Any:
         kinds = [self._kind(obj, i) for i, obj in enumerate(objs)]
         out: list[Any] = list(objs)
-        for kind in ("model", "optimizer", "loader", "scheduler"):
-            for i, obj in enumerate(objs):
-                if kinds[i] == kind:
-                    out[i] = getattr(self, f"_prepare_{kind}")(obj)
+        for i in sorted(range(len(objs)), key=lambda i: _ORDER.index(kinds[i])):  # models first, ...
+            out[i] = getattr(self, f"_prepare_{kinds[i]}")(objs[i])
         return out[0] if len(out) == 1 else tuple(out)
-
-    def compiled(self, model: nn.Module) -> None:
-        """Compile `model`'s (prepared) forward in place, if compile= asked for it."""
-        if self.acc.compile_options is None:
-            return
-        model.forward = CompiledForward(model.forward, self.acc.compile_options, self.acc.compile_stats, type(model).__name__)
-        self.acc.compile_stats.models.append(type(model).__name__)
-
-    def _to_channels_last(self, model: nn.Module) -> None:
-        if not self.acc.channels_last:
-            return
-        if not any(p.dim() == 4 for p in model.parameters()):
-            warnings.warn(
-                f"channels_last=True: {type(model).__name__} has no 4-D (convolution) weights, so the layout "
-                f"changes nothing for it", stacklevel=4,
-            )
-        model.to(memory_format=torch.channels_last)
 
     @staticmethod
     def _kind(obj: Any, position: int) -> str:
-        if isinstance(obj, nn.Module):
-            return "model"
-        if isinstance(obj, AmpOptimizer) or isinstance(obj, (AmpScheduler, DeviceLoader)):
+        if isinstance(obj, (AmpOptimizer, AmpScheduler, DeviceLoader)):
             raise ValueError(f"prepare() argument {position} ({obj!r}) was already prepared; pass the original object once")
-        if isinstance(obj, torch.optim.Optimizer):
-            return "optimizer"
-        if isinstance(obj, DataLoader):
-            return "loader"
-        if isinstance(obj, _Scheduler):
-            return "scheduler"
+        for types, kind in _KINDS:
+            if isinstance(obj, types):
+                return kind
         raise TypeError(
             f"prepare() argument {position} is a {type(obj).__module__}.{type(obj).__qualname__}; "
-            f"expected an nn.Module, a torch.optim.Optimizer, a torch.utils.data.DataLoader or a torch LR scheduler"
-        )
-
-    def _fp8(self, model: nn.Module) -> None:
-        if self.acc.fp8 is not None:
-            self.acc.fp8.convert(model, self.acc.keep_fp32, self.acc.device, self.acc.compile_options is not None)
-            self.acc.policy = dataclasses.replace(self.acc.policy, reason=self.acc.fp8.reason)
+            f"expected an nn.Module, a torch.optim.Optimizer, a torch.utils.data.DataLoader or a torch LR "
+            f"scheduler")
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
-        if any(model is m or model is self.acc.unwrap(m) for m in self.models):
+        acc = self.acc
+        if any(model is m or model is acc.unwrap(m) for m in self.models):
             raise ValueError(f"{type(model).__name__} was already prepared; prepare each model once")
-        if self.acc.policy.master_weights or self.acc.policy.compensated:
+        if acc.policy.master_weights or acc.policy.compensated:
             mine = {id(p) for p in model.parameters()}
             if any(id(p) in mine for opt in self.optimizers for g in opt.param_groups for p in g["params"]):
                 raise StepOrderError(
-                    f"precision {self.acc.policy.name!r}: the optimizer of {type(model).__name__} was prepared before the "
+                    f"precision {acc.policy.name!r}: the optimizer of {type(model).__name__} was prepared before the "
                     f"model, so it would step the low-precision weights directly (no master weights or compensation): "
-                    f"prepare the model first, e.g. model, optimizer = acc.prepare(model, optimizer)"
-                )
-        if self.acc.strategy == "fsdp":
-            model.to(self.acc.device)
-            self._fp8(model)  # before sharding: FSDP2 then shards the Float8Linear weights
-            self._to_channels_last(model)
-            model, params = wrap_fsdp(model, self.acc.policy.compute_dtype)
+                    f"prepare the model first, e.g. model, optimizer = acc.prepare(model, optimizer)")
+        originals: dict[nn.Parameter, torch.Tensor] = {}
+        if acc.strategy == "fsdp":  # FSDP's MixedPrecisionPolicy does the casts
+            model.to(acc.device)
+        else:
+            originals = prepare_module(model, acc.policy, acc.device, acc.keep_fp32, acc.cast_outputs)
+        if acc.fp8 is not None:  # before sharding: FSDP2 then shards the Float8Linear weights
+            acc.fp8.convert(model, acc.keep_fp32, acc.device, acc.compile_options is not None)
+            acc.policy = dataclasses.replace(acc.policy, reason=acc.fp8.reason)
+        if acc.channels_last:
+            if not any(p.dim() == 4 for p in model.parameters()):
+                warnings.warn(f"channels_last=True: {type(model).__name__} has no 4-D (convolution) weights, "
+                              f"so the layout changes nothing for it", stacklevel=3)
+            model.to(memory_format=torch.channels_last)
+        if acc.strategy == "fsdp":
+            model, params = wrap_fsdp(model, acc.policy.compute_dtype)
             self.fsdp_params.update(params)
-            self.compiled(model)
-            self.originals[id(model)] = _Model({})
-            self.models.append(model)
-            if self.acc.grad_accum_steps > 1:
-                model.register_forward_pre_hook(self._set_grad_sync)
-            return model
-        originals = prepare_module(model, self.acc.policy, self.acc.device, self.acc.keep_fp32, self.acc.cast_outputs)
-        self._fp8(model)
-        self._to_channels_last(model)
-        self.compiled(model)
+        if acc.compile_options is not None:
+            name = type(model).__name__
+            model.forward = CompiledForward(model.forward, acc.compile_options, acc.compile_stats, name)
+            acc.compile_stats.models.append(name)
         self.originals[id(model)] = _Model(originals)
         self.models.append(model)
-        if self.acc.strategy == "ddp":
-            ddp = wrap_ddp(model, self.acc.device)
-            # DDP reads this flag in forward: only the forward whose backward ends an accumulation
-            # cycle all-reduces (no_sync on the others), so there is one all-reduce per optimizer step.
-            # Without accumulation the flag stays the script's (its own no_sync() micro-steps work).
-            if self.acc.grad_accum_steps > 1:
-                ddp.register_forward_pre_hook(self._set_grad_sync)
-            return ddp
-        return model
+        wrapped = wrap_ddp(model, acc.device) if acc.strategy == "ddp" else model
+        # DDP and FSDP read this flag in forward: only the forward whose backward ends an accumulation
+        # cycle all-reduces (no_sync on the others), so there is one all-reduce per optimizer step.
+        # Without accumulation the flag stays the script's (its own no_sync() micro-steps work).
+        if acc.strategy != "none" and acc.grad_accum_steps > 1:
+            wrapped.register_forward_pre_hook(self._set_grad_sync)
+        return wrapped
 
     def _set_grad_sync(self, model: nn.Module, _inputs: Any) -> None:
         sync = self.acc.cycle.next_is_last
@@ -164,8 +135,8 @@ class Prepared:
         raise StepOrderError(
             f"precision {policy.name!r} {what}, and no optimizer was prepared. Prepare one: model, optimizer = "
             f"acc.prepare(model, optimizer) (torch.optim.SGD(model.parameters(), lr=lr) is the manual update "
-            f"p.data.add_(p.grad, alpha=-lr)); or train a manual update with precision='bf16-mixed' or 'fp32'"
-        )
+            f"p.data.add_(p.grad, alpha=-lr)); or train a manual update with precision='bf16-mixed' or "
+            f"'fp32'")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor | None:
         """`Accelerator.clip_grad_norm_`: unscale, then clip in the prepared models' parameter order."""
@@ -180,14 +151,12 @@ class Prepared:
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=True)
 
     def _clip_order(self) -> list[nn.Parameter]:
-        """What `clip_grad_norm_` sums over, in `model.parameters()` order as a hand-written clip sums the
-        norm (another order rounds differently); built again only when the prepared parameters change."""
+        """What `clip_grad_norm_` sums over, in `model.parameters()` order as a hand-written clip (another
+        order rounds differently); built again only when the prepared parameters change."""
         key = (len(self.models), tuple(len(g["params"]) for opt in self.optimizers for g in opt.param_groups))
         if self._clip_key != key:
-            order: dict[int, int] = {}
-            for model in self.models:
-                for p in model.parameters():
-                    order.setdefault(id(p), len(order))
+            ids = dict.fromkeys(id(p) for model in self.models for p in model.parameters())  # first places
+            order = {key: i for i, key in enumerate(ids)}
             if not self.optimizers:  # fp32 / bf16-mixed: the gradients are the models' own, unscaled
                 params = [p for model in self.models for p in model.parameters()]
             else:
@@ -198,14 +167,13 @@ class Prepared:
         return self._clip_params
 
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AmpOptimizer:
-        weights = None
         if self.fsdp_params:  # re-point an optimizer built before sharding at the sharded parameters
             if optimizer.state:
                 raise StepOrderError("strategy='fsdp': prepare the optimizer before its first step (FSDP replaces the parameters)")
             for group in optimizer.param_groups:
                 group["params"] = [self.fsdp_params.get(id(p), p) for p in group["params"]]
-        if (self.acc.policy.master_weights or self.acc.policy.compensated) and self.acc.strategy != "fsdp":
-            weights = self._low_precision_weights(optimizer)
+        lowp = self.acc.policy.master_weights or self.acc.policy.compensated
+        weights = self._low_precision_weights(optimizer) if lowp and self.acc.strategy != "fsdp" else None
         # State created before prepare (a loaded optimizer) follows its parameters' device and dtype.
         if optimizer.state:
             optimizer.load_state_dict(optimizer.state_dict())
@@ -213,18 +181,36 @@ class Prepared:
         self.optimizers.append(wrapped)
         return wrapped
 
-    def _low_precision_weights(self, optimizer: torch.optim.Optimizer) -> LowPrecisionWeights | None:
+    def _low_precision_weights(self, optimizer: torch.optim.Optimizer) -> LowPrecisionWeights:
         """Point `optimizer` at fp32 parameters standing in for the model's low-precision ones."""
+        policy = self.acc.policy
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        low = [p for p in params if p.is_floating_point() and p.dtype != torch.float32]
         prepared = {id(p) for model in self.models for p in model.parameters()}
-        # The exact fp32 initial values, handed over (not copied) so no fp32 copy outlives prepare.
-        originals: dict[nn.Parameter, torch.Tensor] = {}
-        for m in self.originals.values():
-            originals.update(m.originals)
-        weights, taken = stand_in_weights(optimizer, self.acc.policy, prepared, originals, self.acc.free_step_buffers)
-        for m in self.originals.values():
-            for p in taken:
-                m.originals.pop(p, None)
-        return weights
+        if any(id(p) not in prepared for p in low):
+            raise StepOrderError(f"precision {policy.name!r}: prepare the model together with (or before) "
+                                 f"its optimizer, e.g. model, optimizer = acc.prepare(model, optimizer)")
+        if optimizer.state:
+            raise StepOrderError(f"precision {policy.name!r}: the optimizer already has state; prepare it "
+                                 f"before its first step (load its state_dict after prepare)")
+        devices = sorted({str(p.device) for p in low})
+        if len(devices) > 1:  # the update's flat fp32 buffers live on one device
+            raise PrecisionError(
+                f"precision {policy.name!r} keeps its fp32 update buffers on one device, but this "
+                f"optimizer's parameters are on {', '.join(devices)}: use one optimizer per device, or "
+                f"precision='bf16-mixed'")
+        pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+        for p in low:
+            # The exact fp32 initial value, handed over (not copied) so no fp32 copy outlives prepare; a
+            # weight already low-precision before prepare has only its own value.
+            init = next((m.originals.pop(p) for m in self.originals.values() if p in m.originals), None)
+            pairs.append((p, nn.Parameter(p.detach().to(torch.float32) if init is None else init,
+                                          requires_grad=p.requires_grad)))
+        stand_in = {id(p): fp32 for p, fp32 in pairs}
+        for group in optimizer.param_groups:
+            group["params"] = [stand_in.get(id(p), p) for p in group["params"]]
+        store = MasterWeights if policy.master_weights else CompensatedWeights
+        return store(pairs, optimizer, self.acc.free_step_buffers)
 
     def _prepare_loader(self, loader: DataLoader) -> DeviceLoader:
         if self.acc.strategy != "none":
@@ -242,52 +228,6 @@ class Prepared:
                 wrapped = AmpScheduler(scheduler, opt, per_step=self.acc.step_scheduler_with_optimizer)
                 self.schedulers.append(wrapped)
                 return wrapped
-        raise StepOrderError(
-            f"prepare() got the scheduler {scheduler.__class__.__name__} before its optimizer: "
-            f"prepare the optimizer in the same call or earlier"
-        )
+        raise StepOrderError(f"prepare() got the scheduler {scheduler.__class__.__name__} before its "
+                             f"optimizer: prepare the optimizer in the same call or earlier")
 
-
-def stand_in_weights(optimizer: torch.optim.Optimizer, policy: Precision, prepared: set[int],
-                     originals: dict[nn.Parameter, torch.Tensor], free_step_buffers: bool,
-                     ) -> tuple[LowPrecisionWeights | None, list[nn.Parameter]]:
-    """Point `optimizer` at fp32 parameters standing in for the model's low-precision ones.
-
-    `prepared`: ids of the prepared models' parameters; `originals`: their exact fp32 initial values
-    (taken, not copied). Returns the weight store and the parameters whose original was taken.
-    """
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    low = [p for p in params if p.is_floating_point() and p.dtype != torch.float32]
-    if any(id(p) not in prepared for p in low):
-        raise StepOrderError(
-            f"precision {policy.name!r}: prepare the model together with (or before) its optimizer, "
-            f"e.g. model, optimizer = acc.prepare(model, optimizer)"
-        )
-    if optimizer.state:
-        raise StepOrderError(
-            f"precision {policy.name!r}: the optimizer already has state; prepare it before its first step "
-            f"(load its state_dict after prepare)"
-        )
-    devices = sorted({str(p.device) for p in low})
-    if len(devices) > 1:  # the update's flat fp32 buffers live on one device
-        raise PrecisionError(
-            f"precision {policy.name!r} keeps its fp32 update buffers on one device, but this optimizer's "
-            f"parameters are on {', '.join(devices)}: use one optimizer per device, or precision='bf16-mixed'"
-        )
-    pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
-    stand_in: dict[int, nn.Parameter] = {}
-    taken = []
-    for p in low:
-        init = originals.get(p)
-        if init is None:  # a weight already low-precision before prepare: its value is all there is
-            init = p.detach().to(torch.float32)
-        else:
-            taken.append(p)
-        fp32 = nn.Parameter(init, requires_grad=p.requires_grad)
-        pairs.append((p, fp32))
-        stand_in[id(p)] = fp32
-    for group in optimizer.param_groups:
-        group["params"] = [stand_in.get(id(p), p) for p in group["params"]]
-    if policy.master_weights:
-        return MasterWeights(pairs, optimizer, free_step_buffers), taken
-    return CompensatedWeights(pairs, optimizer, free_step_buffers), taken

@@ -1,11 +1,7 @@
-"""Dynamic loss scaling that never makes the host wait for the device.
-
-The scale, the growth tracker and the hysteresis counter are device tensors; the inf/NaN check,
-the skip decision (handed to the optimizer as `found_inf`) and the scale update all run on the
-device. The host learns the outcome of a step later, through `ampkit.outcomes`, without blocking.
-
-With `hysteresis=1` and no bounds the scale trajectory equals `torch.amp.GradScaler`'s: both use
-the same update kernel (`torch._amp_update_scale_`).
+"""Dynamic loss scaling that never makes the host wait for the device: the scale, growth tracker and
+hysteresis counter are device tensors; the inf/NaN check, the skip decision (`found_inf`) and the update
+run on the device, and the host learns each step's outcome later (`ampkit.outcomes`). With `hysteresis=1`
+and no bounds the trajectory is `torch.amp.GradScaler`'s (the same kernel, `torch._amp_update_scale_`).
 """
 
 from __future__ import annotations
@@ -26,8 +22,8 @@ class LossScaler:
         growth_factor: multiply the scale by this after `growth_interval` clean steps.
         backoff_factor: multiply the scale by this on an overflow.
         growth_interval: clean steps in a row before the scale grows.
-        min_scale: the scale never drops below this (None: only below the smallest normal fp32, 2**-126). At the bound, continued
-            overflows mean fp16 cannot represent the gradients: see `collapse_after`.
+        min_scale: the scale never drops below this (None: the smallest normal fp32, 2**-126). At the bound,
+            continued overflows mean fp16 cannot represent the gradients: see `collapse_after`.
         max_scale: the scale never grows above this (None: no bound).
         hysteresis: overflows tolerated before backing off (1: back off on every overflow, as torch).
         dynamic: False keeps `init_scale` forever (a static scale); overflowing steps are still skipped.
@@ -35,17 +31,9 @@ class LossScaler:
     """
 
     def __init__(
-        self,
-        init_scale: float = 2.0**16,
-        *,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        min_scale: float | None = 1.0,
-        max_scale: float | None = 2.0**24,
-        hysteresis: int = 1,
-        dynamic: bool = True,
-        collapse_after: int = 50,
+        self, init_scale: float = 2.0**16, *, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+        growth_interval: int = 2000, min_scale: float | None = 1.0, max_scale: float | None = 2.0**24,
+        hysteresis: int = 1, dynamic: bool = True, collapse_after: int = 50,
     ) -> None:
         _require(init_scale > 0 and math.isfinite(init_scale), "init_scale", init_scale, "a finite number > 0")
         _require(growth_factor > 1, "growth_factor", growth_factor, "a number > 1")
@@ -55,20 +43,14 @@ class LossScaler:
         _require(collapse_after >= 1, "collapse_after", collapse_after, "an integer >= 1")
         if min_scale is not None and max_scale is not None:
             _require(min_scale <= max_scale, "min_scale", min_scale, f"<= max_scale ({max_scale})")
-        self.init_scale = float(init_scale)
-        self.growth_factor = float(growth_factor)
-        self.backoff_factor = float(backoff_factor)
-        self.growth_interval = int(growth_interval)
-        self.min_scale = min_scale
-        self.max_scale = max_scale
-        self.hysteresis = int(hysteresis)
-        self.dynamic = dynamic
-        self.collapse_after = int(collapse_after)
+        self.init_scale, self.growth_factor = float(init_scale), float(growth_factor)
+        self.backoff_factor, self.growth_interval = float(backoff_factor), int(growth_interval)
+        self.hysteresis, self.collapse_after = int(hysteresis), int(collapse_after)
+        self.min_scale, self.max_scale, self.dynamic = min_scale, max_scale, dynamic
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
         self._hysteresis_left: torch.Tensor | None = None
 
-    # --- device state -------------------------------------------------------------------------
     def to(self, device: torch.device) -> LossScaler:
         """Create (or move) the scale's device tensors on `device`."""
         if self._scale is None:
@@ -76,9 +58,8 @@ class LossScaler:
             self._growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
             self._hysteresis_left = torch.full((), self.hysteresis, dtype=torch.int32, device=device)
         else:
-            self._scale = self._scale.to(device)
-            self._growth_tracker = self._growth_tracker.to(device)
-            self._hysteresis_left = self._hysteresis_left.to(device)
+            self._scale, self._growth_tracker, self._hysteresis_left = (
+                t.to(device) for t in (self._scale, self._growth_tracker, self._hysteresis_left))
         return self
 
     @property
@@ -92,7 +73,6 @@ class LossScaler:
         """The current scale as a Python float. Outside the step path only: it waits for the device."""
         return self.scale_tensor.item()  # sync: an explicit read the caller asked for
 
-    # --- the step -----------------------------------------------------------------------------
     @property
     def floor(self) -> float:
         """The smallest scale this scaler reaches: `min_scale`, or the smallest normal fp32 without one."""
@@ -103,11 +83,8 @@ class LossScaler:
         return loss * self.scale_tensor.to(device=loss.device, non_blocking=True)
 
     def unscale_(self, grads: Iterable[torch.Tensor], found_inf: torch.Tensor) -> None:
-        """Divide `grads` by the scale in place and set `found_inf` to 1 if any is inf/NaN.
-
-        `found_inf` is a 0-dim fp32 tensor on the scale's device; it is only ever set, never
-        cleared, so one flag can collect several calls. Sparse gradients are not supported.
-        """
+        """Divide `grads` by the scale in place and set `found_inf` (a 0-dim fp32 tensor on the scale's
+        device) to 1 if any is inf/NaN; never cleared, so one flag can collect several calls. Not sparse."""
         inv_scale = self.scale_tensor.double().reciprocal().float()  # as GradScaler: exact for powers of 2
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         for g in grads:
@@ -125,9 +102,8 @@ class LossScaler:
         scale, tracker = self.scale_tensor, self._growth_tracker
         if self.hysteresis == 1:
             # torch's own kernel: one launch, and the trajectory is GradScaler's by construction.
-            torch._amp_update_scale_(
-                scale, tracker, found_inf, self.growth_factor, self.backoff_factor, self.growth_interval
-            )
+            torch._amp_update_scale_(scale, tracker, found_inf, self.growth_factor, self.backoff_factor,
+                                     self.growth_interval)
         else:
             self._update_with_hysteresis(found_inf)
         # Never 0 (a zero scale could never grow again, and unscaling by it makes NaN of every gradient).
@@ -148,20 +124,9 @@ class LossScaler:
         tracker.copy_(torch.where(grow, torch.zeros_like(counted), counted))
         left.copy_(torch.where(back_off | grow, torch.full_like(left, self.hysteresis), left_after))
 
-    # --- persistence --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Settings and device state as plain Python values (JSON-able). Reads the device: not per step."""
-        state: dict[str, Any] = {
-            "init_scale": self.init_scale,
-            "growth_factor": self.growth_factor,
-            "backoff_factor": self.backoff_factor,
-            "growth_interval": self.growth_interval,
-            "min_scale": self.min_scale,
-            "max_scale": self.max_scale,
-            "hysteresis": self.hysteresis,
-            "dynamic": self.dynamic,
-            "collapse_after": self.collapse_after,
-        }
+        state: dict[str, Any] = {key: getattr(self, key) for key in _SETTINGS}
         if self._scale is not None:
             state["scale"] = self._scale.item()  # sync: a checkpoint reads the state once, outside the step
             state["growth_tracker"] = int(self._growth_tracker.item())  # sync: as above
@@ -187,6 +152,8 @@ class LossScaler:
 
 
 _SMALLEST_NORMAL = 2.0**-126
+_SETTINGS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "min_scale", "max_scale",
+             "hysteresis", "dynamic", "collapse_after")
 
 
 def _require(ok: bool, name: str, value: object, expected: str) -> None:

@@ -1,11 +1,6 @@
-"""The wrapped LR scheduler: it advances once per *applied* optimizer step, without a sync.
-
-Whether a loss-scaled step was applied is decided on the device. Where that outcome has already
-reached the host (always on a CPU; on a GPU when the device is not far behind) the scheduler acts on
-it exactly. Where it has not, the scheduler advances optimistically — overflows are rare — and if
-the step later turns out to have been skipped, it owes one advance and skips its next one. The
-schedule therefore never drifts from the applied-step count; on a GPU it can run ahead by one step
-for the few steps between an overflow and the host learning of it.
+"""The wrapped LR scheduler: it advances once per *applied* optimizer step, without a sync. Where a step's
+outcome has not reached the host yet it advances optimistically and, if the step was skipped, skips its
+next advance: on a GPU it can run one step ahead between an overflow and the host learning of it.
 """
 
 from __future__ import annotations
@@ -19,9 +14,7 @@ class AmpScheduler:
     """The scheduler `Accelerator.prepare` returns; attribute access goes to the wrapped scheduler."""
 
     def __init__(self, scheduler: Any, optimizer: AmpOptimizer, per_step: bool) -> None:
-        self.scheduler = scheduler
-        self._optimizer = optimizer
-        self._per_step = per_step
+        self.scheduler, self._optimizer, self._per_step = scheduler, optimizer, per_step
         self._seen_attempts = 0
         self._optimistic: set[int] = set()  # step indices advanced for before their outcome landed
         self._owed = 0  # advances taken for steps that turned out skipped
@@ -62,9 +55,9 @@ class AmpScheduler:
 
     def check_state_dict(self, state: dict[str, Any]) -> list[str]:
         """Every reason `state` cannot be loaded here (empty: it fits). Changes nothing."""
-        amp = state.get("ampkit") if isinstance(state, dict) else None
         if not isinstance(state, dict):
             return ["it is not a scheduler state_dict"]
+        amp = state.get("ampkit")
         if amp is not None and amp.get("scheduler") != type(self.scheduler).__name__:
             return [f"it was saved from a {amp.get('scheduler')} scheduler, this one is a {type(self.scheduler).__name__}"]
         return []

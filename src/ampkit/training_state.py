@@ -19,8 +19,7 @@ class TrainingState:
         opts = self._acc.optimizers
         if opts:
             opts[0].reconcile(block=True)
-            return opts[0]
-        return None
+        return opts[0] if opts else None
 
     @property
     def applied_steps(self) -> int:
@@ -37,11 +36,10 @@ class TrainingState:
     @property
     def scale(self) -> float | None:
         """The current loss scale, or None for presets without loss scaling."""
-        scaler = self._acc.scaler
-        if scaler is None:
+        if self._acc.scaler is None:
             return None
         self._acc.cycle.flush_scale_update()
-        return scaler.get_scale()
+        return self._acc.scaler.get_scale()
 
     def __repr__(self) -> str:
         return f"TrainingState(applied_steps={self.applied_steps}, skipped_steps={self.skipped_steps}, scale={self.scale})"

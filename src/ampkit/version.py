@@ -11,8 +11,7 @@ import torch
 
 @functools.cache
 def ampkit_version() -> str:
-    """ampkit's version from the installed package's metadata, or "0+unknown" for a source tree that
-    was never installed (nothing then says which version it is)."""
+    """ampkit's version from the installed package's metadata ("0+unknown": a source tree never installed)."""
     try:
         return importlib.metadata.version("ampkit")
     except importlib.metadata.PackageNotFoundError:
@@ -21,9 +20,7 @@ def ampkit_version() -> str:
 
 def cudnn_version() -> str | None:
     """cuDNN's version as "9.1.0", or None where torch has no cuDNN."""
-    if not torch.backends.cudnn.is_available():
-        return None
-    v = torch.backends.cudnn.version()
+    v = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     if v is None:
         return None
     # cuDNN 9 encodes MAJOR*10000 + MINOR*100 + PATCH; cuDNN 8 and older MAJOR*1000 + MINOR*100 + PATCH.

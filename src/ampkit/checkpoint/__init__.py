@@ -1,10 +1,9 @@
 """Complete, atomic, safe training checkpoints: a crash never loses the last good state.
 
-A checkpoint is one digest-sealed file of tensors and plain data (`payload.py`: nothing in it can
-run code), written atomically; under strategy="fsdp" a folder of DCP shards plus that file
-(`sharded.py`). It holds everything that decides the next step (`state.py`); loading checks all of
-it against the current setup before changing anything, and restores bit for bit under the same
-preset or converts from the fp32 truth under another. Folders of checkpoints: `folder.py`.
+One digest-sealed file of tensors and plain data (`payload.py`), or under strategy="fsdp" a folder of
+DCP shards plus that file (`sharded.py`), holding everything that decides the next step (`state.py`):
+checked against the setup before anything changes, restored bit for bit under the same preset or
+converted from the fp32 truth under another. Folders of checkpoints: `folder.py`.
 """
 
 from __future__ import annotations
@@ -26,11 +25,11 @@ def save(acc: Accelerator, path: str | Path) -> Path:
     """Write a checkpoint of `acc`'s whole training state to `path`, atomically. Under torchrun every
     rank calls it (their random states are gathered); rank 0 writes; all return once it is durable."""
     path = Path(path)
-    if path.is_dir() and acc.strategy != "fsdp":
-        raise CheckpointError(f"cannot save a checkpoint to {path}: it is a folder (use acc.save_checkpoint(folder) for folders)")
     if acc.strategy == "fsdp":
-        path = sharded.save(acc, path.with_suffix("") if path.suffix == ".pt" else path, dict(state.collect(acc, weights=False), sharded=True),
-                            payload.write)
+        path = path.with_suffix("") if path.suffix == ".pt" else path
+        path = sharded.save(acc, path, dict(state.collect(acc, weights=False), sharded=True), payload.write)
+    elif path.is_dir():
+        raise CheckpointError(f"cannot save a checkpoint to {path}: it is a folder (use acc.save_checkpoint(folder) for folders)")
     else:
         data = state.collect(acc)
         if acc.is_main:
@@ -43,13 +42,10 @@ def read(path: str | Path) -> dict:
     """Load and verify the checkpoint at `path`: a file, or the folder of a sharded checkpoint
     (whose shards are read later, without running code, by `sharded.loader`)."""
     path = Path(path)
-    if path.is_dir():
-        data = payload.read(path / sharded.META)
-        if not data.get("sharded"):
-            raise CheckpointError(f"checkpoint {path} holds a {sharded.META} that is not a sharded checkpoint's")
-        return data
-    data = payload.read(path)
-    if data.get("sharded"):
+    data = payload.read(path / sharded.META if path.is_dir() else path)
+    if path.is_dir() and not data.get("sharded"):
+        raise CheckpointError(f"checkpoint {path} holds a {sharded.META} that is not a sharded checkpoint's")
+    if not path.is_dir() and data.get("sharded"):
         raise CheckpointError(f"checkpoint {path} is the metadata of a sharded checkpoint: load its folder")
     return data
 
@@ -59,8 +55,7 @@ def load(acc: Accelerator, path: str | Path) -> None:
     `CheckpointError`, and nothing changed, if it does not fit."""
     path = Path(path)
     data = read(path)
-    shards = sharded.loader(acc, path) if data.get("sharded") else None
-    state.apply(acc, data, path, load_shards=shards)
+    state.apply(acc, data, path, load_shards=sharded.loader(acc, path) if data.get("sharded") else None)
 
 
 def save_checkpoint(acc: Accelerator, directory: str | Path, keep: int = 3) -> Path:

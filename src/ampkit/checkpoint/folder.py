@@ -1,9 +1,6 @@
 """A folder of checkpoints: save every N steps, keep the newest few, resume from the newest good one.
-
-Its manifest (`ampkit-checkpoints.json`) names the run writing there and its checkpoints, oldest
-first. ampkit deletes only what the manifest says it wrote and its own dead writers' temporary
-files, never a user's file; a fresh run refuses another run's folder, and resume never falls back
-from one run's checkpoint to another's.
+Its manifest (`ampkit-checkpoints.json`) names the writing run and its checkpoints, oldest first; ampkit
+deletes only what it says ampkit wrote (and dead writers' temporary files), and never mixes two runs.
 """
 
 from __future__ import annotations
@@ -43,26 +40,21 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
                               f"move the folder's checkpoints elsewhere or delete the damaged manifest") from None
 
 
-def _legacy(folder: Path) -> list[Path]:
-    """The one checkpoint resume may try in a folder without a manifest (nothing says which files are one
-    run's: no fallback): `latest`'s, else the newest."""
+def candidates(folder: Path) -> list[Path]:
+    """The checkpoints resume may load, newest first. Without a manifest nothing says which files are one
+    run's, so there is no fallback: `latest`'s checkpoint, else the newest."""
+    manifest = read_manifest(folder)
+    if manifest is not None:
+        return [folder / name for name in reversed(manifest["checkpoints"]) if _NAME.match(name)]
     found = sorted((p for p in folder.iterdir() if _NAME.match(p.name)), key=lambda p: p.name, reverse=True)
     try:
         named = folder / (folder / LATEST).read_text(encoding="utf-8").strip()
     except UnicodeDecodeError:
-        warnings.warn(f"{folder / LATEST} is not text; ignoring it and taking the newest checkpoint", stacklevel=4)
+        warnings.warn(f"{folder / LATEST} is not text; ignoring it and taking the newest checkpoint", stacklevel=3)
         return found[:1]
     except OSError:
         return found[:1]
     return [named] if named in found else found[:1]
-
-
-def candidates(folder: Path) -> list[Path]:
-    """The checkpoints resume may load, newest first."""
-    manifest = read_manifest(folder)
-    if manifest is None:
-        return _legacy(folder)
-    return [folder / name for name in reversed(manifest["checkpoints"]) if _NAME.match(name)]
 
 
 def save_checkpoint(acc: Accelerator, folder: Path, keep: int, save: Any) -> Path:
@@ -79,9 +71,9 @@ def save_checkpoint(acc: Accelerator, folder: Path, keep: int, save: Any) -> Pat
     if manifest["run_id"] != acc.run_id:
         newest = manifest["checkpoints"][-1] if manifest["checkpoints"] else "none left"
         raise CheckpointError(
-            f"{folder} holds the checkpoints of another run (newest: {newest}); this run did not resume from it. "
-            f"Call acc.resume({str(folder)!r}) before training to continue that run, or save into another folder"
-        )
+            f"{folder} holds the checkpoints of another run (newest: {newest}); this run did not resume from "
+            f"it. Call acc.resume({str(folder)!r}) before training to continue that run, or save into "
+            f"another folder")
     name = f"step-{acc.state.applied_steps:08d}{'' if acc.strategy == 'fsdp' else '.pt'}"
     path = folder / name
     if path.exists() and name not in manifest["checkpoints"] and not _this_runs(path, acc.run_id):
@@ -151,11 +143,10 @@ def resume(acc: Accelerator, folder: Path, load: Any) -> Path | None:
             continue
         try:
             load(acc, path)
+            return path
         except CheckpointError as exc:
             tried.append(f"{path.name}: {exc}")
             warnings.warn(f"skipping {exc}; trying the previous checkpoint", stacklevel=3)
-            continue
-        return path
     if tried:
         raise CheckpointError(f"no checkpoint in {folder} could be loaded (nothing was changed): " + " | ".join(tried))
     return None

@@ -1,9 +1,7 @@
-"""Sharded checkpoints (strategy="fsdp"): a folder written by torch.distributed.checkpoint (DCP).
-
-Every rank writes its shards into a temporary folder; rank 0 adds the rest of the state (`ampkit.pt`)
-and renames the folder into place once all are durable. Reading runs no code: DCP's `.metadata`
-pickle goes through an unpickler that admits only DCP's records, the shards' non-tensor entries
-through `torch.load(weights_only=True)`.
+"""Sharded checkpoints (strategy="fsdp"): a folder written by torch.distributed.checkpoint (DCP), renamed
+into place once every rank's shards and rank 0's `ampkit.pt` are durable. Reading runs no code: DCP's
+`.metadata` pickle goes through an unpickler admitting only DCP's records, other entries through
+`torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
@@ -31,12 +29,9 @@ OWN_FILES = (META, DCP_META)
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata",)
 _ALLOWED = {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),
-    ("torch", "Size"),
-    ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
-}
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
+    ("torch", "Size"), ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -60,8 +55,9 @@ def read_metadata(path: Path) -> Any:
                               f"metadata (it could run code): {exc}") from None
 
 
-def _reader(path: Path) -> Any:
-    from torch.distributed.checkpoint import FileSystemReader
+def _reader_and_planner(path: Path) -> tuple[Any, Any]:
+    """DCP's file reader and load planner, made to read without running code."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeReader(FileSystemReader):
@@ -71,12 +67,6 @@ def _reader(path: Path) -> Any:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
-
-    return SafeReader(str(path))
-
-
-def _planner() -> Any:
-    from torch.distributed.checkpoint import DefaultLoadPlanner
 
     class SafePlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: Any) -> None:
@@ -89,7 +79,7 @@ def _planner() -> Any:
             else:
                 self.state_dict[read_item.dest_index.fqn] = loaded
 
-    return SafePlanner()
+    return SafeReader(str(path)), SafePlanner()
 
 
 def save(acc: Accelerator, path: Path, payload: dict[str, Any], write_meta: Any) -> Path:
@@ -133,8 +123,9 @@ def loader(acc: Accelerator, path: Path) -> Any:
 
         model, optimizers = acc.models[0], [o.optimizer for o in acc.optimizers]
         model_sd, optim_sd = get_state_dict(model, optimizers)
+        reader, planner = _reader_and_planner(path)
         try:
-            dcp.load({"model": model_sd, "optim": optim_sd}, storage_reader=_reader(path), planner=_planner())
+            dcp.load({"model": model_sd, "optim": optim_sd}, storage_reader=reader, planner=planner)
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise

@@ -1,9 +1,6 @@
-"""What a checkpoint holds, gathered from the objects that own it, and put back only if all of it fits.
-
-Each prepared object owns its `state_dict()` (ARCHITECTURE.md's state contract); this module
-gathers them, adds the models, the random generators and the per-parameter fp32 values (so a
-checkpoint converts between presets), checks a loaded checkpoint *before changing anything*, then
-loads it.
+"""What a checkpoint holds, gathered from the objects that own it, and put back only if all of it fits:
+their `state_dict()`s plus the models, the random generators and the per-parameter fp32 values (so a
+checkpoint converts between presets); a loaded one is checked *before anything changes*.
 """
 
 from __future__ import annotations
@@ -11,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,16 +30,17 @@ def _cpu(obj: Any) -> Any:
     return tree_map_only(torch.Tensor, lambda t: t.detach().to("cpu", copy=True), obj)
 
 
-# --- random number generators -------------------------------------------------------------------
+def _without_weights(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state whose "ampkit" entry leaves out the weight store (not saved, or not applicable)."""
+    return dict(state, ampkit=dict(state["ampkit"], weights=None))
+
+
 def rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
-    return {
-        "python": _lists(random.getstate()),
-        "numpy": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].copy()), "pos": int(np_state[2]),
-                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
+    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()[:5]
+    numpy = {"name": name, "keys": torch.from_numpy(keys.copy()), "pos": int(pos),
+             "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
+    return {"python": _lists(random.getstate()), "numpy": numpy, "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -62,33 +61,31 @@ def _tuples(o: Any) -> Any:
     return tuple(_tuples(v) for v in o) if isinstance(o, list) else o
 
 
-# --- gathering ----------------------------------------------------------------------------------
 def _names(acc: Accelerator) -> dict[int, str]:
     """id(parameter) -> "<model index>/<parameter name>", to key per-parameter values by name."""
     return {id(p): f"{i}/{n}" for i, m in enumerate(acc.models) for n, p in m.named_parameters()}
 
 
-def _non_finite(models: list[dict[str, Any]], truth: dict[str, torch.Tensor]) -> list[str]:
-    bad = [f"{i}/{k}" for i, sd in enumerate(models) for k, v in sd.items()
-           if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())]  # sync: per save/load
-    bad += [k for k, v in truth.items() if not bool(torch.isfinite(v).all())]  # sync: per save/load
-    return sorted(set(bad))
+def _non_finite(named: Iterable[tuple[str, Any]]) -> set[str]:
+    """The names of the floating-point tensors among `named` that hold NaN or inf."""
+    return {n for n, t in named if isinstance(t, torch.Tensor) and t.is_floating_point()
+            and not bool(torch.isfinite(t).all())}  # sync: once per save or load, outside the step
+
+
+def _first(names: list[str]) -> str:
+    return f"{', '.join(names[:10])}{' ...' if len(names) > 10 else ''}"
 
 
 def _check_finite(acc: Accelerator) -> None:
-    bad = []
-    for i, model in enumerate(acc.models):
-        for name, p in model.named_parameters():
-            shard = local_tensor(p.detach())
-            if shard.is_floating_point() and not bool(torch.isfinite(shard).all()):  # sync: once per save, outside the step
-                bad.append(f"model {i}: {name}" if len(acc.models) > 1 else name)
-    bad = sorted({name for names in gather_objects(bad) for name in names})  # every rank refuses together
+    several = len(acc.models) > 1
+    bad = _non_finite((f"model {i}: {n}" if several else n, local_tensor(p.detach()))
+                      for i, model in enumerate(acc.models) for n, p in model.named_parameters())
+    bad = sorted({name for names in gather_objects(sorted(bad)) for name in names})  # all refuse together
     if bad:
         raise CheckpointError(
-            f"refusing to save non-finite weights: {', '.join(bad[:10])}{' ...' if len(bad) > 10 else ''} "
-            f"contain NaN or inf; the previous checkpoint is kept. The run has diverged: resume from the last good checkpoint "
-            f"with a lower learning rate, or find the layer with `ampkit doctor --numerics`"
-        )
+            f"refusing to save non-finite weights: {_first(bad)} contain NaN or inf; the previous checkpoint "
+            f"is kept. The run has diverged: resume from the last good checkpoint with a lower learning "
+            f"rate, or find the layer with `ampkit doctor --numerics`")
 
 
 def collect(acc: Accelerator, weights: bool = True) -> dict[str, Any]:
@@ -98,18 +95,16 @@ def collect(acc: Accelerator, weights: bool = True) -> dict[str, Any]:
     if any(o.stage is Stage.UNSCALED for o in acc.optimizers):
         raise CheckpointError(
             "cannot save between acc.clip_grad_norm_() and optimizer.step(): the gradients are half-way through "
-            "the update; save after optimizer.step()"
-        )
+            "the update; save after optimizer.step()")
     pending = any(o.stage is Stage.BACKWARD for o in acc.optimizers)  # mid-accumulation: keep the gradients
     names = _names(acc)
     optimizers = [o.state_dict() for o in acc.optimizers]
     if not weights:  # keep ampkit's own entry only: the optimizer state itself is in the shards
-        optimizers = [{"ampkit": dict(sd["ampkit"], weights=None)} for sd in optimizers]
+        optimizers = [{"ampkit": _without_weights(sd)["ampkit"]} for sd in optimizers]
     meta = {"ampkit_version": ampkit_version(), "torch_version": torch.__version__, "precision": acc.policy.as_dict(),
             "world_size": acc.world_size}
     return {
-        "meta": json.dumps(meta, sort_keys=True),
-        "accelerator": acc.state_dict(),
+        "meta": json.dumps(meta, sort_keys=True), "accelerator": acc.state_dict(),
         "models": [_cpu(m.state_dict()) for m in acc.models] if weights else [],
         "optimizers": _cpu(optimizers),
         "fp32_weights": _cpu({names[id(p)]: v for o in acc.optimizers for p, v in o.fp32_values() if id(p) in names})
@@ -121,22 +116,18 @@ def collect(acc: Accelerator, weights: bool = True) -> dict[str, Any]:
     }
 
 
-# --- checking, then loading ----------------------------------------------------------------------
 def _model_problems(acc: Accelerator, saved_models: list[dict[str, Any]]) -> list[str]:
     problems = []
     for i, (model, saved) in enumerate(zip(acc.models, saved_models)):
         mine = model.state_dict()
         prefix = f"model {i}: " if len(acc.models) > 1 else ""
-        missing = [k for k in mine if k not in saved]
-        unexpected = [k for k in saved if k not in mine]
         shapes = [f"{k} {tuple(saved[k].shape)} in the checkpoint vs {tuple(v.shape)} in the model"
                   for k, v in mine.items() if k in saved and isinstance(v, torch.Tensor) and tuple(saved[k].shape) != tuple(v.shape)]
-        if missing:
-            problems.append(f"{prefix}missing keys: {', '.join(missing)}")
-        if unexpected:
-            problems.append(f"{prefix}unexpected keys: {', '.join(unexpected)}")
-        if shapes:
-            problems.append(f"{prefix}shape mismatches: {'; '.join(shapes)}")
+        for what, items, sep in (("missing keys", [k for k in mine if k not in saved], ", "),
+                                 ("unexpected keys", [k for k in saved if k not in mine], ", "),
+                                 ("shape mismatches", shapes, "; ")):
+            if items:
+                problems.append(f"{prefix}{what}: {sep.join(items)}")
     return problems
 
 
@@ -156,18 +147,15 @@ def validate(acc: Accelerator, payload: dict[str, Any], path: Path, sharded: boo
         if have != saved and not (sharded and what == "models"):
             problems.append(f"it holds {saved} {what} but this Accelerator prepared {have}")
     exact = same_preset(acc, payload)
-    for i, (opt, state) in enumerate(zip(acc.optimizers, payload["optimizers"])):
-        if not exact:  # converted from the fp32 truth: the saved preset's weight state does not apply
-            state = dict(state, ampkit=dict(state["ampkit"], weights=None))
-        if sharded:
-            continue
+    for i, (opt, state) in enumerate(zip(acc.optimizers, [] if sharded else payload["optimizers"])):
+        state = state if exact else _without_weights(state)  # converted from the fp32 truth instead
         problems += [f"optimizer {i}: {p}" for p in opt.check_state_dict(state)]
     for i, (sched, state) in enumerate(zip(acc.schedulers, payload["schedulers"])):
         problems += [f"scheduler {i}: {p}" for p in sched.check_state_dict(state)]
     problems += acc.check_state_dict(payload["accelerator"])
-    bad = _non_finite(payload["models"], payload["fp32_weights"])
-    if bad:
-        problems.append(f"non-finite weights (NaN or inf): {', '.join(bad[:10])}{' ...' if len(bad) > 10 else ''}")
+    bad = _non_finite((f"{i}/{k}", v) for i, sd in enumerate(payload["models"]) for k, v in sd.items())
+    if bad := sorted(bad | _non_finite(payload["fp32_weights"].items())):
+        problems.append(f"non-finite weights (NaN or inf): {_first(bad)}")
     if problems:
         raise CheckpointError(f"checkpoint {path} does not fit this model — " + " | ".join(problems)
                               + " (nothing was loaded: every object is as it was)")
@@ -187,9 +175,7 @@ def apply(acc: Accelerator, payload: dict[str, Any], path: Path, load_shards: An
     for opt, state in zip(acc.optimizers, payload["optimizers"]):
         if load_shards is not None:  # the optimizer state itself came from the shards
             state = dict(opt.optimizer.state_dict(), ampkit=state["ampkit"])
-        if not exact:
-            state = dict(state, ampkit=dict(state["ampkit"], weights=None))
-        opt.load_state_dict(state)
+        opt.load_state_dict(state if exact else _without_weights(state))
     saved_grads = payload["grads"] or [[None] * len(list(m.parameters())) for m in acc.models]
     for model, grads in zip(acc.models, saved_grads):
         for p, g in zip(model.parameters(), grads):
@@ -202,8 +188,7 @@ def apply(acc: Accelerator, payload: dict[str, Any], path: Path, load_shards: An
         warnings.warn(
             f"checkpoint {path} was saved by {len(ranks)} rank(s) and is resumed by {acc.world_size}: weights, optimizer "
             f"and schedule continue exactly, but the data order and random streams of the new ranks differ",
-            stacklevel=4,
-        )
+            stacklevel=4)
     mine = ranks[acc.rank % len(ranks)]
     for loader, state in zip(acc.loaders, mine["loaders"]):
         loader.load_state_dict(state)
