@@ -26,7 +26,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _timing import machine, proc_status, reset_peak_rss, write_section  # noqa: E402
+from _timing import machine, write_section  # noqa: E402
+
+from ampkit.compare.memory import proc_status, reset_peak_rss  # noqa: E402  # the /proc readings ampkit compare uses
 
 PRESETS = ("fp32", "bf16-mixed", "bf16-master", "bf16-true")
 VOCAB, WIDTH, LAYERS, BATCH = 4096, 2048, 8, 512
