@@ -135,13 +135,14 @@ class Chunk:
         shapes = [params[i].shape if whole else (e - s,) for (i, s, e), whole in zip(pieces, self.whole)]
         self.work = _views(plan.work, pieces, shapes)
         self.grad = _views(plan.grad, pieces, shapes)
-        # (workspace, flat buffer) views of the runs of pieces lying end to end in `low` and in each state store
-        self.comp_runs = [(plan.work[at:at + n], plan.low[flat:flat + n]) for at, flat, n in runs(pieces, plan.offsets)]
+        # Views of the runs of pieces lying end to end in `low` (workspace, `low`'s dtype in the gradients' area, `low`)
+        # and in each state store (workspace, store); each piece in `low`'s dtype in the gradients' area.
+        scratch = plan.grad.view(plan.low.dtype)
+        self.comp_runs = [(plan.work[at:at + n], scratch[at:at + n], plan.low[flat:flat + n]) for at, flat, n in runs(pieces, plan.offsets)]
         self.state_runs = [(plan.state[key][at:at + n], store.buffer[flat:flat + n])
                            for key, store in plan.stores.items() for at, flat, n in runs(pieces, store.offsets)]
-        # each piece's view of `low`, and (the optimizer's state entry, key, workspace view, the store's view at rest)
-        self.low = [plan.low[plan.offsets[i] + s:plan.offsets[i] + e].view(shape) for (i, s, e), shape in zip(pieces, shapes)
-                    if i in plan.offsets]
+        self.low = _views(scratch, pieces, shapes) if plan.offsets else []
+        # (the optimizer's state entry, key, workspace view, the store's view at rest)
         self.swaps = [(plan.entries[plan.shadows[i]], key, view, store.by_index[i]) for key, store in plan.stores.items()
                       for (i, _, _), view in zip(pieces, _views(plan.state[key], pieces, shapes)) if i in store.by_index]
         self.resume = [i for i, s, _ in pieces if s > 0]  # tensors whose earlier pieces came in earlier chunks

@@ -266,7 +266,7 @@ class CompensatedWeights(ExactState):
             entry = state[self._shadows[i]]
             entry.update({k: entry[k].copy_(v) if isinstance(v, torch.Tensor) else v for k, v in scalars[i].items()})
         torch._foreach_copy_(chunk.work, chunk.targets)
-        for work, comp in chunk.comp_runs:
+        for work, _, comp in chunk.comp_runs:
             work.add_(comp)
         if self._grads_in:
             grads = [self._grad.views[i] if whole else self._grad.buffer[self._comp.offsets[i] + s:self._comp.offsets[i] + e]
@@ -291,13 +291,13 @@ class CompensatedWeights(ExactState):
             entry[key] = rest
         for work, store in chunk.state_runs:
             store.copy_(work)
-        # Round into the weights (through the compensation's storage, read at load: one flat rounding), and
-        # keep what rounding lost (computed in fp32, stored in bf16).
-        for work, comp in chunk.comp_runs:
-            comp.copy_(work)
+        # Round into the weights (one flat rounding into the gradients' area, free now), and keep what
+        # rounding lost (computed in fp32, stored in bf16).
+        for work, rounded, _ in chunk.comp_runs:
+            rounded.copy_(work)
         torch._foreach_copy_(chunk.targets, chunk.low)
-        for work, comp in chunk.comp_runs:
-            comp.copy_(work.sub_(comp))
+        for work, rounded, comp in chunk.comp_runs:
+            comp.copy_(work.sub_(rounded))
         if not plan.split:  # state the optimizer just created: into bf16 now, not after the last chunk
             for i, _, _ in chunk.pieces:
                 entry = self.optimizer.state[self._shadows[i]]
