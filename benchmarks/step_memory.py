@@ -11,6 +11,17 @@ one more step (backward, optimizer step, zero_grad) runs. The figure is that ste
 memory minus the memory before the model. Beside it, the bytes per parameter held at rest: weights,
 optimizer state and ampkit's own buffers (fp32 masters, Kahan buffers) after zero_grad, and the
 same with the gradients a backward leaves.
+
+    PYTHONPATH=src python benchmarks/step_memory.py --traffic       # bytes the update moves, per parameter
+
+`--traffic` counts, for one steady-state `optimizer.step()` per preset (AdamW as torch picks it on
+the CPU, a 4 x Linear(1024, 1024) model: several chunks of ampkit's update), the bytes each aten op
+reads and writes (its tensor inputs and outputs; views move nothing; `copy_` does not read what it
+overwrites), per model parameter, split into memory that lives between steps (weights, gradients,
+optimizer state, Kahan buffers: what the step must stream from and to RAM) and the rest (ampkit's
+chunk-sized workspace, the optimizer's temporaries). Op counts are per step. The figures follow
+from the code path alone, so they hold on any CPU (the CPU kernels' own casting temporaries inside
+an op with mixed dtypes are not seen).
 """
 
 from __future__ import annotations
@@ -26,7 +37,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _timing import machine, proc_status, reset_peak_rss, write_section  # noqa: E402
+from _timing import machine, write_section  # noqa: E402
+
+from ampkit.compare.memory import proc_status, reset_peak_rss  # noqa: E402  # the /proc readings ampkit compare uses
 
 PRESETS = ("fp32", "bf16-mixed", "bf16-master", "bf16-true")
 VOCAB, WIDTH, LAYERS, BATCH = 4096, 2048, 8, 512
@@ -74,14 +87,89 @@ def child(preset: str) -> dict[str, float]:
             "rest_grads_bpp": (weights + state + store + grads) / n}
 
 
+def traffic(preset: str, layers: int = 4, width: int = 1024) -> dict[str, float]:
+    """Bytes read + written per parameter by one steady-state optimizer step (see the module docstring)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import ampkit
+
+    def nbytes(value: object) -> int:
+        items = value if isinstance(value, (list, tuple)) else [value]
+        return sum(t.numel() * t.element_size() for t in items if isinstance(t, torch.Tensor))
+
+    class Count(TorchDispatchMode):
+        def __init__(self, persistent: set[int]) -> None:
+            super().__init__()
+            self.persistent = persistent  # storages that live between steps
+            self.by_dtype: dict[str, int] = {}
+            self.by_op: dict[str, int] = {}
+            self.ops = 0
+
+        def add(self, value: object, op: str) -> None:
+            for t in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(t, torch.Tensor):
+                    key = "persistent" if t.untyped_storage().data_ptr() in self.persistent else "workspace"
+                    self.by_dtype[key] = self.by_dtype.get(key, 0) + nbytes(t)
+                    self.by_op[op] = self.by_op.get(op, 0) + nbytes(t)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            schema = func._schema
+            if any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
+                return out  # a view: no data moves
+            self.ops += 1
+            name = func.overloadpacket.__name__
+            given = dict(zip((a.name for a in schema.arguments), args)) | kwargs
+            for arg in schema.arguments:
+                value = given.get(arg.name)
+                written = arg.alias_info is not None and arg.alias_info.is_write
+                if not (written and name in ("copy_", "_foreach_copy_", "copy")):
+                    self.add(value, name)  # read
+                if written:
+                    self.add(value, name)  # written in place
+            if all(r.alias_info is None for r in schema.returns):
+                self.add(out, name)  # a new output
+            return out
+
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+    acc = ampkit.Accelerator(preset, device="cpu")
+    net, opt = acc.prepare(net, opt)
+    x = torch.randn(8, width)
+    for step in range(3):
+        acc.backward(net(x).square().mean())
+        if step < 2:
+            opt.step()
+        else:
+            held = [*net.parameters(), *(p.grad for p in net.parameters()), *(v for st in opt.state.values() for v in st.values()),
+                    *(opt.weights.exact_state() if opt.weights is not None else [])]
+            with Count({t.untyped_storage().data_ptr() for t in held if isinstance(t, torch.Tensor)}) as count:
+                opt.step()
+        opt.zero_grad()
+    n = sum(p.numel() for p in net.parameters())
+    return {"params": n, "ops": count.ops, "bpp": sum(count.by_dtype.values()) / n,
+            **{f"bpp_{k}": v / n for k, v in sorted(count.by_dtype.items())},
+            "top": ", ".join(f"{k} {v / n:.1f}" for k, v in sorted(count.by_op.items(), key=lambda kv: -kv[1])[:6])}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--presets", default=",".join(PRESETS))
     parser.add_argument("--repeat", type=int, default=3, help="processes per preset (the table shows the median and range)")
     parser.add_argument("--write", action="store_true", help="write the table into benchmarks/RESULTS.md")
     parser.add_argument("--note", default="", help="a line written under the table (e.g. the load average)")
+    parser.add_argument("--traffic", action="store_true", help="print the bytes one optimizer step moves per parameter")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.traffic:
+        print(f"bytes read + written per parameter by one AdamW step ({machine()}):")
+        for preset in args.presets.split(","):
+            r = traffic(preset)
+            split = ", ".join(f"{k[4:]} {r.get(k, 0):.1f}" for k in ("bpp_persistent", "bpp_workspace"))
+            print(f"- {preset}: {r['bpp']:.1f} B/param ({split}); {r['ops']} aten ops; largest: {r['top']}")
+        return
     if args.child:
         print(json.dumps(child(args.child)))
         return

@@ -95,3 +95,51 @@ def test_master_initial_weights_are_the_exact_fp32_values():
     masters = opt.param_groups[0]["params"]
     assert masters[0].dtype == torch.float32 and torch.equal(masters[0], original)
     assert not torch.equal(model.weight.float(), original)
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
+def test_bf16_true_adamw_step_streams_18_bytes_per_parameter_of_memory_kept_between_steps(foreach):
+    """The update reads the bf16 weight, Kahan buffer, gradient and both moments once and writes
+    weight, Kahan buffer and moments once (18 B/param): everything else happens in the chunk's
+    workspace. Counted op by op (inputs and outputs; views move nothing; copy_ does not read its target)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Traffic(TorchDispatchMode):
+        def __init__(self, kept: set[int]) -> None:
+            super().__init__()
+            self.kept, self.nbytes = kept, 0
+
+        def count(self, value) -> None:
+            for t in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.kept:
+                    self.nbytes += t.numel() * t.element_size()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            schema = func._schema
+            if any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
+                return out  # a view
+            for arg, value in zip(schema.arguments, args):
+                written = arg.alias_info is not None and arg.alias_info.is_write
+                if not (written and func.overloadpacket.__name__ in ("copy_", "_foreach_copy_")):
+                    self.count(value)
+                if written:
+                    self.count(value)
+            if all(r.alias_info is None for r in schema.returns):
+                self.count(out)
+            return out
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
+    acc = ampkit.Accelerator(precision="bf16-true", device="cpu")
+    model, opt = acc.prepare(model, opt)
+    opt.weights.chunk = 1000  # several chunks, tensors cut in pieces
+    for step in range(3):
+        acc.backward(model(torch.randn(8, 64)).square().mean())
+        kept = [*model.parameters(), *(p.grad for p in model.parameters()), *opt.weights.compensation,
+                *(v for st in opt.state.values() for k, v in st.items() if k != "step")]
+        with Traffic({t.untyped_storage().data_ptr() for t in kept}) as traffic:
+            opt.step()
+        opt.zero_grad()
+    assert traffic.nbytes / sum(p.numel() for p in model.parameters()) == 18

@@ -48,7 +48,7 @@ class FlatBuffer:
             self.buffer.untyped_storage().resize_(self._nbytes)
 
     def free(self) -> None:
-        if not self.releasable or not self.views:
+        if not self.releasable or not self.views or not self.buffer.untyped_storage().nbytes():
             return
         if _storage_users is None or self._count_holders() != self._holders:
             self.buffer, self.views = EMPTY_FP32, []  # held outside (or cannot tell): theirs now
@@ -128,17 +128,23 @@ class Chunk:
         self.pieces = pieces
         params = plan.params
         self.whole = [s == 0 and e == params[i].numel() for i, s, e in pieces]
+        self.owners = [params[i] for i, _, _ in pieces]
+        self.shadows = [plan.shadows[i] for i, _, _ in pieces]
         # the tensors' pieces (a whole tensor is itself; a piece of one is a view of its storage)
         self.targets = [params[i] if whole else params[i].detach().view(-1)[s:e] for (i, s, e), whole in zip(pieces, self.whole)]
         shapes = [params[i].shape if whole else (e - s,) for (i, s, e), whole in zip(pieces, self.whole)]
         self.work = _views(plan.work, pieces, shapes)
         self.grad = _views(plan.grad, pieces, shapes)
-        self.comp_runs = runs(pieces, plan.offsets)
-        self.state = {}  # state key -> (workspace views, runs in its store, the store's views at rest), per piece
-        for key, store in plan.stores.items():
-            at_rest = store.by_index
-            self.state[key] = ([view if p[0] in at_rest else None for p, view in zip(pieces, _views(plan.state[key], pieces, shapes))],
-                               runs(pieces, store.offsets), [at_rest.get(i) for i, _, _ in pieces])
+        # Views of the runs of pieces lying end to end in `low` (workspace, `low`'s dtype in the gradients' area, `low`)
+        # and in each state store (workspace, store); each piece in `low`'s dtype in the gradients' area.
+        scratch = plan.grad.view(plan.low.dtype)
+        self.comp_runs = [(plan.work[at:at + n], scratch[at:at + n], plan.low[flat:flat + n]) for at, flat, n in runs(pieces, plan.offsets)]
+        self.state_runs = [(plan.state[key][at:at + n], store.buffer[flat:flat + n])
+                           for key, store in plan.stores.items() for at, flat, n in runs(pieces, store.offsets)]
+        self.low = _views(scratch, pieces, shapes) if plan.offsets else []
+        # (the optimizer's state entry, key, workspace view, the store's view at rest)
+        self.swaps = [(plan.entries[plan.shadows[i]], key, view, store.by_index[i]) for key, store in plan.stores.items()
+                      for (i, _, _), view in zip(pieces, _views(plan.state[key], pieces, shapes)) if i in store.by_index]
         self.resume = [i for i, s, _ in pieces if s > 0]  # tensors whose earlier pieces came in earlier chunks
         mine = {id(plan.shadows[i]) for i, _, _ in pieces}
         shadows = {id(s) for s in plan.shadows}
@@ -148,20 +154,22 @@ class Chunk:
 class ChunkPlan:
     """Tensors with stand-ins an optimizer steps, cut into chunks (`cut_chunks`, pieces of a tensor
     if `split`), and one workspace for all chunks: per element, fp32 for the tensor, its gradient
-    and each state key (or only the gradient). `offsets`: each tensor's start in a flat buffer of
-    all of them; `stores`: per state key, the flat buffer of the tensors that have it. Each chunk
-    narrows the optimizer's parameter `groups` to its stand-ins (the last also keeps the others)."""
+    and each state key (or, without `low`, only the gradient). `low`: a flat buffer of all the
+    tensors (the compensation); `stores`: per state key, the flat buffer of the tensors that have
+    it, in the optimizer's state `entries`. Each chunk narrows the optimizer's parameter `groups` to
+    its stand-ins (the last also keeps the others)."""
 
     def __init__(self, params: list[torch.Tensor], shadows: list[torch.Tensor], groups: list[dict[str, Any]],
-                 kept: list[int], capacity: int, split: bool, offsets: dict[int, int], stores: dict[str, FlatBuffer],
-                 grads_only: bool = False) -> None:
-        self.kept, self.capacity, self.split, self.offsets, self.stores = kept, capacity, split, offsets, stores
-        self.params, self.shadows, self.groups = params, shadows, groups
+                 kept: list[int], capacity: int, split: bool, low: FlatBuffer | None = None,
+                 stores: dict[str, FlatBuffer] | None = None, entries: Any = None) -> None:
+        self.kept, self.capacity, self.split, self.stores = kept, capacity, split, stores or {}
+        self.offsets, self.low = (low.offsets, low.buffer) if low is not None else ({}, EMPTY_FP32)
+        self.params, self.shadows, self.groups, self.entries = params, shadows, groups, entries
         pieces = cut_chunks([p.numel() for p in params], kept, [split and p.is_contiguous() for p in params], capacity)
         size = max(sum(e - s for _, s, e in chunk) for chunk in pieces)
-        work = torch.empty((1 if grads_only else 2 + len(stores)) * size, dtype=torch.float32, device=params[0].device)
-        self.work, self.grad = work[:size], work if grads_only else work[size:2 * size]
-        self.state = {key: work[(2 + k) * size:(3 + k) * size] for k, key in enumerate(stores)}
+        work = torch.empty((1 if low is None else 2 + len(self.stores)) * size, dtype=torch.float32, device=params[0].device)
+        self.work, self.grad = work[:size], work if low is None else work[size:2 * size]
+        self.state = {key: work[(2 + k) * size:(3 + k) * size] for k, key in enumerate(self.stores)}
         self.nbytes = work.nbytes
         self.chunks = [Chunk(self, chunk, n == len(pieces) - 1) for n, chunk in enumerate(pieces)]
         self.cut = sorted({i for chunk in self.chunks for i in chunk.resume})  # tensors cut into pieces

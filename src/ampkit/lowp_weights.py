@@ -106,12 +106,13 @@ class MasterWeights(ExactState):
             return step_fn()
         state, split = self.optimizer.state, all(self._stepped[i] for i in kept)  # first steps: whole tensors
         if self._plan is None or (self._plan.kept, self._plan.split) != (kept, split):
-            self._plan = ChunkPlan(self._params, self._masters, self.optimizer.param_groups, kept, self.chunk, split, {}, {}, True)
+            self._plan = ChunkPlan(self._params, self._masters, self.optimizer.param_groups, kept, self.chunk, split)
         full = {i: (self._masters[i].data, dict(state[self._masters[i]])) for i in self._plan.cut}
         scalars = {i: {k: v.clone() for k, v in entries.items() if isinstance(v, torch.Tensor) and not _per_element(k, v, data)}
                    for i, (data, entries) in full.items()}
         try:
-            return self._plan.run(step_fn, lambda chunk: self._load(chunk, full, scalars), lambda chunk: self._store(chunk, full))
+            with torch.no_grad():
+                return self._plan.run(step_fn, lambda chunk: self._load(chunk, full, scalars), lambda chunk: self._store(chunk, full))
         finally:
             for i, (data, entries) in full.items():  # the weights stepped in pieces get their whole tensors back
                 self._masters[i].grad, self._masters[i].data = None, data
@@ -120,11 +121,9 @@ class MasterWeights(ExactState):
                 self._stepped[i] = True
 
     def _load(self, chunk: Chunk, full: dict[int, Any], scalars: dict[int, dict[str, torch.Tensor]]) -> None:
-        with torch.no_grad():
-            torch._foreach_copy_(chunk.grad, [self._params[i].grad if whole else self._params[i].grad.reshape(-1)[s:e]
-                                              for (i, s, e), whole in zip(chunk.pieces, chunk.whole)])
-        for (i, s, e), whole, grad in zip(chunk.pieces, chunk.whole, chunk.grad):
-            master = self._masters[i]
+        torch._foreach_copy_(chunk.grad, [p.grad if whole else p.grad.reshape(-1)[s:e]
+                                          for p, (_, s, e), whole in zip(chunk.owners, chunk.pieces, chunk.whole)])
+        for master, (i, s, e), whole, grad in zip(chunk.shadows, chunk.pieces, chunk.whole, chunk.grad):
             if not whole:  # a piece: the master and its per-element state are views of the whole tensors
                 data, entries = full[i]
                 master.grad, master.data = None, data.view(-1)[s:e]
@@ -243,12 +242,13 @@ class CompensatedWeights(ExactState):
         capacity = sum(self._comp.sizes[i] for i in kept) if single else self.chunk
         if self._plan is None or (self._plan.kept, self._plan.split, self._plan.capacity) != (kept, split, capacity):
             self._plan = ChunkPlan(self._params, self._shadows, self.optimizer.param_groups, kept, capacity, split,
-                                   self._comp.offsets, self._state)
+                                   self._comp, self._state, self.optimizer.state)
         plan, state = self._plan, self.optimizer.state
         scalars = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state[self._shadows[i]].items()
                        if not _per_element(k, v, self._params[i])} for i in plan.cut}
         try:
-            result = plan.run(step_fn, lambda chunk: self._load(chunk, plan, scalars), lambda chunk: self._store(chunk, plan))
+            with torch.no_grad():
+                result = plan.run(step_fn, lambda chunk: self._load(chunk, plan, scalars), lambda chunk: self._store(chunk, plan))
         finally:
             self.release()
         for i in kept:
@@ -265,60 +265,50 @@ class CompensatedWeights(ExactState):
         for i in chunk.resume:  # a weight stepped in pieces: its step counter etc. advance once
             entry = state[self._shadows[i]]
             entry.update({k: entry[k].copy_(v) if isinstance(v, torch.Tensor) else v for k, v in scalars[i].items()})
-        with torch.no_grad():
-            torch._foreach_copy_(chunk.work, chunk.targets)
-            for at, flat, n in chunk.comp_runs:
-                plan.work[at:at + n].add_(self._comp.buffer[flat:flat + n])
-            if self._grads_in:
-                grads = [self._grad.views[i] if whole else self._grad.buffer[self._comp.offsets[i] + s:self._comp.offsets[i] + e]
-                         for (i, s, e), whole in zip(chunk.pieces, chunk.whole)]
-            else:
-                grads = chunk.grad
-                torch._foreach_copy_(grads, [self._params[i].grad if whole else self._params[i].grad.reshape(-1)[s:e]
-                                             for (i, s, e), whole in zip(chunk.pieces, chunk.whole)])
-            for key, (_, key_runs, _) in chunk.state.items():
-                store, work = self._state[key].buffer, plan.state[key]
-                for at, flat, n in key_runs:
-                    work[at:at + n].copy_(store[flat:flat + n])
-        for (i, _, _), data, grad in zip(chunk.pieces, chunk.work, grads):
-            shadow = self._shadows[i]
+        torch._foreach_copy_(chunk.work, chunk.targets)
+        for work, _, comp in chunk.comp_runs:
+            work.add_(comp)
+        if self._grads_in:
+            grads = [self._grad.views[i] if whole else self._grad.buffer[self._comp.offsets[i] + s:self._comp.offsets[i] + e]
+                     for (i, s, e), whole in zip(chunk.pieces, chunk.whole)]
+        else:
+            grads = chunk.grad
+            torch._foreach_copy_(grads, [p.grad if whole else p.grad.reshape(-1)[s:e]
+                                         for p, (_, s, e), whole in zip(chunk.owners, chunk.pieces, chunk.whole)])
+        for work, store in chunk.state_runs:
+            work.copy_(store)
+        for shadow, data, grad in zip(chunk.shadows, chunk.work, grads):
             shadow.data, shadow.grad = data, grad
-            self._pointed.append(shadow)
-        for key, (views, _, _) in chunk.state.items():
-            for (i, _, _), view in zip(chunk.pieces, views):
-                if view is not None:
-                    state[self._shadows[i]][key] = view
+        self._pointed += chunk.shadows
+        for entry, key, view, _ in chunk.swaps:
+            entry[key] = view
 
     def _store(self, chunk: Chunk, plan: ChunkPlan) -> None:
         """Round the chunk's updated weights into bf16, keep the rounding error, store the state in bf16."""
-        state = self.optimizer.state
-        with torch.no_grad():
-            for key, (views, key_runs, at_rest) in chunk.state.items():
-                for (i, _, _), view, rest in zip(chunk.pieces, views, at_rest):
-                    if view is not None:
-                        entry = state[self._shadows[i]]
-                        if entry[key] is not view:  # the optimizer replaced the tensor, not updated it
-                            view.copy_(entry[key])
-                        entry[key] = rest
-                store, work = self._state[key].buffer, plan.state[key]
-                for at, flat, length in key_runs:
-                    store[flat:flat + length].copy_(work[at:at + length])
-            # Round into the weights, and keep what rounding lost (computed in fp32, stored in bf16).
-            torch._foreach_copy_(chunk.targets, chunk.work)
-            torch._foreach_sub_(chunk.work, chunk.targets)
-            for at, flat, length in chunk.comp_runs:
-                self._comp.buffer[flat:flat + length].copy_(plan.work[at:at + length])
-            if not plan.split:  # state the optimizer just created: into bf16 now, not after the last chunk
-                for i, _, _ in chunk.pieces:
-                    entry = state[self._shadows[i]]
-                    for key, value in entry.items():
-                        if _per_element(key, value, self._params[i]) and value.dtype != self._comp.buffer.dtype:
-                            if key not in self._state:
-                                self._state[key] = FlatBuffer([self._params[j] for j in plan.kept], self._comp.buffer.dtype,
-                                                              releasable=False, indices=plan.kept)
-                            at_rest = self._state[key].by_index.get(i)
-                            if at_rest is not None:
-                                entry[key] = at_rest.copy_(value)
+        for entry, key, view, rest in chunk.swaps:
+            if entry[key] is not view:  # the optimizer replaced the tensor, not updated it
+                view.copy_(entry[key])
+            entry[key] = rest
+        for work, store in chunk.state_runs:
+            store.copy_(work)
+        # Round into the weights (one flat rounding into the gradients' area, free now), and keep what
+        # rounding lost (computed in fp32, stored in bf16).
+        for work, rounded, _ in chunk.comp_runs:
+            rounded.copy_(work)
+        torch._foreach_copy_(chunk.targets, chunk.low)
+        for work, rounded, comp in chunk.comp_runs:
+            comp.copy_(work.sub_(rounded))
+        if not plan.split:  # state the optimizer just created: into bf16 now, not after the last chunk
+            for i, _, _ in chunk.pieces:
+                entry = self.optimizer.state[self._shadows[i]]
+                for key, value in entry.items():
+                    if _per_element(key, value, self._params[i]) and value.dtype != self._comp.buffer.dtype:
+                        if key not in self._state:
+                            self._state[key] = FlatBuffer([self._params[j] for j in plan.kept], self._comp.buffer.dtype,
+                                                          releasable=False, indices=plan.kept)
+                        at_rest = self._state[key].by_index.get(i)
+                        if at_rest is not None:
+                            entry[key] = at_rest.copy_(value)
 
     def release(self) -> None:
         """Between steps bf16-true holds no fp32 copy of anything (the stand-ins are empty)."""
