@@ -162,15 +162,17 @@ class Accelerator:
         if self.events:
             self.events.emit(Listener.on_backward_start, self, loss)
         loss = self.cycle.micro_loss(loss)
-        unscaled = loss.detach()  # kept by the optimizers, looked at only to explain a loss-scale collapse
+        unscaled = None  # with a scaler, kept by the optimizers to explain a loss-scale collapse
         if self.scaler is not None:
+            unscaled = loss.detach()
             self.cycle.flush_scale_update()
             loss = self.scaler.scale(loss)
         stats = self.compile_stats
-        timed = stats.first_forward_s is not None and stats.first_backward_s is None
-        start = time.perf_counter()  # the compiled graph's backward is generated in the first call
-        loss.backward(**kwargs)
-        if timed:
+        if stats.first_forward_s is None or stats.first_backward_s is not None:
+            loss.backward(**kwargs)
+        else:  # the compiled graph's backward is generated in its first call: time it
+            start = time.perf_counter()
+            loss.backward(**kwargs)
             stats.first_backward_s = time.perf_counter() - start
         self.cycle.advance()
         for opt in self._prepared.optimizers:
