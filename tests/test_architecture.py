@@ -32,11 +32,10 @@ PRIVATE_BUDGET = 10
 MAX_FILE_LINES = 400
 # Issue 13 asks for src/ no larger than before the redesign (10,200 lines). It is not met: the tree
 # has since gained what issues 12 and 14-20 required (safe checkpoint folders, a schema validator that
-# needs no jsonschema, chunked low-precision updates, plan/ (~800 lines), export/ and exporter.py
-# (~720), fp8.py, launch.py, compare's script runs and turns), while cuts took ~300 lines out of
-# doctor/ and tools.
+# needs no jsonschema, chunked low-precision updates, plan/, export/ and exporter.py, fp8.py, launch.py,
+# compare's script runs and turns); a behaviour-preserving pass took it from 14,054 to 13,020 lines.
 # This cap stops further growth; lower it as src/ shrinks.
-MAX_SRC_LINES = 14_100
+MAX_SRC_LINES = 13_050
 # Module attributes a user's script legitimately needs set (the doctor runs it as `__main__`).
 ALLOWED_MODULE_ASSIGNMENTS = {("sys", "argv"), ("sys", "path")}
 
