@@ -143,3 +143,24 @@ def test_bf16_true_adamw_step_streams_18_bytes_per_parameter_of_memory_kept_betw
             opt.step()
         opt.zero_grad()
     assert traffic.nbytes / sum(p.numel() for p in model.parameters()) == 18
+
+
+def test_bf16_true_step_follows_a_state_dict_loaded_into_the_wrapped_optimizer():
+    """Loading the user's own optimizer's state dict (a new `optimizer.state`) between steps leaves the
+    run bitwise what it was: the chunked update rebuilds its views of the optimizer's state."""
+
+    def run(reload: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+        acc = ampkit.Accelerator(precision="bf16-true", device="cpu")
+        model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        x, y = torch.randn(16, 8), torch.randn(16, 2)
+        for step in range(6):
+            acc.backward(((model(x).float() - y) ** 2).mean())
+            opt.step()
+            opt.zero_grad()
+            if reload and step == 2:
+                opt.optimizer.load_state_dict(opt.optimizer.state_dict())
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))

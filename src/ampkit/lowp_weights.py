@@ -240,7 +240,9 @@ class CompensatedWeights(ExactState):
         single = type(self.optimizer) not in ELEMENTWISE
         split = not single and all(self._stepped[i] for i in kept)
         capacity = sum(self._comp.sizes[i] for i in kept) if single else self.chunk
-        if self._plan is None or (self._plan.kept, self._plan.split, self._plan.capacity) != (kept, split, capacity):
+        key = (kept, split, capacity)  # a new state dict (the wrapped optimizer's load_state_dict): new views
+        if self._plan is None or (self._plan.kept, self._plan.split, self._plan.capacity) != key \
+                or self._plan.entries is not self.optimizer.state:
             self._plan = ChunkPlan(self._params, self._shadows, self.optimizer.param_groups, kept, capacity, split,
                                    self._comp, self._state, self.optimizer.state)
         plan, state = self._plan, self.optimizer.state

@@ -123,8 +123,8 @@ def loader(acc: Accelerator, path: Path) -> Any:
 
         model, optimizers = acc.models[0], [o.optimizer for o in acc.optimizers]
         model_sd, optim_sd = get_state_dict(model, optimizers)
-        reader, planner = _reader_and_planner(path)
         try:
+            reader, planner = _reader_and_planner(path)
             dcp.load({"model": model_sd, "optim": optim_sd}, storage_reader=reader, planner=planner)
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):

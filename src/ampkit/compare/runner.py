@@ -1,4 +1,4 @@
-"""`ampkit compare`: plan the runs (each precision in its own process, `spawn.py`; a built-in task's
+"""`ampkit compare`: plan the runs (each precision in its own process; a built-in task's runs
 taking turns, `turns.py`), keep finished runs for `--resume`, compute the ratios against the baseline
 and hand the `Report` to the table and the writer.
 """
