@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's message in one line for another error's message (its type when it has none)."""
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 class AmpkitError(Exception):
     """Base class of every error ampkit raises on purpose."""
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from ampkit.errors import CheckpointError
+from ampkit.errors import CheckpointError, first_line
 
 #: The temporary name `atomic_write` uses: `.<name>.tmp-<pid>` beside the final file.
 TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")
@@ -59,8 +59,7 @@ def _why(exc: Exception, path: Path) -> str:
     with contextlib.suppress(OSError):
         if shutil.disk_usage(path.parent).free < 1 << 20:
             return "No space left on device"
-    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return f"the write failed ({first}): the disk may be full or a file size limit reached"
+    return f"the write failed ({first_line(exc)}): the disk may be full or a file size limit reached"
 
 
 def pid_alive(pid: int) -> bool:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ampkit import files
-from ampkit.errors import CheckpointError
+from ampkit.errors import CheckpointError, first_line
 
 FORMAT = "ampkit-checkpoint"
 VERSION = 2
@@ -75,7 +75,7 @@ def read(path: Path) -> dict[str, Any]:
                 f"checkpoint {path} holds pickled objects other than tensors and plain data (it could run code); "
                 f"ampkit refuses to load it. Only load such a file with torch.load(weights_only=False) if you trust its source"
             ) from None
-        raise CheckpointError(f"checkpoint {path} is truncated or corrupt: {text.splitlines()[0] if text else type(exc).__name__}") from None
+        raise CheckpointError(f"checkpoint {path} is truncated or corrupt: {first_line(exc)}") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not an ampkit checkpoint (no '{FORMAT}' header); it may be a plain torch.save file")
     if payload.get("version") != VERSION:

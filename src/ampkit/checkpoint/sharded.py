@@ -16,7 +16,7 @@ import torch
 
 from ampkit import files
 from ampkit.distributed import barrier
-from ampkit.errors import CheckpointError
+from ampkit.errors import CheckpointError, first_line
 
 if TYPE_CHECKING:
     from ampkit.accelerator import Accelerator
@@ -129,7 +129,7 @@ def loader(acc: Accelerator, path: Path) -> Any:
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            raise CheckpointError(f"checkpoint {path} does not fit this model or is damaged: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+            raise CheckpointError(f"checkpoint {path} does not fit this model or is damaged: {first_line(exc)}") from None
         set_state_dict(model, optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
     if len(acc.models) != 1:
