@@ -93,11 +93,12 @@ class Accelerator:
         fp8_recipe: str | None = None, fp8_emulate: bool = False, fp8_min_weight: int = MIN_WEIGHT,
     ) -> None:
         # What the script did not pass comes from the launcher (AMPKIT_* variables, `ampkit.launch`).
-        precision, grad_accum_steps, compile, self.max_steps = launch_settings(
-            {"precision": precision, "grad_accum_steps": grad_accum_steps, "compile": compile}).values()
-        steps = grad_accum_steps
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-            raise ValueError(f"grad_accum_steps={steps!r}: expected an integer >= 1")
+        given = {"precision": precision, "grad_accum_steps": grad_accum_steps, "compile": compile}
+        chosen = launch_settings(given)
+        precision, grad_accum_steps, compile = (chosen[name] for name in given)
+        self.max_steps = chosen["max_steps"]
+        if not isinstance(grad_accum_steps, int) or isinstance(grad_accum_steps, bool) or grad_accum_steps < 1:
+            raise ValueError(f"grad_accum_steps={grad_accum_steps!r}: expected an integer >= 1")
         for name, flag in (("fp8_emulate", fp8_emulate), ("channels_last", channels_last),
                            ("cuda_graphs", cuda_graphs), ("free_step_buffers", free_step_buffers),
                            ("cast_outputs", cast_outputs)):
