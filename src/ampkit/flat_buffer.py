@@ -8,6 +8,7 @@ from itertools import accumulate
 from typing import Any
 
 import torch
+from torch import nn
 
 
 class FlatBuffer:
@@ -138,7 +139,8 @@ class Chunk:
         # Views of the runs of pieces lying end to end in `low` (workspace, `low`'s dtype in the gradients' area, `low`)
         # and in each state store (workspace, store); each piece in `low`'s dtype in the gradients' area.
         scratch = plan.grad.view(plan.low.dtype)
-        self.comp_runs = [(plan.work[at:at + n], scratch[at:at + n], plan.low[flat:flat + n]) for at, flat, n in runs(pieces, plan.offsets)]
+        self.spans = runs(pieces, plan.offsets)
+        self.comp_runs = [(plan.work[at:at + n], scratch[at:at + n], plan.low[flat:flat + n]) for at, flat, n in self.spans]
         self.state_runs = [(plan.state[key][at:at + n], store.buffer[flat:flat + n])
                            for key, store in plan.stores.items() for at, flat, n in runs(pieces, store.offsets)]
         self.low = _views(scratch, pieces, shapes) if plan.offsets else []
@@ -148,7 +150,38 @@ class Chunk:
         self.resume = [i for i, s, _ in pieces if s > 0]  # tensors whose earlier pieces came in earlier chunks
         mine = {id(plan.shadows[i]) for i, _, _ in pieces}
         shadows = {id(s) for s in plan.shadows}
+        self.flat = _flat_runs(plan, pieces) if plan.flat else []
         self.groups = [[p for p in g["params"] if id(p) in mine or (last and id(p) not in shadows)] for g in plan.groups]
+        if self.flat:  # the runs, and (in the last chunk) the parameters without stand-ins
+            self.groups = [[run.param for run in self.flat if run.group == n] + [p for p in ps if id(p) not in shadows]
+                           for n, ps in enumerate(self.groups)]
+
+
+class FlatRun:
+    """Consecutive pieces of a chunk, of one parameter group, whose tensors have the same per-element state
+    keys and per-step scalars: stepped as one flat stand-in. `param`, its gradient and its per-element state
+    (`views`) are views of the workspace; `entry` is its optimizer state; its tensors are `first..last` in
+    the plan's `kept` order (where `ChunkPlan.scalars` holds their per-step scalars)."""
+
+    def __init__(self, plan: ChunkPlan, group: int, keys: tuple[str, ...], at: int, stop: int, first: int, last: int) -> None:
+        self.group, self.first, self.last = group, first, last
+        self.param = nn.Parameter(EMPTY_FP32.to(plan.work.device))
+        self.param.data, self.param.grad = plan.work[at:stop], plan.grad[at:stop]
+        self.views = {key: plan.state[key][at:stop] for key in keys}
+        self.entry: dict[str, Any] = dict(self.views)
+
+
+def _flat_runs(plan: ChunkPlan, pieces: list[tuple[int, int, int]]) -> list[FlatRun]:
+    found: list[list[Any]] = []  # [signature, workspace start, stop, first, last]
+    at = 0
+    for i, s, e in pieces:
+        sign, pos = plan.signatures[i], plan.positions[i]
+        if found and found[-1][0] == sign:
+            found[-1][2], found[-1][4] = at + e - s, pos
+        else:
+            found.append([sign, at, at + e - s, pos, pos])
+        at += e - s
+    return [FlatRun(plan, sign[0], sign[1], a, b, first, last) for sign, a, b, first, last in found]
 
 
 class ChunkPlan:
@@ -157,11 +190,19 @@ class ChunkPlan:
     and each state key (or, without `low`, only the gradient). `low`: a flat buffer of all the
     tensors (the compensation); `stores`: per state key, the flat buffer of the tensors that have
     it, in the optimizer's state `entries`. Each chunk narrows the optimizer's parameter `groups` to
-    its stand-ins (the last also keeps the others)."""
+    its stand-ins (the last also keeps the others).
+
+    `classes` (every tensor's state exists, its per-step scalars are 0-dim tensors, and tensors of one
+    class have equal ones — known on the host, never read from the device): the stand-ins a chunk
+    gives the optimizer are `FlatRun`s, a few flat tensors instead of one per tensor. For an optimizer
+    whose update is elementwise this is the same arithmetic on every element, bit for bit (tests check
+    each class), in a few kernels instead of a few per tensor. Each tensor's per-step scalars become
+    0-dim views of one tensor per key (`scalars`, in `kept` order): a run reads them before its step,
+    and `write_scalars()` writes its new values into its tensors' after the last chunk."""
 
     def __init__(self, params: list[torch.Tensor], shadows: list[torch.Tensor], groups: list[dict[str, Any]],
                  kept: list[int], capacity: int, split: bool, low: FlatBuffer | None = None,
-                 stores: dict[str, FlatBuffer] | None = None, entries: Any = None) -> None:
+                 stores: dict[str, FlatBuffer] | None = None, entries: Any = None, classes: list[Any] | None = None) -> None:
         self.kept, self.capacity, self.split, self.stores = kept, capacity, split, stores or {}
         self.offsets, self.low = (low.offsets, low.buffer) if low is not None else ({}, EMPTY_FP32)
         self.params, self.shadows, self.groups, self.entries = params, shadows, groups, entries
@@ -171,8 +212,33 @@ class ChunkPlan:
         self.work, self.grad = work[:size], work if low is None else work[size:2 * size]
         self.state = {key: work[(2 + k) * size:(3 + k) * size] for k, key in enumerate(self.stores)}
         self.nbytes = work.nbytes
+        self.flat = classes is not None and low is not None and self._flat_scalars(classes)
         self.chunks = [Chunk(self, chunk, n == len(pieces) - 1) for n, chunk in enumerate(pieces)]
         self.cut = sorted({i for chunk in self.chunks for i in chunk.resume})  # tensors cut into pieces
+
+    def _flat_scalars(self, classes: list[Any]) -> bool:
+        """Make `scalars`, `signatures` and `positions` for flat runs; False where they cannot be made."""
+        state = [self.entries[self.shadows[i]] for i in self.kept]
+        keys = [tuple(k for k, store in self.stores.items() if i in store.by_index) for i in self.kept]
+        scalars = [{k: v for k, v in entry.items() if k not in own} for entry, own in zip(state, keys)]
+        names = set(scalars[0]) if scalars else set()
+        if any(set(one) != names or not all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in one.values())
+               for one in scalars) or any(len({(one[k].dtype, one[k].device) for one in scalars}) > 1 for k in names):
+            return False
+        self.scalars = {k: torch.stack([one[k] for one in scalars]) for k in sorted(names)}
+        group_of = {id(p): n for n, g in enumerate(self.groups) for p in g["params"]}
+        self.positions = {i: pos for pos, i in enumerate(self.kept)}
+        self.signatures = {i: (group_of[id(self.shadows[i])], keys[pos], classes[i]) for pos, i in enumerate(self.kept)}
+        for pos, entry in enumerate(state):
+            entry.update({k: t[pos] for k, t in self.scalars.items()})
+        return True
+
+    def write_scalars(self) -> None:
+        """After a flat step: each run's new per-step scalars into its tensors' (`scalars`)."""
+        for chunk in self.chunks:
+            for run in chunk.flat:
+                for key, values in self.scalars.items():
+                    values[run.first:run.last + 1].copy_(run.entry[key])
 
     def run(self, step_fn: Callable[[], Any], load: Callable[[Chunk], None], store: Callable[[Chunk], None]) -> Any:
         """`load(chunk)`, `step_fn()` with the groups narrowed to the chunk, `store(chunk)`: chunk by chunk."""
@@ -180,7 +246,7 @@ class ChunkPlan:
         try:
             for chunk in self.chunks:
                 load(chunk)
-                if len(self.chunks) > 1:
+                if len(self.chunks) > 1 or self.flat:
                     for g, params in zip(self.groups, chunk.groups):
                         g["params"] = params
                 result = step_fn()

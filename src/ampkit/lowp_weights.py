@@ -21,50 +21,7 @@ import torch
 from torch import nn
 
 from ampkit.flat_buffer import EMPTY_FP32, Chunk, ChunkPlan, FlatBuffer
-
-
-def _fp32_grads(params: list[nn.Parameter], buffer: FlatBuffer) -> tuple[list[int], list[torch.Tensor]]:
-    """Copy the gradients the parameters have (an unused layer has none) into `buffer`: (indices, views)."""
-    kept = [i for i, p in enumerate(params) if p.grad is not None]
-    buffer.alloc()
-    views = [buffer.views[i] for i in kept]
-    if kept:
-        torch._foreach_copy_(views, [params[i].grad for i in kept])
-    return kept, views
-
-
-class ExactState:
-    """`state_dict()` of a weight store: the tensors `exact_state()` names, by position, bit for bit
-    (loaded after the model's own weights)."""
-
-    kind: str
-
-    def exact_state(self) -> list[torch.Tensor]:
-        raise NotImplementedError
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "values": [t.detach() for t in self.exact_state()]}
-
-    def check_state_dict(self, state: Any) -> str | None:
-        kind, like = self.kind, self.exact_state()
-        if not isinstance(state, dict) or state.get("kind") != kind:
-            got = state.get("kind") if isinstance(state, dict) else type(state).__name__
-            return f"it holds {got!r} low-precision-weight state, this optimizer keeps {kind!r}"
-        values = state.get("values")
-        if not isinstance(values, list) or len(values) != len(like):
-            return f"it holds {len(values) if isinstance(values, list) else '?'} {kind} tensors, this optimizer has {len(like)}"
-        for i, (v, t) in enumerate(zip(values, like)):
-            if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(t.shape) or v.dtype != t.dtype:
-                return f"{kind} tensor {i} is {getattr(v, 'dtype', '?')} {tuple(getattr(v, 'shape', ()))}, expected {t.dtype} {tuple(t.shape)}"
-        return None
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        problem = self.check_state_dict(state)
-        if problem is not None:
-            raise ValueError(problem)
-        targets = self.exact_state()
-        with torch.no_grad():
-            torch._foreach_copy_(targets, [v.to(t.device) for v, t in zip(state["values"], targets)])
+from ampkit.weight_state import ELEMENTWISE, ExactState, ScalarClasses, fp32_grads, per_element
 
 
 class MasterWeights(ExactState):
@@ -93,7 +50,7 @@ class MasterWeights(ExactState):
 
     def grads_in(self) -> list[torch.Tensor]:
         """Give each master the fp32 copy of its model parameter's gradient; return those grads."""
-        kept, views = _fp32_grads(self._params, self._grad)
+        kept, views = fp32_grads(self._params, self._grad)
         for i, view in zip(kept, views):
             self._masters[i].grad = view
         return views
@@ -108,7 +65,7 @@ class MasterWeights(ExactState):
         if self._plan is None or (self._plan.kept, self._plan.split) != (kept, split):
             self._plan = ChunkPlan(self._params, self._masters, self.optimizer.param_groups, kept, self.chunk, split)
         full = {i: (self._masters[i].data, dict(state[self._masters[i]])) for i in self._plan.cut}
-        scalars = {i: {k: v.clone() for k, v in entries.items() if isinstance(v, torch.Tensor) and not _per_element(k, v, data)}
+        scalars = {i: {k: v.clone() for k, v in entries.items() if isinstance(v, torch.Tensor) and not per_element(k, v, data)}
                    for i, (data, entries) in full.items()}
         try:
             with torch.no_grad():
@@ -116,7 +73,7 @@ class MasterWeights(ExactState):
         finally:
             for i, (data, entries) in full.items():  # the weights stepped in pieces get their whole tensors back
                 self._masters[i].grad, self._masters[i].data = None, data
-                state[self._masters[i]].update({k: v for k, v in entries.items() if _per_element(k, v, data)})
+                state[self._masters[i]].update({k: v for k, v in entries.items() if per_element(k, v, data)})
             for i in kept:
                 self._stepped[i] = True
 
@@ -128,7 +85,7 @@ class MasterWeights(ExactState):
                 data, entries = full[i]
                 master.grad, master.data = None, data.view(-1)[s:e]
                 entry = self.optimizer.state[master]
-                entry.update({k: v.view(-1)[s:e] for k, v in entries.items() if _per_element(k, v, data)})
+                entry.update({k: v.view(-1)[s:e] for k, v in entries.items() if per_element(k, v, data)})
                 for key, value in scalars[i].items() if s > 0 else ():  # step counters etc. advance once per step
                     entry[key].copy_(value)
             master.grad = grad
@@ -138,7 +95,7 @@ class MasterWeights(ExactState):
             if not whole:
                 entry, (data, entries) = self.optimizer.state[self._masters[i]], full[i]
                 for key, value in entries.items():
-                    if _per_element(key, value, data) and entry[key].data_ptr() != value.view(-1)[s:e].data_ptr():
+                    if per_element(key, value, data) and entry[key].data_ptr() != value.view(-1)[s:e].data_ptr():
                         value.view(-1)[s:e].copy_(entry[key])  # the optimizer replaced the tensor, not updated it
 
     def weights_out(self) -> None:
@@ -209,6 +166,7 @@ class CompensatedWeights(ExactState):
         self._stepped = [False] * len(pairs)  # stepped once: the optimizer's state exists (chunking needs it)
         self._state: dict[str, FlatBuffer] = {}  # per-element optimizer state in bf16, by key (indexed by weight)
         self._state_count = -1  # len(optimizer.state) when the state buffers were last built
+        self._classes = ScalarClasses(len(pairs))  # weights with equal step counters etc.: stepped as one flat tensor
         self._plan: ChunkPlan | None = None
         self._pointed = list(self._shadows)  # stand-ins pointed at fp32 tensors since the last release()
         self.release()
@@ -224,7 +182,7 @@ class CompensatedWeights(ExactState):
 
     def grads_in(self) -> list[torch.Tensor]:
         """Give the stand-ins fp32 gradients (for clipping); the step then uses them. Return them."""
-        kept, views = _fp32_grads(self._params, self._grad)
+        kept, views = fp32_grads(self._params, self._grad)
         for i, view in zip(kept, views):
             self._shadows[i].data = self._shadows[i].grad = view  # the stand-in carries only its gradient
             self._pointed.append(self._shadows[i])
@@ -241,16 +199,20 @@ class CompensatedWeights(ExactState):
         split = not single and all(self._stepped[i] for i in kept)
         capacity = sum(self._comp.sizes[i] for i in kept) if single else self.chunk
         key = (kept, split, capacity)  # a new state dict (the wrapped optimizer's load_state_dict): new views
+        classes = self._classes.advance(kept, self._stepped)
         if self._plan is None or (self._plan.kept, self._plan.split, self._plan.capacity) != key \
                 or self._plan.entries is not self.optimizer.state:
             self._plan = ChunkPlan(self._params, self._shadows, self.optimizer.param_groups, kept, capacity, split,
-                                   self._comp, self._state, self.optimizer.state)
+                                   self._comp, self._state, self.optimizer.state, classes if split else None)
         plan, state = self._plan, self.optimizer.state
         scalars = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state[self._shadows[i]].items()
-                       if not _per_element(k, v, self._params[i])} for i in plan.cut}
+                       if not per_element(k, v, self._params[i])} for i in ([] if plan.flat else plan.cut)}
+        load, store = (self._load_flat, self._store_flat) if plan.flat else (self._load, self._store)
         try:
             with torch.no_grad():
-                result = plan.run(step_fn, lambda chunk: self._load(chunk, plan, scalars), lambda chunk: self._store(chunk, plan))
+                result = plan.run(step_fn, lambda chunk: load(chunk, plan, scalars), lambda chunk: store(chunk, plan))
+                if plan.flat:
+                    plan.write_scalars()
         finally:
             self.release()
         for i in kept:
@@ -267,23 +229,58 @@ class CompensatedWeights(ExactState):
         for i in chunk.resume:  # a weight stepped in pieces: its step counter etc. advance once
             entry = state[self._shadows[i]]
             entry.update({k: entry[k].copy_(v) if isinstance(v, torch.Tensor) else v for k, v in scalars[i].items()})
-        torch._foreach_copy_(chunk.work, chunk.targets)
-        for work, _, comp in chunk.comp_runs:
-            work.add_(comp)
+        self._fill(chunk, plan)
+        grads = chunk.grad
         if self._grads_in:
             grads = [self._grad.views[i] if whole else self._grad.buffer[self._comp.offsets[i] + s:self._comp.offsets[i] + e]
                      for (i, s, e), whole in zip(chunk.pieces, chunk.whole)]
-        else:
-            grads = chunk.grad
-            torch._foreach_copy_(grads, [p.grad if whole else p.grad.reshape(-1)[s:e]
-                                         for p, (_, s, e), whole in zip(chunk.owners, chunk.pieces, chunk.whole)])
-        for work, store in chunk.state_runs:
-            work.copy_(store)
         for shadow, data, grad in zip(chunk.shadows, chunk.work, grads):
             shadow.data, shadow.grad = data, grad
         self._pointed += chunk.shadows
         for entry, key, view, _ in chunk.swaps:
             entry[key] = view
+
+    def _fill(self, chunk: Chunk, plan: ChunkPlan) -> None:
+        """The chunk's weights (+ compensation), gradients (unless clipped ones are in use) and state, in fp32."""
+        torch._foreach_copy_(chunk.work, chunk.targets)
+        for work, _, comp in chunk.comp_runs:
+            work.add_(comp)
+        if not self._grads_in:
+            torch._foreach_copy_(chunk.grad, [p.grad if whole else p.grad.reshape(-1)[s:e]
+                                              for p, (_, s, e), whole in zip(chunk.owners, chunk.pieces, chunk.whole)])
+        for work, store in chunk.state_runs:
+            work.copy_(store)
+
+    def _load_flat(self, chunk: Chunk, plan: ChunkPlan, _: Any) -> None:
+        """`_load` for a flat plan: the chunk's runs, their per-step scalars as the step found them."""
+        self._fill(chunk, plan)
+        if self._grads_in:  # the clipped fp32 gradients lie in the compensation's layout
+            for at, flat, n in chunk.spans:
+                plan.grad[at:at + n].copy_(self._grad.buffer[flat:flat + n])
+        state = self.optimizer.state
+        for run in chunk.flat:
+            run.entry.update({key: values[run.first].clone() for key, values in plan.scalars.items()})
+            state[run.param] = run.entry
+
+    def _store_flat(self, chunk: Chunk, plan: ChunkPlan) -> None:
+        state = self.optimizer.state
+        for run in chunk.flat:
+            entry = run.entry = state.pop(run.param)
+            for key, view in run.views.items():
+                if entry[key] is not view:  # the optimizer replaced the tensor, not updated it
+                    entry[key] = view.copy_(entry[key])
+        self._round(chunk)
+
+    def _round(self, chunk: Chunk) -> None:
+        """The state into bf16; the weights rounded into bf16 (one flat rounding into the gradients' area, free
+        now) and what rounding lost kept (computed in fp32, stored in bf16)."""
+        for work, store in chunk.state_runs:
+            store.copy_(work)
+        for work, rounded, _ in chunk.comp_runs:
+            rounded.copy_(work)
+        torch._foreach_copy_(chunk.targets, chunk.low)
+        for work, rounded, comp in chunk.comp_runs:
+            comp.copy_(work.sub_(rounded))
 
     def _store(self, chunk: Chunk, plan: ChunkPlan) -> None:
         """Round the chunk's updated weights into bf16, keep the rounding error, store the state in bf16."""
@@ -291,20 +288,12 @@ class CompensatedWeights(ExactState):
             if entry[key] is not view:  # the optimizer replaced the tensor, not updated it
                 view.copy_(entry[key])
             entry[key] = rest
-        for work, store in chunk.state_runs:
-            store.copy_(work)
-        # Round into the weights (one flat rounding into the gradients' area, free now), and keep what
-        # rounding lost (computed in fp32, stored in bf16).
-        for work, rounded, _ in chunk.comp_runs:
-            rounded.copy_(work)
-        torch._foreach_copy_(chunk.targets, chunk.low)
-        for work, rounded, comp in chunk.comp_runs:
-            comp.copy_(work.sub_(rounded))
+        self._round(chunk)
         if not plan.split:  # state the optimizer just created: into bf16 now, not after the last chunk
             for i, _, _ in chunk.pieces:
                 entry = self.optimizer.state[self._shadows[i]]
                 for key, value in entry.items():
-                    if _per_element(key, value, self._params[i]) and value.dtype != self._comp.buffer.dtype:
+                    if per_element(key, value, self._params[i]) and value.dtype != self._comp.buffer.dtype:
                         if key not in self._state:
                             self._state[key] = FlatBuffer([self._params[j] for j in plan.kept], self._comp.buffer.dtype,
                                                           releasable=False, indices=plan.kept)
@@ -324,7 +313,11 @@ class CompensatedWeights(ExactState):
     def store_state_low(self) -> None:
         """Store per-element optimizer state in bf16 (after loading a state_dict, which casts it to fp32)."""
         self._state_count = -1
-        self._stepped = [bool(self.optimizer.state.get(s)) for s in self._shadows]
+        state = self.optimizer.state
+        self._stepped = [bool(state.get(s)) for s in self._shadows]
+        self._classes.reset([tuple((k, tuple(v.reshape(-1).tolist()) if isinstance(v, torch.Tensor) else v)  # sync: once per load
+                                   for k, v in sorted(state[s].items()) if not per_element(k, v, p)) if state.get(s) else None
+                             for s, p in zip(self._shadows, self._params)])
         self._build_state()
 
     def _build_state(self) -> None:
@@ -334,7 +327,7 @@ class CompensatedWeights(ExactState):
         holders: dict[str, list[int]] = {}  # state key -> indices of the parameters that have it
         for i, (shadow, param) in enumerate(zip(self._shadows, self._params)):
             for key, value in state.get(shadow, {}).items():
-                if _per_element(key, value, param):
+                if per_element(key, value, param):
                     holders.setdefault(key, []).append(i)
         kept, self._state = self._state, {}
         for key, indices in holders.items():
@@ -374,18 +367,6 @@ class CompensatedWeights(ExactState):
     def exact_state(self) -> list[torch.Tensor]:
         """The Kahan buffers: with the model's bf16 weights, the whole state (`ExactState`)."""
         return self.compensation
-
-
-def _per_element(key: str, value: Any, param: torch.Tensor) -> bool:
-    # Per-element state (moments, momentum buffers) only; scalar step counters stay exact.
-    return key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == param.shape
-
-
-#: Optimizers whose update is elementwise and per parameter, so that stepping the weights in chunks
-#: (pieces of a tensor in separate calls, per-step scalars restored) is exactly one step. These
-#: classes exactly: a subclass may step differently.
-ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
-               torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adadelta, torch.optim.Rprop, torch.optim.ASGD)
 
 
 #: What the prepared optimizer keeps for a low-precision-weight preset.
