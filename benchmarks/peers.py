@@ -538,12 +538,6 @@ def run_model(model: Model, variants: list[Variant], device: torch.device, args:
                 row.dtype_seen = _dtype(seen[0][1])
                 row.dtypes_all = sorted({_dtype(d) for _, d in seen})
                 row.dtype_ok = seen[0][1] == v.claims
-            stats = getattr(getattr(loop, "acc", None), "compile_stats", None)
-            if stats is not None and v.compiled:
-                row.notes.append(
-                    f"acc.compile_stats: first forward {_fmt(stats.first_forward_s, '.2f', ' s')}, first backward "
-                    f"{_fmt(stats.first_backward_s, '.2f', ' s')}, fallback: {stats.fallback or 'none'}"
-                )
             loops[v.name] = loop
         except Unavailable as exc:
             row.status = str(exc)
@@ -569,6 +563,14 @@ def run_model(model: Model, variants: list[Variant], device: torch.device, args:
     if any(l.variant.compiled for l in loops.values()):
         warmup = max(warmup, 1)  # compiled models recompile without the dtype hooks in the first round
     times = interleaved({n: stepper(l) for n, l in loops.items()}, rounds, steps, warmup, lambda: _sync(device), failed)
+    for name, loop in loops.items():  # after the timed rounds: by then ampkit's compile trial has chosen
+        stats = getattr(getattr(loop, "acc", None), "compile_stats", None)
+        if stats is not None and loop.variant.compiled:
+            rows[name].notes.append(
+                f"acc.compile_stats: first forward {_fmt(stats.first_forward_s, '.2f', ' s')}, first backward "
+                f"{_fmt(stats.first_backward_s, '.2f', ' s')}, fallback: {stats.fallback or 'none'}, chosen: "
+                f"{getattr(stats, 'chosen', None) or 'not measured'} ({getattr(stats, 'reason', None) or 'no trial ran'})"
+            )
     base = times.get("hand-written fp32")
     for name, ts in times.items():
         row = rows[name]

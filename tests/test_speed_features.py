@@ -5,8 +5,11 @@ master and Kahan updates equal a per-parameter reference written out by hand; bf
 
 from __future__ import annotations
 
+import copy
+import io
 import shutil
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,11 +22,11 @@ from conftest import assert_bitwise_equal, make_loader, make_model
 STEPS = 8
 
 
-def losses_of(precision: str, steps: int = STEPS, **kwargs) -> tuple[list[float], ampkit.Accelerator, nn.Module]:
+def losses_of(precision: str, steps: int = STEPS, batch_size: int = 32, **kwargs) -> tuple[list[float], ampkit.Accelerator, nn.Module]:
     model = make_model(width=16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     acc = ampkit.Accelerator(precision, device="cpu", **kwargs)
-    model, opt, loader = acc.prepare(model, opt, make_loader(batch_size=32))
+    model, opt, loader = acc.prepare(model, opt, make_loader(batch_size=batch_size))
     losses = []
     for step, (x, y) in zip(range(steps), loader):
         loss = F.cross_entropy(model(x), y)
@@ -135,10 +138,121 @@ def test_a_model_bug_under_compile_raises_the_models_own_error():
 @pytest.mark.parametrize("bad, match", [
     ({"mode": "fast", "turbo": True}, r"compile=\{.*'turbo'.*unknown key\(s\) \['turbo'\]"),
     ("yes", r"compile='yes': expected True, False or a dict"),
+    ({"trial": "no"}, r"compile=\{'trial': 'no'\}: 'trial' must be True or False"),
 ])
 def test_bad_compile_arguments_name_what_was_passed(bad, match):
     with pytest.raises((ValueError, TypeError), match=match):
         ampkit.Accelerator("fp32", device="cpu", compile=bad)
+
+
+# --- the compile trial: eager or compiled, measured -----------------------------------------------
+class FakeClock:
+    """A clock under which a timed trial step takes `eager_s` or `compiled_s`, by the kind in flight
+    (the trial reads the clock once at a step's start and once at its end)."""
+
+    def __init__(self, trial, eager_s: float, compiled_s: float) -> None:
+        self.trial, self.costs, self.now = trial, {"eager": eager_s, "compiled": compiled_s}, 0.0
+
+    def __call__(self) -> float:
+        self.now += self.costs[self.trial.timing]
+        return self.now
+
+
+def trial_run(eager_s: float, compiled_s: float, steps: int = 12, evals: bool = False, compile: dict | None = None,
+              **kwargs):
+    """Train `steps` micro-steps compiled with a backend counting its compiled forward's calls (training
+    and `evals` apart), under a fake trial clock; `chosen`: per step, what the trial had chosen by then.
+    `evals`: an eval-mode forward and a no_grad forward after every step."""
+    calls: list[int] = []
+
+    def counting_backend(gm, example_inputs):
+        def run(*args):
+            calls.append(1)
+            return gm.forward(*args)
+        return run
+
+    model = make_model(width=16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    acc = ampkit.Accelerator("fp32", device="cpu", compile={"backend": counting_backend, **(compile or {})}, **kwargs)
+    acc.compile_trial.clock = FakeClock(acc.compile_trial, eager_s, compiled_s)
+    model, opt, loader = acc.prepare(model, opt, make_loader(batch_size=16))
+    losses, chosen, eval_calls = [], [], 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _, (x, y) in zip(range(steps), loader):
+            loss = F.cross_entropy(model(x), y)
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            chosen.append(acc.compile_stats.chosen)
+            if evals:
+                before = len(calls)
+                model.eval()
+                model(x)
+                model.train()
+                with torch.no_grad():
+                    model(x)
+                eval_calls += len(calls) - before
+    messages = [str(w.message) for w in caught if "compile=True" in str(w.message)]
+    return SimpleNamespace(losses=losses, acc=acc, model=model, compiled_calls=len(calls) - eval_calls,
+                           eval_compiled_calls=eval_calls, chosen=chosen, messages=messages)
+
+
+def test_the_compile_trial_runs_eager_when_eager_measures_faster_and_training_still_works():
+    eager, _, eager_model = losses_of("fp32", steps=12, batch_size=16)
+    run = trial_run(eager_s=0.001, compiled_s=0.002)
+    stats, model = run.acc.compile_stats, run.model
+    assert stats.chosen == "eager" and (stats.eager_step_s, stats.compiled_step_s) == (0.001, 0.002)
+    assert stats.reason == "eager is faster: the compiled step measured 2 ms vs eager 1 ms (median of 3 each)"
+    # the first compiled step, then eager/compiled alternating 3 + 3, decided at the end of step 7
+    assert run.chosen == [None] * 6 + ["eager"] * 6
+    assert run.compiled_calls == 1 + 3  # steps 8-12 ran the eager forward: the compiled one was not called
+    [message] = run.messages
+    assert "the compiled training step measured 2 ms vs eager 1 ms" in message
+    assert "models (Sequential) run eagerly" in message and "'trial': False} keeps them compiled" in message
+    torch.testing.assert_close(run.losses, eager, rtol=1e-5, atol=1e-6)
+    for a, b in zip(model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # a prepared model that runs eagerly after the trial still deep-copies and pickles
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(copy.deepcopy(model)(x), model(x))
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    torch.testing.assert_close(torch.load(io.BytesIO(buf.getvalue()), weights_only=False)(x), model(x))
+
+
+@pytest.mark.parametrize("eager_s", [0.003, 0.002], ids=["compiled-faster", "tie"])
+def test_the_compile_trial_keeps_compiled_when_compiled_is_faster_or_ties(eager_s):
+    run = trial_run(eager_s=eager_s, compiled_s=0.002)
+    assert run.acc.compile_stats.chosen == "compiled" and run.acc.compile_stats.reason.startswith("compiled is not slower: the compiled step measured 2 ms vs eager")
+    assert run.chosen == [None] * 6 + ["compiled"] * 6
+    assert run.compiled_calls == 1 + 3 + 5 and run.messages == []
+
+
+def test_trial_false_keeps_compiled_without_timing_eager():
+    run = trial_run(eager_s=0.001, compiled_s=0.002, compile={"trial": False})
+    assert run.compiled_calls == 12 and run.messages == []
+    assert run.chosen == [None] * 12 and run.acc.compile_stats.eager_step_s is None
+    assert run.acc.compile_stats.reason == "no trial: compile={'trial': False}"
+    assert "trial" not in run.acc.compile_options  # ampkit's key, not passed to torch.compile
+
+
+def test_eval_and_no_grad_forwards_during_the_trial_run_compiled_and_are_not_timed():
+    run = trial_run(eager_s=0.001, compiled_s=0.002, evals=True)
+    assert run.chosen == [None] * 6 + ["eager"] * 6  # the same training step decides as without them
+    assert run.compiled_calls == 1 + 3 and len(run.messages) == 1
+    assert run.eval_compiled_calls == 2 * 6  # compiled during the trial (from step 7's end: eager, as chosen)
+    assert run.acc.compile_stats.eager_step_s == 0.001 and run.acc.compile_stats.compiled_step_s == 0.002
+
+
+def test_the_compile_trial_times_every_micro_step_under_gradient_accumulation():
+    eager, _, eager_model = losses_of("fp32", steps=12, batch_size=16, grad_accum_steps=2)
+    run = trial_run(eager_s=0.001, compiled_s=0.002, grad_accum_steps=2)
+    assert run.chosen == [None] * 6 + ["eager"] * 6 and run.compiled_calls == 1 + 3
+    torch.testing.assert_close(run.losses, eager, rtol=1e-5, atol=1e-6)
+    for a, b in zip(run.model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 # --- cuda_graphs=True ---------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ampkit import checkpoint
-from ampkit.compiler import CompileStats, compile_setup
+from ampkit.compiler import CompileStats, CompileTrial, compile_setup
 from ampkit.cycle import AccumulationCycle
 from ampkit.data import DeviceLoader
 from ampkit.distributed import FSDP_PRESETS, DistributedContext, barrier, gather_objects, sum_across_ranks
@@ -68,6 +68,9 @@ class Accelerator:
         compile: torch.compile each prepared model's forward, precision policy inside (True, or a dict of
             torch.compile arguments such as {"mode": "max-autotune"}; None: AMPKIT_COMPILE, else False); eager
             with a warning where it fails. `acc.compile_stats` keeps the first step's compile time apart.
+            Then the next training steps alternate eager and compiled (3 each) and the faster by median runs
+            the rest of the run (`acc.compile_stats.chosen`/`reason`; a warning if eager); the dict key
+            "trial": False keeps it compiled without timing (cuda_graphs=True runs no trial either).
         channels_last: store 4-D weights and batches in channels-last layout (NHWC), which the
             convolution kernels of GPUs (tensor cores) and of oneDNN on CPUs run fastest.
         cuda_graphs: replay each step's forward and backward kernels as CUDA graphs (torch.compile's
@@ -135,6 +138,7 @@ class Accelerator:
         self.compile_options = compile_setup(self.device, compile, cuda_graphs)  # torch.compile kwargs, or None
         self.cuda_graphs = cuda_graphs and self.compile_options is not None
         self.compile_stats = CompileStats()
+        self.compile_trial = CompileTrial(self.compile_stats, self.device, compile, self.cuda_graphs)  # eager or compiled?
         self.channels_last, self.free_step_buffers = channels_last, free_step_buffers
         self.cast_outputs = cast_outputs
         self.grad_accum_steps = grad_accum_steps
@@ -178,6 +182,8 @@ class Accelerator:
         self.cycle.advance()
         for opt in self._prepared.optimizers:
             opt.on_backward(unscaled)
+        if self.compile_trial.timing:  # the compile trial's timed step ends here (see CompileTrial)
+            self.compile_trial.backward_ended()
         if self.events:
             self.events.emit(Listener.on_backward_end, self)
 

@@ -2,7 +2,8 @@
 (autocast and the fp32 output cast: the compiler can fuse the casts). The module, its parameters,
 state_dict keys and hooks stay the user's. Where the compiler is unavailable (no C++ compiler, an
 unsupported Python) or fails on the model, it runs eagerly with one warning that says why. The first
-call's and first backward's time (tracing, code generation) are kept apart in `CompileStats`.
+call's and first backward's time (tracing, code generation) are kept apart in `CompileStats`. Then a
+short trial (`CompileTrial`) times eager against compiled training steps and keeps the faster.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+import statistics
 import time
 import types
 import warnings
@@ -18,6 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from ampkit.distributed import gather_objects
+from ampkit.present import seconds
+
+TRIAL_STEPS = 3  # timed training steps of each kind (eager, compiled) in the trial
 
 
 @dataclass
@@ -29,6 +36,10 @@ class CompileStats:
     first_backward_s: float | None = None  # the first backward through the compiled graph (compiled there)
     fallback: str | None = None  # why a model runs eagerly after all (None while every model is compiled)
     models: list[str] = field(default_factory=list)  # class names of the compiled models
+    chosen: str | None = None  # "compiled" / "eager" after the trial; None while measuring or never measured
+    eager_step_s: float | None = None  # the trial's median eager forward+backward, in seconds
+    compiled_step_s: float | None = None  # the trial's median compiled forward+backward, in seconds
+    reason: str | None = None  # why `chosen` (or why no trial runs)
 
 
 def compile_options(value: bool | Mapping[str, Any]) -> dict[str, Any] | None:
@@ -39,10 +50,12 @@ def compile_options(value: bool | Mapping[str, Any]) -> dict[str, Any] | None:
         return {}
     if not isinstance(value, Mapping):
         raise TypeError(f"compile={value!r}: expected True, False or a dict of torch.compile arguments")
-    allowed = {"backend", "mode", "fullgraph", "dynamic", "options"}
+    allowed = {"backend", "mode", "fullgraph", "dynamic", "options", "trial"}
     if unknown := sorted(set(value) - allowed):
         raise ValueError(f"compile={dict(value)!r}: unknown key(s) {unknown}; expected True, False or a dict "
                          f"of torch.compile arguments ({', '.join(sorted(allowed))})")
+    if not isinstance(value.get("trial", True), bool):
+        raise TypeError(f"compile={dict(value)!r}: 'trial' must be True or False (False: compiled, never timed against eager)")
     return dict(value)
 
 
@@ -50,6 +63,8 @@ def compile_setup(device: torch.device, compile: bool | Mapping[str, Any], cuda_
     """torch.compile arguments for `Accelerator(compile=, cuda_graphs=)`, or None (with a warning where
     the compiler cannot run here); `cuda_graphs` is compile's reduce-overhead mode."""
     options = compile_options(compile)
+    if options is not None:
+        options.pop("trial", None)  # ampkit's own key (see CompileTrial), not torch.compile's
     if cuda_graphs:
         if device.type != "cuda":
             raise ValueError(
@@ -81,22 +96,78 @@ def unavailable_reason(device: torch.device, options: Mapping[str, Any]) -> str 
     return None
 
 
-class CompiledForward:
-    """A module's forward, compiled on first use; eager (with one warning) if compiling fails. A class
-    rather than a closure so a prepared model stays picklable and deep-copyable."""
+class CompileTrial:
+    """Whether compiling pays, measured. After the compile costs are paid (the first compiled forward and
+    its backward), the next training forwards (module in training mode, grad enabled) alternate eager and
+    compiled, TRIAL_STEPS of each, each timed from the forward to the end of the `acc.backward` after it
+    (with accumulation every micro-step counts; the optimizer step is outside). Then the faster by median
+    runs every model of the Accelerator for the rest of the run (a tie keeps compiled). Forwards in eval mode
+    or under no_grad run compiled and are not timed. Under torchrun all ranks take rank 0's choice. No trial
+    with compile={"trial": False} or cuda_graphs=True. `clock` is injectable (tests force either outcome)."""
 
-    def __init__(self, forward: Any, options: Mapping[str, Any], stats: CompileStats, label: str) -> None:
-        self.forward, self.options, self.stats, self.label = forward, dict(options), stats, label
+    def __init__(self, stats: CompileStats, device: torch.device, compile: Any = True, cuda_graphs: bool = False,
+                 clock: Any = time.perf_counter) -> None:
+        off = "cuda_graphs=True" if cuda_graphs else (
+            "compile={'trial': False}" if isinstance(compile, Mapping) and compile.get("trial") is False else None)
+        self.stats, self.device, self.clock, self.start = stats, device, clock, 0.0
+        self.samples: dict[str, list[float]] = {"eager": [], "compiled": []}  # seconds per timed step
+        self.measuring, self.eager = off is None, False  # eager: the trial chose eager
+        self.timing: str | None = None  # the kind of the timed step in flight, until its backward ends
+        stats.reason = off and f"no trial: {off}"
+
+    def kind(self, module: torch.nn.Module) -> str:
+        """What a compiled model's forward runs during the trial ("eager" or "compiled"); a training
+        forward with no timed step in flight starts one."""
+        if self.stats.first_backward_s is None or not (module.training and torch.is_grad_enabled()):
+            return "compiled"  # the compile costs are not paid yet, or not a training forward: not timed
+        if self.timing is None:
+            self.timing = "eager" if len(self.samples["eager"]) <= len(self.samples["compiled"]) else "compiled"
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # sync: the timed step starts with no earlier work queued (trial only)
+            self.start = self.clock()
+        return self.timing
+
+    def backward_ended(self) -> None:
+        """End the timed step (`acc.backward` calls it while `timing` is set); choose after the last one."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # sync: the step's kernels have run when the clock is read (trial only)
+        self.samples[self.timing or "compiled"].append(self.clock() - self.start)
+        self.timing = None
+        if min(len(v) for v in self.samples.values()) < TRIAL_STEPS:
+            return
+        # sync: once per run, all ranks (in step: same backward count) take rank 0's medians and so its choice
+        eager, compiled = gather_objects([statistics.median(v) for v in self.samples.values()])[0]
+        s = self.stats
+        s.chosen, s.eager_step_s, s.compiled_step_s = ("eager" if eager < compiled else "compiled"), eager, compiled
+        self.measuring, self.eager = False, s.chosen == "eager"
+        measured = f"{seconds(compiled)} vs eager {seconds(eager)} (median of {TRIAL_STEPS} each)"
+        s.reason = f"{'eager is faster' if self.eager else 'compiled is not slower'}: the compiled step measured {measured}"
+        if self.eager:
+            warnings.warn(f"compile=True: the compiled training step measured {measured}; this Accelerator's models "
+                          f"({', '.join(s.models)}) run eagerly (same results within rounding; compile={{'trial': "
+                          f"False}} keeps them compiled)", stacklevel=3)
+
+
+class CompiledForward:
+    """A module's forward, compiled on first use; eager if compiling fails (one warning) or its `CompileTrial`
+    measured eager faster. A class rather than a closure so a prepared model stays picklable and deep-copyable."""
+
+    def __init__(self, forward: Any, options: Mapping[str, Any], trial: CompileTrial, label: str,
+                 module: torch.nn.Module) -> None:
+        self.forward, self.options, self.trial, self.label = forward, dict(options), trial, label
+        self.stats, self.module = trial.stats, module  # module: its `training` flag decides what the trial times
         self._compiled: Any = None
         self._first = True
         self._eager = False  # this model's compile failed (others may still compile)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._eager:
+        if self._eager or self.trial.eager:
             return self.forward(*args, **kwargs)
-        if not self._first:
-            return self._compiled(*args, **kwargs)
-        return self._first_call(args, kwargs)
+        if self._first:
+            return self._first_call(args, kwargs)
+        if self.trial.measuring and self.trial.kind(self.module) == "eager":
+            return self.forward(*args, **kwargs)
+        return self._compiled(*args, **kwargs)
 
     def _first_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         start = time.perf_counter()

@@ -101,7 +101,7 @@ class Prepared:
             self.fsdp_params.update(params)
         if acc.compile_options is not None:
             name = type(model).__name__
-            model.forward = CompiledForward(model.forward, acc.compile_options, acc.compile_stats, name)
+            model.forward = CompiledForward(model.forward, acc.compile_options, acc.compile_trial, name, model)
             acc.compile_stats.models.append(name)
         self.originals[id(model)] = _Model(originals)
         self.models.append(model)
