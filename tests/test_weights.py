@@ -182,12 +182,13 @@ class NotKnownElementwise(torch.optim.AdamW):
     """A subclass: ampkit steps it per tensor, the reference for the flat steps of plain AdamW."""
 
 
-def train_branchy(make: type, steps: int, reload_at: int | None = None, chunk: int | None = None) -> list[torch.Tensor]:
+def train_branchy(make: type, steps: int, reload_at: int | None = None, chunk: int | None = None,
+                  precision: str = "bf16-true") -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = Branchy()
     groups = [{"params": model.a.parameters(), "lr": 1e-2},
               {"params": [*model.b.parameters(), *model.aux.parameters(), *model.c.parameters()], "lr": 3e-3, "weight_decay": 0.1}]
-    acc = ampkit.Accelerator(precision="bf16-true", device="cpu")
+    acc = ampkit.Accelerator(precision=precision, device="cpu")
     model, opt = acc.prepare(model, make(groups))
     if chunk is not None:
         opt.weights.chunk = chunk
@@ -199,12 +200,13 @@ def train_branchy(make: type, steps: int, reload_at: int | None = None, chunk: i
             saved = (model.state_dict(), opt.state_dict())
             torch.manual_seed(0)
             model = Branchy()
-            acc = ampkit.Accelerator(precision="bf16-true", device="cpu")
+            acc = ampkit.Accelerator(precision=precision, device="cpu")
             model, opt = acc.prepare(model, make([{"params": model.a.parameters(), "lr": 1e-2},
                                                   {"params": [*model.b.parameters(), *model.aux.parameters(),
                                                               *model.c.parameters()], "lr": 3e-3, "weight_decay": 0.1}]))
             model.load_state_dict(saved[0])
             opt.load_state_dict(saved[1])
+            opt.optimizer.register_step_pre_hook(lambda o, args, kwargs: seen.append(sum(len(g["params"]) for g in o.param_groups)))
         x, y = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
         acc.backward(((model(x, step % 2 == 0).float() - y) ** 2).mean())
         opt.step()
@@ -212,15 +214,17 @@ def train_branchy(make: type, steps: int, reload_at: int | None = None, chunk: i
     state = [v for s in opt.state_dict()["state"].values() for _, v in sorted(s.items())]
     if make is torch.optim.AdamW:
         assert max(seen[2:]) <= 4, seen  # a few flat tensors per step (a, b, aux, c: aux's counter lags), not 8 weights
-    return [p.detach().clone() for p in model.parameters()] + list(opt.weights.compensation) + state
+    return [p.detach().clone() for p in model.parameters()] + [t.clone() for t in opt.weights.exact_state()] + state
 
 
 @pytest.mark.parametrize("chunk", [None, 200], ids=["one-chunk", "weights-cut-in-pieces"])
-def test_bf16_true_flat_steps_equal_stepping_each_weight_with_groups_and_a_lagging_step_counter(chunk):
-    """Steady-state bf16-true steps hand the optimizer a few flat tensors (weights of one group whose step
-    counters agree), not one per weight: bitwise the per-weight step, including after a resume from state
-    dicts where the counters differ (a layer used every other step)."""
-    reference = train_branchy(NotKnownElementwise, 9)
-    assert all(torch.equal(a, b) for a, b in zip(train_branchy(torch.optim.AdamW, 9, chunk=chunk), reference))
-    resumed = train_branchy(torch.optim.AdamW, 9, reload_at=6, chunk=chunk)
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-master"])
+def test_flat_steps_equal_stepping_each_weight_with_groups_and_a_lagging_step_counter(precision, chunk):
+    """Steady-state bf16-true and bf16-master steps hand the optimizer a few flat tensors (weights of one
+    group whose step counters agree), not one per weight: bitwise the per-weight step, including after a
+    resume from state dicts where the counters differ (a layer used every other step)."""
+    reference = train_branchy(NotKnownElementwise, 9, precision=precision)
+    got = train_branchy(torch.optim.AdamW, 9, chunk=chunk, precision=precision)
+    assert len(got) == len(reference) and all(torch.equal(a, b) for a, b in zip(got, reference))
+    resumed = train_branchy(torch.optim.AdamW, 9, reload_at=6, chunk=chunk, precision=precision)
     assert all(torch.equal(a, b) for a, b in zip(resumed, reference))

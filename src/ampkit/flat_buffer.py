@@ -160,28 +160,33 @@ class Chunk:
 class FlatRun:
     """Consecutive pieces of a chunk, of one parameter group, whose tensors have the same per-element state
     keys and per-step scalars: stepped as one flat stand-in. `param`, its gradient and its per-element state
-    (`views`) are views of the workspace; `entry` is its optimizer state; its tensors are `first..last` in
-    the plan's `kept` order (where `ChunkPlan.scalars` holds their per-step scalars)."""
+    (`views`) are views of the workspace, or where the plan steps in place (`inplace`), of those buffers;
+    `entry` is its optimizer state; its tensors are `first..last` in the plan's `kept` order (where
+    `ChunkPlan.scalars` holds their per-step scalars)."""
 
-    def __init__(self, plan: ChunkPlan, group: int, keys: tuple[str, ...], at: int, stop: int, first: int, last: int) -> None:
-        self.group, self.first, self.last = group, first, last
-        self.param = nn.Parameter(EMPTY_FP32.to(plan.work.device))
-        self.param.data, self.param.grad = plan.work[at:stop], plan.grad[at:stop]
-        self.views = {key: plan.state[key][at:stop] for key in keys}
+    def __init__(self, plan: ChunkPlan, sign: tuple[Any, ...], at: int, n: int, first: int, last: int,
+                 starts: dict[str, int]) -> None:
+        self.group, self.first, self.last = sign[0], first, last
+        homes = {k: b.buffer for k, b in plan.inplace.items()} if plan.inplace else {"data": plan.work, **plan.state}
+        starts = starts or dict.fromkeys(homes, at)
+        self.param = nn.Parameter(EMPTY_FP32.to(plan.grad.device))
+        self.param.data, self.param.grad = homes["data"][starts["data"]:starts["data"] + n], plan.grad[at:at + n]
+        self.views = {key: homes[key][starts[key]:starts[key] + n] for key in sign[1]}
         self.entry: dict[str, Any] = dict(self.views)
 
 
 def _flat_runs(plan: ChunkPlan, pieces: list[tuple[int, int, int]]) -> list[FlatRun]:
-    found: list[list[Any]] = []  # [signature, workspace start, stop, first, last]
+    found: list[list[Any]] = []  # [signature, workspace start, length, first, last, start in each in-place buffer]
     at = 0
     for i, s, e in pieces:
         sign, pos = plan.signatures[i], plan.positions[i]
-        if found and found[-1][0] == sign:
-            found[-1][2], found[-1][4] = at + e - s, pos
+        starts = {k: b.offsets[i] + s for k, b in plan.inplace.items() if i in b.offsets}
+        if found and found[-1][0] == sign and all(starts[k] == found[-1][5][k] + found[-1][2] for k in starts):
+            found[-1][2], found[-1][4] = found[-1][2] + e - s, pos
         else:
-            found.append([sign, at, at + e - s, pos, pos])
+            found.append([sign, at, e - s, pos, pos, starts])
         at += e - s
-    return [FlatRun(plan, sign[0], sign[1], a, b, first, last) for sign, a, b, first, last in found]
+    return [FlatRun(plan, *run) for run in found]
 
 
 class ChunkPlan:
@@ -198,28 +203,32 @@ class ChunkPlan:
     whose update is elementwise this is the same arithmetic on every element, bit for bit (tests check
     each class), in a few kernels instead of a few per tensor. Each tensor's per-step scalars become
     0-dim views of one tensor per key (`scalars`, in `kept` order): a run reads them before its step,
-    and `write_scalars()` writes its new values into its tensors' after the last chunk."""
+    and `write_scalars()` writes its new values into its tensors' after the last chunk. `inplace`: flat
+    buffers the runs step in place instead of the workspace ("data": the tensors; per state key: its
+    store), the workspace holding only gradients (master weights)."""
 
     def __init__(self, params: list[torch.Tensor], shadows: list[torch.Tensor], groups: list[dict[str, Any]],
                  kept: list[int], capacity: int, split: bool, low: FlatBuffer | None = None,
-                 stores: dict[str, FlatBuffer] | None = None, entries: Any = None, classes: list[Any] | None = None) -> None:
+                 stores: dict[str, FlatBuffer] | None = None, entries: Any = None, classes: list[Any] | None = None,
+                 inplace: dict[str, FlatBuffer] | None = None) -> None:
         self.kept, self.capacity, self.split, self.stores = kept, capacity, split, stores or {}
         self.offsets, self.low = (low.offsets, low.buffer) if low is not None else ({}, EMPTY_FP32)
-        self.params, self.shadows, self.groups, self.entries = params, shadows, groups, entries
+        self.params, self.shadows, self.groups, self.entries, self.inplace = params, shadows, groups, entries, inplace or {}
         pieces = cut_chunks([p.numel() for p in params], kept, [split and p.is_contiguous() for p in params], capacity)
         size = max(sum(e - s for _, s, e in chunk) for chunk in pieces)
         work = torch.empty((1 if low is None else 2 + len(self.stores)) * size, dtype=torch.float32, device=params[0].device)
         self.work, self.grad = work[:size], work if low is None else work[size:2 * size]
         self.state = {key: work[(2 + k) * size:(3 + k) * size] for k, key in enumerate(self.stores)}
         self.nbytes = work.nbytes
-        self.flat = classes is not None and low is not None and self._flat_scalars(classes)
+        self.flat = classes is not None and (low is not None or bool(inplace)) and self._flat_scalars(classes)
         self.chunks = [Chunk(self, chunk, n == len(pieces) - 1) for n, chunk in enumerate(pieces)]
         self.cut = sorted({i for chunk in self.chunks for i in chunk.resume})  # tensors cut into pieces
 
     def _flat_scalars(self, classes: list[Any]) -> bool:
         """Make `scalars`, `signatures` and `positions` for flat runs; False where they cannot be made."""
         state = [self.entries[self.shadows[i]] for i in self.kept]
-        keys = [tuple(k for k, store in self.stores.items() if i in store.by_index) for i in self.kept]
+        stores = {k: b for k, b in self.inplace.items() if k != "data"} or self.stores
+        keys = [tuple(k for k, store in stores.items() if i in store.by_index) for i in self.kept]
         scalars = [{k: v for k, v in entry.items() if k not in own} for entry, own in zip(state, keys)]
         names = set(scalars[0]) if scalars else set()
         if any(set(one) != names or not all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in one.values())

@@ -3,8 +3,8 @@
 For the presets that store weights in bf16/fp16, the user's optimizer is pointed at fp32 parameters
 that ampkit keeps in step with the model:
 
-* `MasterWeights` (`*-master`, apex O2): persistent fp32 copies; the update lands on them and is
-  copied into the model's low-precision weights.
+* `MasterWeights` (`*-master`, apex O2, in `ampkit.master_weights`): persistent fp32 copies; the
+  update lands on them and is copied into the model's low-precision weights.
 * `CompensatedWeights` (`bf16-true`): no persistent fp32 copy; the update works chunk by chunk on
   fp32 values made from the bf16 weight plus a bf16 Kahan buffer holding what rounding lost.
 
@@ -21,117 +21,8 @@ import torch
 from torch import nn
 
 from ampkit.flat_buffer import EMPTY_FP32, Chunk, ChunkPlan, FlatBuffer
+from ampkit.master_weights import MasterWeights
 from ampkit.weight_state import ELEMENTWISE, ExactState, ScalarClasses, fp32_grads, per_element
-
-
-class MasterWeights(ExactState):
-    """Persistent fp32 master copies of low-precision parameters (the `*-master` presets).
-
-    Without loss scaling or clipping (`step`), the masters' fp32 gradients are made chunk by chunk
-    in a fixed workspace, each chunk stepped as it is made (a tensor cut in pieces is stepped as
-    views of its master and state, its per-step scalars advanced once). Otherwise (`grads_in`) they
-    live in one flat buffer that exists only during the step.
-    """
-
-    def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]], optimizer: torch.optim.Optimizer,
-                 free_step_buffers: bool = True, chunk: int = 1 << 18) -> None:
-        self.pairs = pairs  # (model parameter in bf16/fp16, its fp32 master)
-        self.optimizer, self.chunk = optimizer, chunk
-        self._plan: ChunkPlan | None = None
-        self._stepped = [False] * len(pairs)  # stepped once: the optimizer's state exists (pieces need it)
-        self._params = [p for p, _ in pairs]
-        self._masters = [m for _, m in pairs]
-        self._grad = FlatBuffer(self._masters, torch.float32, free_step_buffers)
-        self._grad.free()
-
-    @property
-    def optimizer_params(self) -> Iterator[nn.Parameter]:
-        return iter(self._masters)
-
-    def grads_in(self) -> list[torch.Tensor]:
-        """Give each master the fp32 copy of its model parameter's gradient; return those grads."""
-        kept, views = fp32_grads(self._params, self._grad)
-        for i, view in zip(kept, views):
-            self._masters[i].grad = view
-        return views
-
-    def step(self, step_fn: Callable[[], Any]) -> Any:
-        """Run the user's optimizer step, the masters' fp32 gradients made one chunk at a time."""
-        kept = [i for i, p in enumerate(self._params) if p.grad is not None]
-        if not kept or type(self.optimizer) not in ELEMENTWISE:
-            self.grads_in()
-            return step_fn()
-        state, split = self.optimizer.state, all(self._stepped[i] for i in kept)  # first steps: whole tensors
-        if self._plan is None or (self._plan.kept, self._plan.split) != (kept, split):
-            self._plan = ChunkPlan(self._params, self._masters, self.optimizer.param_groups, kept, self.chunk, split)
-        full = {i: (self._masters[i].data, dict(state[self._masters[i]])) for i in self._plan.cut}
-        scalars = {i: {k: v.clone() for k, v in entries.items() if isinstance(v, torch.Tensor) and not per_element(k, v, data)}
-                   for i, (data, entries) in full.items()}
-        try:
-            with torch.no_grad():
-                return self._plan.run(step_fn, lambda chunk: self._load(chunk, full, scalars), lambda chunk: self._store(chunk, full))
-        finally:
-            for i, (data, entries) in full.items():  # the weights stepped in pieces get their whole tensors back
-                self._masters[i].grad, self._masters[i].data = None, data
-                state[self._masters[i]].update({k: v for k, v in entries.items() if per_element(k, v, data)})
-            for i in kept:
-                self._stepped[i] = True
-
-    def _load(self, chunk: Chunk, full: dict[int, Any], scalars: dict[int, dict[str, torch.Tensor]]) -> None:
-        torch._foreach_copy_(chunk.grad, [p.grad if whole else p.grad.reshape(-1)[s:e]
-                                          for p, (_, s, e), whole in zip(chunk.owners, chunk.pieces, chunk.whole)])
-        for master, (i, s, e), whole, grad in zip(chunk.shadows, chunk.pieces, chunk.whole, chunk.grad):
-            if not whole:  # a piece: the master and its per-element state are views of the whole tensors
-                data, entries = full[i]
-                master.grad, master.data = None, data.view(-1)[s:e]
-                entry = self.optimizer.state[master]
-                entry.update({k: v.view(-1)[s:e] for k, v in entries.items() if per_element(k, v, data)})
-                for key, value in scalars[i].items() if s > 0 else ():  # step counters etc. advance once per step
-                    entry[key].copy_(value)
-            master.grad = grad
-
-    def _store(self, chunk: Chunk, full: dict[int, Any]) -> None:
-        for (i, s, e), whole in zip(chunk.pieces, chunk.whole):
-            if not whole:
-                entry, (data, entries) = self.optimizer.state[self._masters[i]], full[i]
-                for key, value in entries.items():
-                    if per_element(key, value, data) and entry[key].data_ptr() != value.view(-1)[s:e].data_ptr():
-                        value.view(-1)[s:e].copy_(entry[key])  # the optimizer replaced the tensor, not updated it
-
-    def weights_out(self) -> None:
-        """Round the (possibly updated) masters into the model's parameters."""
-        if self.pairs:
-            with torch.no_grad():
-                torch._foreach_copy_(self._params, self._masters)
-
-    def release(self) -> None:
-        """Drop the fp32 gradients (after the step, or when gradients are zeroed)."""
-        for master in self._masters:
-            master.grad = None
-        self._grad.free()
-
-    # --- state ----------------------------------------------------------------------------------
-    kind = "master"
-
-    def fp32_value(self, i: int) -> torch.Tensor:
-        """The fp32 value the i-th low-precision weight stands for: its master copy."""
-        return self._masters[i].detach()
-
-    def fp32_values(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        """(model parameter, the fp32 value it stands for) for every weight."""
-        return [(p, self.fp32_value(i)) for i, p in enumerate(self._params)]
-
-    def set_fp32_values(self, values: dict[nn.Parameter, torch.Tensor]) -> None:
-        """Set parameters and masters from fp32 values (a checkpoint of another preset)."""
-        with torch.no_grad():
-            for p, master in self.pairs:
-                if p in values:
-                    master.copy_(values[p].to(master.device, torch.float32))
-                    p.copy_(master)
-
-    def exact_state(self) -> list[torch.Tensor]:
-        """The fp32 masters: with the model's weights, the whole state (`ExactState`)."""
-        return self._masters
 
 
 class CompensatedWeights(ExactState):
@@ -310,14 +201,10 @@ class CompensatedWeights(ExactState):
             self._grads_in = False
             self._grad.free()
 
-    def store_state_low(self) -> None:
+    def state_loaded(self) -> None:
         """Store per-element optimizer state in bf16 (after loading a state_dict, which casts it to fp32)."""
         self._state_count = -1
-        state = self.optimizer.state
-        self._stepped = [bool(state.get(s)) for s in self._shadows]
-        self._classes.reset([tuple((k, tuple(v.reshape(-1).tolist()) if isinstance(v, torch.Tensor) else v)  # sync: once per load
-                                   for k, v in sorted(state[s].items()) if not per_element(k, v, p)) if state.get(s) else None
-                             for s, p in zip(self._shadows, self._params)])
+        self._stepped = self._classes.reset(self.optimizer.state, self._shadows, self._params)
         self._build_state()
 
     def _build_state(self) -> None:

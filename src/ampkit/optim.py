@@ -144,8 +144,8 @@ class AmpOptimizer(torch.optim.Optimizer):
         """Load a state_dict from `state_dict()` (or a plain torch optimizer's: then counters stay as they are)."""
         amp = state_dict.get("ampkit")
         self.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != "ampkit"})
-        if isinstance(self.weights, CompensatedWeights):
-            self.weights.store_state_low()  # the loaded (fp32) state becomes bf16-true's stored state
+        if self.weights is not None:
+            self.weights.state_loaded()  # which weights have state, their step counters; bf16-true stores it in bf16
         if amp is None:
             return
         self.attempted_steps, self.applied_steps, self.skipped_steps = amp["attempted"], amp["applied"], amp["skipped"]

@@ -92,11 +92,16 @@ class ScalarClasses:
             self._last = list(kept)
         return self.of
 
-    def reset(self, values: list[Any]) -> None:
-        """Classes from each weight's scalar values (None: no state yet), e.g. after loading a state_dict."""
+    def reset(self, state: Any, stepped: list[nn.Parameter], weights: list[nn.Parameter]) -> list[bool]:
+        """Classes from the scalar values in `state` (an optimizer's, just loaded) of the tensors it steps
+        (`stepped`, for `weights`); return which of them have state."""
+        values = [tuple((k, tuple(v.reshape(-1).tolist()) if isinstance(v, torch.Tensor) else v)  # sync: once per load
+                        for k, v in sorted(state[s].items()) if not per_element(k, v, w)) if state.get(s) else None
+                  for s, w in zip(stepped, weights)]
         ids: dict[Any, int] = {}
         for v in values:
             if v is not None and v not in ids:
                 ids[v] = next(self._ids)
         self.of = [None if v is None else ids[v] for v in values]
         self._last = None
+        return [v is not None for v in values]
