@@ -157,34 +157,42 @@ class Chunk:
                            for n, ps in enumerate(self.groups)]
 
 
+#: Where each tensor's elements live, per buffer name ("data", or a state key): index -> (1-D tensor, offset, the
+#: tensor's own view). Tensors lying end to end in one 1-D tensor can be stepped as one flat view of it.
+Homes = dict[str, dict[int, tuple[torch.Tensor, int, torch.Tensor]]]
+
+
 class FlatRun:
     """Consecutive pieces of a chunk, of one parameter group, whose tensors have the same per-element state
     keys and per-step scalars: stepped as one flat stand-in. `param`, its gradient and its per-element state
     (`views`) are views of the workspace, or where the plan steps in place (`inplace`), of those buffers;
     `entry` is its optimizer state; its tensors are `first..last` in the plan's `kept` order (where
-    `ChunkPlan.scalars` holds their per-step scalars)."""
+    `ChunkPlan.scalars` holds their per-step scalars); `pieces`: (tensor index, start in the run, length)."""
 
     def __init__(self, plan: ChunkPlan, sign: tuple[Any, ...], at: int, n: int, first: int, last: int,
-                 starts: dict[str, int]) -> None:
-        self.group, self.first, self.last = sign[0], first, last
-        homes = {k: b.buffer for k, b in plan.inplace.items()} if plan.inplace else {"data": plan.work, **plan.state}
-        starts = starts or dict.fromkeys(homes, at)
-        self.param = nn.Parameter(EMPTY_FP32.to(plan.grad.device))
-        self.param.data, self.param.grad = homes["data"][starts["data"]:starts["data"] + n], plan.grad[at:at + n]
-        self.views = {key: homes[key][starts[key]:starts[key] + n] for key in sign[1]}
+                 starts: dict[str, tuple[torch.Tensor, int]], pieces: list[tuple[int, int, int]]) -> None:
+        self.group, self.first, self.last, self.pieces = sign[0], first, last, pieces
+        homes = starts or dict.fromkeys(("data", *plan.state), None)
+        spans = {k: (plan.work if k == "data" else plan.state[k], at) if v is None else v for k, v in homes.items()}
+        base, start = spans["data"]
+        self.param = nn.Parameter(base[start:start + n])  # a view: stepped in place
+        self.param.grad = plan.grad[at:at + n]
+        self.views = {key: spans[key][0][spans[key][1]:spans[key][1] + n] for key in sign[1]}
         self.entry: dict[str, Any] = dict(self.views)
 
 
 def _flat_runs(plan: ChunkPlan, pieces: list[tuple[int, int, int]]) -> list[FlatRun]:
-    found: list[list[Any]] = []  # [signature, workspace start, length, first, last, start in each in-place buffer]
+    found: list[list[Any]] = []  # [signature, workspace start, length, first, last, start in each home, pieces]
     at = 0
     for i, s, e in pieces:
         sign, pos = plan.signatures[i], plan.positions[i]
-        starts = {k: b.offsets[i] + s for k, b in plan.inplace.items() if i in b.offsets}
-        if found and found[-1][0] == sign and all(starts[k] == found[-1][5][k] + found[-1][2] for k in starts):
-            found[-1][2], found[-1][4] = found[-1][2] + e - s, pos
+        starts = {k: (h[i][0], h[i][1] + s) for k, h in plan.inplace.items() if i in h}
+        last = found[-1] if found else None
+        if last and last[0] == sign and all(b is last[5][k][0] and o == last[5][k][1] + last[2] for k, (b, o) in starts.items()):
+            last[6].append((i, last[2], e - s))
+            last[2], last[4] = last[2] + e - s, pos
         else:
-            found.append([sign, at, e - s, pos, pos, starts])
+            found.append([sign, at, e - s, pos, pos, starts, [(i, 0, e - s)]])
         at += e - s
     return [FlatRun(plan, *run) for run in found]
 
@@ -210,7 +218,7 @@ class ChunkPlan:
     def __init__(self, params: list[torch.Tensor], shadows: list[torch.Tensor], groups: list[dict[str, Any]],
                  kept: list[int], capacity: int, split: bool, low: FlatBuffer | None = None,
                  stores: dict[str, FlatBuffer] | None = None, entries: Any = None, classes: list[Any] | None = None,
-                 inplace: dict[str, FlatBuffer] | None = None) -> None:
+                 inplace: Homes | None = None) -> None:
         self.kept, self.capacity, self.split, self.stores = kept, capacity, split, stores or {}
         self.offsets, self.low = (low.offsets, low.buffer) if low is not None else ({}, EMPTY_FP32)
         self.params, self.shadows, self.groups, self.entries, self.inplace = params, shadows, groups, entries, inplace or {}
@@ -226,9 +234,9 @@ class ChunkPlan:
 
     def _flat_scalars(self, classes: list[Any]) -> bool:
         """Make `scalars`, `signatures` and `positions` for flat runs; False where they cannot be made."""
-        state = [self.entries[self.shadows[i]] for i in self.kept]
-        stores = {k: b for k, b in self.inplace.items() if k != "data"} or self.stores
-        keys = [tuple(k for k, store in stores.items() if i in store.by_index) for i in self.kept]
+        state = [self.entries.get(self.shadows[i]) or {} for i in self.kept]  # none yet: the optimizer makes it
+        homes = {k: set(h) for k, h in self.inplace.items() if k != "data"} or {k: set(b.by_index) for k, b in self.stores.items()}
+        keys = [tuple(k for k, holders in homes.items() if i in holders) for i in self.kept]
         scalars = [{k: v for k, v in entry.items() if k not in own} for entry, own in zip(state, keys)]
         names = set(scalars[0]) if scalars else set()
         if any(set(one) != names or not all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in one.values())
@@ -239,7 +247,8 @@ class ChunkPlan:
         self.positions = {i: pos for pos, i in enumerate(self.kept)}
         self.signatures = {i: (group_of[id(self.shadows[i])], keys[pos], classes[i]) for pos, i in enumerate(self.kept)}
         for pos, entry in enumerate(state):
-            entry.update({k: t[pos] for k, t in self.scalars.items()})
+            if entry:
+                entry.update({k: t[pos] for k, t in self.scalars.items()})
         return True
 
     def write_scalars(self) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit.flat_buffer import Chunk, ChunkPlan, FlatBuffer
+from ampkit.flat_buffer import Chunk, ChunkPlan, FlatBuffer, Homes
 from ampkit.weight_state import ELEMENTWISE, ExactState, ScalarClasses, fp32_grads, per_element
 
 
@@ -38,8 +38,7 @@ class MasterWeights(ExactState):
         with torch.no_grad():
             for master, view in zip(self._masters, self._data.views):
                 master.data = view.copy_(master)
-        self._state: dict[str, FlatBuffer] = {}  # per-element optimizer state, end to end, by key
-        self._state_of: tuple[Any, int] = (None, -1)  # (optimizer.state, its length) when _state was built
+        self._homes: Homes = {"data": {i: (self._data.buffer, at, v) for (i, at), v in zip(self._data.offsets.items(), self._data.views)}}
         self._classes = ScalarClasses(len(pairs))  # weights with equal step counters etc.
 
     @property
@@ -60,12 +59,12 @@ class MasterWeights(ExactState):
             self.grads_in()
             return step_fn()
         state, split = self.optimizer.state, all(self._stepped[i] for i in kept)  # first steps: whole tensors
+        fresh = not any(self._stepped[i] for i in kept)  # the optimizer makes every kept weight's state now
         classes = self._classes.advance(kept, self._stepped)
-        if split and (self._state_of[0] is not state or self._state_of[1] != len(state)):
-            self._build_state()
         if self._plan is None or (self._plan.kept, self._plan.split) != (kept, split) or self._plan.entries is not state:
+            self._find_homes(kept)
             self._plan = ChunkPlan(self._params, self._masters, self.optimizer.param_groups, kept, self.chunk, split,
-                                   entries=state, classes=classes if split else None, inplace={"data": self._data, **self._state})
+                                   entries=state, classes=classes if split or fresh else None, inplace=self._homes)
         plan = self._plan
         if plan.flat:
             try:
@@ -90,23 +89,31 @@ class MasterWeights(ExactState):
                 self._stepped[i] = True
 
     def state_loaded(self) -> None:
-        """After the optimizer loaded a state_dict: which weights have state, with which step counters."""
-        self._stepped = self._classes.reset(self.optimizer.state, self._masters, self._masters)
-        self._plan = None
-
-    def _build_state(self) -> None:
-        """Move the optimizer's per-element state into flat buffers, one per key (after it is created or loaded)."""
-        state, holders = self.optimizer.state, {}
+        """After the optimizer loaded a state_dict: which weights have state, with which step counters; the
+        per-element state moved into one flat buffer per key (one key at a time), so that steps stay flat."""
+        state = self.optimizer.state
+        self._stepped, self._plan = self._classes.reset(state, self._masters, self._masters), None
+        holders: dict[str, list[int]] = {}
         for i, master in enumerate(self._masters):
             for key, value in state.get(master, {}).items():
                 if per_element(key, value, master):
                     holders.setdefault(key, []).append(i)
-        self._state = {}
-        for key, indices in holders.items():
-            store = self._state[key] = FlatBuffer([self._masters[i] for i in indices], torch.float32, releasable=False, indices=indices)
-            for i, view in zip(indices, store.views):  # one tensor at a time: the old one is freed as it goes
-                state[self._masters[i]][key] = view.copy_(state[self._masters[i]][key])
-        self._state_of, self._plan = (state, len(state)), None
+        self._homes = {"data": self._homes["data"]}
+        with torch.no_grad():
+            for key, indices in holders.items():
+                store = FlatBuffer([self._masters[i] for i in indices], torch.float32, releasable=False, indices=indices)
+                for i, view in zip(indices, store.views):
+                    state[self._masters[i]][key] = view.copy_(state[self._masters[i]][key])
+                self._homes[key] = {i: (store.buffer, store.offsets[i], view) for i, view in zip(indices, store.views)}
+
+    def _find_homes(self, kept: list[int]) -> None:
+        """Where the kept weights' per-element state lives (state the optimizer made per weight: its own tensor)."""
+        state = self.optimizer.state
+        for i in kept:
+            for key, value in state.get(self._masters[i], {}).items():
+                home = self._homes.setdefault(key, {})
+                if per_element(key, value, self._masters[i]) and value.is_contiguous() and (i not in home or home[i][2] is not value):
+                    home[i] = (value.view(-1), 0, value)
 
     def _load_flat(self, chunk: Chunk) -> None:
         self._load_grads(chunk)
@@ -115,11 +122,22 @@ class MasterWeights(ExactState):
             self.optimizer.state[run.param] = run.entry
 
     def _store_flat(self, chunk: Chunk) -> None:
+        state = self.optimizer.state
         for run in chunk.flat:
-            entry = run.entry = self.optimizer.state.pop(run.param)
+            entry = run.entry = state.pop(run.param)
             for key, view in run.views.items():
                 if entry[key] is not view:  # the optimizer replaced the tensor, not updated it
                     entry[key] = view.copy_(entry[key])
+            if not run.views:  # the optimizer made this run's state: each weight's is a view of it
+                for i, at, n in run.pieces:
+                    master, own = self._masters[i], state[self._masters[i]]
+                    for key, value in entry.items():
+                        if per_element(key, value, run.param):
+                            own[key] = value[at:at + n].view(master.shape)
+                            self._homes.setdefault(key, {})[i] = (value, at, own[key])
+                        else:
+                            own[key] = value.clone() if isinstance(value, torch.Tensor) else value
+                run.entry = {}
 
     def _load_grads(self, chunk: Chunk) -> None:
         torch._foreach_copy_(chunk.grad, [p.grad if whole else p.grad.reshape(-1)[s:e]

@@ -86,9 +86,10 @@ class ScalarClasses:
             for i, c in enumerate(self.of):
                 if i in inside and not stepped[i]:
                     self.of[i] = fresh
-                elif c is not None:
-                    key = (c, i in inside)
-                    self.of[i] = split[key] if key in split else split.setdefault(key, next(self._ids))
+                elif c is not None:  # a class whose weights were stepped apart splits in two
+                    if (c, i in inside) not in split:
+                        split[(c, i in inside)] = next(self._ids)
+                    self.of[i] = split[(c, i in inside)]
             self._last = list(kept)
         return self.of
 
@@ -98,10 +99,7 @@ class ScalarClasses:
         values = [tuple((k, tuple(v.reshape(-1).tolist()) if isinstance(v, torch.Tensor) else v)  # sync: once per load
                         for k, v in sorted(state[s].items()) if not per_element(k, v, w)) if state.get(s) else None
                   for s, w in zip(stepped, weights)]
-        ids: dict[Any, int] = {}
-        for v in values:
-            if v is not None and v not in ids:
-                ids[v] = next(self._ids)
+        ids = {v: next(self._ids) for v in dict.fromkeys(values) if v is not None}
         self.of = [None if v is None else ids[v] for v in values]
         self._last = None
         return [v is not None for v in values]
