@@ -111,9 +111,9 @@ class MasterWeights(ExactState):
         state = self.optimizer.state
         for i in kept:
             for key, value in state.get(self._masters[i], {}).items():
-                home = self._homes.setdefault(key, {})
-                if per_element(key, value, self._masters[i]) and value.is_contiguous() and (i not in home or home[i][2] is not value):
-                    home[i] = (value.view(-1), 0, value)
+                home = self._homes.get(key, {}).get(i)
+                if per_element(key, value, self._masters[i]) and value.is_contiguous() and (home is None or home[2] is not value):
+                    self._homes.setdefault(key, {})[i] = (value.view(-1), 0, value)
 
     def _load_flat(self, chunk: Chunk) -> None:
         self._load_grads(chunk)
