@@ -13,6 +13,12 @@ optimizer state and ampkit's own buffers (fp32 masters, Kahan buffers) after zer
 same with the gradients a backward leaves.
 
     PYTHONPATH=src python benchmarks/step_memory.py --traffic       # bytes the update moves, per parameter
+    PYTHONPATH=src python benchmarks/step_memory.py --live          # live tensor bytes at the peak, per preset
+
+`--live` counts live tensor bytes instead of resident memory (ampkit plan's tracker, on fake tensors:
+seconds on any CPU, no allocator or library pages in the figure): the peak of the 4th step alone (a
+steady-state step) and of the first two steps (where the optimizer makes its state), with what held
+the bytes at the steady-state peak.
 
 `--traffic` counts, for one steady-state `optimizer.step()` per preset (AdamW as torch picks it on
 the CPU, a 4 x Linear(1024, 1024) model: several chunks of ampkit's update), the bytes each aten op
@@ -154,6 +160,19 @@ def traffic(preset: str, layers: int = 4, width: int = 1024) -> dict[str, float]
             "top": ", ".join(f"{k} {v / n:.1f}" for k, v in sorted(count.by_op.items(), key=lambda kv: -kv[1])[:6])}
 
 
+def live(preset: str) -> str:
+    """Live tensor bytes at the peak of a steady-state step and of the first two steps (see the docstring)."""
+    from ampkit.plan.step import measure
+
+    torch.manual_seed(0)
+    batch = (torch.randint(0, VOCAB, (BATCH,)), torch.randint(0, VOCAB, (BATCH,)))
+    args = (model, batch, lambda p: torch.optim.AdamW(p, lr=1e-4), preset, torch.device("cpu"))
+    kw = {"fake": True, "batch_size": BATCH, "loss_fn": nn.functional.cross_entropy}
+    steady, first = measure(*args, **kw, steps=4, last_only=True), measure(*args, **kw)
+    held = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in steady.components.items() if v)
+    return f"{steady.peak / 2**20:.0f} MiB in the {steady.phase} ({held}); first two steps {first.peak / 2**20:.0f} MiB"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--presets", default=",".join(PRESETS))
@@ -161,8 +180,14 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help="write the table into benchmarks/RESULTS.md")
     parser.add_argument("--note", default="", help="a line written under the table (e.g. the load average)")
     parser.add_argument("--traffic", action="store_true", help="print the bytes one optimizer step moves per parameter")
+    parser.add_argument("--live", action="store_true", help="print live tensor bytes at the peak (fake tensors, fast)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.live:
+        print(f"live tensor bytes at the peak, 50M stack, AdamW, batch {BATCH} ({machine()}):")
+        for preset in args.presets.split(","):
+            print(f"- {preset}: {live(preset)}")
+        return
     if args.traffic:
         print(f"bytes read + written per parameter by one AdamW step ({machine()}):")
         for preset in args.presets.split(","):

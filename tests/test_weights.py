@@ -228,3 +228,37 @@ def test_flat_steps_equal_stepping_each_weight_with_groups_and_a_lagging_step_co
     assert len(got) == len(reference) and all(torch.equal(a, b) for a, b in zip(got, reference))
     resumed = train_branchy(torch.optim.AdamW, 9, reload_at=6, chunk=chunk, precision=precision)
     assert all(torch.equal(a, b) for a, b in zip(resumed, reference))
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2), lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, amsgrad=True),
+    lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-4), lambda ps: torch.optim.SGD(ps, lr=0.1),
+    lambda ps: torch.optim.Adamax(ps, lr=1e-2), lambda ps: torch.optim.NAdam(ps, lr=1e-2), lambda ps: torch.optim.RAdam(ps, lr=1e-2),
+    lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5, centered=True), lambda ps: torch.optim.Adadelta(ps),
+    lambda ps: torch.optim.Rprop(ps), lambda ps: torch.optim.ASGD(ps),
+], ids=["adamw", "adam-amsgrad", "sgd-nesterov", "sgd", "adamax", "nadam", "radam", "rmsprop", "adadelta", "rprop", "asgd"])
+def test_torch_optimizers_step_a_concatenation_bitwise_as_its_parts(make, foreach):
+    """What the flat steps rest on, on this machine's kernels: every `ELEMENTWISE` optimizer computes on one
+    flat tensor what it computes on the tensors it concatenates (vectorised bodies and scalar tails included)."""
+    from ampkit.weight_state import ELEMENTWISE
+
+    sizes = [256, 16, 3, 64, 7, 1000, 1]
+
+    def run(flat: bool) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1)
+        parts = [nn.Parameter(torch.randn(n, generator=g)) for n in sizes]
+        whole = nn.Parameter(torch.cat([p.detach() for p in parts]))
+        opt = make([whole] if flat else parts)
+        assert type(opt) in ELEMENTWISE
+        for group in opt.param_groups:
+            group["foreach"] = foreach
+        for step in range(12):
+            grads = [torch.randn(n, generator=g) * 10.0 ** (step % 5 - 2) for n in sizes]
+            whole.grad = torch.cat(grads)
+            for p, grad in zip(parts, grads):
+                p.grad = grad
+            opt.step()
+        return whole.detach() if flat else torch.cat([p.detach() for p in parts])
+
+    assert torch.equal(run(True), run(False))

@@ -86,8 +86,9 @@ def call(model: nn.Module, inputs: Any) -> Any:
 
 def measure(model_fn: Callable[[], nn.Module], batch: Any, optimizer_fn: Callable[[Any], torch.optim.Optimizer],
             precision: str, device: torch.device, *, fake: bool, batch_size: int,
-            loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> Measured:
-    """Peak live bytes over two training steps of `precision` at `batch_size` (fake or real tensors)."""
+            loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, steps: int = 2, last_only: bool = False) -> Measured:
+    """Peak live bytes over `steps` training steps of `precision` at `batch_size` (fake or real tensors);
+    `last_only`: the last step's peak alone (a steady-state step, when `steps` > 2)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     with torch.device("meta") if fake else contextlib.nullcontext():  # fake: its parameters never get memory
         model = model_fn()
@@ -111,7 +112,9 @@ def measure(model_fn: Callable[[], nn.Module], batch: Any, optimizer_fn: Callabl
             tracker.see([*model.parameters(), *model.buffers(), *tree_leaves((inputs, targets))])
             tracker.see([t for _, ts in _owners(model, opt, ()) for t in ts])
             tracker.peak = 0
-            for _ in range(2):
+            for step in range(steps):
+                if last_only and step == steps - 1:
+                    tracker.peak = 0
                 tracker.phase = "forward"
                 with torch.autograd.graph.saved_tensors_hooks(tracker.pack, lambda t: t):
                     output = call(model, inputs)
