@@ -262,3 +262,56 @@ def test_torch_optimizers_step_a_concatenation_bitwise_as_its_parts(make, foreac
         return whole.detach() if flat else torch.cat([p.detach() for p in parts])
 
     assert torch.equal(run(True), run(False))
+
+
+def train_lagging(make: type, precision: str, steps: int = 10, use_aux=lambda s: True, clip=lambda s: False,
+                  frozen=lambda s: False, between=None) -> list[torch.Tensor]:
+    """Branchy trained with a schedule: which steps use aux, clip, freeze layer b's weight; `between(step, opt)`
+    runs before each step (e.g. changes the optimizer's state outside ampkit)."""
+    torch.manual_seed(0)
+    model = Branchy()
+    acc = ampkit.Accelerator(precision=precision, device="cpu")
+    model, opt = acc.prepare(model, make(model.parameters(), lr=1e-2))
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        model.b.weight.requires_grad_(not frozen(step))
+        if between is not None:
+            between(step, opt)
+        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
+        acc.backward(((model(x, use_aux(step)).float() - y) ** 2).mean())
+        if clip(step):
+            acc.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    state = [v for s in opt.state_dict()["state"].values() for _, v in sorted(s.items())]
+    return [p.detach().clone() for p in model.parameters()] + [t.clone() for t in opt.weights.exact_state()] + state
+
+
+def lagging_saved_state() -> dict:
+    """An AdamW state_dict of Branchy where aux's step counter (3) lags the others' (5)."""
+    torch.manual_seed(0)
+    model = Branchy()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(5):
+        model(torch.randn(4, 8), step % 2 == 0).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return opt.state_dict()
+
+
+@pytest.mark.parametrize("case", ["clipped-some-steps", "state-cleared"])
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-master"])
+def test_flat_steps_follow_step_counters_changed_off_their_path(precision, case):
+    """Steps that do not go through the flat path (clipping sends bf16-master's through the optimizer itself),
+    a state_dict with lagging counters loaded into the wrapped optimizer, a cleared state: the weights, their
+    fp32 truth and the optimizer state stay bitwise those of the same run stepped weight by weight."""
+    saved = lagging_saved_state()
+    schedule = {
+        "clipped-some-steps": dict(use_aux=lambda s: s in (6, 7), clip=lambda s: s in (1, 3, 6, 7, 8), frozen=lambda s: s == 7),
+        "state-loaded-into-the-wrapped-optimizer": dict(
+            between=lambda s, opt: opt.optimizer.load_state_dict(saved) if s == 4 else None),
+        "state-cleared": dict(use_aux=lambda s: s % 3 != 1, between=lambda s, opt: opt.optimizer.state.clear() if s == 5 else None),
+    }[case]
+    reference = train_lagging(NotKnownElementwise, precision, **schedule)
+    got = train_lagging(torch.optim.AdamW, precision, **schedule)
+    assert len(got) == len(reference) and all(torch.equal(a, b) for a, b in zip(got, reference))

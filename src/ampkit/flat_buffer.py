@@ -269,6 +269,11 @@ class ChunkPlan:
                         g["params"] = params
                 result = step_fn()
                 store(chunk)
+        except BaseException:
+            for chunk in self.chunks:  # the optimizer's state keeps no stand-in of a failed step
+                for run in chunk.flat:
+                    self.entries.pop(run.param, None)
+            raise
         finally:
             for g, params in zip(self.groups, originals):
                 g["params"] = params

@@ -58,6 +58,7 @@ class CompensatedWeights(ExactState):
         self._state: dict[str, FlatBuffer] = {}  # per-element optimizer state in bf16, by key (indexed by weight)
         self._state_count = -1  # len(optimizer.state) when the state buffers were last built
         self._classes = ScalarClasses(len(pairs))  # weights with equal step counters etc.: stepped as one flat tensor
+        self._seen = (optimizer.state, len(optimizer.state))  # the optimizer's state as ampkit's last step left it
         self._plan: ChunkPlan | None = None
         self._pointed = list(self._shadows)  # stand-ins pointed at fp32 tensors since the last release()
         self.release()
@@ -85,14 +86,16 @@ class CompensatedWeights(ExactState):
         kept = [i for i, p in enumerate(self._params) if p.grad is not None]
         if not kept:
             return step_fn()
+        if self._seen[0] is not self.optimizer.state or self._seen[1] != len(self.optimizer.state):
+            self.state_loaded()  # loaded, replaced or cleared outside ampkit (the wrapped optimizer's load_state_dict)
         # A weight's first step goes in whole tensors: the optimizer creates its state in their shapes.
         single = type(self.optimizer) not in ELEMENTWISE
         split = not single and all(self._stepped[i] for i in kept)
         capacity = sum(self._comp.sizes[i] for i in kept) if single else self.chunk
-        key = (kept, split, capacity)  # a new state dict (the wrapped optimizer's load_state_dict): new views
         classes = self._classes.advance(kept, self._stepped)
-        if self._plan is None or (self._plan.kept, self._plan.split, self._plan.capacity) != key \
-                or self._plan.entries is not self.optimizer.state:
+        key = (kept, split, capacity, self._classes.version)
+        if self._plan is None or self._plan_key != key or self._plan.entries is not self.optimizer.state:
+            self._plan_key = key
             self._plan = ChunkPlan(self._params, self._shadows, self.optimizer.param_groups, kept, capacity, split,
                                    self._comp, self._state, self.optimizer.state, classes if split else None)
         plan, state = self._plan, self.optimizer.state
@@ -112,6 +115,7 @@ class CompensatedWeights(ExactState):
             self._plan = None  # its workspace may be as large as a tensor, or all of them
         if len(state) != self._state_count:
             self._build_state()  # the optimizer created state (its first step, or a new parameter's)
+        self._seen = (state, len(state))
         return result
 
     def _load(self, chunk: Chunk, plan: ChunkPlan, scalars: dict[int, dict[str, Any]]) -> None:
@@ -203,9 +207,10 @@ class CompensatedWeights(ExactState):
 
     def state_loaded(self) -> None:
         """Store per-element optimizer state in bf16 (after loading a state_dict, which casts it to fp32)."""
-        self._state_count = -1
-        self._stepped = self._classes.reset(self.optimizer.state, self._shadows, self._params)
+        self._state_count, state = -1, self.optimizer.state
+        self._stepped = self._classes.reset(state, self._shadows, self._params, type(self.optimizer) in ELEMENTWISE)
         self._build_state()
+        self._seen = (state, len(state))
 
     def _build_state(self) -> None:
         """(Re)build the bf16 stores of the optimizer's per-element state from its current tensors."""

@@ -40,6 +40,7 @@ class MasterWeights(ExactState):
                 master.data = view.copy_(master)
         self._homes: Homes = {"data": {i: (self._data.buffer, at, v) for (i, at), v in zip(self._data.offsets.items(), self._data.views)}}
         self._classes = ScalarClasses(len(pairs))  # weights with equal step counters etc.
+        self._seen = (optimizer.state, len(optimizer.state))  # the optimizer's state as ampkit's last step left it
 
     @property
     def optimizer_params(self) -> Iterator[nn.Parameter]:
@@ -58,10 +59,15 @@ class MasterWeights(ExactState):
         if not kept or type(self.optimizer) not in ELEMENTWISE:
             self.grads_in()
             return step_fn()
-        state, split = self.optimizer.state, all(self._stepped[i] for i in kept)  # first steps: whole tensors
+        state = self.optimizer.state
+        if self._seen[0] is not state or self._seen[1] != len(state):  # loaded, replaced or cleared outside ampkit
+            self.state_loaded()
+        split = all(self._stepped[i] for i in kept)  # first steps: whole tensors
         fresh = not any(self._stepped[i] for i in kept)  # the optimizer makes every kept weight's state now
         classes = self._classes.advance(kept, self._stepped)
-        if self._plan is None or (self._plan.kept, self._plan.split) != (kept, split) or self._plan.entries is not state:
+        key = (kept, split, self.chunk, self._classes.version)
+        if self._plan is None or self._plan_key != key:
+            self._plan_key = key
             self._find_homes(kept)
             self._plan = ChunkPlan(self._params, self._masters, self.optimizer.param_groups, kept, self.chunk, split,
                                    entries=state, classes=classes if split or fresh else None, inplace=self._homes)
@@ -75,6 +81,7 @@ class MasterWeights(ExactState):
             finally:
                 for i in kept:
                     self._stepped[i] = True
+                self._seen = (state, len(state))
         full = {i: (self._masters[i].data, dict(state[self._masters[i]])) for i in plan.cut}
         scalars = {i: {k: v.clone() for k, v in entries.items() if isinstance(v, torch.Tensor) and not per_element(k, v, data)}
                    for i, (data, entries) in full.items()}
@@ -87,12 +94,20 @@ class MasterWeights(ExactState):
                 state[self._masters[i]].update({k: v for k, v in entries.items() if per_element(k, v, data)})
             for i in kept:
                 self._stepped[i] = True
+            self._seen = (state, len(state))
+
+    def stepped_directly(self) -> None:
+        """The optimizer stepped the masters itself (clipped or loss-scaled gradients): note which weights."""
+        state = self.optimizer.state
+        self._classes.advance([i for i, m in enumerate(self._masters) if m.grad is not None], self._stepped)
+        self._stepped, self._seen = [bool(state.get(m)) for m in self._masters], (state, len(state))
 
     def state_loaded(self) -> None:
         """After the optimizer loaded a state_dict: which weights have state, with which step counters; the
         per-element state moved into one flat buffer per key (one key at a time), so that steps stay flat."""
         state = self.optimizer.state
-        self._stepped, self._plan = self._classes.reset(state, self._masters, self._masters), None
+        self._stepped = self._classes.reset(state, self._masters, self._masters, type(self.optimizer) in ELEMENTWISE)
+        self._plan, self._seen = None, (state, len(state))
         holders: dict[str, list[int]] = {}
         for i, master in enumerate(self._masters):
             for key, value in state.get(master, {}).items():

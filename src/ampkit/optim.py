@@ -243,6 +243,8 @@ class AmpOptimizer(torch.optim.Optimizer):
             assert self._outcomes is not None
             self._outcomes.record(found_inf, scaler.scale_tensor)
         if isinstance(self.weights, MasterWeights):
+            if not chunked:
+                self.weights.stepped_directly()
             self.weights.weights_out()
             self.weights.release()
         self._stage = Stage.STEPPED

@@ -78,6 +78,7 @@ class ScalarClasses:
         self.of: list[Any] = [None] * count
         self._ids = itertools.count()
         self._last: list[int] | None = None  # the weights the latest step updated
+        self.version = 0  # changes whenever `of` does: a plan made for other classes is stale
 
     def advance(self, kept: list[int], stepped: list[bool]) -> list[Any]:
         """Before a step that updates the weights `kept` (`stepped`: which have state already): the classes."""
@@ -90,16 +91,16 @@ class ScalarClasses:
                     if (c, i in inside) not in split:
                         split[(c, i in inside)] = next(self._ids)
                     self.of[i] = split[(c, i in inside)]
-            self._last = list(kept)
+            self._last, self.version = list(kept), self.version + 1
         return self.of
 
-    def reset(self, state: Any, stepped: list[nn.Parameter], weights: list[nn.Parameter]) -> list[bool]:
+    def reset(self, state: Any, stepped: list[nn.Parameter], weights: list[nn.Parameter], read: bool = True) -> list[bool]:
         """Classes from the scalar values in `state` (an optimizer's, just loaded) of the tensors it steps
-        (`stepped`, for `weights`); return which of them have state."""
-        values = [tuple((k, tuple(v.reshape(-1).tolist()) if isinstance(v, torch.Tensor) else v)  # sync: once per load
-                        for k, v in sorted(state[s].items()) if not per_element(k, v, w)) if state.get(s) else None
-                  for s, w in zip(stepped, weights)]
+        (`stepped`, for `weights`; without `read`, each weight its own class); return which of them have state."""
+        values = [(tuple((k, tuple(v.reshape(-1).tolist()) if isinstance(v, torch.Tensor) else v)  # sync: once per load
+                         for k, v in sorted(state[s].items()) if not per_element(k, v, w)) if read else n)
+                  if state.get(s) else None for n, (s, w) in enumerate(zip(stepped, weights))]
         ids = {v: next(self._ids) for v in dict.fromkeys(values) if v is not None}
         self.of = [None if v is None else ids[v] for v in values]
-        self._last = None
+        self._last, self.version = None, self.version + 1
         return [v is not None for v in values]
