@@ -251,6 +251,20 @@ class ChunkPlan:
                 entry.update({k: t[pos] for k, t in self.scalars.items()})
         return True
 
+    def enter(self, chunk: Chunk) -> None:
+        """Give the chunk's runs their optimizer state, per-step scalars as the step found them."""
+        for run in chunk.flat:
+            run.entry.update({key: values[run.first].clone() for key, values in self.scalars.items()})
+            self.entries[run.param] = run.entry
+
+    def leave(self, chunk: Chunk) -> None:
+        """Take the runs' state back out of the optimizer's (a tensor it replaced is copied into its view)."""
+        for run in chunk.flat:
+            entry = run.entry = self.entries.pop(run.param)
+            for key, view in run.views.items():
+                if entry[key] is not view:  # the optimizer replaced the tensor, not updated it
+                    entry[key] = view.copy_(entry[key])
+
     def write_scalars(self) -> None:
         """After a flat step: each run's new per-step scalars into its tensors' (`scalars`)."""
         for chunk in self.chunks:

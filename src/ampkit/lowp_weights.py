@@ -152,18 +152,10 @@ class CompensatedWeights(ExactState):
         if self._grads_in:  # the clipped fp32 gradients lie in the compensation's layout
             for at, flat, n in chunk.spans:
                 plan.grad[at:at + n].copy_(self._grad.buffer[flat:flat + n])
-        state = self.optimizer.state
-        for run in chunk.flat:
-            run.entry.update({key: values[run.first].clone() for key, values in plan.scalars.items()})
-            state[run.param] = run.entry
+        plan.enter(chunk)
 
     def _store_flat(self, chunk: Chunk, plan: ChunkPlan) -> None:
-        state = self.optimizer.state
-        for run in chunk.flat:
-            entry = run.entry = state.pop(run.param)
-            for key, view in run.views.items():
-                if entry[key] is not view:  # the optimizer replaced the tensor, not updated it
-                    entry[key] = view.copy_(entry[key])
+        plan.leave(chunk)
         self._round(chunk)
 
     def _round(self, chunk: Chunk) -> None:

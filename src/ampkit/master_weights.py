@@ -132,17 +132,13 @@ class MasterWeights(ExactState):
 
     def _load_flat(self, chunk: Chunk) -> None:
         self._load_grads(chunk)
-        for run in chunk.flat:
-            run.entry.update({key: values[run.first].clone() for key, values in self._plan.scalars.items()})
-            self.optimizer.state[run.param] = run.entry
+        self._plan.enter(chunk)
 
     def _store_flat(self, chunk: Chunk) -> None:
         state = self.optimizer.state
+        self._plan.leave(chunk)
         for run in chunk.flat:
-            entry = run.entry = state.pop(run.param)
-            for key, view in run.views.items():
-                if entry[key] is not view:  # the optimizer replaced the tensor, not updated it
-                    entry[key] = view.copy_(entry[key])
+            entry = run.entry
             if not run.views:  # the optimizer made this run's state: each weight's is a view of it
                 for i, at, n in run.pieces:
                     master, own = self._masters[i], state[self._masters[i]]
