@@ -77,8 +77,11 @@ class Accelerator:
             "reduce-overhead" mode), for small launch-bound models. CUDA only; static input shapes.
         free_step_buffers: free between steps the full-size fp32 buffers of the updates that are not
             chunked (the `-master` presets' gradients with loss scaling or clipping; bf16-true's after
-            `clip_grad_norm_` or with an optimizer it cannot step in chunks). Free on a GPU (the caching
-            allocator keeps the memory); on a CPU it is faulted in again at the next step.
+            `clip_grad_norm_` or with an optimizer it cannot step in chunks). None (default): free them
+            except for the `-master` presets on a CPU. On a GPU freeing costs nothing (the caching
+            allocator keeps the memory for the next step); on a CPU the memory goes back to the OS and
+            is faulted in again at the next step (7-16% of a step, benchmarks/RESULTS.md): the -master
+            presets keep it there (their step needs it anyway), bf16-true, the memory preset, frees it.
         cast_outputs: cast a prepared model's bf16/fp16 outputs to fp32, so that a loss computed outside
             the model runs in fp32. False: as the model made them (for a model that computes its loss).
         fp8_recipe, fp8_emulate, fp8_min_weight: for precision="fp8-mixed" only (see `ampkit.fp8`):
@@ -91,7 +94,7 @@ class Accelerator:
         device: str | torch.device = "auto", *, scaler: LossScaler | None = None, keep_fp32: KeepSpec = (),
         step_scheduler_with_optimizer: bool = True, strategy: str = "auto", backend: str | None = None,
         compile: bool | Mapping[str, Any] | None = None, channels_last: bool = False,
-        cuda_graphs: bool = False, free_step_buffers: bool = True, cast_outputs: bool = True,
+        cuda_graphs: bool = False, free_step_buffers: bool | None = None, cast_outputs: bool = True,
         divide_loss: bool | None = None,
         fp8_recipe: str | None = None, fp8_emulate: bool = False, fp8_min_weight: int = MIN_WEIGHT,
     ) -> None:
@@ -105,8 +108,8 @@ class Accelerator:
         for name, flag in (("fp8_emulate", fp8_emulate), ("channels_last", channels_last),
                            ("cuda_graphs", cuda_graphs), ("free_step_buffers", free_step_buffers),
                            ("cast_outputs", cast_outputs)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name}={flag!r}: expected True or False")
+            if not isinstance(flag, bool) and not (name == "free_step_buffers" and flag is None):
+                raise TypeError(f"{name}={flag!r}: expected True or False" + (" (or None: by device)" if name == "free_step_buffers" else ""))
         if scaler is not None and not isinstance(scaler, LossScaler):
             raise TypeError(f"scaler={scaler!r}: expected an ampkit.LossScaler")
         if isinstance(keep_fp32, (str, type)):
@@ -139,6 +142,8 @@ class Accelerator:
         self.cuda_graphs = cuda_graphs and self.compile_options is not None
         self.compile_stats = CompileStats()
         self.compile_trial = CompileTrial(self.compile_stats, self.device, compile, self.cuda_graphs)  # eager or compiled?
+        if free_step_buffers is None:  # measured: benchmarks/RESULTS.md, "free_step_buffers"
+            free_step_buffers = not (self.device.type == "cpu" and self.policy.master_weights)
         self.channels_last, self.free_step_buffers = channels_last, free_step_buffers
         self.cast_outputs = cast_outputs
         self.grad_accum_steps = grad_accum_steps

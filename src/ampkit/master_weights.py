@@ -40,6 +40,8 @@ class MasterWeights(ExactState):
                 master.data = view.copy_(master)
         self._homes: Homes = {"data": {i: (self._data.buffer, at, v) for (i, at), v in zip(self._data.offsets.items(), self._data.views)}}
         self._classes = ScalarClasses(len(pairs))  # weights with equal step counters etc.
+        self._outs: dict[Chunk, list[torch.Tensor]] = {}  # per chunk of a flat plan: its masters' pieces
+        self._written: set[int] = set()  # weights whose model parameter the last step already rounded
         self._seen = (optimizer.state, len(optimizer.state))  # the optimizer's state as ampkit's last step left it
 
     @property
@@ -71,12 +73,16 @@ class MasterWeights(ExactState):
             self._find_homes(kept)
             self._plan = ChunkPlan(self._params, self._masters, self.optimizer.param_groups, kept, self.chunk, split,
                                    entries=state, classes=classes if split or fresh else None, inplace=self._homes)
+            buffer, offsets = self._data.buffer, self._data.offsets
+            self._outs = {chunk: [buffer[offsets[i] + s:offsets[i] + e].view(t.shape) for (i, s, e), t in zip(chunk.pieces, chunk.targets)]
+                          for chunk in self._plan.chunks}
         plan = self._plan
         if plan.flat:
             try:
                 with torch.no_grad():
                     result = plan.run(step_fn, self._load_flat, self._store_flat)
                     plan.write_scalars()
+                self._written = set(kept)
                 return result
             finally:
                 for i in kept:
@@ -137,6 +143,8 @@ class MasterWeights(ExactState):
     def _store_flat(self, chunk: Chunk) -> None:
         state = self.optimizer.state
         self._plan.leave(chunk)
+        # the chunk's masters into the model's weights while they are in cache (weights_out skips them)
+        torch._foreach_copy_(chunk.targets, self._outs[chunk])
         for run in chunk.flat:
             entry = run.entry
             if not run.views:  # the optimizer made this run's state: each weight's is a view of it
@@ -175,10 +183,12 @@ class MasterWeights(ExactState):
                         value.view(-1)[s:e].copy_(entry[key])  # the optimizer replaced the tensor, not updated it
 
     def weights_out(self) -> None:
-        """Round the (possibly updated) masters into the model's parameters."""
-        if self.pairs:
+        """Round the (possibly updated) masters into the model's parameters (those a flat step has not)."""
+        written, self._written = self._written, set()
+        rest = [i for i in range(len(self.pairs)) if i not in written]
+        if rest:
             with torch.no_grad():
-                torch._foreach_copy_(self._params, self._masters)
+                torch._foreach_copy_([self._params[i] for i in rest], [self._masters[i] for i in rest])
 
     def release(self) -> None:
         """Drop the fp32 gradients (after the step, or when gradients are zeroed)."""
