@@ -77,11 +77,9 @@ class Accelerator:
             "reduce-overhead" mode), for small launch-bound models. CUDA only; static input shapes.
         free_step_buffers: free between steps the full-size fp32 buffers of the updates that are not
             chunked (the `-master` presets' gradients with loss scaling or clipping; bf16-true's after
-            `clip_grad_norm_` or with an optimizer it cannot step in chunks). None (default): free them
-            except for the `-master` presets on a CPU. On a GPU freeing costs nothing (the caching
-            allocator keeps the memory for the next step); on a CPU the memory goes back to the OS and
-            is faulted in again at the next step (7-16% of a step, benchmarks/RESULTS.md): the -master
-            presets keep it there (their step needs it anyway), bf16-true, the memory preset, frees it.
+            `clip_grad_norm_` or with an optimizer it cannot step in chunks). None: free them, except the
+            `-master` presets' on a CPU, where memory freed goes back to the OS and is faulted in again at
+            the next step (6-14% of their step, benchmarks/step_buffers.py); on a GPU freeing costs nothing.
         cast_outputs: cast a prepared model's bf16/fp16 outputs to fp32, so that a loss computed outside
             the model runs in fp32. False: as the model made them (for a model that computes its loss).
         fp8_recipe, fp8_emulate, fp8_min_weight: for precision="fp8-mixed" only (see `ampkit.fp8`):
@@ -109,7 +107,8 @@ class Accelerator:
                            ("cuda_graphs", cuda_graphs), ("free_step_buffers", free_step_buffers),
                            ("cast_outputs", cast_outputs)):
             if not isinstance(flag, bool) and not (name == "free_step_buffers" and flag is None):
-                raise TypeError(f"{name}={flag!r}: expected True or False" + (" (or None: by device)" if name == "free_step_buffers" else ""))
+                by_device = " (or None: chosen by device and preset)" if name == "free_step_buffers" else ""
+                raise TypeError(f"{name}={flag!r}: expected True or False{by_device}")
         if scaler is not None and not isinstance(scaler, LossScaler):
             raise TypeError(f"scaler={scaler!r}: expected an ampkit.LossScaler")
         if isinstance(keep_fp32, (str, type)):

@@ -34,8 +34,7 @@ class Stage(enum.Enum):
     STEPPED = "stepped"  # the optimizer step ran (or was skipped on the device)
 
 
-#: The stages as module constants: an enum member looked up on its class costs ~80 ns, and the step
-#: path reads one about ten times a step (ampkit's overhead on an iris-sized step is ~10 µs in all).
+#: Module constants: an enum member read on its class costs ~80 ns, and a step reads about ten.
 READY, BACKWARD, UNSCALED, STEPPED = Stage.READY, Stage.BACKWARD, Stage.UNSCALED, Stage.STEPPED
 
 
