@@ -265,7 +265,7 @@ def test_speed_spread_noise_band_and_the_recommendation_come_from_the_measured_f
     assert recommendation(validate_report(sample)) == (
         "fp32: fp16-mixed is 2.4× faster but its perplexity is +0.7%, beyond the noise")
     fp16.update(speedup_vs_baseline=1.04, speedup_low=0.97, speedup_high=1.2)  # the rounds' spread covers 1.0
-    assert "same speed (1×, 0.97×–1.2× over rounds)" in verdict(fp16, fp32, sample["task"])
+    assert "same speed (1.04×, 0.97×–1.2× over rounds)" in verdict(fp16, fp32, sample["task"])
     assert recommendation(validate_report(sample)) == "fp32: fp16-mixed is no faster on Tesla T4"
     fp16.update(speedup_vs_baseline=0.25, speedup_low=0.2, speedup_high=0.3, status="probe")
     assert recommendation(validate_report(sample)) == "fp32: fp16-mixed costs 4× the time on Tesla T4"
