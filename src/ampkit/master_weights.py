@@ -41,7 +41,7 @@ class MasterWeights(ExactState):
         self._homes: Homes = {"data": {i: (self._data.buffer, at, v) for (i, at), v in zip(self._data.offsets.items(), self._data.views)}}
         self._classes = ScalarClasses(len(pairs))  # weights with equal step counters etc.
         self._outs: dict[Chunk, list[torch.Tensor]] = {}  # per chunk of a flat plan: its masters' pieces
-        self._written: set[int] = set()  # weights whose model parameter the last step already rounded
+        self._rest, self._written = ([], []), False  # (params, masters) a flat plan leaves out; it rounded the rest
         self._seen = (optimizer.state, len(optimizer.state))  # the optimizer's state as ampkit's last step left it
 
     @property
@@ -73,16 +73,17 @@ class MasterWeights(ExactState):
             self._find_homes(kept)
             self._plan = ChunkPlan(self._params, self._masters, self.optimizer.param_groups, kept, self.chunk, split,
                                    entries=state, classes=classes if split or fresh else None, inplace=self._homes)
-            buffer, offsets = self._data.buffer, self._data.offsets
+            buffer, offsets, inside = self._data.buffer, self._data.offsets, set(kept)
             self._outs = {chunk: [buffer[offsets[i] + s:offsets[i] + e].view(t.shape) for (i, s, e), t in zip(chunk.pieces, chunk.targets)]
                           for chunk in self._plan.chunks}
+            self._rest = ([p for i, p in enumerate(self._params) if i not in inside], [m for i, m in enumerate(self._masters) if i not in inside])
         plan = self._plan
         if plan.flat:
             try:
                 with torch.no_grad():
                     result = plan.run(step_fn, self._load_flat, self._store_flat)
                     plan.write_scalars()
-                self._written = set(kept)
+                self._written = True
                 return result
             finally:
                 for i in kept:
@@ -184,11 +185,11 @@ class MasterWeights(ExactState):
 
     def weights_out(self) -> None:
         """Round the (possibly updated) masters into the model's parameters (those a flat step has not)."""
-        written, self._written = self._written, set()
-        rest = [i for i in range(len(self.pairs)) if i not in written]
-        if rest:
+        params, masters = self._rest if self._written else (self._params, self._masters)
+        self._written = False
+        if params:
             with torch.no_grad():
-                torch._foreach_copy_([self._params[i] for i in rest], [self._masters[i] for i in rest])
+                torch._foreach_copy_(params, masters)
 
     def release(self) -> None:
         """Drop the fp32 gradients (after the step, or when gradients are zeroed)."""
