@@ -101,3 +101,14 @@ def test_device_cuda_without_cuda_says_so(tmp_path: Path) -> None:
 def test_device_cuda_defaults_to_gpu_sizes() -> None:
     peers = _peers()
     assert "d_model 1024" in peers.models("gpu")["transformer"].title
+
+
+def test_step_buffers_child_measures_each_setting_in_its_own_process() -> None:
+    """benchmarks/step_buffers.py's per-process memory figure (the half of it that runs in a child)."""
+    script = PEERS.with_name("step_buffers.py")
+    for setting in ("free", "keep"):
+        out = subprocess.run([sys.executable, str(script), "--child", "bf16-master", setting],
+                             capture_output=True, text=True, check=True, timeout=300)
+        figures = json.loads(out.stdout)
+        # the MLP's bf16 weights alone are 16 MiB and its fp32 masters 32: the peak holds at least those
+        assert figures["peak_mib"] >= figures["rest_mib"] >= 48, figures
