@@ -383,13 +383,15 @@ def reference_run(precision: str, steps: int, unused: bool) -> list[torch.Tensor
 
 
 def ampkit_run(precision: str, steps: int, unused: bool, free: bool, chunk: int | None = None, clip: bool = False,
-               make_opt=lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)) -> list[torch.Tensor]:
+               run: int | None = None, make_opt=lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)) -> list[torch.Tensor]:
     model = WithUnused(unused)
     opt = make_opt(model.parameters())
     acc = ampkit.Accelerator(precision, device="cpu", free_step_buffers=free)
     model, opt = acc.prepare(model, opt)
     if chunk is not None:
         opt.weights.chunk = chunk
+    if run is not None:
+        opt.weights.run = run
     loader = make_loader(batch_size=32)
     for _, (x, y) in zip(range(steps), loader):
         acc.backward(F.cross_entropy(model(x), y))
@@ -423,11 +425,13 @@ def test_chunked_bf16_true_update_equals_the_per_parameter_reference(unused, chu
     assert_bitwise_equal(ampkit_run("bf16-true", 6, unused, True, chunk=chunk, clip=clip), reference_run("bf16-true", 6, unused))
 
 
-@pytest.mark.parametrize("chunk", [64, 200])
+@pytest.mark.parametrize(("chunk", "run"), [(64, None), (200, None), (None, 64), (200, 128)])
 @pytest.mark.parametrize("unused", [False, True], ids=["all-used", "one-layer-unused"])
-def test_chunked_bf16_master_update_equals_the_per_parameter_reference(unused, chunk):
-    """bf16-master makes its fp32 gradients chunk by chunk of whole tensors: still the same step."""
-    assert_bitwise_equal(ampkit_run("bf16-master", 6, unused, True, chunk=chunk), reference_run("bf16-master", 6, unused))
+def test_chunked_bf16_master_update_equals_the_per_parameter_reference(unused, chunk, run):
+    """bf16-master makes its fp32 gradients chunk by chunk of whole tensors, and hands the optimizer flat runs of
+    at most `run` elements: still the same step."""
+    got = ampkit_run("bf16-master", 6, unused, True, chunk=chunk, run=run)
+    assert_bitwise_equal(got, reference_run("bf16-master", 6, unused))
 
 
 @pytest.mark.parametrize("make_opt", [

@@ -185,7 +185,7 @@ class NotKnownElementwise(torch.optim.AdamW):
 
 
 def train_branchy(make: type, steps: int, reload_at: int | None = None, chunk: int | None = None,
-                  precision: str = "bf16-true") -> list[torch.Tensor]:
+                  precision: str = "bf16-true", run: int | None = None) -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = Branchy()
     groups = [{"params": model.a.parameters(), "lr": 1e-2},
@@ -194,6 +194,8 @@ def train_branchy(make: type, steps: int, reload_at: int | None = None, chunk: i
     model, opt = acc.prepare(model, make(groups))
     if chunk is not None:
         opt.weights.chunk = chunk
+    if run is not None:
+        opt.weights.run = run
     seen: list[int] = []  # tensors the user's optimizer steps in each call
     opt.optimizer.register_step_pre_hook(lambda o, args, kwargs: seen.append(sum(len(g["params"]) for g in o.param_groups)))
     g = torch.Generator().manual_seed(1)
@@ -208,27 +210,35 @@ def train_branchy(make: type, steps: int, reload_at: int | None = None, chunk: i
                                                               *model.c.parameters()], "lr": 3e-3, "weight_decay": 0.1}]))
             model.load_state_dict(saved[0])
             opt.load_state_dict(saved[1])
+            if chunk is not None:
+                opt.weights.chunk = chunk
+            if run is not None:
+                opt.weights.run = run
             opt.optimizer.register_step_pre_hook(lambda o, args, kwargs: seen.append(sum(len(g["params"]) for g in o.param_groups)))
         x, y = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
         acc.backward(((model(x, step % 2 == 0).float() - y) ** 2).mean())
         opt.step()
         opt.zero_grad()
     state = [v for s in opt.state_dict()["state"].values() for _, v in sorted(s.items())]
-    if make is torch.optim.AdamW:
-        assert max(seen[2:]) <= 4, seen  # a few flat tensors per step (a, b, aux, c: aux's counter lags), not 8 weights
+    if make is torch.optim.AdamW:  # a few flat tensors per step (a, b, aux, c: aux's counter lags), not 8 weights
+        assert max(seen[2:]) <= 4 if run is None else max(seen[2:]) > 4 or chunk is not None, seen  # runs cut: more
     return [p.detach().clone() for p in model.parameters()] + [t.clone() for t in opt.weights.exact_state()] + state
 
 
-@pytest.mark.parametrize("chunk", [None, 200], ids=["one-chunk", "weights-cut-in-pieces"])
-@pytest.mark.parametrize("precision", ["bf16-true", "bf16-master"])
-def test_flat_steps_equal_stepping_each_weight_with_groups_and_a_lagging_step_counter(precision, chunk):
+@pytest.mark.parametrize(("precision", "chunk", "run"), [
+    ("bf16-true", None, None), ("bf16-true", 200, None), ("bf16-master", None, None), ("bf16-master", 200, None),
+    ("bf16-master", None, 64), ("bf16-master", 200, 128),
+], ids=["bf16-true-one-chunk", "bf16-true-weights-cut-in-pieces", "bf16-master-one-chunk",
+        "bf16-master-weights-cut-in-pieces", "bf16-master-runs-cut", "bf16-master-pieces-and-runs-cut"])
+def test_flat_steps_equal_stepping_each_weight_with_groups_and_a_lagging_step_counter(precision, chunk, run):
     """Steady-state bf16-true and bf16-master steps hand the optimizer a few flat tensors (weights of one
     group whose step counters agree), not one per weight: bitwise the per-weight step, including after a
-    resume from state dicts where the counters differ (a layer used every other step)."""
+    resume from state dicts where the counters differ (a layer used every other step). bf16-master cuts
+    those flat tensors to at most `run` elements (at multiples of 64 from a weight's start)."""
     reference = train_branchy(NotKnownElementwise, 9, precision=precision)
-    got = train_branchy(torch.optim.AdamW, 9, chunk=chunk, precision=precision)
+    got = train_branchy(torch.optim.AdamW, 9, chunk=chunk, precision=precision, run=run)
     assert len(got) == len(reference) and all(torch.equal(a, b) for a, b in zip(got, reference))
-    resumed = train_branchy(torch.optim.AdamW, 9, reload_at=6, chunk=chunk, precision=precision)
+    resumed = train_branchy(torch.optim.AdamW, 9, reload_at=6, chunk=chunk, precision=precision, run=run)
     assert all(torch.equal(a, b) for a, b in zip(resumed, reference))
 
 

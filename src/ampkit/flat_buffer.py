@@ -24,9 +24,8 @@ class FlatBuffer:
     """
 
     def __init__(self, like: list[torch.Tensor], dtype: torch.dtype, releasable: bool = True,
-                 indices: list[int] | None = None) -> None:
-        self.device = like[0].device if like else torch.device("cpu")
-        self.dtype = dtype
+                 indices: list[int] | None = None, allocate: bool = True) -> None:
+        self.device, self.dtype = like[0].device if like else torch.device("cpu"), dtype
         self.shapes = [t.shape for t in like]
         self.sizes = [t.numel() for t in like]
         self.indices = list(range(len(like))) if indices is None else indices  # what each tensor is called
@@ -34,9 +33,9 @@ class FlatBuffer:
         self.releasable = releasable  # False: kept between steps (see Accelerator(free_step_buffers=))
         self.buffer: torch.Tensor = EMPTY_FP32
         self.views: list[torch.Tensor] = []
-        self._nbytes = 0
-        self._holders = (0, 0)  # (storage users, Python references per view) when only ampkit holds it
-        self.alloc()
+        self._nbytes, self._holders = 0, (0, 0)  # (storage users, Python references per view) when only ampkit holds it
+        if allocate:
+            self.alloc()  # (else at the first alloc())
 
     def alloc(self) -> None:
         if not self.views:
@@ -183,17 +182,19 @@ class FlatRun:
 
 def _flat_runs(plan: ChunkPlan, pieces: list[tuple[int, int, int]]) -> list[FlatRun]:
     found: list[list[Any]] = []  # [signature, workspace start, length, first, last, start in each home, pieces]
-    at = 0
-    for i, s, e in pieces:
+    at, cap = 0, max(64, plan.run_cap // 64 * 64) if plan.split and plan.run_cap else 1 << 62
+    for i, first, stop in pieces:
         sign, pos = plan.signatures[i], plan.positions[i]
-        starts = {k: (h[i][0], h[i][1] + s) for k, h in plan.inplace.items() if i in h}
-        last = found[-1] if found else None
-        if last and last[0] == sign and all(b is last[5][k][0] and o == last[5][k][1] + last[2] for k, (b, o) in starts.items()):
-            last[6].append((i, last[2], e - s))
-            last[2], last[4] = last[2] + e - s, pos
-        else:
-            found.append([sign, at, e - s, pos, pos, starts, [(i, 0, e - s)]])
-        at += e - s
+        for s in range(first, stop, cap):  # runs of at most `cap` elements, cut at multiples of 64 from a piece's start
+            e = min(s + cap, stop)
+            starts = {k: (h[i][0], h[i][1] + s) for k, h in plan.inplace.items() if i in h}
+            last = found[-1] if found else None
+            if last and last[0] == sign and last[2] + e - s <= cap and all(b is last[5][k][0] and o == last[5][k][1] + last[2] for k, (b, o) in starts.items()):
+                last[6].append((i, last[2], e - s))
+                last[2], last[4] = last[2] + e - s, pos
+            else:
+                found.append([sign, at, e - s, pos, pos, starts, [(i, 0, e - s)]])
+            at += e - s
     return [FlatRun(plan, *run) for run in found]
 
 
@@ -218,8 +219,8 @@ class ChunkPlan:
     def __init__(self, params: list[torch.Tensor], shadows: list[torch.Tensor], groups: list[dict[str, Any]],
                  kept: list[int], capacity: int, split: bool, low: FlatBuffer | None = None,
                  stores: dict[str, FlatBuffer] | None = None, entries: Any = None, classes: list[Any] | None = None,
-                 inplace: Homes | None = None) -> None:
-        self.kept, self.capacity, self.split, self.stores = kept, capacity, split, stores or {}
+                 inplace: Homes | None = None, run_cap: int = 0) -> None:
+        self.kept, self.capacity, self.run_cap, self.split, self.stores = kept, capacity, run_cap, split, stores or {}
         self.offsets, self.low = (low.offsets, low.buffer) if low is not None else ({}, EMPTY_FP32)
         self.params, self.shadows, self.groups, self.entries, self.inplace = params, shadows, groups, entries, inplace or {}
         pieces = cut_chunks([p.numel() for p in params], kept, [split and p.is_contiguous() for p in params], capacity)

@@ -51,8 +51,7 @@ class CompensatedWeights(ExactState):
         with torch.no_grad():
             for (param, initial), comp in zip(pairs, self.compensation):
                 torch.sub(initial, param, out=comp)  # in fp32 (type promotion), no full-size temporaries
-        self._grad = FlatBuffer(self._params, torch.float32, self._free)  # fp32 gradients, only when clipping
-        self._grad.free()
+        self._grad = FlatBuffer(self._params, torch.float32, self._free, allocate=False)  # fp32 gradients, only when clipping
         self._grads_in = False
         self._stepped = [False] * len(pairs)  # stepped once: the optimizer's state exists (chunking needs it)
         self._state: dict[str, FlatBuffer] = {}  # per-element optimizer state in bf16, by key (indexed by weight)

@@ -25,15 +25,15 @@ class MasterWeights(ExactState):
     """
 
     def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]], optimizer: torch.optim.Optimizer,
-                 free_step_buffers: bool = True, chunk: int = 1 << 18) -> None:
+                 free_step_buffers: bool = True, chunk: int = 1 << 20, run: int = 1 << 17) -> None:
         self.pairs = pairs  # (model parameter in bf16/fp16, its fp32 master)
-        self.optimizer, self.chunk = optimizer, chunk
+        # elements per chunk (gradients in, masters out: in the last-level cache) and per run the optimizer steps (in L2)
+        self.optimizer, self.chunk, self.run = optimizer, chunk, run
         self._plan: ChunkPlan | None = None
         self._stepped = [False] * len(pairs)  # stepped once: the optimizer's state exists (pieces need it)
         self._params = [p for p, _ in pairs]
         self._masters = [m for _, m in pairs]
-        self._grad = FlatBuffer(self._masters, torch.float32, free_step_buffers)
-        self._grad.free()
+        self._grad = FlatBuffer(self._masters, torch.float32, free_step_buffers, allocate=False)  # for clipping
         self._data = FlatBuffer(self._masters, torch.float32, releasable=False)  # the masters, end to end
         with torch.no_grad():
             for master, view in zip(self._masters, self._data.views):
@@ -67,12 +67,12 @@ class MasterWeights(ExactState):
         split = all(self._stepped[i] for i in kept)  # first steps: whole tensors
         fresh = not any(self._stepped[i] for i in kept)  # the optimizer makes every kept weight's state now
         classes = self._classes.advance(kept, self._stepped)
-        key = (kept, split, self.chunk, self._classes.version)
+        key = (kept, split, self.chunk, self.run, self._classes.version)
         if self._plan is None or self._plan_key != key:
             self._plan_key = key
             self._find_homes(kept)
             self._plan = ChunkPlan(self._params, self._masters, self.optimizer.param_groups, kept, self.chunk, split,
-                                   entries=state, classes=classes if split or fresh else None, inplace=self._homes)
+                                   entries=state, classes=classes if split or fresh else None, inplace=self._homes, run_cap=self.run)
             buffer, offsets, inside = self._data.buffer, self._data.offsets, set(kept)
             self._outs = {chunk: [buffer[offsets[i] + s:offsets[i] + e].view(t.shape) for (i, s, e), t in zip(chunk.pieces, chunk.targets)]
                           for chunk in self._plan.chunks}
