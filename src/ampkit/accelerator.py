@@ -168,7 +168,7 @@ class Accelerator:
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"acc.backward(loss) expects the loss tensor the model's output produced; got a {type(loss).__name__} ({loss!r})")
         self._prepared.check_backward()
-        if self.events:
+        if self.events.listeners:
             self.events.emit(Listener.on_backward_start, self, loss)
         loss = self.cycle.micro_loss(loss)
         unscaled = None  # with a scaler, kept by the optimizers to explain a loss-scale collapse
@@ -188,7 +188,7 @@ class Accelerator:
             opt.on_backward(unscaled)
         if self.compile_trial.timing:  # the compile trial's timed step ends here (see CompileTrial)
             self.compile_trial.backward_ended()
-        if self.events:
+        if self.events.listeners:
             self.events.emit(Listener.on_backward_end, self)
 
     @property
@@ -306,7 +306,7 @@ class Accelerator:
         """Report a result of the run, e.g. `acc.report_metric("val_loss", loss, higher_is_better=False)`, to
         listeners (`Listener.on_metric`; `ampkit compare train.py` sets it beside fp32's). No sync here."""
         check_metric(name, higher_is_better)
-        if self.events:
+        if self.events.listeners:
             self.events.emit(Listener.on_metric, self, name, value, higher_is_better)
 
     @property

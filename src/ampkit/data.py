@@ -103,7 +103,7 @@ class DeviceLoader:
         if self.stop is not None and torch.is_grad_enabled() and self.stop():
             return _END
         events = self.events
-        if not events:
+        if not events.listeners:
             return next(it, _END)
         events.emit(Listener.on_batch_wait_start, self)
         batch = next(it, _END)
@@ -113,7 +113,7 @@ class DeviceLoader:
 
     def _move(self, batch: Any, non_blocking: bool) -> Any:
         events = self.events
-        if not events:
+        if not events.listeners:
             return move_to_device(batch, self.device, non_blocking, self.memory_format)
         events.emit(Listener.on_h2d_start, self, batch)
         moved = move_to_device(batch, self.device, non_blocking, self.memory_format)

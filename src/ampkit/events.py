@@ -77,19 +77,19 @@ class Events:
     """The listeners of one engine object (shared by an Accelerator and what it prepares)."""
 
     def __init__(self) -> None:
-        self._listeners: list[Listener] = []
+        self.listeners: tuple[Listener, ...] = ()  # a new tuple per change; `if events.listeners:` is the emit sites' check
 
     def add(self, listener: Listener) -> None:
         """Start delivering events to `listener` (after those already registered)."""
         if not isinstance(listener, Listener):
             raise TypeError(f"{listener!r}: expected an ampkit.events.Listener")
-        if any(listener is other for other in self._listeners):
+        if any(listener is other for other in self.listeners):
             raise ValueError(f"{listener!r} is already listening")
-        self._listeners.append(listener)
+        self.listeners += (listener,)
 
     def remove(self, listener: Listener) -> None:
         """Stop delivering events to `listener` (a listener not registered is ignored)."""
-        self._listeners = [other for other in self._listeners if other is not listener]
+        self.listeners = tuple(other for other in self.listeners if other is not listener)
 
     @contextlib.contextmanager
     def listening(self, listener: Listener) -> Iterator[Listener]:
@@ -100,13 +100,13 @@ class Events:
         finally:
             self.remove(listener)
 
-    def __len__(self) -> int:  # also its truth: `if events:` is the emit sites' one check
-        return len(self._listeners)
+    def __len__(self) -> int:
+        return len(self.listeners)
 
     def emit(self, event: Callable[..., None], *args: Any) -> None:
         """Call `event` (a `Listener` method, e.g. `Listener.on_backward_end`) on every listener."""
         name = event.__name__
-        for listener in list(self._listeners):  # a listener may remove itself
+        for listener in self.listeners:  # a listener may remove itself: this tuple stays as it was
             getattr(listener, name)(*args)
 
 

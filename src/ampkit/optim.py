@@ -184,7 +184,7 @@ class AmpOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero gradients, but only at the start of an accumulation cycle."""
         events = self._acc.events
-        if events:
+        if events.listeners:
             events.emit(Listener.on_zero_grad_start, self)
         if self._acc.cycle.at_start:
             self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -193,7 +193,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                 for p in self._model_params:
                     p.grad = None
             self._stage = READY
-        if events:
+        if events.listeners:
             events.emit(Listener.on_zero_grad_end, self)
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
@@ -206,14 +206,14 @@ class AmpOptimizer(torch.optim.Optimizer):
                 "optimizer step: replace loss.backward() with acc.backward(loss)"
             )
         events = self._acc.events
-        if events:
+        if events.listeners:
             events.emit(Listener.on_step_start, self)
         if not self._acc.cycle.at_end:
-            if events:
+            if events.listeners:
                 events.emit(Listener.on_step_end, self, False)
             return None  # a non-boundary micro-step: gradients keep accumulating
         result = self._update()
-        if events:
+        if events.listeners:
             events.emit(Listener.on_step_end, self, True)
         if self._outcomes is None:
             self.applied_steps += 1
@@ -316,7 +316,7 @@ class AmpOptimizer(torch.optim.Optimizer):
             for watcher in self._outcome_watchers:
                 watcher(index, outcome.skipped)
             self._latest_applied = not outcome.skipped
-            if events:
+            if events.listeners:
                 events.emit(Listener.on_outcome, self, outcome)
             if not outcome.skipped:
                 self.applied_steps += 1
