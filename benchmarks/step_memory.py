@@ -8,7 +8,10 @@ GELU], head 2048 -> 4096), trained with AdamW on batches of 512 tokens. Each pre
 process: its resident memory is read before the model is built, three steps run (the optimizer's
 state exists from the first), the kernel's high-water mark is reset (/proc/self/clear_refs), and
 one more step (backward, optimizer step, zero_grad) runs. The figure is that step's peak resident
-memory minus the memory before the model. Beside it, the bytes per parameter held at rest: weights,
+memory minus the memory before the model. Before that reading, three steps of the same stack at
+width 64 (0.04M parameters) run with the same preset and are deleted: the code and thread pools that
+torch's CPU kernels load at their first use (~75-100 MiB, once per process, whatever the model) are
+then in the baseline, not in the step's figure. The "cold" column measures without that warm-up. Beside it, the bytes per parameter held at rest: weights,
 optimizer state and ampkit's own buffers (fp32 masters, Kahan buffers) after zero_grad, and the
 same with the gradients a backward leaves.
 
@@ -51,22 +54,33 @@ PRESETS = ("fp32", "bf16-mixed", "bf16-master", "bf16-true")
 VOCAB, WIDTH, LAYERS, BATCH = 4096, 2048, 8, 512
 
 
-def model() -> nn.Module:
-    layers: list[nn.Module] = [nn.Embedding(VOCAB, WIDTH)]
+def model(vocab: int = VOCAB, width: int = WIDTH) -> nn.Module:
+    layers: list[nn.Module] = [nn.Embedding(vocab, width)]
     for _ in range(LAYERS):
-        layers += [nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH), nn.GELU()]
-    return nn.Sequential(*layers, nn.Linear(WIDTH, VOCAB))
+        layers += [nn.LayerNorm(width), nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*layers, nn.Linear(width, vocab))
 
 
 def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
-def child(preset: str) -> dict[str, float]:
+def child(preset: str, warm: bool = True) -> dict[str, float]:
+    import gc
+
     import ampkit
 
     torch.manual_seed(0)
     x, y = torch.randint(0, VOCAB, (BATCH,)), torch.randint(0, VOCAB, (BATCH,))
+    if warm:  # the kernels' first-use memory goes into the baseline (see the docstring)
+        tiny, tiny_acc = model(vocab=64, width=64), ampkit.Accelerator(preset, device="cpu")
+        tiny, tiny_opt = tiny_acc.prepare(tiny, torch.optim.AdamW(tiny.parameters(), lr=1e-4))
+        for _ in range(3):
+            tiny_acc.backward(nn.functional.cross_entropy(tiny(x % 64), y % 64))
+            tiny_opt.step()
+            tiny_opt.zero_grad()
+        del tiny, tiny_acc, tiny_opt
+        gc.collect()
     before = proc_status("VmRSS") or 0
     net = model()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
@@ -196,26 +210,32 @@ def main() -> None:
             print(f"- {preset}: {r['bpp']:.1f} B/param ({split}); {r['ops']} aten ops; largest: {r['top']}")
         return
     if args.child:
-        print(json.dumps(child(args.child)))
+        preset, _, kind = args.child.partition(":")
+        print(json.dumps(child(preset, warm=kind != "cold")))
         return
-    rows, peaks = {}, {}
+    rows, peaks, colds = {}, {}, {}
     for preset in args.presets.split(","):
         for _ in range(args.repeat):
-            out = subprocess.run([sys.executable, __file__, "--child", preset], capture_output=True, text=True, check=True)
-            rows[preset] = json.loads(out.stdout.strip().splitlines()[-1])
-            peaks.setdefault(preset, []).append(rows[preset]["peak_mib"])
-        rows[preset]["peak_mib"] = statistics.median(peaks[preset])
-    fp32 = rows.get("fp32", {}).get("peak_mib")
+            for kind, into in (("cold", colds), ("warm", peaks)):
+                out = subprocess.run([sys.executable, __file__, "--child", f"{preset}:{kind}"], capture_output=True, text=True, check=True)
+                rows[preset] = json.loads(out.stdout.strip().splitlines()[-1])
+                into.setdefault(preset, []).append(rows[preset]["peak_mib"])
+        rows[preset]["peak_mib"], rows[preset]["cold_mib"] = statistics.median(peaks[preset]), statistics.median(colds[preset])
+    fp32, fp32_cold = rows.get("fp32", {}).get("peak_mib"), rows.get("fp32", {}).get("cold_mib")
     lines = ["## Peak memory of a training step, per preset (`benchmarks/step_memory.py`)", "",
              f"`python benchmarks/step_memory.py --repeat {args.repeat}` — {machine()}", "",
              f"{next(iter(rows.values()))['params'] / 1e6:.1f}M parameters, AdamW, batch {BATCH}; {args.repeat} processes "
-             "per preset, median (range) of the peak: the allocator's reuse of freed memory moves it by tens of MiB.", "",
-             "| preset | peak step memory (MiB) | vs fp32 | at rest (B/param) | with gradients (B/param) |",
-             "|---|---:|---:|---:|---:|"]
+             "per preset and column, median (range) of the peak: the allocator's reuse of freed memory moves it by tens "
+             "of MiB. Cold: no warm-up, so the kernels' first-use memory (once per process) counts in the step.", "",
+             "| preset | peak step memory (MiB) | vs fp32 | cold (MiB) | cold vs fp32 | at rest (B/param) | with gradients (B/param) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for preset, r in rows.items():
         ratio = f"{r['peak_mib'] / fp32:.2f}×" if fp32 else "–"
+        cold = f"{r['cold_mib'] / fp32_cold:.2f}×" if fp32_cold else "–"
         span = f"{min(peaks[preset]):.0f}–{max(peaks[preset]):.0f}"
-        lines.append(f"| {preset} | {r['peak_mib']:.0f} ({span}) | {ratio} | {r['rest_bpp']:.1f} | {r['rest_grads_bpp']:.1f} |")
+        cold_span = f"{min(colds[preset]):.0f}–{max(colds[preset]):.0f}"
+        lines.append(f"| {preset} | {r['peak_mib']:.0f} ({span}) | {ratio} | {r['cold_mib']:.0f} ({cold_span}) | {cold} "
+                     f"| {r['rest_bpp']:.1f} | {r['rest_grads_bpp']:.1f} |")
     if args.note:
         lines += ["", args.note]
     print("\n".join(lines))

@@ -112,3 +112,14 @@ def test_step_buffers_child_measures_each_setting_in_its_own_process() -> None:
         figures = json.loads(out.stdout)
         # the MLP's bf16 weights alone are 16 MiB and its fp32 masters 32: the peak holds at least those
         assert figures["peak_mib"] >= figures["rest_mib"] >= 48, figures
+
+
+def test_step_memory_child_measures_the_step_with_and_without_the_kernels_warm_up() -> None:
+    """benchmarks/step_memory.py's child, both ways: each peak holds at least the tensors kept at rest."""
+    script = PEERS.with_name("step_memory.py")
+    for kind in ("warm", "cold"):
+        out = subprocess.run([sys.executable, str(script), "--child", f"bf16-true:{kind}"],
+                             capture_output=True, text=True, check=True, timeout=300)
+        figures = json.loads(out.stdout.strip().splitlines()[-1])
+        at_rest_mib = figures["rest_bpp"] * figures["params"] / 2**20  # weights, Kahan buffer, bf16 moments: 8 B/param
+        assert 7.9 <= figures["rest_bpp"] <= 8.5 and figures["peak_mib"] >= at_rest_mib, (kind, figures)
