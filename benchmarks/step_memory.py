@@ -10,7 +10,7 @@ state exists from the first), the kernel's high-water mark is reset (/proc/self/
 one more step (backward, optimizer step, zero_grad) runs. The figure is that step's peak resident
 memory minus the memory before the model. Before that reading, three steps of the same stack at
 width 64 (0.04M parameters) run with the same preset and are deleted: the code and thread pools that
-torch's CPU kernels load at their first use (~75-100 MiB, once per process, whatever the model) are
+torch's CPU kernels load at their first use (40-115 MiB here, once per process, whatever the model) are
 then in the baseline, not in the step's figure. The "cold" column measures without that warm-up. Beside it, the bytes per parameter held at rest: weights,
 optimizer state and ampkit's own buffers (fp32 masters, Kahan buffers) after zero_grad, and the
 same with the gradients a backward leaves.
