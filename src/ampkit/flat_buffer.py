@@ -34,8 +34,8 @@ class FlatBuffer:
         self.buffer: torch.Tensor = EMPTY_FP32
         self.views: list[torch.Tensor] = []
         self._nbytes, self._holders = 0, (0, 0)  # (storage users, Python references per view) when only ampkit holds it
-        if allocate:
-            self.alloc()  # (else at the first alloc())
+        if allocate:  # else at the first alloc()
+            self.alloc()
 
     def alloc(self) -> None:
         if not self.views:
@@ -214,7 +214,8 @@ class ChunkPlan:
     0-dim views of one tensor per key (`scalars`, in `kept` order): a run reads them before its step,
     and `write_scalars()` writes its new values into its tensors' after the last chunk. `inplace`: flat
     buffers the runs step in place instead of the workspace ("data": the tensors; per state key: its
-    store), the workspace holding only gradients (master weights)."""
+    store), the workspace holding only gradients (master weights). `run_cap`: the most elements of a run
+    in a split plan (0: no limit), so that the optimizer's passes over each run stay in cache."""
 
     def __init__(self, params: list[torch.Tensor], shadows: list[torch.Tensor], groups: list[dict[str, Any]],
                  kept: list[int], capacity: int, split: bool, low: FlatBuffer | None = None,

@@ -17,17 +17,16 @@ class MasterWeights(ExactState):
     """Persistent fp32 master copies of low-precision parameters (the `*-master` presets).
 
     Without loss scaling or clipping (`step`), the masters' fp32 gradients are made chunk by chunk
-    in a fixed workspace, each chunk stepped as it is made (a tensor cut in pieces is stepped as
-    views of its master and state, its per-step scalars advanced once). Otherwise (`grads_in`) they
-    live in one flat buffer that exists only during the step. The masters lie end to end in one
-    buffer, and so does the optimizer's per-element state once it exists: a steady-state chunked
-    step hands the optimizer a few flat views of them (`ChunkPlan`'s flat runs), not one per weight.
+    (`chunk` elements: in the last-level cache) in a fixed workspace, each chunk stepped as it is made
+    (a tensor cut in pieces is stepped as views of its master and state, its per-step scalars advanced
+    once). Otherwise (`grads_in`) they live in one flat buffer. The masters lie end to end in one buffer,
+    and so does the optimizer's per-element state once it exists: a steady-state chunked step hands the
+    optimizer flat views of them (`ChunkPlan`'s runs, of at most `run` elements: in L2), not one per weight.
     """
 
     def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]], optimizer: torch.optim.Optimizer,
                  free_step_buffers: bool = True, chunk: int = 1 << 20, run: int = 1 << 17) -> None:
         self.pairs = pairs  # (model parameter in bf16/fp16, its fp32 master)
-        # elements per chunk (gradients in, masters out: in the last-level cache) and per run the optimizer steps (in L2)
         self.optimizer, self.chunk, self.run = optimizer, chunk, run
         self._plan: ChunkPlan | None = None
         self._stepped = [False] * len(pairs)  # stepped once: the optimizer's state exists (pieces need it)

@@ -59,7 +59,7 @@ class PolicyForward:
 def _cast(obj: Any, sources: tuple[torch.dtype, ...], target: torch.dtype) -> Any:
     """`obj` with every tensor of a `sources` dtype inside it (tuples, lists, dicts) cast to `target`."""
     if isinstance(obj, torch.Tensor):
-        return _CASTS[target](obj) if obj.dtype in sources else obj
+        return obj.to(target) if obj.dtype in sources else obj
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return type(obj)(*(_cast(v, sources, target) for v in obj))
     if isinstance(obj, (list, tuple)):
@@ -75,7 +75,6 @@ def _to_fp32(obj: Any) -> Any:
 
 
 _FP32 = (torch.float32,)
-_CASTS = {torch.float32: torch.Tensor.float, torch.bfloat16: torch.Tensor.bfloat16, torch.float16: torch.Tensor.half}  # ~1 µs < .to()
 
 
 def kept_fp32_roots(model: nn.Module, keep_fp32: KeepSpec) -> list[nn.Module]:
