@@ -21,7 +21,7 @@ class MasterWeights(ExactState):
     (a tensor cut in pieces is stepped as views of its master and state, its per-step scalars advanced
     once). Otherwise (`grads_in`) they live in one flat buffer. The masters lie end to end in one buffer,
     and so does the optimizer's per-element state once it exists: a steady-state chunked step hands the
-    optimizer flat views of them (`ChunkPlan`'s runs, of at most `run` elements: in L2), not one per weight.
+    optimizer flat views of them (`ChunkPlan`'s runs, of at most `run` elements: in cache), not one per weight.
     """
 
     def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]], optimizer: torch.optim.Optimizer,
