@@ -9,11 +9,12 @@ process: its resident memory is read before the model is built, three steps run 
 state exists from the first), the kernel's high-water mark is reset (/proc/self/clear_refs), and
 one more step (backward, optimizer step, zero_grad) runs. The figure is that step's peak resident
 memory minus the memory before the model. Before that reading, three steps of the same stack at
-width 64 (0.04M parameters) run with the same preset and are deleted: the code and thread pools that
-torch's CPU kernels load at their first use (40-115 MiB here, once per process, whatever the model) are
-then in the baseline, not in the step's figure. The "cold" column measures without that warm-up. Beside it, the bytes per parameter held at rest: weights,
-optimizer state and ampkit's own buffers (fp32 masters, Kahan buffers) after zero_grad, and the
-same with the gradients a backward leaves.
+width 64 (0.04M parameters) run with the same preset and are deleted: the code and thread pools
+that torch's CPU kernels load at their first use (40-115 MiB here, once per process, whatever the
+model) are then in the baseline, not in the step's figure. The "cold" column measures without that
+warm-up. Beside them, the bytes per parameter held at rest: weights, optimizer state and ampkit's
+own buffers (fp32 masters, Kahan buffers) after zero_grad, and the same with the gradients a
+backward leaves.
 
     PYTHONPATH=src python benchmarks/step_memory.py --traffic       # bytes the update moves, per parameter
     PYTHONPATH=src python benchmarks/step_memory.py --live          # live tensor bytes at the peak, per preset
