@@ -512,8 +512,38 @@ def test_bf16_true_holds_8_bytes_per_parameter_between_adamw_steps(free):
     assert acc.free_step_buffers is free
 
 
+def test_master_fp32_gradient_buffer_is_made_at_the_first_clip_not_at_prepare():
+    """bf16-master keeps its full-size fp32 gradient buffer between steps on a CPU (free_step_buffers=None), but
+    only a clipped step needs it: a loop that never clips never holds those 4 bytes per parameter."""
+    import gc
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    acc = ampkit.Accelerator("bf16-master", device="cpu")
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    n = sum(p.numel() for p in model.parameters())
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+
+    def fp32_bytes_held() -> int:  # every distinct fp32 storage alive in the process
+        gc.collect()
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in gc.get_objects()
+                    if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device.type == "cpu"}
+        return sum(storages.values())
+
+    held = []
+    for clip in (False, False, False, False, True, False):
+        acc.backward(F.cross_entropy(model(x), y))
+        if clip:
+            acc.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        held.append(fp32_bytes_held())
+    assert held[2] == held[3], held  # steady unclipped steps: no full-size gradient buffer
+    assert held[4] - held[3] == 4 * n and held[5] == held[4], held  # made at the first clip, then kept
+
+
 def test_free_step_buffers_defaults_by_device_and_preset_and_rejects_non_bools():
-    # On a CPU freeing the full-size step buffers costs 7-16% of a clipped or loss-scaled step (page faults,
+    # On a CPU freeing the full-size step buffers costs 6-14% of a clipped or loss-scaled step (page faults,
     # benchmarks/RESULTS.md): the -master presets keep them, bf16-true (the memory preset) frees them.
     assert ampkit.Accelerator("fp32", device="cpu").free_step_buffers is True
     assert ampkit.Accelerator("bf16-true", device="cpu").free_step_buffers is True
