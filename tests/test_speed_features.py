@@ -527,7 +527,7 @@ def test_master_fp32_gradient_buffer_is_made_at_the_first_clip_not_at_prepare():
     def fp32_bytes_held() -> int:  # every distinct fp32 storage alive in the process
         gc.collect()
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in gc.get_objects()
-                    if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device.type == "cpu"}
+                    if type(t) in (torch.Tensor, nn.Parameter) and t.dtype == torch.float32 and t.device.type == "cpu"}
         return sum(storages.values())
 
     held = []
