@@ -59,6 +59,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         self._last_loss: torch.Tensor | None = None  # the latest loss before scaling (explains a collapse)
         # fused Adam/AdamW/SGD take found_inf and skip on the device; others need one host read.
         self._skips_on_device = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        self._plain_zero_grad = type(optimizer).zero_grad is torch.optim.Optimizer.zero_grad  # not overridden
         self._outcomes = StepOutcomes(acc.device) if acc.scaler is not None else None
         self._model_params = [p for p, _ in weights.pairs] if weights is not None else []
         self.attempted_steps = 0  # optimizer steps run or skipped (host count, exact)
@@ -187,7 +188,11 @@ class AmpOptimizer(torch.optim.Optimizer):
         if events.listeners:
             events.emit(Listener.on_zero_grad_start, self)
         if self._acc.cycle.at_start:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
+            if not (set_to_none and self._plain_zero_grad) or torch._C._autograd._profiler_enabled():
+                self.optimizer.zero_grad(set_to_none=set_to_none)
+            else:  # torch's own zero_grad(set_to_none=True) minus its profiler label (~6 µs a call, profiler on or off)
+                for p in (p for group in self.optimizer.param_groups for p in group["params"]):
+                    p.grad = None
             if self.weights is not None:
                 self.weights.release()
                 for p in self._model_params:
