@@ -178,7 +178,7 @@ class Accelerator:
             loss = self.scaler.scale(loss)
         stats = self.compile_stats
         if stats.first_forward_s is None or stats.first_backward_s is not None:
-            loss.backward(**kwargs)
+            loss.backward(**kwargs) if kwargs else loss.backward()  # a call through an empty **{} costs ~0.5 µs
         else:  # the compiled graph's backward is generated in its first call: time it
             start = time.perf_counter()
             loss.backward(**kwargs)
