@@ -181,7 +181,7 @@ def test_disk_full_raises_keeps_the_previous_checkpoint_and_removes_the_temp_fil
     with pytest.raises(ampkit.CheckpointError, match=r"could not write .*step-00000004.pt: No space left on device; the previous checkpoint is intact"):
         acc.save_checkpoint(tmp_path)
     monkeypatch.setattr(torch, "save", real_save)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ampkit-checkpoints.json", "latest", first.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ampkit-checkpoints.json", "ampkit-checkpoints.lock", "latest", first.name]
     fresh, _, _ = _tiny()
     assert fresh.resume(tmp_path) == first
 

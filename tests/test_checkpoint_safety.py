@@ -106,6 +106,106 @@ def test_the_sharded_metadata_reader_reads_real_dcp_metadata(tmp_path):
     assert "model.w" in metadata.state_dict_metadata
 
 
+def _global_call(module: str, name: str, arg: str) -> bytes:
+    """A protocol-4 pickle calling `module`'s `name` (dotted names resolve attribute by attribute) on `arg`."""
+    def text(t: str) -> bytes:
+        return b"\x8c" + bytes([len(t.encode())]) + t.encode()
+
+    return b"\x80\x04" + text(module) + text(name) + b"\x93" + text(arg) + b"\x85R."
+
+
+_DCP = "torch.distributed.checkpoint.metadata"
+
+
+@pytest.mark.parametrize("module, name", [
+    (_DCP, "torch.os.system"), (_DCP, "os.system"), ("torch", "os.system"), ("torch.serialization", "os.system"),
+    ("torch.distributed.checkpoint.filesystem", "os.system"), ("collections", "OrderedDict.fromkeys"),
+    (_DCP, "os"), (_DCP, "field"), ("torch", "load"), ("os", "system"), ("builtins", "eval"),
+])
+def test_a_dotted_or_unlisted_global_in_the_metadata_runs_nothing(tmp_path, module, name):
+    marker = tmp_path / "pwned"
+    acc, model, opt = _tiny()
+    ck = tmp_path / "ck"
+    acc.save_checkpoint(ck)
+    folder = _crafted_sharded_folder(ck, marker, _global_call(module, name, f"touch {marker}"))
+    fresh, fmodel, fopt = _tiny(steps=0)
+    before = _snapshot(fmodel, fopt)
+    with pytest.raises(ampkit.CheckpointError, match=r"\.metadata is damaged or holds objects other than DCP's") as err:
+        fresh.load(folder)
+    assert "\n" not in str(err.value) and _unchanged(before, fmodel, fopt) and not marker.exists()
+    fresh.resume(ck)  # the manifest does not list the crafted folder: resume takes this run's own
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("entry", ["../userdata/x", "ABS", "link/step-00000001.pt", "step-1.pt", "notes.txt", 7])
+def test_a_tampered_manifest_deletes_nothing_and_is_one_clear_error(tmp_path, entry):
+    user = tmp_path / "userdata"
+    user.mkdir()
+    (user / "x").write_text("precious")
+    (user / "step-00000001.pt").write_text("precious too")
+    ck = tmp_path / "ck"
+    (ck / "link").parent.mkdir()
+    (ck / "link").symlink_to(user, target_is_directory=True)
+    (ck / "notes.txt").write_text("mine")
+    acc, model, opt = _tiny()
+    acc.save_checkpoint(ck, keep=1)
+    manifest_path = ck / "ampkit-checkpoints.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["checkpoints"].insert(0, str(user / "x") if entry == "ABS" else entry)
+    manifest_path.write_text(json.dumps(manifest))
+    before = {p: p.read_bytes() for p in [user / "x", user / "step-00000001.pt", ck / "notes.txt"]}
+    acc.backward(model(torch.randn(5, 4)).square().mean())
+    opt.step()
+    with pytest.raises(ampkit.CheckpointError, match=r"ampkit-checkpoints.json lists .* which is not an ampkit checkpoint"):
+        acc.save_checkpoint(ck, keep=1)
+    fresh, fmodel, fopt = _tiny(steps=0)
+    snapshot = _snapshot(fmodel, fopt)
+    with pytest.raises(ampkit.CheckpointError, match="the manifest was edited or damaged") as err:
+        fresh.resume(ck)  # not a silent fresh start
+    assert "\n" not in str(err.value) and _unchanged(snapshot, fmodel, fopt)
+    assert {p: p.read_bytes() for p in before} == before
+
+
+def test_pruning_never_deletes_through_a_link_the_user_put_in_place(tmp_path):
+    user = tmp_path / "userdata.pt"
+    user.write_text("precious")
+    ck = tmp_path / "ck"
+    acc, model, opt = _tiny(steps=0)
+    for _ in range(3):
+        acc.backward(model(torch.randn(5, 4)).square().mean())
+        opt.step()
+        opt.zero_grad()
+        first = acc.save_checkpoint(ck, keep=3) if _ == 0 else acc.save_checkpoint(ck, keep=3)
+        if _ == 0:
+            first.unlink()
+            first.symlink_to(user)  # the oldest checkpoint's name now leads to a file of the user's
+    with pytest.warns(UserWarning, match="it is a link"):
+        acc.backward(model(torch.randn(5, 4)).square().mean())
+        opt.step()
+        acc.save_checkpoint(ck, keep=1)
+    assert user.read_text() == "precious"
+
+
+def test_a_second_live_writer_of_a_folder_is_refused(tmp_path):
+    import subprocess
+    import sys
+
+    acc, model, opt = _tiny()
+    ck = tmp_path / "ck"
+    acc.save_checkpoint(ck)
+    code = ("import sys, torch, ampkit; from torch import nn; m = nn.Linear(2, 2); "
+            "o = torch.optim.SGD(m.parameters(), lr=0.1); a = ampkit.Accelerator(precision='fp32', device='cpu'); "
+            "m, o = a.prepare(m, o)\n"
+            "try:\n a.save_checkpoint(sys.argv[1])\nexcept ampkit.CheckpointError as e:\n print(e); sys.exit(3)")
+    done = subprocess.run([sys.executable, "-c", code, str(ck)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr
+    assert f"is being written by another process (pid {os.getpid()}" in done.stdout
+    assert sorted(json.loads((ck / "ampkit-checkpoints.json").read_text())["checkpoints"]) == ["step-00000002.pt"]
+    (ck / "ampkit-checkpoints.lock").write_text("99999999 " + __import__("socket").gethostname())  # a dead writer's
+    done = subprocess.run([sys.executable, "-c", code, str(ck)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3 and "holds the checkpoints of another run" in done.stdout  # the lock was taken over
+
+
 # --- 2. ampkit deletes only what it wrote ----------------------------------------------------------
 def test_pruning_deletes_only_ampkits_own_checkpoints(tmp_path):
     user_files = {"step-00000009.pt": b"mine", "step-7": b"mine too", ".draft.tmp-old": b"draft",
@@ -242,7 +342,7 @@ def test_saving_under_a_file_or_into_a_full_disk_is_a_checkpoint_error(tmp_path,
     with pytest.raises(ampkit.CheckpointError, match=r"could not write .*step-00000002.pt: .*the previous checkpoint is intact"):
         acc.save_checkpoint(tmp_path / "ck")
     monkeypatch.setattr(torch, "save", real_save)
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["ampkit-checkpoints.json", "latest", first.name]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["ampkit-checkpoints.json", "ampkit-checkpoints.lock", "latest", first.name]
 
 
 def test_a_truncated_or_flipped_first_byte_file_is_called_corrupt_not_pickled(tmp_path):

@@ -1,14 +1,20 @@
 """A folder of checkpoints: save every N steps, keep the newest few, resume from the newest good one.
 Its manifest (`ampkit-checkpoints.json`) names the writing run and its checkpoints, oldest first; ampkit
 deletes only what it says ampkit wrote (and dead writers' temporary files), and never mixes two runs.
+A manifest entry must be an ampkit checkpoint name (`step-NNNNNNNN[.pt]`) directly inside the folder:
+anything else (`../x`, an absolute path, `sub/x`) is a tampered manifest and a clear error, never a
+deletion. One process writes a folder at a time (`ampkit-checkpoints.lock`, holding its pid and host).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
+import os
 import re
 import shutil
+import socket
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,6 +28,7 @@ if TYPE_CHECKING:
 
 MANIFEST = "ampkit-checkpoints.json"
 LATEST = "latest"  # the newest checkpoint's name, for people and older tools
+LOCK = "ampkit-checkpoints.lock"  # "<pid> <host>" of the process writing the folder
 _NAME = re.compile(r"^step-\d{8}(\.pt)?$")  # a file, or a folder of shards (strategy="fsdp")
 
 
@@ -34,10 +41,16 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
         manifest = json.loads(path.read_text(encoding="utf-8"))
         if manifest.get("format") != "ampkit-checkpoints" or not isinstance(manifest.get("checkpoints"), list):
             raise ValueError("not an ampkit manifest")
-        return manifest
     except (OSError, ValueError, AttributeError) as exc:
         raise CheckpointError(f"{path} cannot be read ({exc}): ampkit will not guess which files in {folder} are its own; "
                               f"move the folder's checkpoints elsewhere or delete the damaged manifest") from None
+    bad = [name for name in manifest["checkpoints"] if not isinstance(name, str) or not _NAME.match(name)]
+    if bad:
+        raise CheckpointError(
+            f"{path} lists {bad[0]!r}, which is not an ampkit checkpoint (step-NNNNNNNN or step-NNNNNNNN.pt directly "
+            f"in {folder}): the manifest was edited or damaged, so ampkit neither loads nor deletes through it; "
+            f"restore the manifest or move the checkpoints you want into a new folder")
+    return manifest
 
 
 def candidates(folder: Path) -> list[Path]:
@@ -45,7 +58,7 @@ def candidates(folder: Path) -> list[Path]:
     run's, so there is no fallback: `latest`'s checkpoint, else the newest."""
     manifest = read_manifest(folder)
     if manifest is not None:
-        return [folder / name for name in reversed(manifest["checkpoints"]) if _NAME.match(name)]
+        return [folder / name for name in reversed(manifest["checkpoints"])]
     found = sorted((p for p in folder.iterdir() if _NAME.match(p.name)), key=lambda p: p.name, reverse=True)
     try:
         named = folder / (folder / LATEST).read_text(encoding="utf-8").strip()
@@ -67,6 +80,8 @@ def save_checkpoint(acc: Accelerator, folder: Path, keep: int, save: Any) -> Pat
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CheckpointError(f"cannot create the checkpoint folder {folder}: {exc.strerror or exc}") from None
+    if acc.is_main:
+        _lock(folder)
     manifest = read_manifest(folder) or {"format": "ampkit-checkpoints", "run_id": acc.run_id, "checkpoints": []}
     if manifest["run_id"] != acc.run_id:
         newest = manifest["checkpoints"][-1] if manifest["checkpoints"] else "none left"
@@ -86,6 +101,43 @@ def save_checkpoint(acc: Accelerator, folder: Path, keep: int, save: Any) -> Pat
         _prune(folder, manifest, keep)  # only now: the new checkpoint is durable
         _remove_stale_temp_files(folder)
     return path
+
+
+_HELD: set[Path] = set()
+
+
+def _lock(folder: Path) -> None:
+    """Make this process the folder's one writer, or raise `CheckpointError` naming the live one. Two
+    writers would overwrite each other's `step-N` files and leave checkpoints no manifest lists."""
+    path, me = folder / LOCK, (os.getpid(), socket.gethostname())
+    if path.resolve() in _HELD:
+        return
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        try:
+            pid_text, host = path.read_text(encoding="utf-8").split()
+            pid = int(pid_text)
+        except (OSError, ValueError):
+            pid, host = -1, me[1]  # a lock cut short by a kill mid-write: its writer is gone
+        if (pid, host) != me and (host != me[1] or files.pid_alive(pid)):
+            raise CheckpointError(
+                f"{folder} is being written by another process (pid {pid} on {host}, per {path}): two writers "
+                f"would overwrite each other's checkpoints. Save into another folder, or delete {path} if that "
+                f"process is gone") from None
+        files.atomic_write(path, lambda f: f.write(f"{me[0]} {me[1]}\n".encode()))  # its writer is gone
+    else:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(f"{me[0]} {me[1]}\n")
+    _HELD.add(path.resolve())
+    atexit.register(_unlock, path)
+
+
+def _unlock(path: Path) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        if path.read_text(encoding="utf-8").split()[0] == str(os.getpid()):
+            path.unlink()
+    _HELD.discard(path.resolve())
 
 
 def _this_runs(path: Path, run_id: str) -> bool:
@@ -108,14 +160,39 @@ def _prune(folder: Path, manifest: dict[str, Any], keep: int) -> None:
     manifest["checkpoints"] = kept
     _write_manifest(folder, manifest)  # forget them first: a crash now leaves files, never a dangling entry
     for name in old:
-        path = folder / name
+        _remove_own(folder, name)
+
+
+def _remove_own(folder: Path, name: str) -> None:
+    """Delete checkpoint `name` (a name `read_manifest` checked) inside `folder`; never through a link."""
+    path = folder / name
+    with contextlib.suppress(OSError):
+        if path.is_symlink() or path.resolve().parent != folder.resolve():
+            warnings.warn(f"not removing {path}: it is a link, and ampkit deletes only its own files", stacklevel=5)
+        elif path.is_file():
+            path.unlink()
+        elif path.is_dir() and sharded.is_own_folder(path):
+            shutil.rmtree(path)
+        elif path.exists():
+            warnings.warn(f"not removing {path}: it holds files ampkit did not write", stacklevel=5)
+
+
+def remove_folder(folder: Path) -> None:
+    """Delete a checkpoint folder ampkit wrote: the checkpoints its manifest lists, the manifest, `latest`,
+    dead writers' temporary files, then the folder if nothing else is left (what else is there stays)."""
+    if folder.is_symlink() or not folder.is_dir():
+        return
+    manifest = read_manifest(folder)
+    for name in manifest["checkpoints"] if manifest is not None else []:
+        _remove_own(folder, name)
+    _remove_stale_temp_files(folder)
+    for name in (LATEST, MANIFEST, LOCK):
         with contextlib.suppress(OSError):
-            if path.is_file() and not path.is_symlink():
-                path.unlink()
-            elif path.is_dir() and sharded.is_own_folder(path):
-                shutil.rmtree(path)
-            elif path.exists():
-                warnings.warn(f"not removing {path}: it holds files ampkit did not write", stacklevel=4)
+            if (folder / name).is_file() and not (folder / name).is_symlink():
+                (folder / name).unlink()
+    _HELD.discard((folder / LOCK).resolve())
+    with contextlib.suppress(OSError):
+        folder.rmdir()  # fails, and keeps the folder, where anything of the user's is left in it
 
 
 def _remove_stale_temp_files(folder: Path) -> None:

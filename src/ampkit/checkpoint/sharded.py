@@ -27,21 +27,28 @@ DCP_META = ".metadata"
 OWN_FILE_SUFFIXES = (".distcp",)
 OWN_FILES = (META, DCP_META)
 
-_DCP_MODULES = ("torch.distributed.checkpoint.metadata",)
-_ALLOWED = {
+_DCP = "torch.distributed.checkpoint.metadata"
+#: Every global a DCP `.metadata` pickle may name, as exact (module, name) pairs: a closed list. A dotted
+#: name is refused outright, since pickle would resolve `torch.os.system` inside an admitted module.
+_ALLOWED = frozenset({
+    (_DCP, "Metadata"), (_DCP, "MetadataIndex"), (_DCP, "StorageMeta"), (_DCP, "TensorProperties"),
+    (_DCP, "TensorStorageMetadata"), (_DCP, "BytesStorageMetadata"), (_DCP, "ChunkStorageMetadata"),
+    (_DCP, "_MEM_FORMAT_ENCODING"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
     ("torch", "Size"), ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-    ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")}
+    ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")})
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP metadata records, torch dtypes/sizes/layouts and paths; refuses every other global."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if module in _DCP_MODULES or (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            return getattr(torch, name)
+        if "." not in name:
+            if (module, name) in _ALLOWED:
+                return super().find_class(module, name)
+            kinds = (torch.dtype, torch.layout, torch.memory_format)
+            if module == "torch" and isinstance(value := getattr(torch, name, None), kinds):
+                return value
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
 
 
