@@ -247,7 +247,10 @@ def test_an_out_that_cannot_be_written_is_refused_before_any_training(tmp_path, 
 def test_resume_with_a_corrupt_finished_run_names_the_file(tmp_path, capsys):
     from ampkit.cli import main
 
+    from ampkit.files import OwnedFiles
+
     record = tmp_path / "r" / ".compare" / "fp32.json"
+    OwnedFiles(tmp_path / "r").claim([".compare", ".compare/fp32.json"])  # as if an earlier comparison wrote it
     record.parent.mkdir(parents=True)
     for content in ('{"precision": "fp32", "sta', "[]"):
         record.write_text(content)

@@ -374,7 +374,9 @@ def test_write_report_writes_json_plots_and_one_self_contained_page(sample, tmp_
     paths = write_report(sample, tmp_path / "out")
 
     assert set(paths) == {"json", "html", "loss_curves", "throughput", "memory", "scale_history"}
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(p.name for p in paths.values())
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted([".ampkit-owned.json", *(p.name for p in paths.values())])
+    owned = json.loads((tmp_path / "out" / ".ampkit-owned.json").read_text())["files"]
+    assert {p.name for p in paths.values()} <= set(owned)  # each file it wrote, recorded as ampkit's
     loaded = _strict_json(paths["json"].read_text(encoding="utf-8"))
     validate_report(loaded)
     assert all(math.isfinite(x) for x in _numbers(loaded))

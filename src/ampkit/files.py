@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -71,3 +72,73 @@ def pid_alive(pid: int) -> bool:
     except (PermissionError, OverflowError, ValueError):
         return True
     return True
+
+
+#: The record, inside an output folder, of the files ampkit wrote there (relative names, JSON).
+OWNED_RECORD = ".ampkit-owned.json"
+
+
+class OwnedFiles:
+    """The files ampkit wrote into a folder the user named (`compare --out`), so that a later run there
+    overwrites and deletes only those. A name is relative, inside the folder, never through a link:
+    anything else in the record (a tampered one) is ignored, so it can never make ampkit touch it.
+
+        owned = OwnedFiles(out)
+        owned.check(["report.json", "report.html"])   # before any work: refuses what it did not write
+        owned.claim(["report.json"])                    # just before writing: records it first
+        owned.remove(".compare/fp32.json")              # deletes only a recorded name
+    """
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        self.names: set[str] = set()
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            record = json.loads((self.folder / OWNED_RECORD).read_text(encoding="utf-8"))
+            self.names = {n for n in record.get("files", []) if isinstance(n, str) and self._inside(n)}
+
+    def _inside(self, name: str) -> bool:
+        parts = Path(name).parts
+        if not parts or Path(name).is_absolute() or any(p in ("..", ".", "") for p in parts):
+            return False
+        path = self.folder
+        for part in parts[:-1]:  # no link on the way: a linked folder leads outside
+            path = path / part
+            if path.is_symlink():
+                return False
+        return True
+
+    def owns(self, name: str) -> bool:
+        return name in self.names and not (self.folder / name).is_symlink()
+
+    def check(self, names: Iterable[str]) -> None:
+        """`ValueError` naming the first of `names` that exists in the folder and ampkit did not write."""
+        for name in names:
+            path = self.folder / name
+            if (path.exists() or path.is_symlink()) and not self.owns(name):
+                raise ValueError(
+                    f"{path} exists and ampkit did not write it (no earlier ampkit report in {self.folder} records "
+                    f"it in {OWNED_RECORD}): ampkit never overwrites or deletes it; move it or choose another --out")
+
+    def claim(self, names: Iterable[str]) -> None:
+        """`check(names)`, then record them as ampkit's before they are written (a crash leaves a record of
+        a file not yet there, never a file of ampkit's that the record does not name)."""
+        names = list(names)
+        self.check(names)
+        if not set(names) <= self.names:
+            self.names |= set(names)
+            self.folder.mkdir(parents=True, exist_ok=True)
+            blob = json.dumps({"format": "ampkit-owned", "files": sorted(self.names)}, indent=1).encode()
+            atomic_write(self.folder / OWNED_RECORD, lambda f: f.write(blob))
+
+    def remove(self, name: str) -> None:
+        """Delete `name` if ampkit wrote it: a file, or a folder holding only recorded files and folders."""
+        path = self.folder / name
+        if not self.owns(name) or not path.exists():
+            return
+        with contextlib.suppress(OSError):
+            if path.is_file():
+                path.unlink()
+            elif path.is_dir():
+                for inner in list(path.iterdir()):
+                    self.remove(f"{name}/{inner.name}")
+                path.rmdir()  # fails, and keeps the folder, where anything of the user's is left

@@ -16,7 +16,7 @@ from ampkit.compare.plots import CAPTIONS, PLOT_FILES, have_matplotlib, write_pl
 from ampkit.compare.records import Report, Run, Task, json_safe, validate_report
 from ampkit.compare.summary import (NUMERIC_FROM, columns, details, notes, numerics_findings, numerics_line, policy_lines,
                                     recommendation, rows, title, verdicts)
-from ampkit.files import atomic_write
+from ampkit.files import OwnedFiles, atomic_write
 from ampkit.present import NONE, escape as _e, page, size
 
 _CSS = """
@@ -156,6 +156,9 @@ def render_html(report: Report, plots: dict[str, Path], missing_reason: str | No
     return page(title(report), body, _CSS)
 
 
+#: What `write_report` writes into its folder (each claimed as ampkit's before it is written).
+REPORT_FILES = ("report.json", "report.html", *PLOT_FILES.values())
+
 _NO_MATPLOTLIB = ("No plots: matplotlib is not installed. Install it with pip install 'ampkit[compare]' "
                   "and run the comparison again; report.json holds every number meanwhile.")
 
@@ -169,17 +172,19 @@ def write_report(report: Report | dict[str, Any], out_dir: str | Path, extra_plo
     report.json is strict JSON; then the report is validated, so a bad one fails before any file
     is written. Without matplotlib the plots are left out, with one warning and a note in the page.
     `extra_plots` (name in `CAPTIONS` -> a PNG already written) join the plots; `sections` (HTML) follow
-    the numerics section.
+    the numerics section. A file of these names that no earlier ampkit report in `out_dir` recorded as
+    its own (`files.OwnedFiles`) is never overwritten: `ValueError` names it before anything is written.
     """
     clean = json_safe(dataclasses.asdict(report) if isinstance(report, Report) else report)
     checked = validate_report(clean)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    owned = OwnedFiles(out)
+    owned.claim(REPORT_FILES)
     paths = {"json": out / "report.json", "html": out / "report.html"}
     text = json.dumps(clean, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
     atomic_write(paths["json"], lambda f: f.write(text.encode("utf-8")))
     for stale in PLOT_FILES.values():  # a plot left by an earlier report here would describe other runs
-        (out / stale).unlink(missing_ok=True)
+        owned.remove(stale)
     missing_reason = None if have_matplotlib() else _NO_MATPLOTLIB
     plots = {**write_plots(checked, out), **(extra_plots or {})} if missing_reason is None else {}
     if missing_reason is not None:

@@ -10,7 +10,6 @@ import datetime
 import inspect
 import json
 import pickle
-import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -20,13 +19,14 @@ import torch
 
 from ampkit.accelerator import Accelerator
 from ampkit.compare.measure import NUMERICS_STEPS, PROBE_STEPS, RunSpec, TrainFn
-from ampkit.compare.html import write_report
+from ampkit.checkpoint.folder import remove_folder
+from ampkit.compare.html import REPORT_FILES, write_report
 from ampkit.compare.records import Report, Run, Task, json_safe, validate_run
 from ampkit.compare.summary import render_table
 from ampkit.compare.turns import RunProgress, blank_run, interleaved, run_planned
 from ampkit.errors import AmpkitError, PrecisionError
 from ampkit.export import format_text as format_inference, measure as measure_inference, render_html_section
-from ampkit.files import atomic_write
+from ampkit.files import OwnedFiles, atomic_write
 from ampkit.hardware import auto_precision, capability, describe, resolve_device
 from ampkit.plan import plan_task, plot_png
 from ampkit.precision import PRESETS, fp8_problem
@@ -112,11 +112,13 @@ def compare(train_fn: TrainFn | None = None, precisions: list[str] | tuple[str, 
     plan = plan_runs(precisions, dev)
     if precisions is None and task is not None:  # the default experiment also measures its own noise
         plan.insert(1, (f"{plan[0][0]} (seed {seed + 1})", False))
-    state_dir = None if out is None else Path(out) / ".compare"
+    state_dir = None if out is None else Path(out) / STATE_DIR
+    owned = None if out is None else OwnedFiles(out)
     if state_dir is not None:
         _check_writable(state_dir.parent)
+        owned.check([*REPORT_FILES, "plan.png", "report.unvalidated.json", STATE_DIR])  # before any training
         if not resume:
-            shutil.rmtree(state_dir, ignore_errors=True)  # a new comparison: forget an old one's runs
+            _forget_runs(owned)  # a new comparison: forget an old one's runs (only what ampkit wrote)
     kept = _finished_runs(state_dir, [p for p, _ in plan]) if resume and state_dir is not None else {}
     report = new_report(command or "ampkit.compare(...)", task_info, dev, plan[0][0])
     base = RunSpec(precision="", device=str(dev), seed=seed, task=task, steps=task_info.steps or None, size=size,
@@ -128,6 +130,8 @@ def compare(train_fn: TrainFn | None = None, precisions: list[str] | tuple[str, 
         numerics_steps=0 if probe or " " in name else base.numerics_steps, accelerator_kwargs=kwargs_of(name.split(" ")[0]),
         checkpoints=str(state_dir / f"{name}.ckpt") if state_dir is not None and task is not None and not probe else None)
         for name, probe in plan if name not in kept}
+    if owned is not None:  # the checkpoint folders each run writes while it trains, recorded before it starts
+        owned.claim([STATE_DIR, *(f"{STATE_DIR}/{Path(s.checkpoints).name}" for s in specs.values() if s.checkpoints)])
     turns = isolate and task is not None and nproc == 1
     try:
         taken = interleaved(specs, report, dev, progress, fit=steps is None) if turns else {}
@@ -148,11 +152,12 @@ def compare(train_fn: TrainFn | None = None, precisions: list[str] | tuple[str, 
                 task_info.metric = metric = next(iter(run.eval))
             report.runs.append(run)
             if state_dir is not None and run.status != "failed":
+                owned.claim([STATE_DIR, f"{STATE_DIR}/{name}.json"])
                 state_dir.mkdir(parents=True, exist_ok=True)
                 record = json.dumps(json_safe(dataclasses.asdict(run))).encode()
                 atomic_write(state_dir / f"{name}.json", lambda f, record=record: f.write(record))
                 if spec.checkpoints is not None:
-                    shutil.rmtree(spec.checkpoints, ignore_errors=True)
+                    remove_folder(Path(spec.checkpoints))
     except KeyboardInterrupt:
         report.interrupted = True
         done = {r.precision for r in report.runs}
@@ -176,6 +181,7 @@ def compare(train_fn: TrainFn | None = None, precisions: list[str] | tuple[str, 
             write_report(report, out, extra_plots, sections)
         except ValueError as exc:  # never lose a finished comparison to a report bug
             raw = Path(out) / "report.unvalidated.json"
+            owned.claim([raw.name])
             raw.write_text(json.dumps(report.to_dict(), indent=2, default=str))
             warnings.warn(f"{exc}; the raw figures are in {raw}", stacklevel=2)
     if show:
@@ -252,10 +258,25 @@ def _planned(report: Report, task: str, size: str | None, seed: int, batch_size:
             warnings.simplefilter("ignore")  # the runs already said what is slow here
             result = plan_task(task, precisions, size=size, seed=seed, batch_size=batch_size, device=dev,
                                search=False)
+        OwnedFiles(out).claim(["plan.png"])
         return {"plan": plot_png(result, out / "plan.png")}
     except (ImportError, ValueError, RuntimeError, AmpkitError) as exc:
         warnings.warn(f"no predicted-memory plot in the report: ampkit plan failed: {exc}", stacklevel=3)
         return {}
+
+
+STATE_DIR = ".compare"  # in `out`: each finished run's record and each running one's checkpoints
+
+
+def _forget_runs(owned: OwnedFiles) -> None:
+    """Delete what an earlier comparison in `owned`'s folder recorded under `STATE_DIR`, and nothing else."""
+    for name in sorted(n for n in owned.names if n.startswith(f"{STATE_DIR}/")):
+        path = owned.folder / name
+        if name.endswith(".ckpt") and owned.owns(name):
+            remove_folder(path)  # the checkpoint folder's own manifest says what is ampkit's in it
+        else:
+            owned.remove(name)
+    owned.remove(STATE_DIR)
 
 
 def _check_writable(out: Path) -> None:

@@ -25,7 +25,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
-from ampkit.compare.html import write_report
+from ampkit.compare.html import REPORT_FILES, write_report
 from ampkit.compare.measure import Recorder, seed_everything
 from ampkit.compare.memory import Memory
 from ampkit.compare.records import Policy, Report, Run, Task
@@ -34,6 +34,7 @@ from ampkit.compare.summary import render_table
 from ampkit.compare.turns import RunFailed, RunProgress, blank_run, run_isolated, throttled, unrunnable
 from ampkit.doctor.run import check_script, script_traceback
 from ampkit.events import watch_created
+from ampkit.files import OwnedFiles
 from ampkit.hardware import resolve_device
 from ampkit.launch import run_as_main
 from ampkit.schema import build
@@ -219,6 +220,10 @@ def compare_script(script: str | Path, args: Sequence[str] = (), precisions: Seq
     given = list(precisions) if precisions else default_precisions(dev)[0]
     names = [name for name, _ in plan_runs(given, dev)]
     logs = Path(out) / "logs" if out is not None else Path(tempfile.mkdtemp(prefix="ampkit-compare-"))
+    if out is not None:  # refuse a folder holding files of these names that ampkit did not write, before any run
+        owned = OwnedFiles(out)
+        owned.check(REPORT_FILES)
+        owned.claim(f"logs/{name}.log" for name in names)
     try:
         logs.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
