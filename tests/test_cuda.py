@@ -1,7 +1,7 @@
 """The engine on a real GPU: zero blocking syncs per step, parity with the hand-written loop,
 compile=True and cuda_graphs=True training like the eager step.
 
-Skipped without CUDA; `bash benchmarks/gpu_checks.sh tests` runs them on a lent GPU machine.
+Skipped without CUDA; `python benchmarks/gpu_check.py` runs them on a lent GPU machine.
 """
 
 from __future__ import annotations
