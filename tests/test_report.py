@@ -251,25 +251,38 @@ def test_verdict_within_timing_noise_says_same_speed(sample):
     )
 
 
-def test_speed_spread_noise_band_and_the_recommendation_come_from_the_measured_figures(sample):
+def test_speed_interval_noise_band_and_the_recommendation_come_from_the_measured_figures(sample):
     from ampkit.compare.summary import recommendation
 
     fp32, fp16 = run_of(sample, "fp32"), run_of(sample, "fp16-mixed")
     fp32["metric_band"] = 0.05  # perplexity 4.100 ± 0.05: ±1.2%, wider than fp16-mixed's +0.7%
     fp16.update(speedup_low=2.2, speedup_high=2.6)
-    assert verdict(fp16, fp32, sample["task"]) == ("fp16-mixed: 2.4× faster (2.2×–2.6× over rounds), 0.58× memory, "
+    assert verdict(fp16, fp32, sample["task"]) == ("fp16-mixed: 2.4× faster (95% CI 2.2×–2.6×), 0.58× memory, "
                                                    "perplexity +0.7% (within the noise, ±1.2%), 3 overflow steps skipped")
     assert verdict(fp32, fp32, sample["task"]).endswith("perplexity 4.1 ± 0.05")
-    assert recommendation(validate_report(sample)) == "fp16-mixed: 2.4× faster, 0.58× memory, perplexity within the noise of fp32"
+    assert recommendation(validate_report(sample)) == ("Use fp16-mixed: 2.4× faster (95% CI 2.2×–2.6×), 0.58× memory, "
+                                                       "perplexity within the noise of fp32 — speed decided")
     fp32["metric_band"] = 0.01  # now +0.7% is beyond the noise: fp32 stays, and the page says why
     assert recommendation(validate_report(sample)) == (
-        "fp32: fp16-mixed is 2.4× faster but its perplexity is +0.7%, beyond the noise")
-    fp16.update(speedup_vs_baseline=1.04, speedup_low=0.97, speedup_high=1.2)  # the rounds' spread covers 1.0
-    assert "same speed (1.04×, 0.97×–1.2× over rounds)" in verdict(fp16, fp32, sample["task"])
-    assert recommendation(validate_report(sample)) == "fp32: fp16-mixed is no faster on Tesla T4"
+        "Use fp32: fp16-mixed is 2.4× faster (95% CI 2.2×–2.6×) but its perplexity is +0.7%, beyond the noise "
+        "— the metric decided")
+    fp32["metric_band"] = 0.05
+    fp16.update(speedup_vs_baseline=1.04, speedup_low=0.97, speedup_high=1.2)  # the interval covers 1.0: unclear
+    assert verdict(fp16, fp32, sample["task"]).endswith(
+        "; speed: can't tell on this machine (1.04× measured, 95% CI 0.97×–1.2×): the rounds disagree; rerun on an "
+        "idle machine or with `--steps`")
+    assert recommendation(validate_report(sample)).startswith(  # never "Use fp32" from an inconclusive speed
+        "Can't tell on this machine whether fp16-mixed is faster than fp32 (1.04× measured, 95% CI 0.97×–1.2×, ")
+    fp16.update(speedup_vs_baseline=1.01, speedup_low=0.98, speedup_high=1.03, peak_memory_bytes=None,
+                memory_ratio_vs_baseline=None)  # the whole interval within ±5%: same speed, and no memory saved
+    assert "same speed (1.01×; 95% CI 0.98×–1.03×)" in verdict(fp16, fp32, sample["task"])
+    assert recommendation(validate_report(sample)) == (
+        "Use fp32: fp16-mixed is no faster on Tesla T4 (same speed (1.01×; 95% CI 0.98×–1.03×)) and saves no "
+        "memory — speed and memory decided")
     fp16.update(speedup_vs_baseline=0.25, speedup_low=0.2, speedup_high=0.3, status="probe")
-    assert recommendation(validate_report(sample)) == "fp32: fp16-mixed costs 4× the time on Tesla T4"
-    assert format_text(sample).splitlines()[1] == "Use fp32: fp16-mixed costs 4× the time on Tesla T4"
+    assert recommendation(validate_report(sample)) == (
+        "Use fp32: fp16-mixed costs 4× the time on Tesla T4 (95% CI 0.2×–0.3×) — speed decided")
+    assert format_text(sample).splitlines()[1] == "Use fp32: fp16-mixed costs 4× the time on Tesla T4 (95% CI 0.2×–0.3×) — speed decided"
 
 
 def test_verdict_of_a_skipped_run_gives_the_reason(sample):

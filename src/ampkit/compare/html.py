@@ -33,6 +33,7 @@ tr.baseline td { font-weight: 600; }
 .notes { color: #57606a; font-size: 13px; margin: 6px 0 0; padding-left: 18px; }
 .numerics { color: #7d4e00; font-size: 13px; }
 .rec { font-size: 18px; border: 1px solid #1a7f37; background: #dafbe1; padding: 8px 14px; border-radius: 6px; }
+.rec.unsure { border-color: #bf8700; background: #fff8c5; }
 .plots { display: grid; grid-template-columns: 1fr 1fr; gap: 0 16px; } .plots figure { margin: 8px 0; }
 figcaption { font-size: 12px; }
 """
@@ -133,7 +134,7 @@ def render_html(report: Report, plots: dict[str, Path], missing_reason: str | No
 <p class="sub">ampkit {_e(report.ampkit_version)} &middot; {_e(report.created)} &middot; {_e(report.machine["device_name"])}</p>
 <pre><code>$ {_e(report.command)}</code></pre>
 {interrupted}
-{f'<p class="rec"><b>Use {_e(rec)}</b></p>' if rec else ""}
+{f'<p class="rec{"" if rec.startswith("Use ") else " unsure"}"><b>{_e(rec)}</b></p>' if rec else ""}
 {f'<p class="sub">Ran: {_e(report.plan)}</p>' if report.plan else ""}
 <h2>Verdict</h2>
 <ul class="verdicts">{items}</ul>

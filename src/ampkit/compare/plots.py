@@ -17,7 +17,8 @@ CAPTIONS = {
     "loss_curves": "Training loss per optimizer step (log scale). A gap is a non-finite loss; "
                    "\u00d7 marks a diverged run's last finite step.",
     "throughput": "Training samples per second after warm-up; labels are the speed-up over the "
-                  "baseline. Hatched bars are probes (a few steps only).",
+                  "baseline, error bars its 95% interval from the paired rounds (as in the verdict). Hatched "
+                  "bars are probes (a few steps only).",
     "scale_history": "Dynamic loss scale per optimizer step (log\u2082). Each drop is a step skipped "
                      "because its gradients overflowed.",
     "memory": "Peak memory of each run's training; the parts counted from its tensors where known "
@@ -106,16 +107,26 @@ def _throughput(report: Report, ax: Any, colors: dict[str, str]) -> str | None:
     if not any(r.samples_per_s is not None for r in runs):
         return None
     heights = [r.samples_per_s or 0.0 for r in runs]
-    bars = ax.bar([r.precision for r in runs], heights, color=[colors[r.precision] for r in runs])
-    for bar, run in zip(bars, runs):
+    low, high = zip(*(_error_bar(r, h) for r, h in zip(runs, heights)))
+    bars = ax.bar([r.precision for r in runs], heights, color=[colors[r.precision] for r in runs],
+                  yerr=[low, high], error_kw={"capsize": 4, "elinewidth": 1.2, "ecolor": "#24292f"})
+    for bar, run, top in zip(bars, runs, high):
         if run.status == "probe":
             bar.set_hatch("//")
             bar.set_edgecolor("white")
-        ax.annotate(_bar_label(run, report.baseline), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+        ax.annotate(_bar_label(run, report.baseline), (bar.get_x() + bar.get_width() / 2, bar.get_height() + top),
                     xytext=(0, 3), textcoords="offset points", ha="center", va="bottom")
-    ax.set(ylabel="samples/s (higher is better)", ylim=(0, max(heights) * 1.15))
+    ax.set(ylabel="samples/s (higher is better)", ylim=(0, max(h + t for h, t in zip(heights, high)) * 1.2))
     ax.grid(True, axis="y", alpha=0.3)
     return "Throughput"
+
+
+def _error_bar(run: Run, height: float) -> tuple[float, float]:
+    """(below, above) the bar's top: the speed-up's 95% interval, relative to its speed-up, on the bar."""
+    speedup, low, high = run.speedup_vs_baseline, run.speedup_low, run.speedup_high
+    if not height or not speedup or low is None or high is None:
+        return 0.0, 0.0
+    return max(0.0, height * (1 - low / speedup)), max(0.0, height * (high / speedup - 1))
 
 
 def _bar_label(run: Run, baseline: str | None) -> str:
@@ -124,6 +135,8 @@ def _bar_label(run: Run, baseline: str | None) -> str:
     if run.samples_per_s is None:
         return run.status
     label = times(run.speedup_vs_baseline) if run.speedup_vs_baseline is not None else ""
+    if label and run.speedup_low is not None and run.speedup_high is not None:
+        label += f"\n({times(run.speedup_low)}\u2013{times(run.speedup_high)})"
     return f"{label} (probe)" if run.status == "probe" else label
 
 

@@ -77,7 +77,8 @@ class Run:
     step_time_median_s: float | None = field("Median seconds per optimizer step after warm-up.", None,
                                              exclusiveMinimum=0)
     samples_per_s: float | None = field("Training throughput after warm-up.", None, exclusiveMinimum=0)
-    speedup_vs_baseline: float | None = field("Baseline step time / this step time.", None, exclusiveMinimum=0)
+    speedup_vs_baseline: float | None = field("Baseline step time / this step time; with rounds, the geometric "
+                                              "mean of the paired per-round ratios.", None, exclusiveMinimum=0)
     memory_kind: MemoryKind = field()
     peak_memory_bytes: int | None = field("The peak that memory ratios use (see memory_kind).", None, minimum=0)
     peak_rss_bytes: int | None = field("CPU only: the process's raw peak RSS.", None, minimum=0)
@@ -99,8 +100,15 @@ class Run:
         "Median step time in each round of an interleaved comparison (rounds alternate between the runs' "
         "processes, so a slow moment of the machine lands on every run); for a script, in each quarter of "
         "its timed steps.", None, optional=True)
-    speedup_low: float | None = field("Smallest per-round speed-up over the baseline.", None, optional=True)
-    speedup_high: float | None = field("Largest per-round speed-up over the baseline.", None, optional=True)
+    speedup_low: float | None = field(
+        "Lower end of the speed-up's 95% interval: a seeded bootstrap of the paired per-round ratios (baseline "
+        "round time / this run's); older reports held the smallest per-round ratio.", None, optional=True)
+    speedup_high: float | None = field("Upper end of that interval (before: the largest per-round ratio).", None,
+                                       optional=True)
+    rounds_interleaved: bool | None = field(
+        "True: the rounds took turns with the baseline's (each ratio is paired in time); False: the runs ran one "
+        "after another (a script's quarters), so a drift of the machine between them is not separated; null: no "
+        "rounds.", None, optional=True)
     metric_band: float | None = field(
         "Half-width of the metric's noise band: two standard errors of the held-out mean (tiny-lm), and for the "
         "baseline of a default comparison at least its difference from its run from the next seed.", None,
@@ -149,6 +157,20 @@ class Gpu:
 
 
 @dataclass(kw_only=True)
+class Load:
+    """How busy the machine was while the runs were timed (`ampkit.load.check_load`, the busiest look of those
+    before and after); absent in reports written before the check existed."""
+
+    load_average: float | None = field("1-minute load average less ampkit's own threads; null where the OS has "
+                                       "none.", minimum=0)
+    cores: int = field(minimum=1)
+    threads: int = field("torch's threads.", minimum=1)
+    matmul_slowdown: float | None = field("Mean time of a burst of small fp32 matmuls / their fastest (idle: "
+                                          "~1-1.3); null where not measured (a GPU).", minimum=0)
+    busy: bool = field("Other work held over half the cores, or the matmuls ran 2x slower than they can.")
+
+
+@dataclass(kw_only=True)
 class Machine:
     """What the comparison ran on (`ampkit.hardware.describe`)."""
 
@@ -162,6 +184,7 @@ class Machine:
     threads: int = field(minimum=1)
     cpu_flags: dict[str, bool] | None = field()
     gpu: Gpu | None = field()
+    load: Load | None = field(default=None, optional=True)
 
 
 @dataclass(kw_only=True)

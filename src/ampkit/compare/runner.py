@@ -22,12 +22,14 @@ from ampkit.compare.measure import NUMERICS_STEPS, PROBE_STEPS, RunSpec, TrainFn
 from ampkit.checkpoint.folder import remove_folder
 from ampkit.compare.html import REPORT_FILES, write_report
 from ampkit.compare.records import Report, Run, Task, json_safe, validate_run
+from ampkit.compare.speed import paired_speedup
 from ampkit.compare.summary import render_table
 from ampkit.compare.turns import RunProgress, blank_run, interleaved, run_planned
 from ampkit.errors import AmpkitError, PrecisionError
 from ampkit.export import format_text as format_inference, measure as measure_inference, render_html_section
 from ampkit.files import OwnedFiles, atomic_write
 from ampkit.hardware import auto_precision, capability, describe, resolve_device
+from ampkit.load import check_load, worst
 from ampkit.plan import plan_task, plot_png
 from ampkit.precision import PRESETS, fp8_problem
 from ampkit.tasks import default_size, get_task
@@ -133,6 +135,7 @@ def compare(train_fn: TrainFn | None = None, precisions: list[str] | tuple[str, 
     if owned is not None:  # the checkpoint folders each run writes while it trains, recorded before it starts
         owned.claim([STATE_DIR, *(f"{STATE_DIR}/{Path(s.checkpoints).name}" for s in specs.values() if s.checkpoints)])
     turns = isolate and task is not None and nproc == 1
+    before = check_load(dev)  # the machine as the runs found it; again after them, and the busier look is kept
     try:
         taken = interleaved(specs, report, dev, progress, fit=steps is None) if turns else {}
         if not turns:
@@ -165,6 +168,7 @@ def compare(train_fn: TrainFn | None = None, precisions: list[str] | tuple[str, 
                         for p, _ in plan if p not in done]
     finally:
         progress.stop()
+    report.machine["load"] = worst(before, check_load(dev, own=torch.get_num_threads() * nproc)).as_dict()
     compare_to_baseline(report)
     extra_plots, sections = {}, []
     if out is not None and task is not None and not report.interrupted:
@@ -308,7 +312,7 @@ def _finished_runs(state_dir: Path, names: list[str]) -> dict[str, Run]:
 
 
 def compare_to_baseline(report: Report) -> Run | None:
-    """Each run's speed-up (with its spread over rounds), memory ratio and metric delta against the
+    """Each run's speed-up (with rounds: paired, with its 95% interval), memory ratio and metric delta against the
     baseline run, which it returns (None, and no baseline, when that run did not finish)."""
     base = next((r for r in report.runs if r.precision == report.baseline and r.status == "ok"), None)
     if base is None:
@@ -321,9 +325,9 @@ def compare_to_baseline(report: Report) -> Run | None:
     for run in report.runs:
         if run.step_time_median_s and base.step_time_median_s:
             run.speedup_vs_baseline = base.step_time_median_s / run.step_time_median_s
-        rounds = [b / r for b, r in zip(base.round_step_times_s or [], run.round_step_times_s or []) if b and r]
-        if run is not base and len(rounds) >= 2:
-            run.speedup_low, run.speedup_high = min(rounds), max(rounds)
+        paired = paired_speedup(base.round_step_times_s or [], run.round_step_times_s or [])
+        if run is not base and paired is not None:  # the paired rounds' figure and its 95% interval
+            run.speedup_vs_baseline, run.speedup_low, run.speedup_high = paired
         if run.peak_memory_bytes and base.peak_memory_bytes:
             run.memory_ratio_vs_baseline = run.peak_memory_bytes / base.peak_memory_bytes
         if run.metric is not None and base.metric is not None:

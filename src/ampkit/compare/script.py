@@ -37,6 +37,7 @@ from ampkit.events import watch_created
 from ampkit.files import OwnedFiles
 from ampkit.hardware import resolve_device
 from ampkit.launch import run_as_main
+from ampkit.load import check_load, worst
 from ampkit.schema import build
 
 GRACE = (60.0, 3.0)
@@ -165,9 +166,10 @@ def measure_script(spec: ScriptSpec, progress: Callable[[int], None]) -> tuple[R
     acc, wall = rec.acc, time.perf_counter() - start
     skipped = acc.state.skipped_steps  # waits for the outcomes still in flight: the run is over
     summary = rec.summary(min(10, rec.steps // 10))
-    timed = rec.step_times()[summary["warmup_steps"]:]  # the speed-up's spread: the median of each quarter
+    timed = rec.step_times()[summary["warmup_steps"]:]  # the speed-up's pairs: the median of each quarter
     summary["round_step_times_s"] = [statistics.median(timed[i * len(timed) // 4:(i + 1) * len(timed) // 4])
                                      for i in range(4)] if len(timed) >= 4 else None
+    summary["rounds_interleaved"] = False if summary["round_step_times_s"] else None  # one run after another
     peak, raw, kind = rec.memory.read()
     notes = [rec.stopped] if rec.stopped else []
     metrics = {name: float(value) for name, (value, _) in rec.metrics.items()}  # sync: once, after the run
@@ -232,9 +234,11 @@ def compare_script(script: str | Path, args: Sequence[str] = (), precisions: Seq
     task = Task(name=str(script), metric=None, higher_is_better=None, steps=steps or 0, batch_size=None, seed=seed)
     report = new_report(command or "ampkit.compare_script(...)", task, dev, names[0])
     progress = RunProgress(show)
+    before = check_load(dev)  # the machine as the runs found it and left it: the busier look is kept
     for name in names:
         report.runs.append(_one(ScriptSpec(str(script), tuple(map(str, args)), name, steps, seed,
                                            str(logs / f"{name}.log")), dev, progress, task))
+    report.machine["load"] = worst(before, check_load(dev, own=torch.get_num_threads())).as_dict()
     _compared(report)
     if out is not None:
         write_report(report, out)

@@ -10,6 +10,8 @@ from rich.console import Console, Group
 from rich.text import Text
 
 from ampkit.compare.records import MEMORY_KINDS, Report, Run, Task, as_report
+from ampkit.compare.speed import RERUN, SAME, measured, qualifiers, run_outcome, speed_words, unclear_reason
+from ampkit.load import describe_load
 from ampkit.precision import PRESETS
 from ampkit.present import (NONE, as_text, console as default_console, indented, sig, signed, size, table,
                             times)
@@ -41,22 +43,10 @@ def metric_delta(run: Run, baseline: Run | None, task: Task | None) -> str | Non
     return signed(delta, 3)
 
 
-def same_speed(run: Run) -> bool:
-    """The speed-up's spread over the rounds covers 1.0, or (no rounds) it is within ±5%, as reruns differ."""
-    speedup, low, high = run.speedup_vs_baseline or 1.0, run.speedup_low, run.speedup_high
-    return low <= 1 <= high if low is not None and high is not None else 0.95 <= speedup < 1.05
-
-
-def speed(run: Run) -> str:
-    """'1.6× faster (1.5–1.7× over rounds)', '0.4× (2.5× slower)', 'same speed (0.98×)'."""
-    speedup = run.speedup_vs_baseline or 1.0
-    spread = (f", {times(run.speedup_low)}\u2013{times(run.speedup_high)} over rounds"
-              if run.speedup_low is not None and run.speedup_high is not None else "")
-    if same_speed(run):
-        return f"same speed ({times(speedup)}{spread})"
-    if speedup >= 1:
-        return f"{times(speedup)} faster" + (f" ({spread[2:]})" if spread else "")
-    return f"{times(speedup)} ({times(1 / speedup)} slower{spread})"
+def speed(run: Run, load: dict[str, Any] | None = None) -> str:
+    """'1.6× faster (95% CI 1.5×–1.7×)', '0.4× (2.5× slower)', 'same speed (0.98×)', or "speed: can't tell on
+    this machine (...)" (`speed.speed_words`; `load`: the report's machine check)."""
+    return speed_words(run, load)
 
 
 def within_noise(run: Run, baseline: Run | None, task: Task | None) -> bool | None:
@@ -67,35 +57,64 @@ def within_noise(run: Run, baseline: Run | None, task: Task | None) -> bool | No
     return worse <= baseline.metric_band
 
 
+#: A run whose peak memory is at most this share of the baseline's saves memory worth choosing it for.
+LIGHTER = 0.9
+
+
 def recommendation(report: Report) -> str | None:
-    """The preset to use, from the measured figures: the fastest run that is faster over every round and
-    whose metric is within the baseline's noise; else the baseline, with what the best other run cost."""
+    """The banner, from the measured figures: "Use <preset>: <figures> — <what> decided", weighing speed (its
+    interval: `speed.outcome`), memory and the metric against its noise; or "Can't tell on this machine ..."
+    where the speed that would decide is inconclusive: an unclear speed never makes the baseline the choice."""
     base, task = report.baseline_run(), report.task
     if base is None or base.status != "ok":
         return None
+    load = report.machine.get("load")
     others = [r for r in report.runs if r is not base and r.speedup_vs_baseline and r.status in ("ok", "probe")
               and r.precision in PRESETS]  # not the baseline's noise run, "fp32 (seed 1)"
-    good = [r for r in others if r.status == "ok" and not same_speed(r) and (r.speedup_vs_baseline or 0) > 1
-            and within_noise(r, base, task) is not False]
-    if good:
-        best = max(good, key=lambda r: r.speedup_vs_baseline or 0)
-        parts = [f"{times(best.speedup_vs_baseline or 1)} faster"]
-        if best.memory_ratio_vs_baseline is not None:
-            parts.append(f"{times(best.memory_ratio_vs_baseline)} memory")
-        if (quality := within_noise(best, base, task)) is not None:
-            parts.append(f"{metric_name(task)} within the noise of {base.precision}" if quality else "")
-        return f"{best.precision}: {', '.join(p for p in parts if p)}"
     if not others:
-        return f"{base.precision}: no other precision finished to compare with"
-    best = max(others, key=lambda r: r.speedup_vs_baseline or 0)
+        return f"Use {base.precision}: no other precision finished to compare with"
+    judged = [(r, run_outcome(r, load), within_noise(r, base, task)) for r in others]
+    usable = [(r, fate) for r, fate, quality in judged if r.status == "ok" and quality is not False]
+    faster = [r for r, fate in usable if fate == "faster"]
+    if faster:
+        best = max(faster, key=lambda r: r.speedup_vs_baseline or 0)
+        return f"Use {best.precision}: {', '.join(_figures(best, base, task, load))} \u2014 speed decided"
+    lighter = [r for r, fate in usable if fate == "same" and (r.memory_ratio_vs_baseline or 1) <= LIGHTER]
+    if lighter:
+        best = min(lighter, key=lambda r: r.memory_ratio_vs_baseline or 1)
+        return f"Use {best.precision}: {', '.join(_figures(best, base, task, load))} \u2014 memory decided"
+    unclear = [r for r, fate, quality in judged if fate == "unclear" and quality is not False]
+    if unclear:
+        best = max(unclear, key=lambda r: r.speedup_vs_baseline or 0)
+        known = _figures(best, base, task, load, with_speed=False)
+        return (f"Can't tell on this machine whether {best.precision} is faster than {base.precision} "
+                f"({', '.join([measured(best), *known])}): {unclear_reason(best, load)}; {RERUN}")
+    best, fate, quality = max(judged, key=lambda j: j[0].speedup_vs_baseline or 0)
     where = f"on {report.machine.get('device_name', 'this device')}"
-    if same_speed(best) or (best.speedup_vs_baseline or 0) > 1:
-        why = (f"{best.precision} is no faster {where}" if same_speed(best) else
-               f"{best.precision} is {times(best.speedup_vs_baseline or 1)} faster but its {metric_name(task)} is "
-               f"{metric_delta(best, base, task)}, beyond the noise")
+    ci = f" ({qualifiers(best)})" if qualifiers(best) else ""
+    if quality is False:
+        lead = f"is {times(best.speedup_vs_baseline or 1)} faster{ci} but its" if fate == "faster" else "'s"
+        why = (f"{best.precision} {lead} {metric_name(task)} is {metric_delta(best, base, task)}, beyond the noise "
+               f"\u2014 the metric decided").replace(" 's", "'s")
+    elif best.status == "probe" and fate == "faster":
+        why = (f"{best.precision} ran only as a timing probe, {speed_words(best, load)}: its {metric_name(task)} "
+               f"was not measured (rerun with --precisions {base.precision},{best.precision}) \u2014 the metric decided")
+    elif fate == "same":
+        why = f"{best.precision} is no faster {where} ({speed_words(best, load)}) and saves no memory \u2014 speed and memory decided"
     else:
-        why = f"{best.precision} costs {times(1 / (best.speedup_vs_baseline or 1))} the time {where}"
-    return f"{base.precision}: {why}"
+        why = f"{best.precision} costs {times(1 / (best.speedup_vs_baseline or 1))} the time {where}{ci} \u2014 speed decided"
+    return f"Use {base.precision}: {why}"
+
+
+def _figures(run: Run, base: Run, task: Task | None, load: dict[str, Any] | None, with_speed: bool = True) -> list[str]:
+    """["1.9× faster (95% CI ...)", "0.82× memory", "perplexity within the noise of fp32"]: what a choice rests on
+    (`with_speed=False`: without the first)."""
+    parts = [speed_words(run, load)] if with_speed else []
+    if run.memory_ratio_vs_baseline is not None:
+        parts.append(f"{times(run.memory_ratio_vs_baseline)} memory")
+    if within_noise(run, base, task):
+        parts.append(f"{metric_name(task)} within the noise of {base.precision}")
+    return parts
 
 
 def numerics_findings(run: Run) -> list[str]:
@@ -113,7 +132,7 @@ def numerics_findings(run: Run) -> list[str]:
 
 
 def verdict(run: Run | dict[str, Any], baseline: Run | dict[str, Any] | None,
-            task: Task | dict[str, Any] | None) -> str:
+            task: Task | dict[str, Any] | None, load: dict[str, Any] | None = None) -> str:
     """One line on what this preset did, e.g. "bf16-mixed: 1.6× faster, 0.62× memory, accuracy −0.1 pp".
 
     The line leads with the outcome a reader acts on: skipped, failed and diverged runs say so and
@@ -128,10 +147,10 @@ def verdict(run: Run | dict[str, Any], baseline: Run | dict[str, Any] | None,
         step = run.last_finite_step
         return f"{name}: diverged, {f'last finite loss at step {step}' if step is not None else 'no finite loss'}{why}"
     if status == "probe":
-        return f"{name}: probe only, {', '.join(_comparisons(run)) or 'no timing'}{why}"
+        return f"{name}: probe only, {', '.join(_comparisons(run, load)) or 'no timing'}{why}"
     if status != "ok":
         return f"{name}: {status}{why}"
-    parts = _comparisons(run)
+    parts = _comparisons(run, load)
     delta = metric_delta(run, baseline, task)
     if delta is not None:
         noise = within_noise(run, baseline, task)
@@ -141,11 +160,13 @@ def verdict(run: Run | dict[str, Any], baseline: Run | dict[str, Any] | None,
         parts.append(f"{metric_name(task)} {delta}")
     if run.skipped_steps:
         parts.append(f"{run.skipped_steps} overflow step{'s' if run.skipped_steps != 1 else ''} skipped")
+    if run.speedup_vs_baseline is not None and run_outcome(run, load) == "unclear":  # the long clause goes last
+        return f"{name}: {'; '.join([', '.join(parts[1:]), parts[0]] if parts[1:] else parts[:1])}"
     return f"{name}: {', '.join(parts) or 'no baseline to compare with'}"
 
 
 def verdicts(report: Report) -> list[str]:
-    return [verdict(run, report.baseline_run(), report.task) for run in report.runs]
+    return [verdict(run, report.baseline_run(), report.task, report.machine.get("load")) for run in report.runs]
 
 
 def first_line(reason: str) -> str:
@@ -167,10 +188,10 @@ def numerics_line(run: Run) -> str | None:
     return f"numerics: {run.numerics.problem}" if run.numerics.problem else None
 
 
-def _comparisons(run: Run) -> list[str]:
+def _comparisons(run: Run, load: dict[str, Any] | None) -> list[str]:
     ratio = run.memory_ratio_vs_baseline
     memory = [] if ratio is None else [f"{times(ratio)} memory"]
-    return ([] if run.speedup_vs_baseline is None else [speed(run)]) + memory
+    return ([] if run.speedup_vs_baseline is None else [speed(run, load)]) + memory
 
 
 def _baseline_summary(run: Run, task: Task | None) -> str:
@@ -218,9 +239,16 @@ def notes(report: Report) -> list[str]:
     else:
         out.append(f"ratios and \u0394 are relative to {report.baseline}")
     if any(r.speedup_low is not None for r in report.runs):
-        rounds = ("the runs took turns in rounds" if report.plan else
-                  "each run's timed steps in quarters (the runs ran one after another)")
-        out.append(f"spread: {rounds}; a speed-up whose spread covers 1.0 is 'same speed'")
+        rounds = ("each run's timed steps in quarters, the runs one after another, so drift between them is not "
+                  "separated" if any(r.rounds_interleaved is False for r in report.runs) else
+                  "the runs took turns in rounds")
+        out.append(f"speed-up: the geometric mean of paired per-round ratios with its 95% bootstrap interval "
+                   f"({rounds}); an interval within {times(SAME[0])}\u2013{times(SAME[1])} is 'same speed', one "
+                   f"across 1.0 otherwise 'can't tell'")
+    if (load := report.machine.get("load")) is not None:
+        figures = describe_load(load) or "no load figures on this OS"
+        out.append(f"the machine was busy while timing ({figures})" if load.get("busy") else
+                   f"the machine was not busy while timing ({figures})")
     if (base := report.baseline_run()) is not None and base.metric_band is not None:
         out.append(f"noise band of {metric_name(report.task)}: the larger of {base.precision}'s difference from "
                    f"its run from the next seed (where there is one) and two standard errors of the held-out mean")
@@ -272,7 +300,7 @@ def _renderables(report: Report) -> Group:
     rec = recommendation(report)
     out: list[Any] = [
         Text(f"$ {report.command}", style="dim"),
-        *([Text.assemble(("Use ", "bold green"), (rec, "bold"))] if rec else []),
+        *([_banner(rec)] if rec else []),
         # Two-line headers ("peak" / "memory") so that the table fits a 120-column terminal; the
         # baseline row is bold and named in the caption.
         table(columns(report.task), cells, title=title(report), caption="; ".join(notes(report)),
@@ -286,6 +314,13 @@ def _renderables(report: Report) -> Group:
     if policies := policy_lines(report):
         out += [Text("Precision policies:", style="bold"), *(indented(line, 2) for line in policies)]
     return Group(*out)
+
+
+def _banner(rec: str) -> Text:
+    """"Use" in green before a choice; a comparison that cannot tell, in yellow."""
+    if rec.startswith("Use "):
+        return Text.assemble(("Use ", "bold green"), (rec[4:], "bold"))
+    return Text(rec, style="bold yellow")
 
 
 def render_table(report: Report | dict[str, Any], console: Console | None = None) -> None:

@@ -4,7 +4,7 @@ Each run has a process of its own (clean memory figures, nothing leaks into the 
 its steps and then its `Run`; or N processes under torchrun run `python -m ampkit.compare SPEC OUT PROGRESS`.
 Taking turns (a built-in task, a gated `Worker` per run): each trains a few timed warm-up steps (the plan
 line's estimate; a default comparison fits its steps to `BUDGET_S`), then `ROUNDS` chunks in turn, so that a
-slow moment of a shared machine lands on every run and each speed-up comes with its spread over the rounds.
+slow moment of a shared machine lands on every run and each speed-up comes from paired rounds, with its interval.
 """
 
 from __future__ import annotations
@@ -264,8 +264,8 @@ def interleaved(specs: dict[str, RunSpec], report: Report, dev: torch.device, pr
                                              progress.update))
 
         def finish(name: str, worker: Worker) -> None:
-            runs[name] = dataclasses.replace(worker.finish(progress.update), precision=name, round_step_times_s=[
-                statistics.median(c) if c else None for c in worker.chunks[1:]])
+            runs[name] = dataclasses.replace(worker.finish(progress.update), precision=name, rounds_interleaved=True,
+                round_step_times_s=[statistics.median(c) if c else None for c in worker.chunks[1:]])
             progress.update(runs[name].steps)
 
         each(finish)

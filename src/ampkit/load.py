@@ -1,0 +1,105 @@
+"""Whether the machine was busy while something was timed: the one check every timing shares.
+
+Two signs, each measured, neither guessed: the 1-minute load average beyond what ampkit's own training adds
+(`own`: its threads), against the cores; and a short burst of small fp32 matmuls on torch's threads, whose
+average time against its fastest says how much longer ops ran than this device can run them (threads waiting
+for cores wait in whole scheduler slices, so a busy CPU shows a slow average beside a fast best).
+A timing from a busy machine is marked as such: a reader is told before any figure is trusted.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+#: Other work using more than this share of the cores makes the machine busy.
+BUSY_SHARE = 0.5
+
+#: The matmul burst's average this many times its fastest makes the machine busy (idle: ~1.0-1.3).
+SLOWDOWN_BUSY = 2.0
+
+#: The burst: this many seconds of n×n fp32 matmuls (a few ms each on a CPU core).
+BURST_S, BURST_N = 0.25, 128
+
+
+@dataclass(frozen=True, kw_only=True)
+class MachineLoad:
+    """One look at the machine: `report.machine["load"]` of a comparison (its `as_dict()`)."""
+
+    load_average: float | None  # 1-minute, less ampkit's own threads; None where the OS does not say
+    cores: int
+    threads: int  # torch's intra-op threads
+    matmul_slowdown: float | None  # mean / fastest of the burst; None: not measured (a GPU, or measure=False)
+    busy: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def matmul_slowdown(device: torch.device | None = None, seconds: float = BURST_S, n: int = BURST_N) -> float | None:
+    """How many times longer small fp32 matmuls took on average than their fastest run, here and now: the
+    time ops lost waiting for cores (None on anything but a CPU: a GPU's kernels do not wait for host cores)."""
+    if device is not None and device.type != "cpu":
+        return None
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)  # the first call chooses its kernel: not timed
+    took: list[float] = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or len(took) < 5:
+        start = time.perf_counter()
+        torch.mm(a, b)
+        took.append(time.perf_counter() - start)
+    best = min(took)
+    return statistics.fmean(took) / best if best > 0 else None
+
+
+def load_average() -> float | None:
+    """The 1-minute load average, or None where the OS has none."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):  # Windows has no getloadavg
+        return None
+
+
+def judge(load: float | None, cores: int, threads: int, slowdown: float | None) -> MachineLoad:
+    """The check from its figures (`load`: others' load, ampkit's own already taken out)."""
+    busy = (load is not None and load > BUSY_SHARE * cores) or (slowdown is not None and slowdown >= SLOWDOWN_BUSY)
+    return MachineLoad(load_average=None if load is None else round(load, 2), cores=cores, threads=threads,
+                       matmul_slowdown=None if slowdown is None else round(slowdown, 2), busy=busy)
+
+
+def check_load(device: torch.device | None = None, *, own: float = 0.0, measure: bool = True) -> MachineLoad:
+    """This machine now: its load average less `own` (the load ampkit's own work adds, e.g. the threads of
+    a run that just ended), and with `measure`, the matmul burst."""
+    avg = load_average()
+    others = None if avg is None else max(0.0, avg - own)
+    slowdown = matmul_slowdown(device) if measure else None
+    return judge(others, os.cpu_count() or 1, torch.get_num_threads(), slowdown)
+
+
+def worst(*looks: MachineLoad | None) -> MachineLoad | None:
+    """The busier of several looks (before and after a timing): the figures of the busiest moment seen."""
+    seen = [look for look in looks if look is not None]
+    if not seen:
+        return None
+    load = max((s.load_average for s in seen if s.load_average is not None), default=None)
+    slowdown = max((s.matmul_slowdown for s in seen if s.matmul_slowdown is not None), default=None)
+    return judge(load, seen[0].cores, seen[0].threads, slowdown)
+
+
+def describe_load(load: dict[str, Any] | MachineLoad | None) -> str | None:
+    """"load 12 on 2 cores; ops ran ~3.1× slower than this CPU can" (what was measured), or None."""
+    if load is None:
+        return None
+    load = load.as_dict() if isinstance(load, MachineLoad) else load
+    parts = []
+    if load.get("load_average") is not None:
+        parts.append(f"load {load['load_average']:.3g} on {load['cores']} core{'s' if load['cores'] != 1 else ''}")
+    if (slow := load.get("matmul_slowdown")) is not None and slow >= 1.2:
+        parts.append(f"ops ran ~{slow:.2g}\u00d7 slower than this CPU can")
+    return "; ".join(parts) or None

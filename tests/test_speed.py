@@ -1,0 +1,168 @@
+"""The speed verdict follows its own numbers: paired per-round ratios with a seeded bootstrap interval, three
+outcomes worded as such, and a recommendation that never makes the baseline the choice from an unclear speed."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ampkit.compare.records import validate_report
+from ampkit.compare.runner import compare_to_baseline
+from ampkit.compare.speed import outcome, paired_speedup
+from ampkit.compare.summary import format_text, recommendation, verdict
+from ampkit.load import check_load, describe_load, judge, worst
+
+SAMPLE = json.loads((Path(__file__).parent / "fixtures" / "sample_report.json").read_text())
+BUSY = {"load_average": 12.3, "cores": 2, "threads": 2, "matmul_slowdown": 3.1, "busy": True}
+IDLE = {"load_average": 0.2, "cores": 2, "threads": 2, "matmul_slowdown": 1.1, "busy": False}
+
+
+# --- the statistics ------------------------------------------------------------------------------
+def test_paired_speedup_is_the_geometric_mean_with_a_seeded_interval_around_it():
+    base, run = [2.0, 2.2, 1.9, 2.1, 2.0, 2.05], [1.0, 1.05, 1.0, 1.1, 0.98, 1.02]
+    point, low, high = paired_speedup(base, run)
+    ratios = np.array(base) / np.array(run)
+    assert point == pytest.approx(math.exp(np.log(ratios).mean()))
+    assert ratios.min() <= low < point < high <= ratios.max()
+    assert paired_speedup(base, run) == (point, low, high)  # seeded: the same figures, the same interval
+    assert paired_speedup(base, run, seed=1) != (point, low, high)
+
+
+def test_paired_speedup_pairs_round_by_round_and_skips_empty_rounds():
+    # a slow moment of the machine (round 2) lands on both runs: the pairs still agree on 2x
+    point, low, high = paired_speedup([2.0, 20.0, 2.0, None], [1.0, 10.0, 1.0, 0.5])
+    assert (point, low, high) == pytest.approx((2.0, 2.0, 2.0))
+    assert paired_speedup([2.0], [1.0]) is None and paired_speedup([], []) is None
+    assert paired_speedup([2.0, 0.0, 3.0], [1.0, 1.0, None]) is None  # one usable pair: no interval
+
+
+def test_outcome_has_four_cases_and_a_busy_machine_only_blurs_unpaired_runs():
+    assert outcome(1.9, 1.7, 2.2) == "faster"
+    assert outcome(0.4, 0.3, 0.5) == "slower"
+    assert outcome(1.01, 0.97, 1.04) == "same"
+    assert outcome(1.9, 0.6, 5.0) == "unclear"
+    assert outcome(1.9, 1.7, 2.2, busy=True) == "faster"  # interleaved: each pair saw the same machine
+    assert outcome(0.44, 0.11, 0.71, busy=True, interleaved=False) == "unclear"  # sequential: drift or speed?
+    assert outcome(1.6, None, None) == "faster" and outcome(0.98, None, None) == "same"
+    assert outcome(1.6, None, None, busy=True) == "unclear"
+
+
+# --- the verdict, from synthetic paired timings ----------------------------------------------------
+def report_with(base_rounds, run_rounds, load=None, *, interleaved=True, memory=0.82, metric_delta=0.05):
+    report = copy.deepcopy(SAMPLE)
+    fp32 = next(r for r in report["runs"] if r["precision"] == "fp32")
+    run = next(r for r in report["runs"] if r["precision"] == "bf16-mixed")
+    run.update(status="ok", reason=None, metric=fp32["metric"] + metric_delta, skipped_steps=0,
+               step_time_median_s=fp32["step_time_median_s"] / (sum(base_rounds) / sum(run_rounds)),
+               peak_memory_bytes=int(fp32["peak_memory_bytes"] * memory), policy=fp32["policy"] | {"name": "bf16-mixed"},
+               eval={"perplexity": fp32["metric"] + metric_delta}, loss_curve=fp32["loss_curve"])
+    fp32["metric_band"] = 0.2
+    for r, rounds in ((fp32, base_rounds), (run, run_rounds)):
+        r.update(round_step_times_s=rounds, rounds_interleaved=interleaved)
+    report["runs"] = [fp32, run]
+    if load is not None:
+        report["machine"]["load"] = load
+    records = validate_report(report)
+    compare_to_baseline(records)
+    validate_report(records.to_dict())  # the new fields are the schema's
+    return records
+
+
+def flat(text):
+    return " ".join(text.split())  # the terminal wraps long lines
+
+
+def line(records):
+    return verdict(records.runs[1], records.runs[0], records.task, records.machine.get("load"))
+
+
+def test_a_clear_gain_is_faster_with_its_interval():
+    records = report_with([5.4, 5.5, 5.3, 5.6, 5.4], [2.8, 2.9, 2.8, 2.8, 2.85], IDLE)
+    assert line(records) == ("bf16-mixed: 1.92× faster (95% CI 1.89×–1.96×), 0.82× memory, perplexity +1.2% "
+                             "(within the noise, ±4.9%)")
+    assert recommendation(records) == ("Use bf16-mixed: 1.92× faster (95% CI 1.89×–1.96×), 0.82× memory, "
+                                       "perplexity within the noise of fp32 — speed decided")
+
+
+def test_a_clear_loss_is_slower_with_its_interval():
+    records = report_with([2.8, 2.9, 2.8, 2.8], [5.4, 5.5, 5.3, 5.6], IDLE, memory=1.0)
+    assert line(records).startswith("bf16-mixed: 0.52× (1.93× slower; 95% CI 0.51×–0.53×), 1× memory")
+    assert recommendation(records) == ("Use fp32: bf16-mixed costs 1.93× the time on Tesla T4 "
+                                       "(95% CI 0.51×–0.53×) — speed decided")
+
+
+def test_noise_on_a_busy_machine_cannot_tell_and_names_the_load():
+    # the issue's run: 1.93x overall, but four rounds from 0.51x to 10x on a machine at load 12 on 2 cores
+    records = report_with([5.0, 30.0, 2.0, 5.4], [9.8, 3.0, 1.2, 2.8], BUSY)
+    said = line(records)
+    assert said == ("bf16-mixed: 0.82× memory, perplexity +1.2% (within the noise, ±4.9%); speed: can't tell on "
+                    "this machine (2.01× measured, 95% CI 0.71×–6.39×): it was busy (load 12.3 on 2 cores; ops ran "
+                    "~3.1× slower than this CPU can); rerun on an idle machine or with `--steps`")
+    banner = recommendation(records)
+    assert banner.startswith("Can't tell on this machine whether bf16-mixed is faster than fp32 (")
+    assert banner == ("Can't tell on this machine whether bf16-mixed is faster than fp32 (2.01× measured, 95% CI "
+                      "0.71×–6.39×, 0.82× memory, perplexity within the noise of fp32): it was busy (load 12.3 on 2 "
+                      "cores; ops ran ~3.1× slower than this CPU can); rerun on an idle machine or with `--steps`")
+    assert not banner.startswith("Use")  # never "Use fp32" from an inconclusive speed
+    assert flat(format_text(records).split("\n", 1)[1]).startswith(flat(banner))  # the terminal's first line
+    idle = report_with([5.0, 30.0, 2.0, 5.4], [9.8, 3.0, 1.2, 2.8], IDLE)
+    assert ": the rounds disagree; rerun on an idle machine or with `--steps`" in line(idle)
+    assert not recommendation(idle).startswith("Use")
+
+
+def test_never_fp32_on_speed_from_an_inconclusive_comparison():
+    rng = np.random.default_rng(7)
+    for trial in range(40):
+        base = list(rng.uniform(1.0, 6.0, size=4))
+        run = list(b * rng.uniform(0.3, 3.0) for b in base)
+        for load in (BUSY, IDLE, None):
+            records = report_with(base, run, load)
+            rec = recommendation(records)
+            fate = outcome(records.runs[1].speedup_vs_baseline, records.runs[1].speedup_low,
+                           records.runs[1].speedup_high, busy=bool(load and load["busy"]))
+            if fate == "unclear":
+                assert not rec.startswith("Use"), (base, run, rec)
+                assert "can't tell" in line(records)
+            if rec.startswith("Use fp32"):
+                assert fate in ("slower", "same"), (base, run, rec)
+
+
+def test_same_speed_with_less_memory_lets_memory_decide():
+    records = report_with([2.0, 2.02, 1.99, 2.01], [2.0, 2.01, 2.0, 2.0], IDLE)
+    assert line(records).startswith("bf16-mixed: same speed (1×; 95% CI 1×–1×), 0.82× memory")
+    assert recommendation(records).endswith("— memory decided")
+    heavy = report_with([2.0, 2.02, 1.99, 2.01], [2.0, 2.01, 2.0, 2.0], IDLE, memory=1.0)
+    assert recommendation(heavy) == ("Use fp32: bf16-mixed is no faster on Tesla T4 (same speed (1×; 95% CI "
+                                     "1×–1×)) and saves no memory — speed and memory decided")
+
+
+def test_runs_one_after_another_say_so_and_cannot_tell_on_a_busy_machine():
+    # `ampkit compare train.py` on the busy machine: quarters 0.11x-0.71x, one run after the other
+    records = report_with([1.0, 1.1, 0.9, 1.0], [9.0, 1.6, 2.2, 1.5], BUSY, interleaved=False)
+    said = line(records)
+    assert "can't tell on this machine" in said and "it was busy (load 12.3 on 2 cores" in said
+    assert "the runs ran one after another, so drift of the machine between them could not be separated" in said
+    assert not recommendation(records).startswith("Use")
+    idle = report_with([1.0, 1.1, 0.9, 1.0], [2.2, 2.3, 2.1, 2.2], IDLE, interleaved=False)
+    assert line(idle).startswith("bf16-mixed: 0.45× (2.2× slower; 95% CI 0.43×–0.47×; ")
+    assert "; the runs ran one after another, so drift of the machine between them could not be separated)" in line(idle)
+    assert "drift between them is not separated" in flat(format_text(idle))
+    assert recommendation(idle) == ("Use fp32: bf16-mixed costs 2.2× the time on Tesla T4 (95% CI 0.43×–0.47×; "
+                                    "the runs ran one after another, so drift of the machine between them could "
+                                    "not be separated) — speed decided")
+
+
+# --- the load check --------------------------------------------------------------------------------
+def test_the_load_check_marks_a_busy_machine_and_says_what_it_measured():
+    assert judge(12.3, 2, 2, 1.1).busy and judge(0.3, 2, 2, 3.5).busy and not judge(0.3, 2, 2, 1.2).busy
+    assert not judge(None, 2, 2, None).busy
+    assert describe_load(judge(12.3, 2, 2, 3.1)) == "load 12.3 on 2 cores; ops ran ~3.1× slower than this CPU can"
+    assert describe_load(IDLE) == "load 0.2 on 2 cores"  # an idle burst is not worth a word
+    assert worst(judge(0.3, 2, 2, 1.1), judge(4.0, 2, 2, 1.5), None) == judge(4.0, 2, 2, 1.5)
+    now = check_load(own=1000.0)  # all of it ours: no other load
+    assert now.load_average in (0.0, None) and now.cores >= 1 and now.matmul_slowdown >= 1.0
