@@ -131,11 +131,3 @@ def test_adamw_pieces_times_each_layout_of_the_same_elements() -> None:
     line = out.strip().splitlines()[-1]  # 4 pieces of 1000 (the 96 left over are dropped)
     assert "one tensor" in line and "pieces of 1000, one call" in line and "pieces of 1000, a call each" in line, out
     assert all(float(part.rsplit(" ", 1)[1]) > 0 for part in line.split("; ")), out
-
-
-def test_master_chunks_times_each_setting_on_one_model() -> None:
-    out = subprocess.run([sys.executable, str(PEERS.with_name("master_chunks.py")), "--rounds", "2", "--steps", "1",
-                          "--settings", "262144:0,1048576:131072"], capture_output=True, text=True, check=True, timeout=300).stdout
-    rows = [line for line in out.splitlines() if line.startswith("  chunk ")]
-    assert [r.split(":")[0] for r in rows] == ["  chunk 262144, run no cap", "  chunk 1048576, run 131072"], out
-    assert all(float(r.split(": ")[1].split(" ms")[0]) > 0 for r in rows), out

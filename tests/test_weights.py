@@ -185,7 +185,7 @@ class NotKnownElementwise(torch.optim.AdamW):
 
 
 def train_branchy(make: type, steps: int, reload_at: int | None = None, chunk: int | None = None,
-                  precision: str = "bf16-true", run: int | None = None) -> list[torch.Tensor]:
+                  precision: str = "bf16-true") -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = Branchy()
     groups = [{"params": model.a.parameters(), "lr": 1e-2},
@@ -194,8 +194,6 @@ def train_branchy(make: type, steps: int, reload_at: int | None = None, chunk: i
     model, opt = acc.prepare(model, make(groups))
     if chunk is not None:
         opt.weights.chunk = chunk
-    if run is not None:
-        opt.weights.run = run
     seen: list[int] = []  # tensors the user's optimizer steps in each call
     opt.optimizer.register_step_pre_hook(lambda o, args, kwargs: seen.append(sum(len(g["params"]) for g in o.param_groups)))
     g = torch.Generator().manual_seed(1)
@@ -212,33 +210,30 @@ def train_branchy(make: type, steps: int, reload_at: int | None = None, chunk: i
             opt.load_state_dict(saved[1])
             if chunk is not None:
                 opt.weights.chunk = chunk
-            if run is not None:
-                opt.weights.run = run
             opt.optimizer.register_step_pre_hook(lambda o, args, kwargs: seen.append(sum(len(g["params"]) for g in o.param_groups)))
         x, y = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
         acc.backward(((model(x, step % 2 == 0).float() - y) ** 2).mean())
         opt.step()
         opt.zero_grad()
     state = [v for s in opt.state_dict()["state"].values() for _, v in sorted(s.items())]
-    if make is torch.optim.AdamW:  # a few flat tensors per step (a, b, aux, c: aux's counter lags), not 8 weights
-        assert max(seen[2:]) <= 4 if run is None else max(seen[2:]) > 4 or chunk is not None, seen  # runs cut: more
+    if precision.endswith("-master"):  # one optimizer call a step, over every master
+        assert seen == [8] * steps, seen
+    elif make is torch.optim.AdamW:  # a few flat tensors per step (a, b, aux, c: aux's counter lags), not 8 weights
+        assert max(seen[2:]) <= 4, seen
     return [p.detach().clone() for p in model.parameters()] + [t.clone() for t in opt.weights.exact_state()] + state
 
 
-@pytest.mark.parametrize(("precision", "chunk", "run"), [
-    ("bf16-true", None, None), ("bf16-true", 200, None), ("bf16-master", None, None), ("bf16-master", 200, None),
-    ("bf16-master", None, 64), ("bf16-master", 200, 128),
-], ids=["bf16-true-one-chunk", "bf16-true-weights-cut-in-pieces", "bf16-master-one-chunk",
-        "bf16-master-weights-cut-in-pieces", "bf16-master-runs-cut", "bf16-master-pieces-and-runs-cut"])
-def test_flat_steps_equal_stepping_each_weight_with_groups_and_a_lagging_step_counter(precision, chunk, run):
-    """Steady-state bf16-true and bf16-master steps hand the optimizer a few flat tensors (weights of one
-    group whose step counters agree), not one per weight: bitwise the per-weight step, including after a
-    resume from state dicts where the counters differ (a layer used every other step). bf16-master cuts
-    those flat tensors to at most `run` elements (at multiples of 64 from a weight's start)."""
+@pytest.mark.parametrize(("precision", "chunk"), [("bf16-true", None), ("bf16-true", 200), ("bf16-master", None)],
+                         ids=["bf16-true-one-chunk", "bf16-true-weights-cut-in-pieces", "bf16-master"])
+def test_flat_steps_equal_stepping_each_weight_with_groups_and_a_lagging_step_counter(precision, chunk):
+    """Steady-state bf16-true steps hand the optimizer a few flat tensors (weights of one group whose step
+    counters agree), not one per weight; bf16-master hands it every master in one call. Either is bitwise
+    the per-weight step, including after a resume from state dicts where the counters differ (a layer
+    used every other step)."""
     reference = train_branchy(NotKnownElementwise, 9, precision=precision)
-    got = train_branchy(torch.optim.AdamW, 9, chunk=chunk, precision=precision, run=run)
+    got = train_branchy(torch.optim.AdamW, 9, chunk=chunk, precision=precision)
     assert len(got) == len(reference) and all(torch.equal(a, b) for a, b in zip(got, reference))
-    resumed = train_branchy(torch.optim.AdamW, 9, reload_at=6, chunk=chunk, precision=precision, run=run)
+    resumed = train_branchy(torch.optim.AdamW, 9, reload_at=6, chunk=chunk, precision=precision)
     assert all(torch.equal(a, b) for a, b in zip(resumed, reference))
 
 
@@ -328,3 +323,77 @@ def test_flat_steps_follow_step_counters_changed_off_their_path(precision, case)
     reference = train_lagging(NotKnownElementwise, precision, **schedule)
     got = train_lagging(torch.optim.AdamW, precision, **schedule)
     assert len(got) == len(reference) and all(torch.equal(a, b) for a, b in zip(got, reference))
+
+
+def master_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+
+
+def master_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g)) for _ in range(steps)]
+
+
+def hand_written_master(precision: str, foreach: bool, clip: bool, steps: int) -> list[torch.Tensor]:
+    """apex O2 by hand: a bf16/fp16 copy of the model, fp32 master parameters the user's AdamW steps (fp16:
+    torch's GradScaler), gradients copied into the masters, clipped there, the masters copied back."""
+    dtype = torch.float16 if precision == "fp16-master" else torch.bfloat16
+    model = master_mlp()
+    masters = [nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    model.to(dtype)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1, foreach=foreach)
+    scaler = torch.amp.GradScaler("cpu") if dtype == torch.float16 else None
+    for x, y in master_batches(steps):
+        with torch.autocast("cpu", dtype=dtype):
+            out = model(x)
+        loss = torch.nn.functional.cross_entropy(out.float(), y)
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        for p, m in zip(params, masters):
+            m.grad = p.grad.float()
+        if scaler is not None:
+            scaler.unscale_(opt)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(masters, 0.05, foreach=True)
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+        with torch.no_grad():
+            torch._foreach_copy_(params, masters)
+        opt.zero_grad()
+        model.zero_grad()
+    state = [v for s in opt.state_dict()["state"].values() for _, v in sorted(s.items())]
+    return [p.detach().clone() for p in params] + [m.detach().clone() for m in masters] + state
+
+
+def ampkit_master(precision: str, foreach: bool, clip: bool, steps: int) -> list[torch.Tensor]:
+    model = master_mlp()
+    acc = ampkit.Accelerator(precision=precision, device="cpu")
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=foreach))
+    calls: list[int] = []  # tensors the user's optimizer steps in each call
+    opt.optimizer.register_step_pre_hook(lambda o, args, kwargs: calls.append(sum(len(g["params"]) for g in o.param_groups)))
+    for x, y in master_batches(steps):
+        acc.backward(torch.nn.functional.cross_entropy(model(x), y))
+        if clip:
+            acc.clip_grad_norm_(0.05)
+        opt.step()
+        opt.zero_grad()
+    assert calls == [6] * steps, calls  # one call a step, over every master
+    state = [v for s in opt.state_dict()["state"].values() for _, v in sorted(s.items())]
+    return [p.detach().clone() for p in model.parameters()] + [m.detach().clone() for m in opt.weights.exact_state()] + state
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["no-clip", "clip"])
+@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
+@pytest.mark.parametrize("precision", ["bf16-master", "fp16-master"])
+def test_master_step_is_bitwise_the_users_optimizer_on_fp32_masters_by_hand(precision, foreach, clip):
+    """The -master update *is* the user's optimizer stepping fp32 masters: weights, masters and optimizer
+    state bitwise those of the loop written by hand, with and without clipping and (fp16) loss scaling."""
+    reference = hand_written_master(precision, foreach, clip, 6)
+    got = ampkit_master(precision, foreach, clip, 6)
+    assert len(got) == len(reference)
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, reference))
+    assert not torch.equal(got[0], master_mlp()[0].weight.to(got[0].dtype))  # it trained

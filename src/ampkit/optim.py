@@ -239,14 +239,14 @@ class AmpOptimizer(torch.optim.Optimizer):
 
     def _lowp_or_scaled_update(self) -> Any:
         weights, scaler = self.weights, self._acc.scaler
-        # bf16-true always, bf16-master unclipped: the chunked update reads the model's gradients itself
-        chunked = isinstance(weights, CompensatedWeights) or (
-            weights is not None and scaler is None and self._stage is BACKWARD)
-        if not chunked or self._stage is not BACKWARD:
+        # bf16-true reads the model's gradients itself (unless clipping brought them in already); the
+        # -master presets' gradients come in whole (one foreach copy), their masters stepped in one call
+        compensated = isinstance(weights, CompensatedWeights)
+        if not compensated or self._stage is not BACKWARD:
             self.unscale_()
         result = None
         if scaler is None:
-            result = weights.step(self.optimizer.step) if chunked else self.optimizer.step()  # type: ignore[union-attr]
+            result = weights.step(self.optimizer.step) if compensated else self.optimizer.step()  # type: ignore[union-attr]
         else:
             found_inf = self._found_inf
             assert found_inf is not None
@@ -263,8 +263,6 @@ class AmpOptimizer(torch.optim.Optimizer):
             assert self._outcomes is not None
             self._outcomes.record(found_inf, scaler.scale_tensor)
         if isinstance(weights, MasterWeights):
-            if not chunked:
-                weights.stepped_directly()
             weights.weights_out()
             weights.release()
         return result
