@@ -136,7 +136,6 @@ def test_bf16_true_adamw_step_streams_18_bytes_per_parameter_of_memory_kept_betw
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
     acc = ampkit.Accelerator(precision="bf16-true", device="cpu")
     model, opt = acc.prepare(model, opt)
-    opt.weights.chunk = 1000  # several chunks, tensors cut in pieces
     for step in range(3):
         acc.backward(model(torch.randn(8, 64)).square().mean())
         kept = [*model.parameters(), *(p.grad for p in model.parameters()), *opt.weights.compensation,
@@ -149,7 +148,7 @@ def test_bf16_true_adamw_step_streams_18_bytes_per_parameter_of_memory_kept_betw
 
 def test_bf16_true_step_follows_a_state_dict_loaded_into_the_wrapped_optimizer():
     """Loading the user's own optimizer's state dict (a new `optimizer.state`) between steps leaves the
-    run bitwise what it was: the chunked update rebuilds its views of the optimizer's state."""
+    run bitwise what it was: the update moves the loaded state back into its bf16 stores."""
 
     def run(reload: bool) -> list[torch.Tensor]:
         torch.manual_seed(0)
@@ -184,7 +183,7 @@ class NotKnownElementwise(torch.optim.AdamW):
     """A subclass: ampkit steps it per tensor, the reference for the flat steps of plain AdamW."""
 
 
-def train_branchy(make: type, steps: int, reload_at: int | None = None, chunk: int | None = None,
+def train_branchy(make: type, steps: int, reload_at: int | None = None,
                   precision: str = "bf16-true") -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = Branchy()
@@ -192,8 +191,6 @@ def train_branchy(make: type, steps: int, reload_at: int | None = None, chunk: i
               {"params": [*model.b.parameters(), *model.aux.parameters(), *model.c.parameters()], "lr": 3e-3, "weight_decay": 0.1}]
     acc = ampkit.Accelerator(precision=precision, device="cpu")
     model, opt = acc.prepare(model, make(groups))
-    if chunk is not None:
-        opt.weights.chunk = chunk
     seen: list[int] = []  # tensors the user's optimizer steps in each call
     opt.optimizer.register_step_pre_hook(lambda o, args, kwargs: seen.append(sum(len(g["params"]) for g in o.param_groups)))
     g = torch.Generator().manual_seed(1)
@@ -208,8 +205,6 @@ def train_branchy(make: type, steps: int, reload_at: int | None = None, chunk: i
                                                               *model.c.parameters()], "lr": 3e-3, "weight_decay": 0.1}]))
             model.load_state_dict(saved[0])
             opt.load_state_dict(saved[1])
-            if chunk is not None:
-                opt.weights.chunk = chunk
             opt.optimizer.register_step_pre_hook(lambda o, args, kwargs: seen.append(sum(len(g["params"]) for g in o.param_groups)))
         x, y = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
         acc.backward(((model(x, step % 2 == 0).float() - y) ** 2).mean())
@@ -218,57 +213,33 @@ def train_branchy(make: type, steps: int, reload_at: int | None = None, chunk: i
     state = [v for s in opt.state_dict()["state"].values() for _, v in sorted(s.items())]
     if precision.endswith("-master"):  # one optimizer call a step, over every master
         assert seen == [8] * steps, seen
-    elif make is torch.optim.AdamW:  # a few flat tensors per step (a, b, aux, c: aux's counter lags), not 8 weights
-        assert max(seen[2:]) <= 4, seen
+    else:  # bf16-true: the user's step runs over no parameters (its hooks fire), the fused kernel updates them
+        assert seen == [0] * steps, seen
     return [p.detach().clone() for p in model.parameters()] + [t.clone() for t in opt.weights.exact_state()] + state
 
 
-@pytest.mark.parametrize(("precision", "chunk"), [("bf16-true", None), ("bf16-true", 200), ("bf16-master", None)],
-                         ids=["bf16-true-one-chunk", "bf16-true-weights-cut-in-pieces", "bf16-master"])
-def test_flat_steps_equal_stepping_each_weight_with_groups_and_a_lagging_step_counter(precision, chunk):
-    """Steady-state bf16-true steps hand the optimizer a few flat tensors (weights of one group whose step
-    counters agree), not one per weight; bf16-master hands it every master in one call. Either is bitwise
-    the per-weight step, including after a resume from state dicts where the counters differ (a layer
-    used every other step)."""
-    reference = train_branchy(NotKnownElementwise, 9, precision=precision)
-    got = train_branchy(torch.optim.AdamW, 9, chunk=chunk, precision=precision)
+def one_range_per_weight(monkeypatch) -> None:
+    """bf16-true's fused kernel called once per weight: the reference for its ranges over whole groups."""
+    from ampkit.compensated import CompensatedWeights
+
+    monkeypatch.setattr(CompensatedWeights, "_ranges", lambda self, kept, marks: ((i, i, m) for i, m in zip(kept, marks)))
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-master"])
+def test_flat_steps_equal_stepping_each_weight_with_groups_and_a_lagging_step_counter(precision, monkeypatch):
+    """bf16-true's kernel steps a range of a group's weights whose step counters agree (a, b, aux, c: aux's
+    counter lags), bitwise as stepping each weight alone; bf16-master hands the optimizer every master in one
+    call, bitwise the per-weight step. Both also after a resume from state dicts where the counters differ."""
+    if precision == "bf16-true":
+        one_range_per_weight(monkeypatch)
+        reference = train_branchy(torch.optim.AdamW, 9, precision=precision)
+        monkeypatch.undo()
+    else:
+        reference = train_branchy(NotKnownElementwise, 9, precision=precision)
+    got = train_branchy(torch.optim.AdamW, 9, precision=precision)
     assert len(got) == len(reference) and all(torch.equal(a, b) for a, b in zip(got, reference))
-    resumed = train_branchy(torch.optim.AdamW, 9, reload_at=6, chunk=chunk, precision=precision)
+    resumed = train_branchy(torch.optim.AdamW, 9, reload_at=6, precision=precision)
     assert all(torch.equal(a, b) for a, b in zip(resumed, reference))
-
-
-@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
-@pytest.mark.parametrize("make", [
-    lambda ps: torch.optim.AdamW(ps, lr=1e-2), lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, amsgrad=True),
-    lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-4), lambda ps: torch.optim.SGD(ps, lr=0.1),
-    lambda ps: torch.optim.Adamax(ps, lr=1e-2), lambda ps: torch.optim.NAdam(ps, lr=1e-2), lambda ps: torch.optim.RAdam(ps, lr=1e-2),
-    lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5, centered=True), lambda ps: torch.optim.Adadelta(ps),
-    lambda ps: torch.optim.Rprop(ps), lambda ps: torch.optim.ASGD(ps),
-], ids=["adamw", "adam-amsgrad", "sgd-nesterov", "sgd", "adamax", "nadam", "radam", "rmsprop", "adadelta", "rprop", "asgd"])
-def test_torch_optimizers_step_a_concatenation_bitwise_as_its_parts(make, foreach):
-    """What the flat steps rest on, on this machine's kernels: every `ELEMENTWISE` optimizer computes on one
-    flat tensor what it computes on the tensors it concatenates (vectorised bodies and scalar tails included)."""
-    from ampkit.weight_state import ELEMENTWISE
-
-    sizes = [256, 16, 3, 64, 7, 1000, 1]
-
-    def run(flat: bool) -> torch.Tensor:
-        g = torch.Generator().manual_seed(1)
-        parts = [nn.Parameter(torch.randn(n, generator=g)) for n in sizes]
-        whole = nn.Parameter(torch.cat([p.detach() for p in parts]))
-        opt = make([whole] if flat else parts)
-        assert type(opt) in ELEMENTWISE
-        for group in opt.param_groups:
-            group["foreach"] = foreach
-        for step in range(12):
-            grads = [torch.randn(n, generator=g) * 10.0 ** (step % 5 - 2) for n in sizes]
-            whole.grad = torch.cat(grads)
-            for p, grad in zip(parts, grads):
-                p.grad = grad
-            opt.step()
-        return whole.detach() if flat else torch.cat([p.detach() for p in parts])
-
-    assert torch.equal(run(True), run(False))
 
 
 def train_lagging(make: type, precision: str, steps: int = 10, use_aux=lambda s: True, clip=lambda s: False,
@@ -308,7 +279,7 @@ def lagging_saved_state() -> dict:
 
 @pytest.mark.parametrize("case", ["clipped-some-steps", "state-loaded-into-the-wrapped-optimizer", "state-cleared"])
 @pytest.mark.parametrize("precision", ["bf16-true", "bf16-master"])
-def test_flat_steps_follow_step_counters_changed_off_their_path(precision, case):
+def test_flat_steps_follow_step_counters_changed_off_their_path(precision, case, monkeypatch):
     """Steps that do not go through the flat path (clipping sends bf16-master's through the optimizer itself),
     a state_dict with lagging counters loaded into the wrapped optimizer, a cleared state: the weights, their
     fp32 truth and the optimizer state stay bitwise those of the same run stepped weight by weight."""
@@ -320,7 +291,12 @@ def test_flat_steps_follow_step_counters_changed_off_their_path(precision, case)
             between=lambda s, opt: opt.optimizer.load_state_dict(copy.deepcopy(saved)) if s == 4 else None),
         "state-cleared": dict(use_aux=lambda s: s % 3 != 1, between=lambda s, opt: opt.optimizer.state.clear() if s == 5 else None),
     }[case]
-    reference = train_lagging(NotKnownElementwise, precision, **schedule)
+    if precision == "bf16-true":  # the kernel once per weight (torch's own step would keep fp32 state)
+        one_range_per_weight(monkeypatch)
+        reference = train_lagging(torch.optim.AdamW, precision, **schedule)
+        monkeypatch.undo()
+    else:
+        reference = train_lagging(NotKnownElementwise, precision, **schedule)
     got = train_lagging(torch.optim.AdamW, precision, **schedule)
     assert len(got) == len(reference) and all(torch.equal(a, b) for a, b in zip(got, reference))
 

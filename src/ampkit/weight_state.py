@@ -1,9 +1,8 @@
-"""What the low-precision weight stores (`ampkit.lowp_weights`) share: exact state, which optimizers
-update elementwise, which optimizer state is per element, and which weights have equal per-step scalars."""
+"""What the low-precision weight stores (`ampkit.lowp_weights`) share: exact state, fp32 gradients in a flat
+buffer, and which optimizer state is per element."""
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import torch
@@ -59,48 +58,3 @@ class ExactState:
 def per_element(key: str, value: Any, param: torch.Tensor) -> bool:
     # Per-element state (moments, momentum buffers) only; scalar step counters stay exact.
     return key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == param.shape
-
-
-#: Optimizers whose update is elementwise and per parameter, so that stepping the weights in chunks
-#: (pieces of a tensor in separate calls, per-step scalars restored) is exactly one step. These
-#: classes exactly: a subclass may step differently.
-ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
-               torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adadelta, torch.optim.Rprop, torch.optim.ASGD)
-
-
-class ScalarClasses:
-    """Which weights have equal per-step optimizer scalars (Adam's `step`, NAdam's `mu_product`, ...), known on
-    the host so that nothing is read from the device: weights whose state the optimizer creates in one step
-    start equal, and stay equal while they are stepped in the same steps. `of[i]`: weight i's class (None
-    before it has state); weights of one class can be stepped as one flat tensor."""
-
-    def __init__(self, count: int) -> None:
-        self.of: list[Any] = [None] * count
-        self._ids = itertools.count()
-        self._last: list[int] | None = None  # the weights the latest step updated
-        self.version = 0  # changes whenever `of` does: a plan made for other classes is stale
-
-    def advance(self, kept: list[int], stepped: list[bool]) -> list[Any]:
-        """Before a step that updates the weights `kept` (`stepped`: which have state already): the classes."""
-        if kept != self._last:
-            inside, fresh, split = set(kept), next(self._ids), {}
-            for i, c in enumerate(self.of):
-                if i in inside and not stepped[i]:
-                    self.of[i] = fresh
-                elif c is not None:  # a class whose weights were stepped apart splits in two
-                    if (c, i in inside) not in split:
-                        split[(c, i in inside)] = next(self._ids)
-                    self.of[i] = split[(c, i in inside)]
-            self._last, self.version = list(kept), self.version + 1
-        return self.of
-
-    def reset(self, state: Any, stepped: list[nn.Parameter], weights: list[nn.Parameter], read: bool = True) -> list[bool]:
-        """Classes from the scalar values in `state` (an optimizer's, just loaded) of the tensors it steps
-        (`stepped`, for `weights`; without `read`, each weight its own class); return which of them have state."""
-        values = [(tuple((k, tuple(v.reshape(-1).tolist()) if isinstance(v, torch.Tensor) else v)  # sync: once per load
-                         for k, v in sorted(state[s].items()) if not per_element(k, v, w)) if read else n)
-                  if state.get(s) else None for n, (s, w) in enumerate(zip(stepped, weights))]
-        ids = {v: next(self._ids) for v in dict.fromkeys(values) if v is not None}
-        self.of = [None if v is None else ids[v] for v in values]
-        self._last, self.version = None, self.version + 1
-        return [v is not None for v in values]
