@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import ampkit
 from conftest import make_loader, make_model
@@ -89,3 +90,39 @@ def test_non_fused_optimizer_needs_one_read_per_optimizer_step():
     # torch's foreach AdamW reads its CPU step counters itself; ampkit adds one read per step
     ours = [c for c in calls if c.startswith("ampkit:")]
     assert ours == ["ampkit:item"] * (len(loader) // 2)
+
+
+def test_on_cuda_torchs_default_adamw_is_stepped_fused_so_overflows_skip_on_the_device():
+    """The rule, checked on CPU tensors (a CPU fused AdamW runs the same way): on CUDA under loss scaling an
+    AdamW, Adam, SGD or Adagrad with no implementation chosen is switched to fused=True (said in a warning);
+    one the user chose (foreach=True, fused=False), another device, or no loss scale is left as it is."""
+    from ampkit.optim import fuse_for_device_skips
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+
+    def opt(**kw):
+        return torch.optim.AdamW(nn.Linear(2, 2).parameters(), lr=1e-3, **kw)
+
+    for kwargs, device, scaled in [({"foreach": True}, cuda, True), ({"fused": False}, cuda, True), ({}, cpu, True),
+                                   ({}, cuda, False)]:
+        o = opt(**kwargs)
+        assert not fuse_for_device_skips(o, device, scaled) and o.param_groups[0].get("fused") in (None, False)
+    o = opt()
+    assert not fuse_for_device_skips(o, cuda, True)  # its parameters are not on a CUDA device
+    assert not fuse_for_device_skips(torch.optim.RMSprop(nn.Linear(2, 2).parameters()), cuda, True)
+    # with the switch made, an fp16 step skips overflows on the device: no host read in the step
+    model = make_model()
+    o = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for g in o.param_groups:  # what fuse_for_device_skips does on CUDA
+        g["fused"] = True
+    acc = ampkit.Accelerator(precision="fp16-mixed", device="cpu")
+    model, o, loader = acc.prepare(model, o, make_loader(batch_size=8))
+    calls: list[str] = []
+    for i, (x, y) in enumerate(loader):
+        with count_syncs(calls):
+            loss = F.cross_entropy(model(x), y) * (float("inf") if i == 3 else 1.0)
+            acc.backward(loss)
+            o.step()
+            o.zero_grad()
+    assert calls == []
+    assert o.skipped_steps == 1 and o.applied_steps == len(loader) - 1

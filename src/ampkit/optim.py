@@ -9,6 +9,7 @@ depends on it). `AmpOptimizer` talks to its Accelerator through public attribute
 from __future__ import annotations
 
 import enum
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,32 @@ from ampkit.outcomes import StepOutcomes
 
 if TYPE_CHECKING:
     from ampkit.accelerator import Accelerator
+
+
+#: torch's optimizers with a fused kernel that takes found_inf and grad_scale as tensors (skips on the device).
+FUSED_SKIP = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+
+
+def fuse_for_device_skips(optimizer: torch.optim.Optimizer, device: torch.device, scaled: bool) -> bool:
+    """On CUDA, under loss scaling, step torch's Adam/AdamW/SGD/Adagrad through their fused kernels where the user
+    chose no implementation: an overflowing step is then skipped on the GPU, without the host read of found_inf
+    that the foreach and for-loop implementations need. True if it did (the user's choice is never overridden)."""
+    groups = optimizer.param_groups
+    if device.type != "cuda" or not scaled or type(optimizer) not in FUSED_SKIP or optimizer.state:
+        return False
+    chosen = any(g.get(k) is not None for g in groups for k in ("foreach", "fused"))
+    if chosen or any(g.get(k) for g in groups for k in ("differentiable", "capturable")):
+        return False
+    if not all(p.is_floating_point() and p.device.type == "cuda" for g in groups for p in g["params"]):
+        return False
+    for g in groups:
+        g["fused"] = True
+    optimizer.defaults["fused"] = True
+    warnings.warn(f"{type(optimizer).__name__} on CUDA with loss scaling: ampkit steps it through torch's fused kernel "
+                  f"(fused=True), which skips an overflowing step on the GPU without a host sync; pass foreach=True or "
+                  f"fused=False to keep another implementation (then ampkit reads found_inf once per step)",
+                  stacklevel=4)
+    return True
 
 
 class Stage(enum.Enum):
@@ -58,7 +85,8 @@ class AmpOptimizer(torch.optim.Optimizer):
         self._found_inf: torch.Tensor | None = None
         self._last_loss: torch.Tensor | None = None  # the latest loss before scaling (explains a collapse)
         # fused Adam/AdamW/SGD take found_inf and skip on the device; others need one host read.
-        self._skips_on_device = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        self._skips_on_device = bool(getattr(optimizer, "_step_supports_amp_scaling", False)) or all(
+            g.get("fused") for g in optimizer.param_groups)
         self._plain_zero_grad = type(optimizer).zero_grad is torch.optim.Optimizer.zero_grad  # not overridden
         self._outcomes = StepOutcomes(acc.device) if acc.scaler is not None else None
         self._model_params = [p for p, _ in weights.pairs] if weights is not None else []

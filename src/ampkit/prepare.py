@@ -20,7 +20,7 @@ from ampkit.errors import PrecisionError, StepOrderError
 from ampkit.launch import max_steps_reached
 from ampkit.lowp_weights import CompensatedWeights, LowPrecisionWeights, MasterWeights
 from ampkit.module import prepare_module
-from ampkit.optim import AmpOptimizer
+from ampkit.optim import AmpOptimizer, fuse_for_device_skips
 from ampkit.precision import dtype_name
 from ampkit.scheduler import AmpScheduler
 
@@ -177,6 +177,7 @@ class Prepared:
         # State created before prepare (a loaded optimizer) follows its parameters' device and dtype.
         if optimizer.state:
             optimizer.load_state_dict(optimizer.state_dict())
+        fuse_for_device_skips(optimizer, self.acc.device, self.acc.scaler is not None)
         wrapped = AmpOptimizer(optimizer, self.acc, weights)
         self.optimizers.append(wrapped)
         return wrapped
