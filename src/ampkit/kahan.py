@@ -81,8 +81,20 @@ _KERNELS: dict[str, Callable[..., None]] = {}  # name -> its compiled kernel, or
 def run(name: str, *args: Any) -> None:
     """Run kernel `name` ("adam" or "sgd"), compiled; where compiling fails, warn once and run it eager."""
     eager = _EAGER[name]
-    if _traced(args[0]):  # fake tensors (`ampkit plan`), a dispatch mode watching each op, or a compile in progress
+    if _shapes_only(args[0]):  # fake tensors (`ampkit plan`): the fused kernel makes no temporary, so neither does this
+        return None
+    if torch.compiler.is_compiling():  # inside the user's compiled step: traced into its graph
         return eager(*args)
+    tensors = [t for t in args if isinstance(t, torch.Tensor)]
+    STATS.calls += 1
+    STATS.bytes += 2 * sum(t.nbytes for t in tensors) - tensors[2].nbytes  # each read and written, the gradient read
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():  # a dispatch mode watching (a profiler, a memory tracker) sees the kernel whole,
+        return _call(name, eager, *args)  # not the eager ops it would otherwise run with other rounding
+
+
+def _call(name: str, eager: Callable[..., None], *args: Any) -> None:
     fn = _KERNELS.get(name)
     if fn is None:
         # emulate_precision_casts: round where the code rounds (else inductor drops the bf16 round trip that
@@ -109,9 +121,18 @@ def compiled(name: str) -> bool:
     return fn is not None and fn is not _EAGER[name]
 
 
-def _traced(t: torch.Tensor) -> bool:
-    """Whether the kernel runs where a compiled call cannot: the same arithmetic then runs op by op."""
+def _shapes_only(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-    return is_fake(t) or t.device.type == "meta" or _get_current_dispatch_mode() is not None or torch.compiler.is_compiling()
+    return is_fake(t) or t.device.type == "meta"
+
+
+class Stats:
+    """Fused kernel calls and the bytes they read and wrote (weights and compensation read and written, the
+    gradient read, the state read and written), for counters that watch aten ops and cannot see inside one."""
+
+    calls = 0
+    bytes = 0
+
+
+STATS = Stats()
