@@ -6,12 +6,13 @@ and no bounds the trajectory is `torch.amp.GradScaler`'s (the same kernel, `torc
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+from ampkit import validate as check
 
 
 class LossScaler:
@@ -35,12 +36,22 @@ class LossScaler:
         growth_interval: int = 2000, min_scale: float | None = 1.0, max_scale: float | None = 2.0**24,
         hysteresis: int = 1, dynamic: bool = True, collapse_after: int = 50,
     ) -> None:
-        _require(init_scale > 0 and math.isfinite(init_scale), "init_scale", init_scale, "a finite number > 0")
-        _require(growth_factor > 1, "growth_factor", growth_factor, "a number > 1")
-        _require(0 < backoff_factor < 1, "backoff_factor", backoff_factor, "a number in (0, 1)")
-        _require(growth_interval >= 1, "growth_interval", growth_interval, "an integer >= 1")
-        _require(hysteresis >= 1, "hysteresis", hysteresis, "an integer >= 1")
-        _require(collapse_after >= 1, "collapse_after", collapse_after, "an integer >= 1")
+        call, finite = "LossScaler", "a finite number"
+        init_scale = check.number(call, "init_scale", init_scale, f"{finite} > 0, e.g. 2**16", lambda v: v > 0)
+        growth_factor = check.number(call, "growth_factor", growth_factor, f"{finite} > 1, e.g. 2.0", lambda v: v > 1)
+        backoff_factor = check.number(call, "backoff_factor", backoff_factor, "a number in (0, 1), e.g. 0.5",
+                                      lambda v: 0 < v < 1)
+        growth_interval = check.integer(call, "growth_interval", growth_interval, 1, "clean steps before the scale grows")
+        hysteresis = check.integer(call, "hysteresis", hysteresis, 1, "overflows tolerated before backing off")
+        collapse_after = check.integer(call, "collapse_after", collapse_after, 1, "overflows in a row at min_scale")
+        dynamic = check.flag(call, "dynamic", dynamic)
+        # A scale of 0 never grows again and unscaling by it makes NaN of every gradient: the floor is > 0.
+        bound = f"{finite} > 0, or None: %s"
+        if min_scale is not None:
+            min_scale = check.number(call, "min_scale", min_scale, bound % "the smallest normal fp32, 2**-126",
+                                     lambda v: v > 0)
+        if max_scale is not None:
+            max_scale = check.number(call, "max_scale", max_scale, bound % "no upper bound", lambda v: v > 0)
         if min_scale is not None and max_scale is not None:
             _require(min_scale <= max_scale, "min_scale", min_scale, f"<= max_scale ({max_scale})")
         self.init_scale, self.growth_factor = float(init_scale), float(growth_factor)

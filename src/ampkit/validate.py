@@ -1,0 +1,94 @@
+"""Argument checks for the public API: one clear error that names the argument, repeats what was
+passed, says what was expected, and is raised before anything is changed.
+
+Each check takes `call`, how the message names the call ("LossScaler", "acc.save"; "" for none),
+and returns the value as the caller stores it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import numbers
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def _where(call: str, name: str, value: Any) -> str:
+    return f"{call}({name}={value!r})" if call else f"{name}={value!r}"
+
+
+def is_real(value: Any) -> bool:
+    """A plain number (an int, a float, a numpy scalar); never a bool, a str or a tensor."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def number(call: str, name: str, value: Any, expected: str, ok: Any = None, *, finite: bool = True) -> float:
+    """A real number (TypeError otherwise) for which `ok(value)` holds (ValueError otherwise)."""
+    if not is_real(value):
+        raise TypeError(f"{_where(call, name, value)}: expected {expected}, got a {type(value).__name__}")
+    got = float(value)
+    if math.isnan(got) or (finite and math.isinf(got)) or (ok is not None and not ok(got)):
+        raise ValueError(f"{_where(call, name, value)}: expected {expected}")
+    return got
+
+
+def integer(call: str, name: str, value: Any, minimum: int, what: str = "") -> int:
+    """An integer >= `minimum` (2.5, True or '3' are refused, not rounded)."""
+    expected = f"an integer >= {minimum}{f' ({what})' if what else ''}"
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise TypeError(f"{_where(call, name, value)}: expected {expected}, got a {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{_where(call, name, value)}: expected {expected}")
+    return int(value)
+
+
+def flag(call: str, name: str, value: Any, none: str = "") -> bool | None:
+    """True or False (or None where `none` says what None means); 'no', 0 or 1 are refused."""
+    if isinstance(value, bool) or (none and value is None):
+        return value
+    raise TypeError(f"{_where(call, name, value)}: expected True or False{f' (or None: {none})' if none else ''}")
+
+
+def path(call: str, name: str, value: Any, kind: str) -> Path:
+    """A non-empty `str` or `os.PathLike` path; '' is refused (it would mean the current directory)."""
+    if not isinstance(value, (str, os.PathLike)) or isinstance(os.fspath(value), bytes):
+        raise TypeError(f"{_where(call, name, value)}: expected a path to {kind} (a str or pathlib.Path), got a "
+                        f"{type(value).__name__}")
+    if not os.fspath(value).strip():
+        raise ValueError(f"{_where(call, name, value)}: expected a path to {kind}; an empty path would mean the "
+                         f"current directory: name it, e.g. {call}('checkpoints')")
+    return Path(value)
+
+
+def name_of(call: str, name: str, value: Any, example: str) -> str:
+    """A non-empty str naming something (a metric), e.g. `example`."""
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"{_where(call, name, value)}: expected a non-empty str, e.g. {example}")
+    return value
+
+
+def tensor_or_number(call: str, name: str, value: Any) -> None:
+    import torch  # here: the other checks need no torch
+
+    if not isinstance(value, torch.Tensor) and not is_real(value):
+        raise TypeError(f"{_where(call, name, value)}: expected a tensor or a number, got a {type(value).__name__}")
+
+
+def entries(call: str, name: str, value: Any, ok: Any, expected: str) -> list[Any]:
+    """A list or tuple (or another iterable that is not a str or mapping) whose every entry passes `ok`."""
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
+        raise TypeError(f"{_where(call, name, value)}: expected {expected}")
+    items = list(value)
+    if bad := [v for v in items if not ok(v)]:
+        raise TypeError(f"{_where(call, name, value)}: {bad[0]!r} is not allowed; expected {expected}")
+    return items
+
+
+def suggest(text: str, choices: Sequence[str]) -> str:
+    """' (did you mean 'bf16-mixed'?)' for a near miss of one of `choices`, else ''."""
+    starts = [c for c in choices if c.startswith(text)] if text else []
+    close = starts or difflib.get_close_matches(text, list(choices), n=2, cutoff=0.6)
+    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
