@@ -23,10 +23,12 @@ import torch
 from torch import nn
 
 from ampkit import checkpoint
+from ampkit import validate as check
 from ampkit.compiler import CompileStats, CompileTrial, compile_setup
 from ampkit.cycle import AccumulationCycle
 from ampkit.data import DeviceLoader
-from ampkit.distributed import FSDP_PRESETS, DistributedContext, barrier, gather_objects, sum_across_ranks
+from ampkit.distributed import (FSDP_PRESETS, DistributedContext, barrier, check_backend, gather_objects,
+                                sum_across_ranks)
 from ampkit.errors import PrecisionError, StepOrderError
 from ampkit.events import Events, Listener, created
 from ampkit.exporter import export
@@ -111,8 +113,11 @@ class Accelerator:
                 raise TypeError(f"{name}={flag!r}: expected True or False{by_device}")
         if scaler is not None and not isinstance(scaler, LossScaler):
             raise TypeError(f"scaler={scaler!r}: expected an ampkit.LossScaler")
-        if isinstance(keep_fp32, (str, type)):
-            keep_fp32 = [keep_fp32]  # type: ignore[list-item]
+        keep_fp32 = check.entries("", "keep_fp32", [keep_fp32] if isinstance(keep_fp32, (str, type)) else keep_fp32,
+                                  lambda s: isinstance(s, str) or (isinstance(s, type) and issubclass(s, nn.Module)),
+                                  "a list of nn.Module subclasses or module-name patterns, e.g. ['head', nn.LayerNorm]")
+        check.flag("", "step_scheduler_with_optimizer", step_scheduler_with_optimizer)
+        check_backend(backend)
         if strategy not in ("auto", "ddp", "fsdp", "none"):
             raise ValueError(f"strategy={strategy!r}: expected 'auto', 'ddp', 'fsdp' or 'none'")
         self.distributed = DistributedContext.from_env()
@@ -201,6 +206,11 @@ class Accelerator:
         norm (on the device), summed in model-parameter order as `clip_grad_norm_(model.parameters())`.
         On an overflowing step it is inf/NaN and the step is skipped; on a micro-step that does not end
         an accumulation cycle it does nothing and returns None, so the loop needs no `if` around it."""
+        call = "acc.clip_grad_norm_"
+        max_norm = check.number(call, "max_norm", max_norm, "a number > 0 (inf: measure the norm without clipping)",
+                                lambda v: v > 0, finite=False)
+        norm_type = check.number(call, "norm_type", norm_type, "a number > 0 such as 2.0, or inf", lambda v: v > 0,
+                                 finite=False)
         return self._prepared.clip_grad_norm_(max_norm, norm_type)
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
@@ -212,21 +222,24 @@ class Accelerator:
     def save(self, path: str | Path) -> Path:
         """Write the whole training state to one file, atomically (see `ampkit.checkpoint`). Under torchrun
         call it on every rank: rank 0 writes, and no rank returns before the file is durable."""
-        return checkpoint.save(self, path)
+        return checkpoint.save(self, check.path("acc.save", "path", path, "the checkpoint file", "ckpt.pt"))
 
     def load(self, path: str | Path) -> None:
         """Restore the whole training state from `path`; `CheckpointError` if it is missing or broken."""
+        path = check.path("acc.load", "path", path, "a checkpoint file", "ckpt.pt")
         self._require_prepared("load")
         checkpoint.load(self, path)
 
     def save_checkpoint(self, folder: str | Path, keep: int = 3) -> Path:
         """Save `folder/step-<applied steps>.pt`, point `folder/latest` at it, keep the newest `keep`."""
+        folder = check.path("acc.save_checkpoint", "folder", folder, "the checkpoint folder", "checkpoints")
         return checkpoint.save_checkpoint(self, folder, keep)
 
     def resume(self, folder: str | Path) -> Path | None:
         """Load the newest valid checkpoint in `folder` (skipping broken ones with a warning); return its
         path, or None on a fresh start: call it unconditionally before the loop. A folder whose
         checkpoints all fail raises `CheckpointError`; a checkpoint file instead of a folder is loaded."""
+        folder = check.path("acc.resume", "folder", folder, "a checkpoint folder (or file)", "checkpoints")
         self._require_prepared("resume")
         return checkpoint.resume(self, folder)
 
@@ -234,7 +247,7 @@ class Accelerator:
         """Yield the epochs still to run, 0..n-1 on a fresh start, from the saved epoch on a resume.
         Prepared loaders follow it: each epoch gets its own shuffle (`set_epoch` on a DistributedSampler),
         and an epoch interrupted by a crash resumes at its next batch."""
-        if not isinstance(n, int) or n < 0:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"epochs({n!r}): expected an integer >= 0")
         start = self._epoch
         if self._prepared.loaders and all(l.epoch_done and l.epoch == start for l in self._prepared.loaders):
@@ -295,6 +308,7 @@ class Accelerator:
 
     def track(self, name: str, value: torch.Tensor | float) -> None:
         """Accumulate `value` into the running mean `name` on the device (no sync)."""
+        check.name_of("acc.track", "name", name, "acc.track('loss', loss)")
         self._metrics.track(name, value)
 
     def metrics(self) -> dict[str, float]:
@@ -306,6 +320,7 @@ class Accelerator:
         """Report a result of the run, e.g. `acc.report_metric("val_loss", loss, higher_is_better=False)`, to
         listeners (`Listener.on_metric`; `ampkit compare train.py` sets it beside fp32's). No sync here."""
         check_metric(name, higher_is_better)
+        check.tensor_or_number("acc.report_metric", "value", value)
         if self.events.listeners:
             self.events.emit(Listener.on_metric, self, name, value, higher_is_better)
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
+from ampkit import validate as check
 from ampkit.errors import StepOrderError
 
 
@@ -61,6 +62,21 @@ class DistributedContext:
         store = dist.PrefixStore(f"ampkit/attempt-{attempt}", store)
         dist.init_process_group(backend=backend, store=store, rank=self.rank, world_size=self.world_size)
         atexit.register(_destroy)
+
+
+def check_backend(backend: Any) -> None:
+    """`Accelerator(backend=)`: None, or a process-group backend torch knows ("gloo", "nccl", ..., or
+    torch's per-device form "cpu:gloo,cuda:nccl"), refused before any process group is made."""
+    if backend is None:
+        return
+    known = [b for b in dist.Backend.backend_list if b != "undefined"] if dist.is_available() else []
+    expected = f"None (nccl on CUDA, gloo on a CPU) or one of {', '.join(known)}"
+    if not isinstance(backend, str):
+        raise TypeError(f"backend={backend!r}: expected {expected}")
+    parts = [part.split(":")[-1].strip().lower() for part in backend.split(",")]
+    if unknown := [p for p in parts if p not in known]:
+        raise ValueError(f"backend={backend!r}: unknown backend {unknown[0]!r}; expected {expected}"
+                         f"{check.suggest(unknown[0], known)}")
 
 
 def _destroy() -> None:

@@ -71,7 +71,12 @@ class Exported:
         return self.path.stat().st_size
 
     def run(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """The model's output(s) for `inputs` (a batch of any size)."""
+        """The model's output(s) for `inputs` (a batch of any size): tensors, or one tuple or list of them."""
+        if len(inputs) == 1 and isinstance(inputs[0], (tuple, list)):
+            inputs = tuple(inputs[0])
+        if bad := [x for x in inputs if not isinstance(x, torch.Tensor)]:
+            raise TypeError(f"Exported.run(*inputs): expected tensors (or one tuple of them), got a "
+                            f"{type(bad[0]).__name__}")
         cast = [x.to(self.input_dtype) if x.is_floating_point() else x for x in inputs]
         out = [o.float() if o.is_floating_point() else o for o in self.runner(cast)]
         return out[0] if len(out) == 1 else tuple(out)

@@ -26,7 +26,8 @@ class MetricTracker:
         elif isinstance(value, (int, float)):
             total, count = torch.tensor(float(value)), 1
         else:
-            raise TypeError(f"track({name!r}, {type(value).__name__}): expected a tensor or a number")
+            raise TypeError(f"track({name!r}, {type(value).__name__}): expected a tensor or a number as the value, "
+                            f"e.g. acc.track('loss', loss)")
         if name in self._sums:
             self._sums[name] = self._sums[name] + total.to(self._sums[name].device)
             self._counts[name] += count

@@ -55,6 +55,7 @@ class Prepared:
 
     def prepare(self, *objs: Any) -> Any:
         kinds = [self._kind(obj, i) for i, obj in enumerate(objs)]
+        self._check_optimizers(objs, kinds)
         out: list[Any] = list(objs)
         for i in sorted(range(len(objs)), key=lambda i: _ORDER.index(kinds[i])):  # models first, ...
             out[i] = getattr(self, f"_prepare_{kinds[i]}")(objs[i])
@@ -71,6 +72,21 @@ class Prepared:
             f"prepare() argument {position} is a {type(obj).__module__}.{type(obj).__qualname__}; "
             f"expected an nn.Module, a torch.optim.Optimizer, a torch.utils.data.DataLoader or a torch LR "
             f"scheduler")
+
+    def _check_optimizers(self, objs: tuple[Any, ...], kinds: list[str]) -> None:
+        """Before anything is prepared: an optimizer given with (or after) models steps some of their
+        parameters; one built from another model's would train nothing the loop runs."""
+        models = [obj for obj, kind in zip(objs, kinds) if kind == "model"] + self.models
+        if not models:
+            return
+        mine = {id(p) for m in models for p in m.parameters()} | set(self.fsdp_params)
+        for i, (obj, kind) in enumerate(zip(objs, kinds)):
+            if kind == "optimizer" and not any(id(p) in mine for g in obj.param_groups for p in g["params"]):
+                names = ", ".join(sorted({type(self.acc.unwrap(m)).__name__ for m in models}))
+                raise ValueError(
+                    f"prepare() argument {i} (optimizer {type(obj).__name__}) steps none of the parameters of the "
+                    f"model(s) prepared ({names}): it was built from other parameters. Build it from the model's, "
+                    f"e.g. torch.optim.AdamW(model.parameters()), then prepare(model, optimizer)")
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
         acc = self.acc

@@ -16,6 +16,11 @@ from pathlib import Path
 from typing import Any
 
 
+def _got(value: Any) -> str:
+    kind = type(value).__name__
+    return f"got {'an' if kind[0] in 'aeiouAEIOU' else 'a'} {kind}"
+
+
 def _where(call: str, name: str, value: Any) -> str:
     return f"{call}({name}={value!r})" if call else f"{name}={value!r}"
 
@@ -28,7 +33,7 @@ def is_real(value: Any) -> bool:
 def number(call: str, name: str, value: Any, expected: str, ok: Any = None, *, finite: bool = True) -> float:
     """A real number (TypeError otherwise) for which `ok(value)` holds (ValueError otherwise)."""
     if not is_real(value):
-        raise TypeError(f"{_where(call, name, value)}: expected {expected}, got a {type(value).__name__}")
+        raise TypeError(f"{_where(call, name, value)}: expected {expected}, {_got(value)}")
     got = float(value)
     if math.isnan(got) or (finite and math.isinf(got)) or (ok is not None and not ok(got)):
         raise ValueError(f"{_where(call, name, value)}: expected {expected}")
@@ -39,7 +44,7 @@ def integer(call: str, name: str, value: Any, minimum: int, what: str = "") -> i
     """An integer >= `minimum` (2.5, True or '3' are refused, not rounded)."""
     expected = f"an integer >= {minimum}{f' ({what})' if what else ''}"
     if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-        raise TypeError(f"{_where(call, name, value)}: expected {expected}, got a {type(value).__name__}")
+        raise TypeError(f"{_where(call, name, value)}: expected {expected}, {_got(value)}")
     if value < minimum:
         raise ValueError(f"{_where(call, name, value)}: expected {expected}")
     return int(value)
@@ -52,14 +57,14 @@ def flag(call: str, name: str, value: Any, none: str = "") -> bool | None:
     raise TypeError(f"{_where(call, name, value)}: expected True or False{f' (or None: {none})' if none else ''}")
 
 
-def path(call: str, name: str, value: Any, kind: str) -> Path:
+def path(call: str, name: str, value: Any, kind: str, example: str) -> Path:
     """A non-empty `str` or `os.PathLike` path; '' is refused (it would mean the current directory)."""
     if not isinstance(value, (str, os.PathLike)) or isinstance(os.fspath(value), bytes):
-        raise TypeError(f"{_where(call, name, value)}: expected a path to {kind} (a str or pathlib.Path), got a "
-                        f"{type(value).__name__}")
+        raise TypeError(f"{_where(call, name, value)}: expected a path to {kind} (a str or pathlib.Path), "
+                        f"{_got(value)}")
     if not os.fspath(value).strip():
         raise ValueError(f"{_where(call, name, value)}: expected a path to {kind}; an empty path would mean the "
-                         f"current directory: name it, e.g. {call}('checkpoints')")
+                         f"current directory: name it, e.g. {call}({example!r})")
     return Path(value)
 
 
@@ -74,7 +79,7 @@ def tensor_or_number(call: str, name: str, value: Any) -> None:
     import torch  # here: the other checks need no torch
 
     if not isinstance(value, torch.Tensor) and not is_real(value):
-        raise TypeError(f"{_where(call, name, value)}: expected a tensor or a number, got a {type(value).__name__}")
+        raise TypeError(f"{_where(call, name, value)}: expected a tensor or a number, {_got(value)}")
 
 
 def entries(call: str, name: str, value: Any, ok: Any, expected: str) -> list[Any]:
