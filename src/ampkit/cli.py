@@ -6,8 +6,11 @@ import argparse
 import shlex
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from ampkit import cli_args as flags
+from ampkit.cli_args import Parser
 from ampkit.precision import PRESET_NAMES
 
 
@@ -17,11 +20,6 @@ def _usage(command: str, problem: object) -> int:
     return 2
 
 
-def _names(text: str | None, default: list[str] | None = None) -> list[str] | None:
-    """A comma-separated list from the command line, or `default` when none was given."""
-    return [p.strip() for p in text.split(",") if p.strip()] if text else default
-
-
 def _compare(args: argparse.Namespace) -> int:
     from ampkit.compare import compare
     from ampkit.errors import PrecisionError
@@ -29,9 +27,15 @@ def _compare(args: argparse.Namespace) -> int:
     if args.script is not None:  # ampkit compare train.py [args...]
         return _compare_script(args)
 
+    from ampkit.compare.runner import STATE_DIR
+
+    state = Path(args.out) / STATE_DIR
+    if args.resume and not (state.is_dir() and any(state.iterdir())):
+        return _usage("compare", f"--resume: nothing to resume in {args.out}/ (no {STATE_DIR}/ of an interrupted "
+                                 f"comparison): drop --resume to start a new one, or give its --out")
     command = "ampkit " + shlex.join(args.argv)
     try:
-        compare(task=args.task, precisions=_names(args.precisions), steps=args.steps, seed=args.seed,
+        compare(task=args.task, precisions=flags.names("--precisions", args.precisions), steps=args.steps, seed=args.seed,
                 batch_size=args.batch_size, device=args.device, out=args.out, command=command,
                 resume=args.resume, nproc=args.nproc, numerics=not args.no_numerics, size=args.size,
                 inference=args.inference)
@@ -48,9 +52,12 @@ def _compare(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from ampkit.export import PRECISIONS, format_text, measure
 
+    if problem := flags.out_folder("--out", args.out):
+        return _usage("export", problem)
     try:
-        precisions = _names(args.precisions, list(PRECISIONS))
-        report = measure(args.task, precisions, _names(args.backends, ["torch", "onnx"]), args.out,
+        precisions = flags.names("--precisions", args.precisions) or list(PRECISIONS)
+        backends = flags.names("--backends", args.backends) or ["torch", "onnx"]
+        report = measure(args.task, precisions, backends, args.out,
                          steps=args.steps, seed=args.seed, rounds=args.rounds, threads=args.threads)
     except ValueError as exc:
         return _usage("export", exc)
@@ -66,7 +73,7 @@ def _compare_script(args: argparse.Namespace) -> int:
 
     given = args.script_args
     split = given.index("--") if "--" in given else len(given)
-    tail = argparse.ArgumentParser(prog="ampkit compare", add_help=False, allow_abbrev=False)
+    tail = Parser(prog="ampkit compare", add_help=False, allow_abbrev=False)
     for flag in ("--precisions", "--out"):
         tail.add_argument(flag)
     for flag in ("--steps", "--seed"):
@@ -88,7 +95,7 @@ def _compare_script(args: argparse.Namespace) -> int:
                                      f"and processes, and its comparison has no numerics pass or export")
     command = "ampkit " + shlex.join(args.argv)
     try:
-        report = compare_script(args.script, script_args, _names(args.precisions), steps=args.steps,
+        report = compare_script(args.script, script_args, flags.names("--precisions", args.precisions), steps=args.steps,
                                 seed=args.seed, out=args.out, command=command)
     except (FileNotFoundError, PrecisionError, ValueError) as exc:
         return _usage("compare", exc)
@@ -105,12 +112,8 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.script is None:
         return _usage("run", "give a script to run: ampkit run [--precision P] [--nproc N] train.py [args...]")
-    if args.precision is not None and args.precision not in PRESET_NAMES:
-        return _usage("run", f"--precision {args.precision!r}: unknown precision; choose one of: {', '.join(PRESET_NAMES)}")
-    for flag, value in (("--nproc", args.nproc), ("--grad-accum-steps", args.grad_accum_steps),
-                        ("--max-steps", args.max_steps)):
-        if value is not None and value < 1:
-            return _usage("run", f"{flag} {value}: expected an integer >= 1")
+    if problem := flags.precision("--precision", args.precision) or flags.torchrun(args):
+        return _usage("run", problem)  # before torchrun starts: it would fail in a traceback, or wait forever
     rendezvous = [f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items()
                   if name in ("nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "master_addr",
                               "master_port") and value is not None]
@@ -156,6 +159,8 @@ def _doctor(args: argparse.Namespace) -> int:
                       if args.script else "give a script to run (ampkit doctor train.py [args...]) or --task NAME")
     if args.script is not None and (args.precision or args.device or args.batch_size):
         return _usage("doctor", "--precision, --device and --batch-size are for --task; a script chooses its own")
+    if problem := flags.precision("--precision", args.precision):
+        return _usage("doctor", problem)
     if args.numerics and args.gpu is not None:
         return _usage("doctor", "--gpu is for the performance doctor; --numerics quotes no GPU costs")
     warmup = args.warmup if args.warmup is not None else (0 if args.numerics else 5)
@@ -200,10 +205,12 @@ def _plan(args: argparse.Namespace) -> int:
     from ampkit.errors import PrecisionError
     from ampkit.plan import check_out, parse_memory, plan, plan_task, render_plan, write_plan
 
-    precisions = _names(args.precisions)
+    if problem := flags.out_folder("--out", args.out):
+        return _usage("plan", problem)
     sharding = {"strategy": "none" if args.nproc is None else "fsdp", "nproc": 1 if args.nproc is None else args.nproc}
     try:
         memory = parse_memory(args.memory) if args.memory is not None else None
+        precisions = flags.names("--precisions", args.precisions, presets=True)
         check_out(args.out)
         if args.script is not None:  # the script's first prepared model, optimizer and batch
             from ampkit.plan.script import capture
@@ -232,12 +239,12 @@ def _command(sub: Any, name: str, func: Callable[[argparse.Namespace], int], hel
              description: str) -> argparse.ArgumentParser:
     """The subcommand `name`, run by `func(args)`."""
     parser = sub.add_parser(name, help=help, description=description)
-    parser.set_defaults(func=func)
+    parser.set_defaults(func=func, parser=parser)
     return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ampkit", description="Mixed-precision training for PyTorch: measured and explained.")
+    parser = Parser(prog="ampkit", description="Mixed-precision training for PyTorch: measured and explained.")
     sub = parser.add_subparsers(dest="command", required=True)
     cmp = _command(sub, "compare", _compare,
                    "train a task once per precision and compare time, memory, loss and accuracy",
@@ -286,8 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="end training after this many optimizer steps (prepared loaders' training passes end; "
                           "evaluation still runs)")
     for flag in ("--nnodes", "--node-rank", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--master-addr",
-                 "--master-port"):
-        run.add_argument(flag, default=None, help=f"passed to torchrun as {flag}")
+                 "--master-port"):  # checked (ampkit.cli_args.torchrun) before torchrun starts
+        run.add_argument(flag, default=None, type=int if flag == "--node-rank" else str,
+                         help=f"passed to torchrun as {flag}")
     run.add_argument("script", nargs="?", default=None, help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     exp = _command(sub, "export", _export,
@@ -373,7 +381,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    args, extras = build_parser().parse_known_args(argv)
+    if extras:  # a typo'd flag: the subcommand's own error, with the flag it probably meant
+        args.parser.unknown(extras)
+    if problem := flags.check_numbers(args.command, args):
+        return _usage(args.command, problem)
     args.argv = argv
     return args.func(args)
 

@@ -15,6 +15,7 @@ import torch
 
 from ampkit.errors import PrecisionError
 from ampkit.hardware import FIRST_IN, auto_precision, capability, device_capabilities, rocm_arch
+from ampkit.validate import suggest
 
 #: Module types kept in fp32 by the presets that store parameters in low precision: their
 #: statistics (mean/variance) lose too much in bf16/fp16 and they are a tiny share of the weights.
@@ -98,7 +99,8 @@ def resolve_precision(precision: str | Precision, device: torch.device, *, fp8_e
     elif precision in PRESETS:
         policy = dataclasses.replace(PRESETS[precision], reason="requested")
     else:
-        raise PrecisionError(f"unknown precision {precision!r}; choose one of: {', '.join(PRESET_NAMES)}")
+        near = suggest(precision, PRESET_NAMES) if isinstance(precision, str) else ""
+        raise PrecisionError(f"unknown precision {precision!r}; choose one of: {', '.join(PRESET_NAMES)}{near}")
     _check_runs(policy, device)
     if policy.fp8 and (problem := fp8_problem(device, fp8_emulate)):
         raise PrecisionError(f"precision {policy.name!r}: {problem}")
