@@ -2,8 +2,8 @@
 
     OMP_NUM_THREADS=1 python benchmarks/step_buffers.py [--write]
 
-The full-size fp32 buffers that survive chunking (the `-master` presets' gradients under clipping
-or loss scaling; bf16-true's clipped gradients) are freed between steps or kept. For each preset,
+The full-size fp32 step buffers (the `-master` presets' gradients, every step since their one-shot
+update; bf16-true's clipped gradients) are freed between steps or kept. For each preset,
 on the GEMM-bound MLP of the Peers section (1024 -> 4096 -> 1024, batch 64, AdamW), clipped with
 `acc.clip_grad_norm_(1.0)` every step (fp16-master: loss-scaled, no clipping):
 
