@@ -124,7 +124,8 @@ def export(model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tenso
         raise ExportError(f"precision={precision!r} is not supported by backend={backend!r} (onnxruntime has no "
                           f"bf16 CPU kernels); it supports {', '.join(SUPPORTED[backend])}; for {precision} use "
                           f"backend={others[0]!r}")
-    inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else (
+        tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else ())
     if not inputs or not all(isinstance(x, torch.Tensor) and x.dim() >= 1 for x in inputs):
         raise ExportError("example_inputs: expected a batch tensor, or a tuple of them (each with a batch "
                           f"dimension first); got {type(example_inputs).__name__}")

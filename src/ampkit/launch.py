@@ -95,7 +95,7 @@ def max_steps_reached(acc: Any) -> bool:
 
 def check_metric(name: Any, higher_is_better: Any) -> None:
     """`acc.report_metric`'s arguments: a non-empty name, and a direction that is True, False or None."""
-    if not isinstance(name, str) or not name or higher_is_better not in (None, True, False):
+    if not isinstance(name, str) or not name or not isinstance(higher_is_better, (bool, type(None))):
         raise TypeError(f"report_metric({name!r}, value, higher_is_better={higher_is_better!r}): expected a "
                         f"non-empty name and higher_is_better True, False or None")
 
