@@ -14,8 +14,7 @@ Deliberately left as they are (see the end of this file for the cases that pin t
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -47,7 +46,6 @@ class Case:
     call: Callable[[Setup], Any]
     error: type[BaseException]
     names: str  # what the message must contain: the argument's name (or the value it repeats)
-    marks: tuple = field(default=())
 
 
 def scaler(error, names, **kwargs):
@@ -200,12 +198,6 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
         assert a[key] == b[key], key
 
 
-def _check_message(exc: BaseException, names: str) -> None:
-    text = str(exc)
-    assert names in text, f"{type(exc).__name__}: {text!r} does not name {names!r}"
-    assert "\n" not in text.strip() or len(text) < 2000
-
-
 @pytest.mark.parametrize("case", SCALER + ACCELERATOR + METHODS, ids=lambda c: c.id)
 def test_bad_api_input(case, setup):
     if case.names == "device" and torch.cuda.is_available():
@@ -215,7 +207,7 @@ def test_bad_api_input(case, setup):
         case.call(setup)
     assert isinstance(raised.value, case.error), f"{type(raised.value).__name__}: {raised.value}"
     assert isinstance(raised.value, (ValueError, TypeError, AmpkitError))
-    _check_message(raised.value, case.names)
+    assert case.names in str(raised.value), f"{type(raised.value).__name__}: {raised.value} (names no {case.names!r})"
     _same(_snapshot(setup), before)
 
 
@@ -390,7 +382,6 @@ def test_documented_leniencies():
     assert ampkit.LossScaler(min_scale=None, max_scale=None).floor == 2.0**-126
     acc = ampkit.Accelerator("fp32", device="cpu", backend="cpu:gloo,cuda:nccl", keep_fp32=("head", torch.nn.LayerNorm))
     assert acc.keep_fp32 == ["head", torch.nn.LayerNorm]
-    assert math.isinf(float("inf"))
 
 
 def test_exported_run_takes_a_tuple_of_inputs(tmp_path):
