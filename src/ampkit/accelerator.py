@@ -77,9 +77,9 @@ class Accelerator:
             convolution kernels of GPUs (tensor cores) and of oneDNN on CPUs run fastest.
         cuda_graphs: replay each step's forward and backward kernels as CUDA graphs (torch.compile's
             "reduce-overhead" mode), for small launch-bound models. CUDA only; static input shapes.
-        free_step_buffers: free between steps the full-size fp32 buffers of the updates that are not
-            chunked (the `-master` presets' gradients with loss scaling or clipping; bf16-true's after
-            `clip_grad_norm_` or with an optimizer it cannot step in chunks). None: free them, except the
+        free_step_buffers: free between steps the full-size buffers of the updates (the `-master` presets'
+            fp32 gradients; bf16-true's flat bf16 gradients, and its fp32 ones after `clip_grad_norm_`).
+            None: free them, except the
             `-master` presets' on a CPU, where memory freed goes back to the OS and is faulted in again at
             the next step (6-14% of their step, benchmarks/step_buffers.py); on a GPU freeing costs nothing.
         cast_outputs: cast a prepared model's bf16/fp16 outputs to fp32, so that a loss computed outside
