@@ -43,8 +43,14 @@ PRESETS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "bf16-true", "fp8-
 # Bytes an AdamW update must read and write per parameter, per preset (weights, gradients, two moments, plus
 # what the preset adds: fp32 gradient copies and masters' write-back, a Kahan buffer, loss-scale unscaling).
 UPDATE_BYTES = {"fp32": 28, "bf16-mixed": 28, "fp16-mixed": 36, "bf16-master": 40, "bf16-true": 18, "fp8-mixed": 28}
-HAND_WRITTEN = {"fp32": "fp32", "bf16-mixed": "bf16", "bf16-master": "bf16", "bf16-true": "bf16",
-                "fp16-mixed": "fp16", "fp8-mixed": "bf16"}
+HAND_WRITTEN = {
+    "fp32": "fp32",
+    "bf16-mixed": "bf16",
+    "bf16-master": "bf16",
+    "bf16-true": "bf16",
+    "fp16-mixed": "fp16",
+    "fp8-mixed": "bf16",
+}
 
 
 @dataclass
@@ -236,17 +242,30 @@ def ampkit_run(preset: str, s: Size, batch: int, dev: torch.device, warmup: int,
 def planned(presets: list[str], s: Size, batch: int, dev: torch.device) -> dict[str, float]:
     """`ampkit.plan`'s predicted peak (MiB) per preset at `batch`."""
     x, y = batches(s, batch, torch.device("cpu"), n=1)[0]
-    result = ampkit.plan(lambda: GPT(s), lambda: (x, y), lambda p: torch.optim.AdamW(p, lr=3e-4), presets, dev,
-                         loss_fn=lm_loss, search=False)
+    result = ampkit.plan(
+        lambda: GPT(s),
+        lambda: (x, y),
+        lambda p: torch.optim.AdamW(p, lr=3e-4),
+        presets,
+        dev,
+        loss_fn=lm_loss,
+        search=False,
+    )
     return {r.precision: r.peak_bytes / 2**20 for r in result.rows}
 
 
 def largest_batch(s: Size, dev: torch.device, cap: int) -> int:
     """The largest batch (<= cap) `ampkit.plan` says fits in fp32, the preset that holds the most."""
     x, y = batches(s, 1, torch.device("cpu"), n=1)[0]
-    result = ampkit.plan(lambda: GPT(s), lambda: (x, y), lambda p: torch.optim.AdamW(p, lr=3e-4), ["fp32"], dev,
-                         memory=int(0.85 * torch.cuda.mem_get_info(dev)[0]) if dev.type == "cuda" else 2**31,
-                         loss_fn=lm_loss)
+    result = ampkit.plan(
+        lambda: GPT(s),
+        lambda: (x, y),
+        lambda p: torch.optim.AdamW(p, lr=3e-4),
+        ["fp32"],
+        dev,
+        memory=int(0.85 * torch.cuda.mem_get_info(dev)[0]) if dev.type == "cuda" else 2**31,
+        loss_fn=lm_loss,
+    )
     return max(1, min(cap, result.rows[0].max_batch_size or 1))
 
 
@@ -266,19 +285,28 @@ def table(rows: list[Row], header: str) -> str:
     def f(v: float | None, fmt: str) -> str:
         return "-".rjust(int(fmt.split(".")[0])) if v is None else format(v, fmt)
 
-    lines = [header, "", f"{'preset':12} {'step ms':>9} {'vs fp32':>8} {'vs hand':>8} {'syncs':>6} {'peak MiB':>9} "
-             f"{'plan MiB':>9} {'plan err':>8} {'update ms':>9} {'floor ms':>8} {'B/param':>7}"]
+    lines = [
+        header,
+        "",
+        f"{'preset':12} {'step ms':>9} {'vs fp32':>8} {'vs hand':>8} {'syncs':>6} {'peak MiB':>9} "
+        f"{'plan MiB':>9} {'plan err':>8} {'update ms':>9} {'floor ms':>8} {'B/param':>7}",
+    ]
     for r in rows:
         if r.status != "ok":
             lines.append(f"{r.preset:12} {r.status}: {r.reason}")
             continue
         err = None if not (r.peak_mib and r.planned_mib) else r.planned_mib / r.peak_mib - 1
-        lines.append(f"{r.preset:12} {f(r.step_ms, '9.1f')} {f(r.speedup_vs_fp32, '7.2f')}x {f(r.vs_hand_written, '7.2f')}x "
-                     f"{f(r.syncs_per_step, '6.1f')} {f(r.peak_mib, '9.0f')} {f(r.planned_mib, '9.0f')} "
-                     f"{'-' if err is None else format(err, '+8.0%')} {f(r.update_ms, '9.2f')} "
-                     f"{f(r.update_floor_ms, '8.2f')} {r.update_bytes_per_param or '-':>7}")
-    lines += ["", "vs hand: ampkit's step / the hand-written autocast loop's (fp16: with GradScaler). syncs: host syncs "
-              "per step (set_sync_debug_mode). floor: the update's bytes at the measured copy bandwidth."]
+        lines.append(
+            f"{r.preset:12} {f(r.step_ms, '9.1f')} {f(r.speedup_vs_fp32, '7.2f')}x {f(r.vs_hand_written, '7.2f')}x "
+            f"{f(r.syncs_per_step, '6.1f')} {f(r.peak_mib, '9.0f')} {f(r.planned_mib, '9.0f')} "
+            f"{'-' if err is None else format(err, '+8.0%')} {f(r.update_ms, '9.2f')} "
+            f"{f(r.update_floor_ms, '8.2f')} {r.update_bytes_per_param or '-':>7}"
+        )
+    lines += [
+        "",
+        "vs hand: ampkit's step / the hand-written autocast loop's (fp16: with GradScaler). syncs: host syncs "
+        "per step (set_sync_debug_mode). floor: the update's bytes at the measured copy bandwidth.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -343,22 +371,35 @@ def main(argv: list[str] | None = None) -> int:
         if base is not None and r.step_ms:
             r.speedup_vs_fp32 = base.step_ms / r.step_ms
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    header = (f"gpu_check: {name}, torch {torch.__version__}, ampkit {ampkit.__version__}; GPT {s.layers} layers, "
-              f"d {s.d}, seq {s.seq}, vocab {s.vocab}, batch {batch}; copy bandwidth {bandwidth / 1e9:.0f} GB/s"
-              + (f"; plan failed: {plan_error}" if plan_error else ""))
+    header = (
+        f"gpu_check: {name}, torch {torch.__version__}, ampkit {ampkit.__version__}; GPT {s.layers} layers, "
+        f"d {s.d}, seq {s.seq}, vocab {s.vocab}, batch {batch}; copy bandwidth {bandwidth / 1e9:.0f} GB/s"
+        + (f"; plan failed: {plan_error}" if plan_error else "")
+    )
     text = table(rows, header)
     if dev.type == "cuda":  # the capability table against a measured matmul per dtype
-        info = subprocess.run([sys.executable, "-m", "ampkit.cli", "info", "--bench", "--json"], capture_output=True,
-                              text=True, timeout=120)
+        info = subprocess.run(
+            [sys.executable, "-m", "ampkit.cli", "info", "--bench", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         (out / "info.json").write_text(info.stdout or info.stderr)
     if dev.type == "cuda" and not args.no_tests:
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "tests/test_cuda.py"], capture_output=True,
-                              text=True, timeout=max(60, args.budget_s + 150 - (time.perf_counter() - start)))
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-rs", "tests/test_cuda.py"],
+            capture_output=True,
+            text=True,
+            timeout=max(60, args.budget_s + 150 - (time.perf_counter() - start)),
+        )
         (out / "pytest.txt").write_text(done.stdout[-20000:] + done.stderr[-5000:])
         text += f"tests/test_cuda.py: {(done.stdout.strip().splitlines() or ['no output'])[-1]}\n"
     (out / "gpu_check.txt").write_text(text)
-    (out / "gpu_check.json").write_text(json.dumps({"header": header, "batch": batch, "bandwidth_Bps": bandwidth,
-                                                    "rows": [asdict(r) for r in rows]}, indent=1))
+    (out / "gpu_check.json").write_text(
+        json.dumps(
+            {"header": header, "batch": batch, "bandwidth_Bps": bandwidth, "rows": [asdict(r) for r in rows]}, indent=1
+        )
+    )
     print(text, end="")
     return 0 if all(r.status != "failed" for r in rows) else 1
 

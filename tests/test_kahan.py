@@ -66,7 +66,9 @@ def reference(make_opt, steps: int, unused: bool, groups: bool) -> list[torch.Te
                 p.copy_(s)
                 comp[n] = (s - p.float()).to(torch.bfloat16)
                 if low_state:
-                    opt.state[s].update({k: v.to(torch.bfloat16) for k, v in opt.state[s].items() if _per_element(k, v)})
+                    opt.state[s].update(
+                        {k: v.to(torch.bfloat16) for k, v in opt.state[s].items() if _per_element(k, v)}
+                    )
                 s.grad = None
         model.zero_grad()
     return [p.detach().clone() for p in params]
@@ -123,8 +125,11 @@ def one_step(make_opt, seed: int):
     shadow = nn.Parameter(p.float() + comp.float())
     opt = make_opt([shadow])
     sgd = isinstance(opt, torch.optim.SGD)
-    state = ({"momentum_buffer": moments[0].float()} if sgd else
-             {"step": torch.tensor(6.0), "exp_avg": moments[0].float(), "exp_avg_sq": moments[1].float()})
+    state = (
+        {"momentum_buffer": moments[0].float()}
+        if sgd
+        else {"step": torch.tensor(6.0), "exp_avg": moments[0].float(), "exp_avg_sq": moments[1].float()}
+    )
     opt.state[shadow] = dict(state)
     shadow.grad = grad.float()
     opt.step()
@@ -153,8 +158,9 @@ def test_one_fused_step_is_the_reference_step_within_a_bf16_ulp(name):
         assert all(bf16_ulps(a, b) <= 1 for a, b in zip(state, ref_state))
 
 
-@pytest.mark.parametrize("unused,groups,clip", [(False, False, False), (True, True, True)],
-                         ids=["one-group", "unused+two-groups+clip"])
+@pytest.mark.parametrize(
+    "unused,groups,clip", [(False, False, False), (True, True, True)], ids=["one-group", "unused+two-groups+clip"]
+)
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_100_bf16_true_steps_follow_the_fp32_kahan_reference(name, unused, groups, clip):
     """Over 100 steps the two runs stay together (a last-bit difference in one step can move a trajectory,
@@ -201,7 +207,7 @@ def test_a_resumed_bf16_true_run_is_bitwise_the_uninterrupted_one(tmp_path):
         if resume_from is not None:
             acc.load(resume_from)
         batches = list(enumerate(_batches(steps)))
-        for step, (x, y) in batches[opt.applied_steps:]:
+        for step, (x, y) in batches[opt.applied_steps :]:
             acc.backward(F.cross_entropy(model(x), y))
             opt.step()
             opt.zero_grad()

@@ -26,8 +26,22 @@ def test_a_folder_holding_files_ampkit_did_not_write_is_refused_before_training(
     (out / name).write_bytes(b"the user's")
     before = _tree(out)
     first = name.split("/")[0]
-    code = main(["compare", "--task", "iris-mlp", "--steps", "4", "--precisions", "fp32", "--out", str(out),
-                 "--device", "cpu", "--no-numerics"])
+    code = main(
+        [
+            "compare",
+            "--task",
+            "iris-mlp",
+            "--steps",
+            "4",
+            "--precisions",
+            "fp32",
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--no-numerics",
+        ]
+    )
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
     assert f"{out / first} exists and ampkit did not write it" in err

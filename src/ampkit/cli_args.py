@@ -11,11 +11,19 @@ from ampkit.precision import PRESET_NAMES
 from ampkit.validate import suggest
 
 # The smallest value of each integer flag (by argparse dest), where a command has it.
-MINIMUM = {"steps": 1, "batch_size": 1, "nproc": 1, "grad_accum_steps": 1, "max_steps": 1, "rounds": 1,
-           "threads": 1, "warmup": 0, "node_rank": 0}
+MINIMUM = {
+    "steps": 1,
+    "batch_size": 1,
+    "nproc": 1,
+    "grad_accum_steps": 1,
+    "max_steps": 1,
+    "rounds": 1,
+    "threads": 1,
+    "warmup": 0,
+    "node_rank": 0,
+}
 MINIMUM_OF = {("export", "steps"): 0}  # export --steps 0: export the untrained model
-WHAT = {"nproc": "processes", "warmup": "steps before measuring",
-        "node_rank": "this node's rank, 0 .. nnodes-1"}
+WHAT = {"nproc": "processes", "warmup": "steps before measuring", "node_rank": "this node's rank, 0 .. nnodes-1"}
 RDZV_BACKENDS = ("c10d", "etcd", "etcd-v2", "static")
 
 
@@ -67,8 +75,10 @@ def names(flag: str, text: str | None, presets: bool = False) -> list[str] | Non
     if twice := sorted({n for n in found if found.count(n) > 1}):
         raise ValueError(f"{flag} {text!r}: {twice[0]!r} is given twice; name each once")
     if presets and (unknown := [n for n in found if n not in PRESET_NAMES]):
-        raise ValueError(f"{flag} {text!r}: unknown precision {unknown[0]!r}; choose from: "
-                         f"{', '.join(PRESET_NAMES)}{suggest(unknown[0], PRESET_NAMES)}")
+        raise ValueError(
+            f"{flag} {text!r}: unknown precision {unknown[0]!r}; choose from: "
+            f"{', '.join(PRESET_NAMES)}{suggest(unknown[0], PRESET_NAMES)}"
+        )
     return found
 
 
@@ -114,11 +124,15 @@ def torchrun(args: argparse.Namespace) -> str | None:
         except ValueError:
             low = high = 0
         if len(parts) > 2 or not 1 <= low <= high:
-            return (f"--nnodes {args.nnodes!r}: expected an integer >= 1 (nodes), or MIN:MAX with "
-                    f"1 <= MIN <= MAX for an elastic job")
+            return (
+                f"--nnodes {args.nnodes!r}: expected an integer >= 1 (nodes), or MIN:MAX with "
+                f"1 <= MIN <= MAX for an elastic job"
+            )
     if args.node_rank is not None and args.node_rank >= high:
-        return (f"--node-rank {args.node_rank}: expected 0 .. {high - 1}, below --nnodes ({high}); each node "
-                f"gets its own rank")
+        return (
+            f"--node-rank {args.node_rank}: expected 0 .. {high - 1}, below --nnodes ({high}); each node "
+            f"gets its own rank"
+        )
     if args.master_port is not None and _port(args.master_port) is None:
         return f"--master-port {args.master_port!r}: expected a port number from 1 to 65535"
     if args.rdzv_endpoint is not None:
@@ -126,9 +140,13 @@ def torchrun(args: argparse.Namespace) -> str | None:
         if not args.rdzv_endpoint.strip() or (host and _port(port) is None):
             return f"--rdzv-endpoint {args.rdzv_endpoint!r}: expected HOST or HOST:PORT with a port from 1 to 65535"
     if args.rdzv_backend is not None and args.rdzv_backend not in RDZV_BACKENDS:
-        return (f"--rdzv-backend {args.rdzv_backend!r}: expected one of {', '.join(RDZV_BACKENDS)}"
-                f"{suggest(args.rdzv_backend, RDZV_BACKENDS)}")
+        return (
+            f"--rdzv-backend {args.rdzv_backend!r}: expected one of {', '.join(RDZV_BACKENDS)}"
+            f"{suggest(args.rdzv_backend, RDZV_BACKENDS)}"
+        )
     if high > 1 and args.rdzv_endpoint is None and args.master_addr is None:
-        return (f"--nnodes {args.nnodes}: nodes meet at a rendezvous: give --rdzv-endpoint HOST:PORT (or "
-                f"--master-addr and --master-port), the same on every node")
+        return (
+            f"--nnodes {args.nnodes}: nodes meet at a rendezvous: give --rdzv-endpoint HOST:PORT (or "
+            f"--master-addr and --master-port), the same on every node"
+        )
     return None

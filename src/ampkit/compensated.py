@@ -29,7 +29,7 @@ _ADAM_KEYS, _SGD_KEYS = ("exp_avg", "exp_avg_sq"), ("momentum_buffer",)
 
 
 def fusable(optimizer: torch.optim.Optimizer) -> str | None:
-    """"adam" or "sgd" where bf16-true's fused kernel does exactly this optimizer's update; else None."""
+    """ "adam" or "sgd" where bf16-true's fused kernel does exactly this optimizer's update; else None."""
     if type(optimizer) not in FUSED:
         return None
     for group in optimizer.param_groups:
@@ -48,15 +48,24 @@ class CompensatedWeights(ExactState):
 
     kind = "compensated"
 
-    def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]], optimizer: torch.optim.Optimizer,
-                 free_step_buffers: bool = True) -> None:
-        self.pairs, self.optimizer = pairs, optimizer  # (model parameter in bf16, its fp32 stand-in: empty between steps)
+    def __init__(
+        self,
+        pairs: list[tuple[nn.Parameter, nn.Parameter]],
+        optimizer: torch.optim.Optimizer,
+        free_step_buffers: bool = True,
+    ) -> None:
+        self.pairs, self.optimizer = (
+            pairs,
+            optimizer,
+        )  # (model parameter in bf16, its fp32 stand-in: empty between steps)
         self._params = [p for p, _ in pairs]
         self._shadows = [s for _, s in pairs]
         where = {id(s): i for i, s in enumerate(self._shadows)}
         self._order = [where[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in where]
         self._order += [i for i in range(len(pairs)) if i not in set(self._order)]
-        self._group = {where[id(p)]: n for n, g in enumerate(optimizer.param_groups) for p in g["params"] if id(p) in where}
+        self._group = {
+            where[id(p)]: n for n, g in enumerate(optimizer.param_groups) for p in g["params"] if id(p) in where
+        }
         self._position = {i: n for n, i in enumerate(self._order)}
         like = [self._params[i] for i in self._order]
         low = like[0].dtype if like else torch.bfloat16
@@ -153,7 +162,9 @@ class CompensatedWeights(ExactState):
                 states = [self._state[k].buffer[start:stop] for k in keys]
                 kahan.run("adam", *views, *states, *kahan.adam_args(group, mark + 1, bool(decoupled)))
             else:
-                kahan.run("sgd", *views, self._state["momentum_buffer"].buffer[start:stop], *kahan.sgd_args(group, mark))
+                kahan.run(
+                    "sgd", *views, self._state["momentum_buffer"].buffer[start:stop], *kahan.sgd_args(group, mark)
+                )
         if self._kernel == "sgd":
             for i, entry in zip(kept, entries):
                 if self.optimizer.param_groups[self._group[i]]["momentum"] != 0:
@@ -168,8 +179,12 @@ class CompensatedWeights(ExactState):
                     self._state[key] = self._flat(self._low)
                     self._state[key].buffer.zero_()
             if self._kernel == "adam":  # (torch's SGD makes each momentum buffer from the first gradient)
-                entry.update({"step": torch.tensor(0.0, dtype=torch.float32),
-                              **{k: self._state[k].by_index[i].zero_() for k in keys}})
+                entry.update(
+                    {
+                        "step": torch.tensor(0.0, dtype=torch.float32),
+                        **{k: self._state[k].by_index[i].zero_() for k in keys},
+                    }
+                )
         return entry
 
     def _ranges(self, kept: list[int], marks: list[Any]) -> Iterator[tuple[int, int, Any]]:
@@ -177,8 +192,12 @@ class CompensatedWeights(ExactState):
         runs: list[list[Any]] = []
         for i, mark in zip(kept, marks):
             last = runs[-1] if runs else None
-            if last and self._position[i] == self._position[last[1]] + 1 and self._group[i] == self._group[last[1]] \
-                    and mark == last[2]:
+            if (
+                last
+                and self._position[i] == self._position[last[1]] + 1
+                and self._group[i] == self._group[last[1]]
+                and mark == last[2]
+            ):
                 last[1] = i
             else:
                 runs.append([i, i, mark])

@@ -29,9 +29,22 @@ def _kahan_store(p: torch.Tensor, c: torch.Tensor, w: torch.Tensor) -> None:
     p.copy_(rounded)
 
 
-def adam_range(p: torch.Tensor, c: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, sign: float,
-               decay: float, l2: float, one_minus_beta1: float, beta2: float, one_minus_beta2: float, bias2_sqrt: float,
-               eps: float, step_size: float) -> None:
+def adam_range(
+    p: torch.Tensor,
+    c: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    sign: float,
+    decay: float,
+    l2: float,
+    one_minus_beta1: float,
+    beta2: float,
+    one_minus_beta2: float,
+    bias2_sqrt: float,
+    eps: float,
+    step_size: float,
+) -> None:
     """One Adam/AdamW step of a flat range, torch's arithmetic in fp32 (`adam_args` makes the scalars as torch
     does, in Python; a scalar that switches a term off makes it exact: `w * 1.0`, `g + 0.0 * w`)."""
     w, grad = p.float() + c.float(), g.float() * sign
@@ -46,8 +59,19 @@ def adam_range(p: torch.Tensor, c: torch.Tensor, g: torch.Tensor, m: torch.Tenso
     _kahan_store(p, c, w)
 
 
-def sgd_range(p: torch.Tensor, c: torch.Tensor, g: torch.Tensor, buf: torch.Tensor, sign: float, l2: float,
-              keep: float, take: float, nesterov: bool, momentum: float, lr: float) -> None:
+def sgd_range(
+    p: torch.Tensor,
+    c: torch.Tensor,
+    g: torch.Tensor,
+    buf: torch.Tensor,
+    sign: float,
+    l2: float,
+    keep: float,
+    take: float,
+    nesterov: bool,
+    momentum: float,
+    lr: float,
+) -> None:
     """One SGD step of a flat range: the momentum buffer `buf * keep + grad * take` (`sgd_args`: on the first
     step, or without momentum, keep 0 and take 1: the gradient itself), then Nesterov's lookahead or the buffer."""
     w, grad = p.float() + c.float(), g.float() * sign
@@ -62,16 +86,32 @@ def adam_args(group: dict[str, Any], step: float, decoupled: bool) -> tuple[floa
     """`adam_range`'s scalars for one group at `step` (after its increment), computed on the host as torch does."""
     lr, (beta1, beta2), wd = float(group["lr"]), group["betas"], group["weight_decay"]
     bias1, bias2 = 1 - beta1**step, 1 - beta2**step
-    return (-1.0 if group["maximize"] else 1.0, 1 - lr * wd if decoupled else 1.0, 0.0 if decoupled else wd,
-            1 - beta1, beta2, 1 - beta2, math.sqrt(bias2), group["eps"], lr / bias1)
+    return (
+        -1.0 if group["maximize"] else 1.0,
+        1 - lr * wd if decoupled else 1.0,
+        0.0 if decoupled else wd,
+        1 - beta1,
+        beta2,
+        1 - beta2,
+        math.sqrt(bias2),
+        group["eps"],
+        lr / bias1,
+    )
 
 
 def sgd_args(group: dict[str, Any], first: bool) -> tuple[float, ...]:
     """`sgd_range`'s scalars for one group (`first`: the weights' momentum buffers do not exist yet)."""
     momentum = group["momentum"]
     fresh = first or momentum == 0
-    return (-1.0 if group["maximize"] else 1.0, group["weight_decay"], 0.0 if fresh else momentum,
-            1.0 if fresh else 1 - group["dampening"], bool(group["nesterov"]), momentum, float(group["lr"]))
+    return (
+        -1.0 if group["maximize"] else 1.0,
+        group["weight_decay"],
+        0.0 if fresh else momentum,
+        1.0 if fresh else 1 - group["dampening"],
+        bool(group["nesterov"]),
+        momentum,
+        float(group["lr"]),
+    )
 
 
 _EAGER: dict[str, Callable[..., None]] = {"adam": adam_range, "sgd": sgd_range}
@@ -99,8 +139,9 @@ def _call(name: str, eager: Callable[..., None], *args: Any) -> None:
     if fn is None:
         # emulate_precision_casts: round where the code rounds (else inductor drops the bf16 round trip that
         # the compensation is made of)
-        fn = _KERNELS[name] = torch.compile(eager, dynamic=True, fullgraph=True,
-                                            options={"emulate_precision_casts": True})
+        fn = _KERNELS[name] = torch.compile(
+            eager, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True}
+        )
     if fn is eager:
         return eager(*args)
     try:
@@ -110,8 +151,11 @@ def _call(name: str, eager: Callable[..., None], *args: Any) -> None:
     except Exception as exc:  # a machine without a working compiler (no C++ toolchain, an old triton)
         _KERNELS[name] = eager
         first = str(exc).splitlines()[0][:200] if str(exc) else ""
-        warnings.warn(f"bf16-true's fused {name} update could not be compiled ({type(exc).__name__}: {first}); it "
-                      f"runs as eager torch ops from now on (the same arithmetic, more memory traffic)", stacklevel=3)
+        warnings.warn(
+            f"bf16-true's fused {name} update could not be compiled ({type(exc).__name__}: {first}); it "
+            f"runs as eager torch ops from now on (the same arithmetic, more memory traffic)",
+            stacklevel=3,
+        )
         return eager(*args)
 
 

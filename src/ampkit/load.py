@@ -69,8 +69,13 @@ def load_average() -> float | None:
 def judge(load: float | None, cores: int, threads: int, slowdown: float | None) -> MachineLoad:
     """The check from its figures (`load`: others' load, ampkit's own already taken out)."""
     busy = (load is not None and load > BUSY_SHARE * cores) or (slowdown is not None and slowdown >= SLOWDOWN_BUSY)
-    return MachineLoad(load_average=None if load is None else round(load, 2), cores=cores, threads=threads,
-                       matmul_slowdown=None if slowdown is None else round(slowdown, 2), busy=busy)
+    return MachineLoad(
+        load_average=None if load is None else round(load, 2),
+        cores=cores,
+        threads=threads,
+        matmul_slowdown=None if slowdown is None else round(slowdown, 2),
+        busy=busy,
+    )
 
 
 def check_load(device: torch.device | None = None, *, own: float = 0.0, measure: bool = True) -> MachineLoad:
@@ -93,7 +98,7 @@ def worst(*looks: MachineLoad | None) -> MachineLoad | None:
 
 
 def describe_load(load: dict[str, Any] | MachineLoad | None) -> str | None:
-    """"load 12 on 2 cores; ops ran ~3.1× slower than this CPU can" (what was measured), or None."""
+    """ "load 12 on 2 cores; ops ran ~3.1× slower than this CPU can" (what was measured), or None."""
     if load is None:
         return None
     load = load.as_dict() if isinstance(load, MachineLoad) else load

@@ -60,11 +60,14 @@ def flag(call: str, name: str, value: Any, none: str = "") -> bool | None:
 def path(call: str, name: str, value: Any, kind: str, example: str) -> Path:
     """A non-empty `str` or `os.PathLike` path; '' is refused (it would mean the current directory)."""
     if not isinstance(value, (str, os.PathLike)) or isinstance(os.fspath(value), bytes):
-        raise TypeError(f"{_where(call, name, value)}: expected a path to {kind} (a str or pathlib.Path), "
-                        f"{_got(value)}")
+        raise TypeError(
+            f"{_where(call, name, value)}: expected a path to {kind} (a str or pathlib.Path), {_got(value)}"
+        )
     if not os.fspath(value).strip():
-        raise ValueError(f"{_where(call, name, value)}: expected a path to {kind}; an empty path would mean the "
-                         f"current directory: name it, e.g. {call}({example!r})")
+        raise ValueError(
+            f"{_where(call, name, value)}: expected a path to {kind}; an empty path would mean the "
+            f"current directory: name it, e.g. {call}({example!r})"
+        )
     return Path(value)
 
 

@@ -28,12 +28,16 @@ SEED = 0
 SAME = (0.95, 1.05)
 
 
-def paired_speedup(base_s: Sequence[float | None], run_s: Sequence[float | None], *, seed: int = SEED,
-                   resamples: int = RESAMPLES) -> tuple[float, float, float] | None:
+def paired_speedup(
+    base_s: Sequence[float | None], run_s: Sequence[float | None], *, seed: int = SEED, resamples: int = RESAMPLES
+) -> tuple[float, float, float] | None:
     """(speed-up, low, high): the geometric mean of the paired ratios base/run and its `CONFIDENCE` bootstrap
     interval (percentile, `resamples` resamples of the pairs from `seed`); None with fewer than two pairs."""
-    ratios = [b / r for b, r in zip(base_s, run_s)
-              if b is not None and r is not None and b > 0 and r > 0 and math.isfinite(b / r)]
+    ratios = [
+        b / r
+        for b, r in zip(base_s, run_s)
+        if b is not None and r is not None and b > 0 and r > 0 and math.isfinite(b / r)
+    ]
     if len(ratios) < 2:
         return None
     logs = np.log(np.asarray(ratios, dtype=np.float64))
@@ -44,8 +48,9 @@ def paired_speedup(base_s: Sequence[float | None], run_s: Sequence[float | None]
     return float(np.exp(logs.mean())), float(np.exp(low)), float(np.exp(high))
 
 
-def outcome(speedup: float, low: float | None, high: float | None, *, busy: bool = False,
-            interleaved: bool = True) -> Outcome:
+def outcome(
+    speedup: float, low: float | None, high: float | None, *, busy: bool = False, interleaved: bool = True
+) -> Outcome:
     """What the figures let a reader conclude. Without an interval (no rounds) the point alone decides, unless
     the machine was busy; one-after-another runs on a busy machine cannot tell drift from speed."""
     if low is None or high is None:
@@ -61,12 +66,17 @@ def outcome(speedup: float, low: float | None, high: float | None, *, busy: bool
 
 def run_outcome(run: Any, load: dict[str, Any] | None) -> Outcome:
     """`outcome` of a report's `Run` (its `speedup_*` fields) on a machine whose check was `load`."""
-    return outcome(run.speedup_vs_baseline or 1.0, run.speedup_low, run.speedup_high,
-                   busy=bool(load and load.get("busy")), interleaved=run.rounds_interleaved is not False)
+    return outcome(
+        run.speedup_vs_baseline or 1.0,
+        run.speedup_low,
+        run.speedup_high,
+        busy=bool(load and load.get("busy")),
+        interleaved=run.rounds_interleaved is not False,
+    )
 
 
 def interval(run: Any) -> str:
-    """"95% CI 1.7×–2.2×", or "" without one."""
+    """ "95% CI 1.7×–2.2×", or "" without one."""
     if run.speedup_low is None or run.speedup_high is None:
         return ""
     return f"{100 * CONFIDENCE:.0f}% CI {times(run.speedup_low)}\u2013{times(run.speedup_high)}"
@@ -76,7 +86,7 @@ SEQUENTIAL = "the runs ran one after another, so drift of the machine between th
 
 
 def qualifiers(run: Any) -> str:
-    """"95% CI 1.7×–2.2×", and where the runs ran one after another, that drift could not be separated."""
+    """ "95% CI 1.7×–2.2×", and where the runs ran one after another, that drift could not be separated."""
     ci = interval(run)
     return f"{ci}; {SEQUENTIAL}" if ci and run.rounds_interleaved is False else ci
 
@@ -100,7 +110,7 @@ RERUN = "rerun on an idle machine or with `--steps`"
 
 
 def measured(run: Any) -> str:
-    """"1.9× measured, 95% CI 0.6×–5×": the figures an inconclusive speed-up still has."""
+    """ "1.9× measured, 95% CI 0.6×–5×": the figures an inconclusive speed-up still has."""
     return ", ".join(p for p in (f"{times(run.speedup_vs_baseline or 1.0)} measured", interval(run)) if p)
 
 
@@ -115,6 +125,6 @@ def unclear_reason(run: Any, load: dict[str, Any] | None) -> str:
 
 
 def cant_tell(run: Any, load: dict[str, Any] | None) -> str:
-    """"can't tell on this machine (1.9× measured, 95% CI 0.6×–5×): it was busy (load 12 on 2 cores; ops ran
+    """ "can't tell on this machine (1.9× measured, 95% CI 0.6×–5×): it was busy (load 12 on 2 cores; ops ran
     ~3× slower than this CPU can); rerun on an idle machine or with `--steps`"."""
     return f"can't tell on this machine ({measured(run)}): {unclear_reason(run, load)}; {RERUN}"
