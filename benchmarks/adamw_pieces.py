@@ -34,9 +34,11 @@ def layouts(elements: int, piece: int) -> dict[str, list[torch.optim.Optimizer]]
     pieces = [torch.nn.Parameter(p.clone()) for p in whole.detach().split(piece)]
     for p, grad in zip(pieces, whole.grad.split(piece)):
         p.grad = grad.clone()
-    return {"one tensor": [torch.optim.AdamW([whole], lr=1e-3)],
-            f"pieces of {piece}, one call": [torch.optim.AdamW(pieces, lr=1e-3)],
-            f"pieces of {piece}, a call each": [torch.optim.AdamW([p], lr=1e-3) for p in pieces]}
+    return {
+        "one tensor": [torch.optim.AdamW([whole], lr=1e-3)],
+        f"pieces of {piece}, one call": [torch.optim.AdamW(pieces, lr=1e-3)],
+        f"pieces of {piece}, a call each": [torch.optim.AdamW([p], lr=1e-3) for p in pieces],
+    }
 
 
 def step_ms(optimizers: list[torch.optim.Optimizer]) -> float:
@@ -52,7 +54,9 @@ def main() -> None:
     parser.add_argument("--pieces", default="131072,262144,1048576", help="piece sizes, comma-separated")
     parser.add_argument("--rounds", type=int, default=8)
     args = parser.parse_args()
-    print(f"AdamW.step() over {args.elements / 1e6:.1f}M fp32 elements ({machine()}); ms, median of {args.rounds - 1} rounds")
+    print(
+        f"AdamW.step() over {args.elements / 1e6:.1f}M fp32 elements ({machine()}); ms, median of {args.rounds - 1} rounds"
+    )
     for piece in (int(p) for p in args.pieces.split(",")):
         runs = layouts(args.elements, piece)
         times: dict[str, list[float]] = {name: [] for name in runs}

@@ -23,10 +23,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ampkit  # noqa: E402
 import nanogpt_shaped as ex  # noqa: E402
 from _timing import interleaved, machine, medians, paired_ratio  # noqa: E402
-
-import ampkit  # noqa: E402
 
 
 def make_step(c: ex.Config, cast: bool, inside: bool):
@@ -78,8 +77,11 @@ def main() -> None:
     args = parser.parse_args()
     c = ex.Config(vocab_size=args.vocab, n_embd=128, n_head=4, n_layer=2, block_size=64, batch_size=8)
     print(machine())
-    loops = {f"{'inside' if inside else 'outside'}/{'cast' if cast else 'nocast'}": make_step(c, cast, inside)
-             for inside in (True, False) for cast in (True, False)}
+    loops = {
+        f"{'inside' if inside else 'outside'}/{'cast' if cast else 'nocast'}": make_step(c, cast, inside)
+        for inside in (True, False)
+        for cast in (True, False)
+    }
     times = interleaved(loops, rounds=args.rounds, steps=args.steps, warmup=2)
     for name, t in medians(times).items():
         print(f"{name:16s} {t * 1e3:8.1f} ms/step")

@@ -27,10 +27,14 @@ START, END = "<!-- compare:start -->", "<!-- compare:end -->"
 def table(report: dict) -> list[str]:
     task = report["task"]
     metric = task["metric"]
-    rows = [f"#### `{report['command']}` — {task['name']}, {task['steps']} steps, batch {task['batch_size']}", "",
-            f"| precision | status | ms/step | speed-up | peak memory (MiB) | memory ratio | final loss | {metric} | Δ {metric} |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        f"#### `{report['command']}` — {task['name']}, {task['steps']} steps, batch {task['batch_size']}",
+        "",
+        f"| precision | status | ms/step | speed-up | peak memory (MiB) | memory ratio | final loss | {metric} | Δ {metric} |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in report["runs"]:
+
         def f(v, fmt):  # noqa: ANN001
             return "—" if v is None else format(v, fmt)
 
@@ -59,17 +63,27 @@ def main() -> None:
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     machine = describe(resolve_device("auto"))
-    lines = [START, "## `ampkit compare` on the built-in tasks (`benchmarks/compare_tasks.py`)", "",
-             f"- date: {datetime.date.today()}; ampkit {ampkit.__version__}; torch {machine['torch']}; "
-             f"device {machine['device_name']}, {machine['threads']} threads",
-             f"- command: `python {' '.join(sys.argv)}`", ""]
+    lines = [
+        START,
+        "## `ampkit compare` on the built-in tasks (`benchmarks/compare_tasks.py`)",
+        "",
+        f"- date: {datetime.date.today()}; ampkit {ampkit.__version__}; torch {machine['torch']}; "
+        f"device {machine['device_name']}, {machine['threads']} threads",
+        f"- command: `python {' '.join(sys.argv)}`",
+        "",
+    ]
     reports = []
     if not args.skip_default:
         reports.append(compare(task="tiny-lm", command="ampkit compare"))
     for task in filter(None, args.tasks.split(",")):
         precisions = args.precisions.split(",")
-        reports.append(compare(task=task, precisions=precisions,
-                               command=f"ampkit compare --task {task} --precisions {','.join(precisions)}"))
+        reports.append(
+            compare(
+                task=task,
+                precisions=precisions,
+                command=f"ampkit compare --task {task} --precisions {','.join(precisions)}",
+            )
+        )
     for report in reports:
         lines += table(report)
     lines.append(END)
@@ -77,7 +91,11 @@ def main() -> None:
     print(block)
     if args.write:
         text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n\n"
-        text = re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: block, text, flags=re.S) if START in text else text.rstrip() + "\n\n" + block + "\n"
+        text = (
+            re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: block, text, flags=re.S)
+            if START in text
+            else text.rstrip() + "\n\n" + block + "\n"
+        )
         RESULTS.write_text(text)
 
 

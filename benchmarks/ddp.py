@@ -65,15 +65,28 @@ def worker(accum: int, out: str, device: str) -> None:
         per_step.append(calls[0] - before)
     if acc.is_main:
         buckets = len(model.reducer._get_zeros_like_grad_buckets()) if acc.world_size > 1 else 0
-        Path(out).write_text(json.dumps({"median_s": statistics.median(times[WARMUP:]), "per_step": per_step[WARMUP:],
-                                         "buckets": buckets, "steps": acc.state.applied_steps, "world": acc.world_size}))
+        Path(out).write_text(
+            json.dumps(
+                {
+                    "median_s": statistics.median(times[WARMUP:]),
+                    "per_step": per_step[WARMUP:],
+                    "buckets": buckets,
+                    "steps": acc.state.applied_steps,
+                    "world": acc.world_size,
+                }
+            )
+        )
 
 
 def run(nproc: int, accum: int, device: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
         args = [__file__, "--worker", str(accum), out, device]
-        cmd = [sys.executable, *args] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+        cmd = (
+            [sys.executable, *args]
+            if nproc == 1
+            else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+        )
         env = dict(os.environ)
         if device == "cpu":
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // nproc))  # ranks share the cores
@@ -91,8 +104,10 @@ def main() -> None:
     if args.worker:
         worker(int(args.worker[0]), args.worker[1], args.worker[2])
         return
-    rows = ["| processes | accumulation | median optimizer step (ms) | vs 1 process | scaling efficiency | bucket all-reduces per optimizer step (buckets) |",
-            "|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| processes | accumulation | median optimizer step (ms) | vs 1 process | scaling efficiency | bucket all-reduces per optimizer step (buckets) |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
     base: dict[int, float] = {}
     for accum in (1, 4):
         for nproc in (int(n) for n in args.nproc.split(",")):
@@ -101,14 +116,20 @@ def main() -> None:
             counts = sorted(set(r["per_step"]))
             per_step = f"{'/'.join(map(str, counts))} ({r['buckets']})" if nproc > 1 else "—"
             speedup = base[accum] / r["median_s"]
-            rows.append(f"| {nproc} | {accum} | {r['median_s'] * 1e3:.1f} | {speedup:.2f}× | {speedup / nproc:.0%} | {per_step} |")
+            rows.append(
+                f"| {nproc} | {accum} | {r['median_s'] * 1e3:.1f} | {speedup:.2f}× | {speedup / nproc:.0%} | {per_step} |"
+            )
             print(rows[-1], flush=True)
     lines = [
-        START, "## Data parallel: 2 ranks under torchrun vs 1 process (`benchmarks/ddp.py`)", "",
+        START,
+        "## Data parallel: 2 ranks under torchrun vs 1 process (`benchmarks/ddp.py`)",
+        "",
         f"- date: {datetime.date.today()}; command: `python {' '.join(sys.argv)}`; {'nccl on CUDA' if args.device == 'cuda' else 'gloo on CPU'}; fp32; "
         f"MLP {WIDTH}→{4 * WIDTH}→{WIDTH}, global batch {GLOBAL_BATCH} per optimizer step in every row; "
-        f"{STEPS} steps, first {WARMUP} dropped; OMP threads split between the ranks (2 cores).", "",
-        *rows, "",
+        f"{STEPS} steps, first {WARMUP} dropped; OMP threads split between the ranks (2 cores).",
+        "",
+        *rows,
+        "",
         "The last column counts DDP's bucket all-reduces in each optimizer step (the model's 32 MB of "
         "gradients fill the buckets shown in brackets at DDP's 25 MB cap): one round per optimizer step, "
         "also when it takes 4 micro-batches. Step times share 2 cores between the ranks; they show the "
@@ -118,7 +139,11 @@ def main() -> None:
     if args.write:
         text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n\n"
         block = "\n".join(lines)
-        text = re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: block, text, flags=re.S) if START in text else text.rstrip() + "\n\n" + block + "\n"
+        text = (
+            re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: block, text, flags=re.S)
+            if START in text
+            else text.rstrip() + "\n\n" + block + "\n"
+        )
         RESULTS.write_text(text)
 
 

@@ -39,8 +39,16 @@ LIST_WIDTH = 64
 PRESETS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master", "bf16-true")
 SIZES = {"1M": 100, "20M": 447}  # d for 100 layers of d x d
 #: No kernel: allocations, and the profiler's record_function markers (torch's optimizers put one around a step).
-_FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
-         "_record_function_enter_new", "_record_function_exit"}
+_FREE = {
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "lift_fresh",
+    "_record_function_enter_new",
+    "_record_function_exit",
+}
 _HOST_READ = torch.ops.aten._local_scalar_dense.default
 
 
@@ -172,14 +180,18 @@ def table(presets: tuple[str, ...] = PRESETS, layers: int = 100) -> list[dict[st
 
 
 def render(rows: list[dict[str, object]]) -> str:
-    head = ("| preset | clip | launches 1M | launches 20M | 20M / 1M | hand-written 1M / 20M | vs hand-written (20M) "
-            "| host reads 1M / 20M (hand-written) |")
+    head = (
+        "| preset | clip | launches 1M | launches 20M | 20M / 1M | hand-written 1M / 20M | vs hand-written (20M) "
+        "| host reads 1M / 20M (hand-written) |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         a, b, h1, h20 = r["launches 1M"], r["launches 20M"], r["hand-written 1M"], r["hand-written 20M"]
-        lines.append(f"| {r['preset']} | {'yes' if r['clip'] else 'no'} | {a} | {b} | {b / a:.2f}x | {h1} / {h20} | "
-                     f"{b / h20:.2f}x | {r['host reads 1M']} / {r['host reads 20M']} "
-                     f"({r['hand-written host reads 1M']} / {r['hand-written host reads 20M']}) |")
+        lines.append(
+            f"| {r['preset']} | {'yes' if r['clip'] else 'no'} | {a} | {b} | {b / a:.2f}x | {h1} / {h20} | "
+            f"{b / h20:.2f}x | {r['host reads 1M']} / {r['host reads 20M']} "
+            f"({r['hand-written host reads 1M']} / {r['hand-written host reads 20M']}) |"
+        )
     return "\n".join(lines)
 
 

@@ -35,7 +35,6 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _timing  # noqa: E402
-
 import ampkit  # noqa: E402
 
 WIDTH = 16
@@ -124,8 +123,9 @@ VARIANTS = {
 }
 
 
-def measure(loops: dict[str, Loop], rounds: int, steps: int, warmup: int, update_only: bool,
-            clock: Callable[[], float]) -> dict[str, list[float]]:
+def measure(
+    loops: dict[str, Loop], rounds: int, steps: int, warmup: int, update_only: bool, clock: Callable[[], float]
+) -> dict[str, list[float]]:
     """Seconds per step of each loop in every measured round, the loops interleaved round by round."""
     times: dict[str, list[float]] = {name: [] for name in loops}
     for r in range(rounds + warmup):
@@ -150,8 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--part", choices=["step", "update"], default="step",
-                        help="time the whole training step, or only optimizer.step() + zero_grad()")
+    parser.add_argument(
+        "--part",
+        choices=["step", "update"],
+        default="step",
+        help="time the whole training step, or only optimizer.step() + zero_grad()",
+    )
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="wall clock, or the thread's CPU time")
     parser.add_argument("--write", action="store_true", help="write the table into benchmarks/RESULTS.md")
     args = parser.parse_args(argv)
@@ -163,14 +167,23 @@ def main(argv: list[str] | None = None) -> int:
         times = measure(loops, args.rounds, args.steps, args.warmup, args.part == "update", clock)
         med = _timing.medians(times)
         tensors = 2 * layers
-        extra = {n: statistics.median((t - b) / tensors * 1e6 for t, b in zip(times[n], times[base_name]))
-                 for n in VARIANTS if n != base_name}
+        extra = {
+            n: statistics.median((t - b) / tensors * 1e6 for t, b in zip(times[n], times[base_name]))
+            for n in VARIANTS
+            if n != base_name
+        }
         rows.append((layers, tensors, med, extra))
         print(f"{tensors:5d} tensors: " + ", ".join(f"{n} {m * 1e3:.2f} ms" for n, m in med.items()))
         print("      extra µs/tensor over plain bf16: " + ", ".join(f"{n} {v:+.1f}" for n, v in extra.items()))
     load = open("/proc/loadavg").read().split()[:3] if Path("/proc/loadavg").exists() else ["?"]
-    flags = " ".join(f"--{k} {getattr(args, k)}" for k in ("part", "clock") if getattr(args, k) != parser.get_default(k))
-    what = "optimizer.step() + zero_grad() only (forward and backward untimed)" if args.part == "update" else "whole training steps"
+    flags = " ".join(
+        f"--{k} {getattr(args, k)}" for k in ("part", "clock") if getattr(args, k) != parser.get_default(k)
+    )
+    what = (
+        "optimizer.step() + zero_grad() only (forward and backward untimed)"
+        if args.part == "update"
+        else "whole training steps"
+    )
     lines = [
         "## Low-precision update cost vs parameter count",
         "",

@@ -112,10 +112,16 @@ class Encoder(nn.Module):
 
 def _cnn(channels: int, width: int) -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(channels, width, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(2 * width, 4 * width, 3, padding=1), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * width, 10),
+        nn.Conv2d(channels, width, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(width, 2 * width, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(2 * width, 4 * width, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4 * width, 10),
     )
 
 
@@ -142,21 +148,35 @@ def models(scale: str) -> dict[str, Model]:
     rounds = 16 if scale == "small" else 8
     return {
         "iris": Model(
-            "iris", "iris-size MLP 4→64→3, batch 16 (overhead-bound)",
-            lambda: nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 3)), _classes((16, 4), 3),
-            overhead_bound=True, rounds=30, steps=50, warmup=5,
+            "iris",
+            "iris-size MLP 4→64→3, batch 16 (overhead-bound)",
+            lambda: nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 3)),
+            _classes((16, 4), 3),
+            overhead_bound=True,
+            rounds=30,
+            steps=50,
+            warmup=5,
         ),
         "mlp": Model(
-            "mlp", f"MLP {d}→{h}→{d}, batch {b} (GEMM-bound)",
-            lambda: nn.Sequential(nn.Linear(d, h), nn.ReLU(), nn.Linear(h, d)), _classes((b, d), d), rounds=rounds,
+            "mlp",
+            f"MLP {d}→{h}→{d}, batch {b} (GEMM-bound)",
+            lambda: nn.Sequential(nn.Linear(d, h), nn.ReLU(), nn.Linear(h, d)),
+            _classes((b, d), d),
+            rounds=rounds,
         ),
         "transformer": Model(
-            "transformer", f"transformer encoder, {layers} layers, d_model {dm}, seq {seq}, batch {tb}",
-            lambda: Encoder(dm, layers), _classes((tb, seq, dm), 8), rounds=rounds,
+            "transformer",
+            f"transformer encoder, {layers} layers, d_model {dm}, seq {seq}, batch {tb}",
+            lambda: Encoder(dm, layers),
+            _classes((tb, seq, dm), 8),
+            rounds=rounds,
         ),
         "cnn": Model(
-            "cnn", f"small CNN (3 conv layers, width {width}), {ch}×{hw}×{hw} images, batch {cb}",
-            lambda: _cnn(ch, width), _classes((cb, ch, hw, hw), 10), rounds=rounds,
+            "cnn",
+            f"small CNN (3 conv layers, width {width}), {ch}×{hw}×{hw} images, batch {cb}",
+            lambda: _cnn(ch, width),
+            _classes((cb, ch, hw, hw), 10),
+            rounds=rounds,
         ),
     }
 
@@ -203,14 +223,28 @@ VARIANTS: list[Variant] = [
     Variant("fabric bf16-true", "fabric", "bf16-true", "bf16"),
     Variant("fabric 16-mixed", "fabric", "16-mixed", "fp16"),
     Variant("hand-written fp32 + torch.compile", "hand-written", "fp32", "fp32", compiled=True),
-    *(Variant(f"ampkit {p} compile", "ampkit", p, _precision_of(p), (("compile", True),), compiled=True) for p in AMPKIT_PRESETS),
+    *(
+        Variant(f"ampkit {p} compile", "ampkit", p, _precision_of(p), (("compile", True),), compiled=True)
+        for p in AMPKIT_PRESETS
+    ),
     Variant("ampkit fp32 channels_last", "ampkit", "fp32", "fp32", (("channels_last", True),), only=("cnn",)),
-    Variant("ampkit bf16-mixed cuda_graphs", "ampkit", "bf16-mixed", "bf16", (("cuda_graphs", True),),
-            compiled=True, cuda_only=True),
+    Variant(
+        "ampkit bf16-mixed cuda_graphs",
+        "ampkit",
+        "bf16-mixed",
+        "bf16",
+        (("cuda_graphs", True),),
+        compiled=True,
+        cuda_only=True,
+    ),
 ]
 
 #: The hand-written loop each precision is compared with ("vs matching hand-written").
-MATCHING = {"fp32": "hand-written fp32", "bf16": "hand-written autocast bf16", "fp16": "hand-written autocast fp16 + GradScaler"}
+MATCHING = {
+    "fp32": "hand-written fp32",
+    "bf16": "hand-written autocast bf16",
+    "fp16": "hand-written autocast fp16 + GradScaler",
+}
 
 #: ampkit preset -> the peers' settings that promise the same thing.
 PEER_MATCH = {
@@ -265,7 +299,9 @@ class Loop:
         if v.compiled:
             self.model = torch.compile(self.model)
         dtype = v.claims
-        self._autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype != torch.float32 else contextlib.nullcontext
+        self._autocast = (
+            (lambda: torch.autocast(device.type, dtype=dtype)) if dtype != torch.float32 else contextlib.nullcontext
+        )
         if dict(v.options).get("tf32"):
             self._around = tf32_matmuls  # forward and backward matmuls
         self._backward = lambda loss: loss.backward()
@@ -531,9 +567,16 @@ def run_model(model: Model, variants: list[Variant], device: torch.device, args:
                 loop.step(batches[1], after_update=lambda: held.update(training_state(loop, batches)))
             loop.stop_recording()
             row.step_peak_mib, row.memory = peak.mib, held
-            extra = {k: v for k, v in held["optimizer_state_breakdown"].items() if v >= 0.5 and not re.search(r"state\[\]\[(exp_avg|exp_avg_sq)\] \(float32\)", k)}
+            extra = {
+                k: v
+                for k, v in held["optimizer_state_breakdown"].items()
+                if v >= 0.5 and not re.search(r"state\[\]\[(exp_avg|exp_avg_sq)\] \(float32\)", k)
+            }
             if extra:
-                row.notes.append("optimizer-side state beyond fp32 moments, B/param: " + "; ".join(f"`{k}` {v:.1f}" for k, v in extra.items()))
+                row.notes.append(
+                    "optimizer-side state beyond fp32 moments, B/param: "
+                    + "; ".join(f"`{k}` {v:.1f}" for k, v in extra.items())
+                )
             if seen:
                 row.dtype_seen = _dtype(seen[0][1])
                 row.dtypes_all = sorted({_dtype(d) for _, d in seen})
@@ -590,7 +633,13 @@ def run_model(model: Model, variants: list[Variant], device: torch.device, args:
 def _skip_reason(v: Variant, model: Model, support: Any, args: argparse.Namespace) -> str | None:
     if v.precision == "fp16" and args.fp16 == "auto" and not support.fp16_fast and not model.overhead_bound:
         return "skipped: fp16 runs at ~0.02× fp32 on this device (no fp16 instructions); --fp16 on runs it"
-    if v.precision == "bf16" and args.bf16 == "auto" and not support.bf16_fast and args.scale == "full" and not model.overhead_bound:
+    if (
+        v.precision == "bf16"
+        and args.bf16 == "auto"
+        and not support.bf16_fast
+        and args.scale == "full"
+        and not model.overhead_bound
+    ):
         return "skipped: bf16 runs at ~0.02–0.1× fp32 on this device (no bf16 instructions); --bf16 on runs it"
     return None
 
@@ -605,7 +654,8 @@ def select(args: argparse.Namespace, device: torch.device) -> list[Variant]:
     precisions = set(args.precisions.split(","))
     patterns = [p.strip() for p in args.variants.split(",")]
     chosen = [
-        v for v in VARIANTS
+        v
+        for v in VARIANTS
         if v.precision in precisions
         and any(fnmatch.fnmatch(v.name, p) for p in patterns)
         and not (args.no_compile and v.compiled)
@@ -633,8 +683,10 @@ def table(title: str, rows: list[Row]) -> list[str]:
             out.append(f"| {r.variant} | {r.status} | | | | | | | | |")
             continue
         mem = r.memory or {}
-        check = "—" if r.dtype_seen is None else (
-            f"{r.dtype_seen} ✓" if r.dtype_ok else f"**{r.dtype_seen} ✗** (claims {r.dtype_claimed})"
+        check = (
+            "—"
+            if r.dtype_seen is None
+            else (f"{r.dtype_seen} ✓" if r.dtype_ok else f"**{r.dtype_seen} ✗** (claims {r.dtype_claimed})")
         )
         out.append(
             f"| {r.variant} | {_fmt(r.ms, '.3f')} | {_fmt(None if r.spread is None else r.spread * 50, '.1f', '%', '±')} "
@@ -687,12 +739,18 @@ def targets(results: dict[str, list[Row]], header: dict[str, Any]) -> list[str]:
             r = _ratio(by[m], "ampkit bf16-mixed", "hand-written autocast bf16")
             out.append(
                 f"- ampkit bf16-mixed ≤ {limit:.2f}× the hand-written autocast loop on {m}: {_fmt(r, '.3f', '×')} — "
-                + (verdict(None) if r is None else _judge(r, limit, _ci(by[m], "ampkit bf16-mixed", "hand-written autocast bf16")))
+                + (
+                    verdict(None)
+                    if r is None
+                    else _judge(r, limit, _ci(by[m], "ampkit bf16-mixed", "hand-written autocast bf16"))
+                )
             )
             r = _ratio(by[m], "ampkit fp32", "hand-written fp32")
             if r is not None:  # ampkit's own overhead where it changes no dtype
-                out.append(f"- ampkit fp32 ≤ {limit:.2f}× the hand-written fp32 loop on {m}: {r:.3f}× — "
-                           + _judge(r, limit, _ci(by[m], "ampkit fp32", "hand-written fp32")))
+                out.append(
+                    f"- ampkit fp32 ≤ {limit:.2f}× the hand-written fp32 loop on {m}: {r:.3f}× — "
+                    + _judge(r, limit, _ci(by[m], "ampkit fp32", "hand-written fp32"))
+                )
     for m, rows in by.items():
         for ours, peers in PEER_MATCH.items():
             for peer in peers:
@@ -700,12 +758,20 @@ def targets(results: dict[str, list[Row]], header: dict[str, Any]) -> list[str]:
                 if r is None:
                     continue
                 same = rows[ours].dtype_seen == rows[peer].dtype_seen
-                note = "" if same else f" (not comparable: {peer} computes in {rows[peer].dtype_seen}, {ours} in {rows[ours].dtype_seen})"
+                note = (
+                    ""
+                    if same
+                    else f" (not comparable: {peer} computes in {rows[peer].dtype_seen}, {ours} in {rows[ours].dtype_seen})"
+                )
                 if same and ours == "ampkit bf16-true" and peer == "fabric bf16-true":
-                    note = (" (same compute dtype, different update: ampkit's is exact, in fp32 with Kahan compensation; "
-                            "Fabric steps AdamW on the bf16 weights, where updates below half an ulp round away: "
-                            "92% of them at lr 1e-4 in tests/test_numerics.py's measurement)")
-                out.append(f"- {m}: {ours} / {peer} = {r:.3f}× — {_judge(r, 1.0, _ci(rows, ours, peer)) if same else 'n/a'}{note}")
+                    note = (
+                        " (same compute dtype, different update: ampkit's is exact, in fp32 with Kahan compensation; "
+                        "Fabric steps AdamW on the bf16 weights, where updates below half an ulp round away: "
+                        "92% of them at lr 1e-4 in tests/test_numerics.py's measurement)"
+                    )
+                out.append(
+                    f"- {m}: {ours} / {peer} = {r:.3f}× — {_judge(r, 1.0, _ci(rows, ours, peer)) if same else 'n/a'}{note}"
+                )
     if "transformer" in by:
         rows = by["transformer"]
         ampkit_rows = [r for r in rows.values() if r.family == "ampkit" and r.ms is not None]
@@ -713,17 +779,28 @@ def targets(results: dict[str, list[Row]], header: dict[str, Any]) -> list[str]:
             best = min(ampkit_rows, key=lambda r: r.ms)
             va = _ratio(rows, best.variant, "hand-written autocast bf16")
             vf = _ratio(rows, best.variant, "hand-written fp32")
-            why = " (fp32: this device has no fast bf16, so no low-precision mode can win)" if best.precision == "fp32" else ""
+            why = (
+                " (fp32: this device has no fast bf16, so no low-precision mode can win)"
+                if best.precision == "fp32"
+                else ""
+            )
             # Beating a slow autocast loop with fp32 is not what the target means: on a device without
             # fast bf16 the target does not apply, and the line says so instead of "met".
-            autocast_verdict = ("n/a (no fast bf16 here: beating the slow autocast loop with fp32 proves nothing)"
-                                if best.precision == "fp32" else verdict(None if not va else 1 / va >= 1.1))
+            autocast_verdict = (
+                "n/a (no fast bf16 here: beating the slow autocast loop with fp32 proves nothing)"
+                if best.precision == "fp32"
+                else verdict(None if not va else 1 / va >= 1.1)
+            )
             out.append(
                 f"- best ampkit mode on the transformer, {best.variant}{why}, ≥ 1.1× faster than the autocast loop: "
                 f"{_fmt(None if not va else 1 / va, '.2f', '×')} — {autocast_verdict}; "
                 f"≥ 1.9× faster than fp32: {_fmt(None if not vf else 1 / vf, '.2f', '×')} — {verdict(None if not vf else 1 / vf >= 1.9)}"
             )
-    if "iris" in by and by["iris"].get("hand-written autocast bf16") and by["iris"]["hand-written autocast bf16"].vs_fp32:
+    if (
+        "iris" in by
+        and by["iris"].get("hand-written autocast bf16")
+        and by["iris"]["hand-written autocast bf16"].vs_fp32
+    ):
         r = by["iris"]["hand-written autocast bf16"].vs_fp32
         out.append(f"- honest regime, iris MLP: bf16 runs at {1 / r:.2f}× the speed of fp32 here (the table shows it)")
     for m, rows in by.items():
@@ -753,8 +830,19 @@ def _fp32_total(rows: dict[str, Row]) -> str:
 def versions() -> dict[str, str]:
     out = {"torch": torch.__version__, "ampkit": getattr(ampkit, "__version__", "?")}
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(ampkit.__file__).parent, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "."], capture_output=True, text=True, cwd=Path(ampkit.__file__).parent).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(ampkit.__file__).parent,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "."],
+            capture_output=True,
+            text=True,
+            cwd=Path(ampkit.__file__).parent,
+        ).stdout.strip()
         out["ampkit"] += f" ({commit}{', uncommitted changes in src/ampkit' if dirty else ''})"
     except (OSError, subprocess.CalledProcessError):
         pass
@@ -768,16 +856,34 @@ def versions() -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scale", choices=["auto", *sorted(SIZES)], default="auto",
-                        help="model sizes: the issue's (full), reduced (small) or GPU-sized (gpu); auto: gpu on CUDA, else full")
-    parser.add_argument("--models", default="iris,mlp,transformer,cnn", help="comma-separated: iris, mlp, transformer, cnn")
-    parser.add_argument("--variants", default="*", help="comma-separated name patterns (fnmatch), e.g. 'ampkit*,accelerate*'")
-    parser.add_argument("--precisions", default="fp32,bf16,fp16", help="comma-separated precisions to run: fp32, bf16, fp16")
+    parser.add_argument(
+        "--scale",
+        choices=["auto", *sorted(SIZES)],
+        default="auto",
+        help="model sizes: the issue's (full), reduced (small) or GPU-sized (gpu); auto: gpu on CUDA, else full",
+    )
+    parser.add_argument(
+        "--models", default="iris,mlp,transformer,cnn", help="comma-separated: iris, mlp, transformer, cnn"
+    )
+    parser.add_argument(
+        "--variants", default="*", help="comma-separated name patterns (fnmatch), e.g. 'ampkit*,accelerate*'"
+    )
+    parser.add_argument(
+        "--precisions", default="fp32,bf16,fp16", help="comma-separated precisions to run: fp32, bf16, fp16"
+    )
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile variants")
-    parser.add_argument("--fp16", choices=("auto", "on", "off"), default="auto",
-                        help="auto: fp16 variants only where fp16 is fast or the model is overhead-bound")
-    parser.add_argument("--bf16", choices=("auto", "on"), default="auto",
-                        help="auto: at --scale full, bf16 variants only where bf16 is fast or the model is overhead-bound")
+    parser.add_argument(
+        "--fp16",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="auto: fp16 variants only where fp16 is fast or the model is overhead-bound",
+    )
+    parser.add_argument(
+        "--bf16",
+        choices=("auto", "on"),
+        default="auto",
+        help="auto: at --scale full, bf16 variants only where bf16 is fast or the model is overhead-bound",
+    )
     parser.add_argument("--rounds", type=int, default=None, help="measured rounds per model (default: per model)")
     parser.add_argument("--steps", type=int, default=None, help="steps per variant per round (default: per model)")
     parser.add_argument("--warmup", type=int, default=None, help="rounds dropped as warm-up (default: per model)")
@@ -785,9 +891,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
     parser.add_argument("--json", type=Path, default=None, help="write every figure (and per-round times) here")
     parser.add_argument("--write", action="store_true", help=f"replace the Peers section of {RESULTS.name}")
-    parser.add_argument("--note", default="", help="a line added under the command in RESULTS.md (e.g. why a size was reduced)")
-    parser.add_argument("--render", type=Path, default=None, metavar="JSON",
-                        help=f"run nothing: rewrite the Peers section of {RESULTS.name} from an earlier run's --json file")
+    parser.add_argument(
+        "--note", default="", help="a line added under the command in RESULTS.md (e.g. why a size was reduced)"
+    )
+    parser.add_argument(
+        "--render",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help=f"run nothing: rewrite the Peers section of {RESULTS.name} from an earlier run's --json file",
+    )
     args = parser.parse_args(argv)
     if args.render:
         render(args.render, args.note or None)
@@ -839,7 +952,11 @@ def main(argv: list[str] | None = None) -> None:
     goals = targets(results, header)
     print("\n".join(["Targets:", *goals]), flush=True)
     if args.json:
-        payload = {**header, "models": {k: {"title": titles[k], "rows": [asdict(r) for r in rows]} for k, rows in results.items()}, "targets": goals}
+        payload = {
+            **header,
+            "models": {k: {"title": titles[k], "rows": [asdict(r) for r in rows]} for k, rows in results.items()},
+            "targets": goals,
+        }
         args.json.write_text(json.dumps(payload, indent=1, default=str))
     if args.write:
         write_section(RESULTS, START, END, section(header, titles, results))
@@ -869,8 +986,14 @@ def section(header: dict[str, Any], titles: dict[str, str], results: dict[str, l
         "- versions: " + ", ".join(f"{k} {v}" for k, v in header["versions"].items()),
         f"- command: `{header['command']}`",
         *([f"- {header['note']}"] if header.get("note") else []),
-        *([f"- load average (1 min) at start and end: {load[0][0]:.1f}, {load[1][0]:.1f} on {os.cpu_count()} cores: "
-           "other work shared the machine, hence the spreads"] if all(load) else []),
+        *(
+            [
+                f"- load average (1 min) at start and end: {load[0][0]:.1f}, {load[1][0]:.1f} on {os.cpu_count()} cores: "
+                "other work shared the machine, hence the spreads"
+            ]
+            if all(load)
+            else []
+        ),
         "- one process; same seed, initial weights, batches and optimizer (AdamW lr 1e-3, torch's default "
         "implementation) for every variant; interleaved rounds, warm-up dropped; ms/step is the median over "
         "rounds, ratios the median of per-round ratios (< 1 is faster), spread half the interquartile range "

@@ -3,8 +3,14 @@
 python benchmarks/plan_7b.py fp32,bf16-true,bf16-master
 """
 
-import resource, sys, time, torch, torch.nn.functional as F
+import resource
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
 from torch import nn
+
 import ampkit
 
 

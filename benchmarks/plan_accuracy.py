@@ -22,10 +22,19 @@ for name in sys.argv[1:] or ["tiny-lm", "digits-cnn", "iris-mlp"]:
     task = get_task(name)
     batch = next(iter(task.make_data(0, task.default_batch_size).train_loader))
     for preset in PRESETS:
-        args = (lambda: task.make_model(0), batch, lambda p: task.make_optimizer(p, task.default_lr), preset, torch.device("cpu"))
+        args = (
+            lambda: task.make_model(0),
+            batch,
+            lambda p: task.make_optimizer(p, task.default_lr),
+            preset,
+            torch.device("cpu"),
+        )
         start = time.perf_counter()
         fake = measure(*args, fake=True, batch_size=task.default_batch_size, loss_fn=task.loss_fn)
         took = time.perf_counter() - start
         real = measure(*args, fake=False, batch_size=task.default_batch_size, loss_fn=task.loss_fn)
-        print(f"| {name} | {preset} | {task.default_batch_size} | {size(fake.peak)} | {size(real.peak)} | "
-              f"{(fake.peak - real.peak) / real.peak:+.2%} | {fake.phase} | {took:.1f} s |", flush=True)
+        print(
+            f"| {name} | {preset} | {task.default_batch_size} | {size(fake.peak)} | {size(real.peak)} | "
+            f"{(fake.peak - real.peak) / real.peak:+.2%} | {fake.phase} | {took:.1f} s |",
+            flush=True,
+        )

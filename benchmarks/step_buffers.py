@@ -27,9 +27,8 @@ from torch import nn
 from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import interleaved, machine, paired_ratio, write_section  # noqa: E402
-
 import ampkit  # noqa: E402
+from _timing import interleaved, machine, paired_ratio, write_section  # noqa: E402
 from ampkit.compare.memory import proc_status  # noqa: E402
 
 PRESETS = ("bf16-true", "bf16-master", "fp16-master")
@@ -60,8 +59,10 @@ def child(preset: str, free: bool) -> dict[str, float]:
     step = loop(preset, free)
     for _ in range(8):
         step()
-    return {"peak_mib": ((proc_status("VmHWM") or 0) - before) / 2**20,
-            "rest_mib": ((proc_status("VmRSS") or 0) - before) / 2**20}
+    return {
+        "peak_mib": ((proc_status("VmHWM") or 0) - before) / 2**20,
+        "rest_mib": ((proc_status("VmRSS") or 0) - before) / 2**20,
+    }
 
 
 def main() -> None:
@@ -76,13 +77,21 @@ def main() -> None:
     rows = []
     for preset in PRESETS:
         times = interleaved({"free": loop(preset, True), "keep": loop(preset, False)}, rounds=8, steps=3, warmup=2)
-        mem = {s: json.loads(subprocess.run([sys.executable, __file__, "--child", preset, s], check=True,
-                                            capture_output=True, text=True).stdout) for s in ("free", "keep")}
+        mem = {
+            s: json.loads(
+                subprocess.run(
+                    [sys.executable, __file__, "--child", preset, s], check=True, capture_output=True, text=True
+                ).stdout
+            )
+            for s in ("free", "keep")
+        }
         med = {s: sorted(ts)[len(ts) // 2] * 1e3 for s, ts in times.items()}
-        rows.append(f"| {preset} | {med['free']:.1f} | {med['keep']:.1f} | {paired_ratio(times['keep'], times['free']):.3f}× "
-                    f"| {mem['free']['peak_mib']:.0f} | {mem['keep']['peak_mib']:.0f} "
-                    f"| {mem['free']['rest_mib']:.0f} | {mem['keep']['rest_mib']:.0f} | "
-                    f"{'free' if ampkit.Accelerator(preset, device='cpu').free_step_buffers else 'keep'} |")
+        rows.append(
+            f"| {preset} | {med['free']:.1f} | {med['keep']:.1f} | {paired_ratio(times['keep'], times['free']):.3f}× "
+            f"| {mem['free']['peak_mib']:.0f} | {mem['keep']['peak_mib']:.0f} "
+            f"| {mem['free']['rest_mib']:.0f} | {mem['keep']['rest_mib']:.0f} | "
+            f"{'free' if ampkit.Accelerator(preset, device='cpu').free_step_buffers else 'keep'} |"
+        )
     lines = [
         "## `free_step_buffers`: freeing the full-size step buffers or keeping them (`benchmarks/step_buffers.py`)",
         "",
@@ -98,7 +107,9 @@ def main() -> None:
     ]
     print("\n".join(lines))
     if args.write:
-        write_section(Path(__file__).with_name("RESULTS.md"), "<!-- step-buffers:start -->", "<!-- step-buffers:end -->", lines)
+        write_section(
+            Path(__file__).with_name("RESULTS.md"), "<!-- step-buffers:start -->", "<!-- step-buffers:end -->", lines
+        )
 
 
 if __name__ == "__main__":

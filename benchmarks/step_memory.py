@@ -48,7 +48,6 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _timing import machine, write_section  # noqa: E402
-
 from ampkit.compare.memory import proc_status, reset_peak_rss  # noqa: E402  # the /proc readings ampkit compare uses
 
 PRESETS = ("fp32", "bf16-mixed", "bf16-master", "bf16-true")
@@ -104,8 +103,12 @@ def child(preset: str, warm: bool = True) -> dict[str, float]:
     store = tensor_bytes(opt.weights.state_dict()["values"]) if opt.weights is not None else 0
     acc.backward(nn.functional.cross_entropy(net(x), y))
     grads = tensor_bytes(p.grad for p in net.parameters())
-    return {"params": n, "peak_mib": (peak - before) / 2**20, "rest_bpp": (weights + state + store) / n,
-            "rest_grads_bpp": (weights + state + store + grads) / n}
+    return {
+        "params": n,
+        "peak_mib": (peak - before) / 2**20,
+        "rest_bpp": (weights + state + store) / n,
+        "rest_grads_bpp": (weights + state + store + grads) / n,
+    }
 
 
 def traffic(preset: str, layers: int = 4, width: int = 1024) -> dict[str, float]:
@@ -164,15 +167,23 @@ def traffic(preset: str, layers: int = 4, width: int = 1024) -> dict[str, float]
         if step < 2:
             opt.step()
         else:
-            held = [*net.parameters(), *(p.grad for p in net.parameters()), *(v for st in opt.state.values() for v in st.values()),
-                    *(opt.weights.exact_state() if opt.weights is not None else [])]
+            held = [
+                *net.parameters(),
+                *(p.grad for p in net.parameters()),
+                *(v for st in opt.state.values() for v in st.values()),
+                *(opt.weights.exact_state() if opt.weights is not None else []),
+            ]
             with Count({t.untyped_storage().data_ptr() for t in held if isinstance(t, torch.Tensor)}) as count:
                 opt.step()
         opt.zero_grad()
     n = sum(p.numel() for p in net.parameters())
-    return {"params": n, "ops": count.ops, "bpp": sum(count.by_dtype.values()) / n,
-            **{f"bpp_{k}": v / n for k, v in sorted(count.by_dtype.items())},
-            "top": ", ".join(f"{k} {v / n:.1f}" for k, v in sorted(count.by_op.items(), key=lambda kv: -kv[1])[:6])}
+    return {
+        "params": n,
+        "ops": count.ops,
+        "bpp": sum(count.by_dtype.values()) / n,
+        **{f"bpp_{k}": v / n for k, v in sorted(count.by_dtype.items())},
+        "top": ", ".join(f"{k} {v / n:.1f}" for k, v in sorted(count.by_op.items(), key=lambda kv: -kv[1])[:6]),
+    }
 
 
 def live(preset: str) -> str:
@@ -191,7 +202,9 @@ def live(preset: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--presets", default=",".join(PRESETS))
-    parser.add_argument("--repeat", type=int, default=3, help="processes per preset (the table shows the median and range)")
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="processes per preset (the table shows the median and range)"
+    )
     parser.add_argument("--write", action="store_true", help="write the table into benchmarks/RESULTS.md")
     parser.add_argument("--note", default="", help="a line written under the table (e.g. the load average)")
     parser.add_argument("--traffic", action="store_true", help="print the bytes one optimizer step moves per parameter")
@@ -218,30 +231,47 @@ def main() -> None:
     for preset in args.presets.split(","):
         for _ in range(args.repeat):
             for kind, into in (("cold", colds), ("warm", peaks)):
-                out = subprocess.run([sys.executable, __file__, "--child", f"{preset}:{kind}"], capture_output=True, text=True, check=True)
+                out = subprocess.run(
+                    [sys.executable, __file__, "--child", f"{preset}:{kind}"],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
                 rows[preset] = json.loads(out.stdout.strip().splitlines()[-1])
                 into.setdefault(preset, []).append(rows[preset]["peak_mib"])
-        rows[preset]["peak_mib"], rows[preset]["cold_mib"] = statistics.median(peaks[preset]), statistics.median(colds[preset])
+        rows[preset]["peak_mib"], rows[preset]["cold_mib"] = (
+            statistics.median(peaks[preset]),
+            statistics.median(colds[preset]),
+        )
     fp32, fp32_cold = rows.get("fp32", {}).get("peak_mib"), rows.get("fp32", {}).get("cold_mib")
-    lines = ["## Peak memory of a training step, per preset (`benchmarks/step_memory.py`)", "",
-             f"`python benchmarks/step_memory.py --repeat {args.repeat}` — {machine()}", "",
-             f"{next(iter(rows.values()))['params'] / 1e6:.1f}M parameters, AdamW, batch {BATCH}; {args.repeat} processes "
-             "per preset and column, median (range) of the peak: the allocator's reuse of freed memory moves it by tens "
-             "of MiB. Cold: no warm-up, so the kernels' first-use memory (once per process) counts in the step.", "",
-             "| preset | peak step memory (MiB) | vs fp32 | cold (MiB) | cold vs fp32 | at rest (B/param) | with gradients (B/param) |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "## Peak memory of a training step, per preset (`benchmarks/step_memory.py`)",
+        "",
+        f"`python benchmarks/step_memory.py --repeat {args.repeat}` — {machine()}",
+        "",
+        f"{next(iter(rows.values()))['params'] / 1e6:.1f}M parameters, AdamW, batch {BATCH}; {args.repeat} processes "
+        "per preset and column, median (range) of the peak: the allocator's reuse of freed memory moves it by tens "
+        "of MiB. Cold: no warm-up, so the kernels' first-use memory (once per process) counts in the step.",
+        "",
+        "| preset | peak step memory (MiB) | vs fp32 | cold (MiB) | cold vs fp32 | at rest (B/param) | with gradients (B/param) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for preset, r in rows.items():
         ratio = f"{r['peak_mib'] / fp32:.2f}×" if fp32 else "–"
         cold = f"{r['cold_mib'] / fp32_cold:.2f}×" if fp32_cold else "–"
         span = f"{min(peaks[preset]):.0f}–{max(peaks[preset]):.0f}"
         cold_span = f"{min(colds[preset]):.0f}–{max(colds[preset]):.0f}"
-        lines.append(f"| {preset} | {r['peak_mib']:.0f} ({span}) | {ratio} | {r['cold_mib']:.0f} ({cold_span}) | {cold} "
-                     f"| {r['rest_bpp']:.1f} | {r['rest_grads_bpp']:.1f} |")
+        lines.append(
+            f"| {preset} | {r['peak_mib']:.0f} ({span}) | {ratio} | {r['cold_mib']:.0f} ({cold_span}) | {cold} "
+            f"| {r['rest_bpp']:.1f} | {r['rest_grads_bpp']:.1f} |"
+        )
     if args.note:
         lines += ["", args.note]
     print("\n".join(lines))
     if args.write:
-        write_section(Path(__file__).parent / "RESULTS.md", "<!-- step_memory:start -->", "<!-- step_memory:end -->", lines)
+        write_section(
+            Path(__file__).parent / "RESULTS.md", "<!-- step_memory:start -->", "<!-- step_memory:end -->", lines
+        )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import ampkit                                                                                # +4
+import ampkit  # +4
 
 
 def make_problem(seed: int = 0, n: int = 4096, dim: int = 64, classes: int = 10):
@@ -56,14 +56,14 @@ def plain_loop(steps: int) -> tuple[list[float], float]:
 
 def ampkit_loop(steps: int, precision: str) -> tuple[list[float], float]:
     model, optimizer, scheduler, loader = make_problem()
-    acc = ampkit.Accelerator(precision=precision)                                            # +1
+    acc = ampkit.Accelerator(precision=precision)  # +1
     model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)  # +2
     times, step = [], 0
     while step < steps:
         for x, y in loader:
             t0 = time.perf_counter()
             loss = F.cross_entropy(model(x), y)
-            acc.backward(loss)                                                               # +3 (was loss.backward())
+            acc.backward(loss)  # +3 (was loss.backward())
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
@@ -76,7 +76,9 @@ def ampkit_loop(steps: int, precision: str) -> tuple[list[float], float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--precisions", default=",".join(ampkit.PRESETS), help="comma-separated presets to run (default: all)")
+    parser.add_argument(
+        "--precisions", default=",".join(ampkit.PRESETS), help="comma-separated presets to run (default: all)"
+    )
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default: 300)")
     args = parser.parse_args()
     warmup = min(10, args.steps // 5)
@@ -84,8 +86,10 @@ def main() -> None:
     def report(label: str, times: list[float], loss: float) -> None:
         print(f"{label:<22} {statistics.median(times[warmup:]) * 1e3:8.3f} ms/step   final loss {loss:.4f}", flush=True)
 
-    print(f"device: {ampkit.Accelerator(precision='fp32').device}; auto would pick {ampkit.Accelerator().policy.name!r} "
-          f"({ampkit.Accelerator().policy.reason})")
+    print(
+        f"device: {ampkit.Accelerator(precision='fp32').device}; auto would pick {ampkit.Accelerator().policy.name!r} "
+        f"({ampkit.Accelerator().policy.reason})"
+    )
     report("plain fp32 loop", *plain_loop(args.steps))
     for precision in args.precisions.split(","):
         with warnings.catch_warnings(record=True) as caught:

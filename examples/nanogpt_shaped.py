@@ -79,20 +79,25 @@ class GPT(nn.Module):
 
     def configure_optimizers(self, weight_decay: float, learning_rate: float) -> torch.optim.Optimizer:
         params = [p for p in self.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95))
 
 
 def make_data(c: Config) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(c.seed)
-    return {"train": torch.randint(0, c.vocab_size, (4096,), generator=g), "val": torch.randint(0, c.vocab_size, (1024,), generator=g)}
+    return {
+        "train": torch.randint(0, c.vocab_size, (4096,), generator=g),
+        "val": torch.randint(0, c.vocab_size, (1024,), generator=g),
+    }
 
 
 def get_batch(data: torch.Tensor, c: Config, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     ix = torch.randint(len(data) - c.block_size - 1, (c.batch_size,), generator=g)
-    x = torch.stack([data[i:i + c.block_size] for i in ix])
-    return x, torch.stack([data[i + 1:i + 1 + c.block_size] for i in ix])
+    x = torch.stack([data[i : i + c.block_size] for i in ix])
+    return x, torch.stack([data[i + 1 : i + 1 + c.block_size] for i in ix])
 
 
 @torch.no_grad()
@@ -117,7 +122,9 @@ def get_lr(it: int, c: Config) -> float:
     return 0.1 * c.learning_rate + 0.5 * (1 + math.cos(math.pi * ratio)) * 0.9 * c.learning_rate
 
 
-def train(precision: str, c: Config = Config(), out_dir: Path | None = None, log: bool = False) -> dict[str, list[float]]:
+def train(
+    precision: str, c: Config = Config(), out_dir: Path | None = None, log: bool = False
+) -> dict[str, list[float]]:
     """The converted loop; returns the per-iteration losses and the evaluations (the test reads them)."""
     torch.manual_seed(c.seed)
     data = make_data(c)
@@ -125,8 +132,13 @@ def train(precision: str, c: Config = Config(), out_dir: Path | None = None, log
     optimizer = model.configure_optimizers(0.1, c.learning_rate)
     # was: ctx = torch.autocast(...); scaler = torch.amp.GradScaler(enabled=(dtype == 'float16'))
     # The model returns its loss: the fp32 copy of its logits would never be used (cast_outputs=False).
-    acc = ampkit.Accelerator(precision=precision, device="cpu", grad_accum_steps=c.gradient_accumulation_steps,
-                             divide_loss=True, cast_outputs=False)
+    acc = ampkit.Accelerator(
+        precision=precision,
+        device="cpu",
+        grad_accum_steps=c.gradient_accumulation_steps,
+        divide_loss=True,
+        cast_outputs=False,
+    )
     model, optimizer = acc.prepare(model, optimizer)  # was: model.to(device); model = DDP(model) under torchrun
     g = torch.Generator().manual_seed(c.seed)
     X, Y = get_batch(data["train"], c, g)

@@ -23,7 +23,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--checkpoints", default="checkpoints", help="checkpoint folder (default: checkpoints)")
     parser.add_argument("--every", type=int, default=50, help="checkpoint every N optimizer steps (default: 50)")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --checkpoints")
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the newest valid checkpoint in --checkpoints"
+    )
     args = parser.parse_args()
 
     g = torch.Generator().manual_seed(0)

@@ -25,7 +25,9 @@ def make_loader(seed: int = 0, n: int = 256, batch_size: int = 16, shuffle: bool
     x = torch.randn(n, 8, generator=g)
     y = (x[:, :4].argmax(dim=1) + (x[:, 4] > 1).long()) % 4
     return DataLoader(
-        TensorDataset(x, y), batch_size=batch_size, shuffle=shuffle,
+        TensorDataset(x, y),
+        batch_size=batch_size,
+        shuffle=shuffle,
         generator=torch.Generator().manual_seed(seed + 1),
     )
 

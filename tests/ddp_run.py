@@ -16,7 +16,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ampkit
-from ampkit import checkpoint
 from ampkit import files as ampkit_files
 
 B = 8  # per-rank batch
@@ -43,7 +42,9 @@ def setup(precision: str, accum: int = 1, shuffle: bool = False, sgd: bool = Fal
     acc = ampkit.Accelerator(precision=precision, device="cpu", grad_accum_steps=accum)
     m = model()
     opt = make_optimizer(m, sgd)
-    loader = DataLoader(data(), batch_size=B, shuffle=shuffle, generator=torch.Generator().manual_seed(3) if shuffle else None)
+    loader = DataLoader(
+        data(), batch_size=B, shuffle=shuffle, generator=torch.Generator().manual_seed(3) if shuffle else None
+    )
     m, opt, loader = acc.prepare(m, opt, loader)
     return acc, m, opt, loader
 
@@ -68,7 +69,11 @@ def overflow(out: Path) -> dict:
         opt.step()
         opt.zero_grad()
         scales.append(acc.state.scale)
-    return {"scales": scales, "skipped": acc.state.skipped_steps, "weights": [p.detach() for p in acc.unwrap(m).parameters()]}
+    return {
+        "scales": scales,
+        "skipped": acc.state.skipped_steps,
+        "weights": [p.detach() for p in acc.unwrap(m).parameters()],
+    }
 
 
 def accumulation(out: Path) -> dict:
@@ -78,6 +83,7 @@ def accumulation(out: Path) -> dict:
     def counting_allreduce(state, bucket):
         calls.append(1)
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
         return allreduce_hook(state, bucket)
 
     m.register_comm_hook(None, counting_allreduce)
@@ -114,6 +120,7 @@ def script_ddp(out: Path) -> dict:
     def counting_allreduce(state, bucket):
         calls.append(1)
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
         return allreduce_hook(state, bucket)
 
     m.register_comm_hook(None, counting_allreduce)
@@ -166,8 +173,12 @@ def resumable(out: Path, epochs: int = 3) -> dict:
                 acc.save_checkpoint(out / "ckpts")
             if attempt == 0 and acc.rank == 1 and acc.state.applied_steps == 17 and os.environ.get("AMPKIT_TEST_KILL"):
                 os.kill(os.getpid(), signal.SIGKILL)  # a worker dies mid-run
-    return {"weights": [p.detach() for p in acc.unwrap(m).parameters()], "attempt": attempt,
-            "steps": acc.state.applied_steps, "scale": acc.state.scale}
+    return {
+        "weights": [p.detach() for p in acc.unwrap(m).parameters()],
+        "attempt": attempt,
+        "steps": acc.state.applied_steps,
+        "scale": acc.state.scale,
+    }
 
 
 def full(m: nn.Module) -> list[torch.Tensor]:
@@ -196,10 +207,18 @@ def sharded(out: Path, stop_after: int | None, precision: str = "fp16-mixed") ->
 
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
-    runs = {"equiv-fp32": lambda: equivalence(out, "fp32"), "equiv-bf16": lambda: equivalence(out, "bf16-mixed"),
-            "overflow": lambda: overflow(out), "accum": lambda: accumulation(out), "script-ddp": lambda: script_ddp(out), "files": lambda: files(out),
-            "resumable": lambda: resumable(out), "fsdp-clean": lambda: sharded(out, None),
-            "fsdp-crash": lambda: sharded(out, 13), "fsdp-resume": lambda: sharded(out, None)}
+    runs = {
+        "equiv-fp32": lambda: equivalence(out, "fp32"),
+        "equiv-bf16": lambda: equivalence(out, "bf16-mixed"),
+        "overflow": lambda: overflow(out),
+        "accum": lambda: accumulation(out),
+        "script-ddp": lambda: script_ddp(out),
+        "files": lambda: files(out),
+        "resumable": lambda: resumable(out),
+        "fsdp-clean": lambda: sharded(out, None),
+        "fsdp-crash": lambda: sharded(out, 13),
+        "fsdp-resume": lambda: sharded(out, None),
+    }
     result = runs[mode]()
     rank = int(os.environ.get("RANK", "0"))
     torch.save(result, out / f"rank{rank}.pt")

@@ -21,7 +21,11 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 import ampkit
 
 EPOCHS = 3
-LOADERS = ("generator", "plain", "iterable")  # shuffle=True with its own generator / without one (what most scripts write) / a stream
+LOADERS = (
+    "generator",
+    "plain",
+    "iterable",
+)  # shuffle=True with its own generator / without one (what most scripts write) / a stream
 
 
 class Stream(IterableDataset):
@@ -45,10 +49,14 @@ def make_loader(kind: str = "generator", workers: int = 0, drop_last: bool = Fal
     if kind == "plain":
         return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True, **extra)
     assert kind == "generator", kind
-    return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(2), **extra)
+    return DataLoader(
+        TensorDataset(x, y), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(2), **extra
+    )
 
 
-def build(precision: str, accum: int, loader: str = "generator", workers: int = 0, drop_last: bool = False, n: int = 96):
+def build(
+    precision: str, accum: int, loader: str = "generator", workers: int = 0, drop_last: bool = False, n: int = 96
+):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.2), nn.GELU(), nn.Linear(32, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -59,10 +67,22 @@ def build(precision: str, accum: int, loader: str = "generator", workers: int = 
     return acc, model, opt, loader, sched
 
 
-def train(precision: str, accum: int = 1, ckpt: str | None = None, stop_after: int | None = None,
-          inject_at: int | None = None, every: int | None = None, log: str | None = None, sleep: float = 0.0,
-          epochs: int = EPOCHS, loader: str = "generator", workers: int = 0, drop_last: bool = False, n: int = 96,
-          stop_after_epoch: int | None = None):
+def train(
+    precision: str,
+    accum: int = 1,
+    ckpt: str | None = None,
+    stop_after: int | None = None,
+    inject_at: int | None = None,
+    every: int | None = None,
+    log: str | None = None,
+    sleep: float = 0.0,
+    epochs: int = EPOCHS,
+    loader: str = "generator",
+    workers: int = 0,
+    drop_last: bool = False,
+    n: int = 96,
+    stop_after_epoch: int | None = None,
+):
     """Train `epochs` epochs; return (micro-step losses, final weights, accelerator).
 
     stop_after: save a checkpoint after that many micro-steps (of this process) and stop, as a crash would.
@@ -116,7 +136,18 @@ def resume_in_fresh_process(tmp_path: Path, precision: str, accum: int, ckpt: Pa
 
     `extra` become command-line options (`drop_last=1` -> `--drop-last 1`)."""
     out = Path(tmp_path) / "resumed.pt"
-    args = [sys.executable, str(Path(__file__).resolve()), "--precision", precision, "--accum", str(accum), "--ckpt", str(ckpt), "--out", str(out)]
+    args = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--precision",
+        precision,
+        "--accum",
+        str(accum),
+        "--ckpt",
+        str(ckpt),
+        "--out",
+        str(out),
+    ]
     for key, value in extra.items():
         args += [f"--{key.replace('_', '-')}", str(value)]
     subprocess.run(args, check=True, timeout=120)
@@ -150,11 +181,31 @@ def main() -> None:
     p.add_argument("--drop-last", type=int, default=0)
     p.add_argument("--n", type=int, default=96)
     a = p.parse_args()
-    losses, weights, acc = train(a.precision, a.accum, a.ckpt, every=a.every, log=a.log, sleep=a.sleep, inject_at=a.inject_at,
-                                 epochs=a.epochs, loader=a.loader, workers=a.workers, drop_last=bool(a.drop_last), n=a.n)
+    losses, weights, acc = train(
+        a.precision,
+        a.accum,
+        a.ckpt,
+        every=a.every,
+        log=a.log,
+        sleep=a.sleep,
+        inject_at=a.inject_at,
+        epochs=a.epochs,
+        loader=a.loader,
+        workers=a.workers,
+        drop_last=bool(a.drop_last),
+        n=a.n,
+    )
     if a.out:
-        torch.save({"losses": losses, "weights": weights, "scale": acc.state.scale,
-                    "skipped": acc.state.skipped_steps, "applied": acc.state.applied_steps}, a.out)
+        torch.save(
+            {
+                "losses": losses,
+                "weights": weights,
+                "scale": acc.state.scale,
+                "skipped": acc.state.skipped_steps,
+                "applied": acc.state.applied_steps,
+            },
+            a.out,
+        )
 
 
 if __name__ == "__main__":

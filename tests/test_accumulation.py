@@ -49,8 +49,12 @@ def test_k_micro_batches_equal_one_big_batch(zero_first):
 def test_accumulation_under_fp16_scales_each_micro_batch_with_one_scale():
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    acc = ampkit.Accelerator(precision="fp16-mixed", device="cpu", grad_accum_steps=2,
-                             scaler=ampkit.LossScaler(init_scale=4.0, growth_interval=1))
+    acc = ampkit.Accelerator(
+        precision="fp16-mixed",
+        device="cpu",
+        grad_accum_steps=2,
+        scaler=ampkit.LossScaler(init_scale=4.0, growth_interval=1),
+    )
     model, opt = acc.prepare(model, opt)
     x, y = next(iter(make_loader()))
     scales = []
@@ -83,7 +87,11 @@ def test_zero_grad_clears_gradients_itself_and_calls_torch_s_where_it_must(preci
     model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     calls = []
     original = torch.optim.Optimizer.zero_grad
-    monkeypatch.setattr(torch.optim.Optimizer, "zero_grad", lambda self, set_to_none=True: (calls.append(set_to_none), original(self, set_to_none)))
+    monkeypatch.setattr(
+        torch.optim.Optimizer,
+        "zero_grad",
+        lambda self, set_to_none=True: (calls.append(set_to_none), original(self, set_to_none)),
+    )
     x, y = next(iter(make_loader(batch_size=8, shuffle=False)))
 
     def micro_step(**kwargs):

@@ -82,8 +82,9 @@ def _load() -> dict[str, Module]:
             parts = parts[:-1]
         source = path.read_text(encoding="utf-8")
         name = ".".join(parts)
-        modules[name] = Module(name, path, is_package, ast.parse(source, filename=str(path)),
-                               source.splitlines(), _comment_lines(source))
+        modules[name] = Module(
+            name, path, is_package, ast.parse(source, filename=str(path)), source.splitlines(), _comment_lines(source)
+        )
     return modules
 
 
@@ -106,8 +107,7 @@ NAMEDTUPLE_API = {"_fields", "_asdict", "_replace", "_make", "_field_defaults"}
 
 
 def _is_private(name: str) -> bool:
-    return (name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
-            and name not in NAMEDTUPLE_API)
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__")) and name not in NAMEDTUPLE_API
 
 
 def _under_type_checking(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
@@ -116,7 +116,8 @@ def _under_type_checking(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool
         if isinstance(parent, ast.If) and node in parent.body:
             test = parent.test
             if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-                    isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
+                isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+            ):
                 return True
         node = parent
     return False
@@ -210,9 +211,9 @@ def _report(title: str, findings: list[Finding], note_uncommented: bool = False)
         per_file[f.module.rel] += 1
     worst = ", ".join(f"{path} {n}" for path, n in sorted(per_file.items(), key=lambda kv: -kv[1]))
     body = "\n".join(
-        f"  {f}" + ("   [no comment saying why]"
-                    if note_uncommented and not f.module.commented(f.line) else "")
-        for f in findings)
+        f"  {f}" + ("   [no comment saying why]" if note_uncommented and not f.module.commented(f.line) else "")
+        for f in findings
+    )
     return f"{title}: {len(findings)} (per file: {worst})\n{body}"
 
 
@@ -224,41 +225,46 @@ def private_accesses() -> list[Finding]:
     found = []
     for name, module in MODULES.items():
         bound = BINDINGS[name]
-        ampkit_modules = {local for local, full in bound.modules.items()
-                          if full.split(".")[0] == PACKAGE}
+        ampkit_modules = {local for local, full in bound.modules.items() if full.split(".")[0] == PACKAGE}
         for node in ast.walk(module.tree):
             if isinstance(node, ast.ImportFrom):
                 source = _resolve_from(module, node)
                 if source.split(".")[0] == PACKAGE and source != name:
                     for alias in node.names:
                         if _is_private(alias.name) and not _is_module(f"{source}.{alias.name}"):
-                            found.append(Finding(module, node.lineno,
-                                                 f"from {source} import {alias.name}"))
+                            found.append(Finding(module, node.lineno, f"from {source} import {alias.name}"))
             elif isinstance(node, ast.Attribute) and _is_private(node.attr):
                 base = node.value
                 if isinstance(base, ast.Name) and base.id in ("self", "cls"):
                     continue
-                if (isinstance(base, ast.Call) and isinstance(base.func, ast.Name)
-                        and base.func.id in ("super", "type") and (
-                            base.func.id == "super" or (
-                                len(base.args) == 1 and isinstance(base.args[0], ast.Name)
-                                and base.args[0].id == "self"))):
+                if (
+                    isinstance(base, ast.Call)
+                    and isinstance(base.func, ast.Name)
+                    and base.func.id in ("super", "type")
+                    and (
+                        base.func.id == "super"
+                        or (len(base.args) == 1 and isinstance(base.args[0], ast.Name) and base.args[0].id == "self")
+                    )
+                ):
                     continue  # super()._x, type(self)._x: this object's own class
                 root, chain = _root(base)
-                if (isinstance(root, ast.Name) and root.id in bound.modules
-                        and root.id not in ampkit_modules):
+                if isinstance(root, ast.Name) and root.id in bound.modules and root.id not in ampkit_modules:
                     continue  # a third-party module attribute: torch._C, torch._foreach_copy_
                 # Through an ampkit module it counts: `ampkit.data._helper` is
                 # `from ampkit.data import _helper`, `ampkit.data.Loader._x` a class's private.
                 found.append(Finding(module, node.lineno, _text(module, node)))
-            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                  and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
-                  and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
-                  and isinstance(node.args[1].value, str) and _is_private(node.args[1].value)
-                  and not (isinstance(node.args[0], ast.Name) and node.args[0].id in ("self", "cls"))):
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+                and _is_private(node.args[1].value)
+                and not (isinstance(node.args[0], ast.Name) and node.args[0].id in ("self", "cls"))
+            ):
                 root, _ = _root(node.args[0])
-                if isinstance(root, ast.Name) and root.id in bound.modules \
-                        and root.id not in ampkit_modules:
+                if isinstance(root, ast.Name) and root.id in bound.modules and root.id not in ampkit_modules:
                     continue
                 found.append(Finding(module, node.lineno, _text(module, node)))
     return _sorted(found)
@@ -267,8 +273,8 @@ def private_accesses() -> list[Finding]:
 def test_private_access_within_budget():
     found = private_accesses()
     assert len(found) <= PRIVATE_BUDGET, _report(
-        f"reaches into another object's privates (budget {PRIVATE_BUDGET})", found,
-        note_uncommented=True)
+        f"reaches into another object's privates (budget {PRIVATE_BUDGET})", found, note_uncommented=True
+    )
 
 
 def test_private_access_each_says_why():
@@ -305,18 +311,20 @@ def monkey_patches() -> list[Finding]:
                     continue
                 root, chain = _root(target)
                 if not isinstance(root, ast.Name):
-                    if (isinstance(root, ast.Call) and isinstance(root.func, ast.Name)
-                            and root.func.id == "type"):
+                    if isinstance(root, ast.Call) and isinstance(root.func, ast.Name) and root.func.id == "type":
                         found.append(Finding(module, node.lineno, _text(module, target)))
                     continue
                 if root.id == "cls" or root.id in patchable:
-                    if root.id in bound.modules and (
-                            bound.modules[root.id], chain[0]) in ALLOWED_MODULE_ASSIGNMENTS:
+                    if root.id in bound.modules and (bound.modules[root.id], chain[0]) in ALLOWED_MODULE_ASSIGNMENTS:
                         continue
                     found.append(Finding(module, node.lineno, _text(module, target)))
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                    and node.func.id in ("setattr", "delattr") and node.args
-                    and not (isinstance(node.args[0], ast.Name) and node.args[0].id == "self")):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("setattr", "delattr")
+                and node.args
+                and not (isinstance(node.args[0], ast.Name) and node.args[0].id == "self")
+            ):
                 found.append(Finding(module, node.lineno, _text(module, node)))
     return _sorted(found)
 
@@ -362,8 +370,9 @@ def import_edges() -> list[Edge]:
                 return
             if not explicit and target in ancestors:
                 return
-            lazy = any(isinstance(p, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-                       for p in _ancestors_of(node, parents))
+            lazy = any(
+                isinstance(p, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) for p in _ancestors_of(node, parents)
+            )
             edges.append(Edge(name, target, node.lineno, lazy))
 
         def add_with_packages(target: str, node: ast.AST, explicit_last: bool) -> None:
@@ -461,8 +470,7 @@ def import_cycles() -> list[str]:
     for component in _strongly_connected(graph):
         members = set(component)
         cycle = _shortest_cycle(component[0], graph, members)
-        lines = [f"cycle of {len(component)} modules: {', '.join(component)}",
-                 "  for example:"]
+        lines = [f"cycle of {len(component)} modules: {', '.join(component)}", "  for example:"]
         for a, b in zip(cycle, cycle[1:]):
             lines.append(f"    {by_pair[(a, b)][0]}")
         inside = [e for e in edges if e.source in members and e.target in members]
@@ -482,15 +490,16 @@ def test_no_import_cycles():
 
 
 def _line_counts() -> dict[str, int]:
-    return {p.relative_to(SRC.parent).as_posix(): len(p.read_text(encoding="utf-8").splitlines())
-            for p in sorted(SRC.rglob("*.py"))}
+    return {
+        p.relative_to(SRC.parent).as_posix(): len(p.read_text(encoding="utf-8").splitlines())
+        for p in sorted(SRC.rglob("*.py"))
+    }
 
 
 def test_no_file_over_limit():
     counts = _line_counts()
     big = sorted(((n, p) for p, n in counts.items() if n > MAX_FILE_LINES), reverse=True)
-    assert not big, (f"{len(big)} file(s) over {MAX_FILE_LINES} lines:\n"
-                     + "\n".join(f"  {p}: {n}" for n, p in big))
+    assert not big, f"{len(big)} file(s) over {MAX_FILE_LINES} lines:\n" + "\n".join(f"  {p}: {n}" for n, p in big)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -509,27 +518,31 @@ def _scan(tmp_path, files: dict[str, str], monkeypatch):
 
 
 def test_checker_sees_each_rule(tmp_path, monkeypatch):
-    _scan(tmp_path, {
-        "__init__.py": "from ampkit.a import A\n",
-        "a.py": (
-            "import torch\n"
-            "import warnings\n"
-            "import sys\n"
-            "from ampkit.b import _helper, B\n"
-            "class A:\n"
-            "    def f(self, other):\n"
-            "        self._mine = 1\n"
-            "        torch._foreach_copy_\n"
-            "        other._theirs  # why: fixture\n"
-            "        A.patched = 1\n"
-            "        warnings.showwarning = print\n"
-            "        sys.argv = ['x']\n"
-            "        setattr(B, 'x', 1)\n"
-            "        setattr(self, 'x', 1)\n"
-        ),
-        "b.py": "def _helper(): pass\nclass B: pass\ndef g():\n    from ampkit import a\n",
-        "c.py": "from ampkit import A\n",
-    }, monkeypatch)
+    _scan(
+        tmp_path,
+        {
+            "__init__.py": "from ampkit.a import A\n",
+            "a.py": (
+                "import torch\n"
+                "import warnings\n"
+                "import sys\n"
+                "from ampkit.b import _helper, B\n"
+                "class A:\n"
+                "    def f(self, other):\n"
+                "        self._mine = 1\n"
+                "        torch._foreach_copy_\n"
+                "        other._theirs  # why: fixture\n"
+                "        A.patched = 1\n"
+                "        warnings.showwarning = print\n"
+                "        sys.argv = ['x']\n"
+                "        setattr(B, 'x', 1)\n"
+                "        setattr(self, 'x', 1)\n"
+            ),
+            "b.py": "def _helper(): pass\nclass B: pass\ndef g():\n    from ampkit import a\n",
+            "c.py": "from ampkit import A\n",
+        },
+        monkeypatch,
+    )
     privates = [(f.module.name, f.text) for f in private_accesses()]
     assert privates == [("ampkit.a", "from ampkit.b import _helper"), ("ampkit.a", "other._theirs")]
     assert [f.module.commented(f.line) for f in private_accesses()] == [False, True]
@@ -541,12 +554,16 @@ def test_checker_sees_each_rule(tmp_path, monkeypatch):
 
 def test_checker_counts_the_package_init_only_when_imported_for_a_name(tmp_path, monkeypatch):
     """`ampkit/__init__.py` re-exporting is a leaf; `from ampkit import Name` inside makes a cycle."""
-    _scan(tmp_path, {
-        "__init__.py": "from ampkit.a import A\nfrom ampkit.b import B\n",
-        "a.py": "from ampkit.b import B\nclass A: pass\n",
-        "b.py": "class B: pass\ndef f():\n    from ampkit import errors\n",
-        "errors.py": "",
-    }, monkeypatch)
+    _scan(
+        tmp_path,
+        {
+            "__init__.py": "from ampkit.a import A\nfrom ampkit.b import B\n",
+            "a.py": "from ampkit.b import B\nclass A: pass\n",
+            "b.py": "class B: pass\ndef f():\n    from ampkit import errors\n",
+            "errors.py": "",
+        },
+        monkeypatch,
+    )
     assert import_cycles() == []
     (tmp_path / "src" / PACKAGE / "b.py").write_text("class B: pass\ndef f():\n    from ampkit import A\n")
     monkeypatch.setitem(globals(), "MODULES", _load())

@@ -14,9 +14,10 @@ Deliberately left as they are (see the end of this file for the cases that pin t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -49,8 +50,12 @@ class Case:
 
 
 def scaler(error, names, **kwargs):
-    return Case(f"LossScaler({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})",
-                lambda s: ampkit.LossScaler(**kwargs), error, names)
+    return Case(
+        f"LossScaler({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})",
+        lambda s: ampkit.LossScaler(**kwargs),
+        error,
+        names,
+    )
 
 
 def accelerator(error, names, **kwargs):
@@ -98,8 +103,18 @@ ACCELERATOR = [
     *(accelerator(ampkit.PrecisionError, "precision", precision=v) for v in ("bf16", "fp12", 16)),
     accelerator(T, "scaler", precision="fp16-mixed", scaler="x"),
     accelerator(ampkit.PrecisionError, "scaler", precision="bf16-mixed", scaler=ampkit.LossScaler()),
-    *(accelerator(T, name, **{name: "yes"}) for name in ("channels_last", "cuda_graphs", "free_step_buffers",
-                                                          "cast_outputs", "fp8_emulate", "divide_loss", "compile")),
+    *(
+        accelerator(T, name, **{name: "yes"})
+        for name in (
+            "channels_last",
+            "cuda_graphs",
+            "free_step_buffers",
+            "cast_outputs",
+            "fp8_emulate",
+            "divide_loss",
+            "compile",
+        )
+    ),
     accelerator(T, "cast_outputs", cast_outputs=None),
     accelerator(T, "channels_last", channels_last=1),
 ]
@@ -128,25 +143,48 @@ METHODS = [
     method("resume('  ')", lambda s: s.acc.resume("  "), V, "folder"),
     *(method(f"save_checkpoint({v!r})", lambda s, v=v: s.acc.save_checkpoint(v), T, "folder") for v in (None, 5, 2.0)),
     method("save_checkpoint('')", lambda s: s.acc.save_checkpoint(""), V, "folder"),
-    *(method(f"save_checkpoint(keep={v!r})", lambda s, v=v: s.acc.save_checkpoint(s.folder / "ck", keep=v), V, "keep")
-      for v in (0, -1, "3", True, 2.5)),
-    *(method(f"clip_grad_norm_({v!r})", lambda s, v=v: s.acc.clip_grad_norm_(v), V, "max_norm")
-      for v in (-1.0, 0, 0.0, NAN, -INF)),
-    *(method(f"clip_grad_norm_({v!r})", lambda s, v=v: s.acc.clip_grad_norm_(v), T, "max_norm")
-      for v in ("x", None, True, [1.0])),
-    *(method(f"clip_grad_norm_(1.0, norm_type={v!r})", lambda s, v=v: s.acc.clip_grad_norm_(1.0, v), V, "norm_type")
-      for v in (0, -2.0, NAN)),
-    *(method(f"clip_grad_norm_(1.0, norm_type={v!r})", lambda s, v=v: s.acc.clip_grad_norm_(1.0, v), T, "norm_type")
-      for v in ("x", "inf", None)),
+    *(
+        method(f"save_checkpoint(keep={v!r})", lambda s, v=v: s.acc.save_checkpoint(s.folder / "ck", keep=v), V, "keep")
+        for v in (0, -1, "3", True, 2.5)
+    ),
+    *(
+        method(f"clip_grad_norm_({v!r})", lambda s, v=v: s.acc.clip_grad_norm_(v), V, "max_norm")
+        for v in (-1.0, 0, 0.0, NAN, -INF)
+    ),
+    *(
+        method(f"clip_grad_norm_({v!r})", lambda s, v=v: s.acc.clip_grad_norm_(v), T, "max_norm")
+        for v in ("x", None, True, [1.0])
+    ),
+    *(
+        method(f"clip_grad_norm_(1.0, norm_type={v!r})", lambda s, v=v: s.acc.clip_grad_norm_(1.0, v), V, "norm_type")
+        for v in (0, -2.0, NAN)
+    ),
+    *(
+        method(f"clip_grad_norm_(1.0, norm_type={v!r})", lambda s, v=v: s.acc.clip_grad_norm_(1.0, v), T, "norm_type")
+        for v in ("x", "inf", None)
+    ),
     *(method(f"track({n!r}, 1.0)", lambda s, n=n: s.acc.track(n, 1.0), T, "name") for n in (5, None, "", b"x")),
-    *(method(f"track('loss', {v!r})", lambda s, v=v: s.acc.track("loss", v), T, "value")
-      for v in ("x", None, [1.0], {"a": 1})),
-    *(method(f"report_metric('m', {v!r})", lambda s, v=v: s.acc.report_metric("m", v), T, "value")
-      for v in ("x", None, [0.5])),
-    *(method(f"report_metric({n!r}, 1.0)", lambda s, n=n: s.acc.report_metric(n, 1.0), T, repr(n)) for n in (5, "", None)),
-    *(method(f"report_metric('m', 1.0, higher_is_better={v!r})",
-             lambda s, v=v: s.acc.report_metric("m", 1.0, higher_is_better=v), T, "higher_is_better")
-      for v in ("yes", 1, "higher")),
+    *(
+        method(f"track('loss', {v!r})", lambda s, v=v: s.acc.track("loss", v), T, "value")
+        for v in ("x", None, [1.0], {"a": 1})
+    ),
+    *(
+        method(f"report_metric('m', {v!r})", lambda s, v=v: s.acc.report_metric("m", v), T, "value")
+        for v in ("x", None, [0.5])
+    ),
+    *(
+        method(f"report_metric({n!r}, 1.0)", lambda s, n=n: s.acc.report_metric(n, 1.0), T, repr(n))
+        for n in (5, "", None)
+    ),
+    *(
+        method(
+            f"report_metric('m', 1.0, higher_is_better={v!r})",
+            lambda s, v=v: s.acc.report_metric("m", 1.0, higher_is_better=v),
+            T,
+            "higher_is_better",
+        )
+        for v in ("yes", 1, "higher")
+    ),
     *(method(f"epochs({v!r})", lambda s, v=v: list(s.acc.epochs(v)), V, "epochs") for v in (-1, 2.5, "3", True, None)),
     *(method(f"backward({v!r})", lambda s, v=v: s.acc.backward(v), T, "loss") for v in (1.0, None, "x")),
     method("prepare(dict)", lambda s: s.acc.prepare({"lr": 0.1}), T, "argument 0"),
@@ -154,12 +192,17 @@ METHODS = [
     method("prepare(prepared optimizer)", lambda s: s.acc.prepare(s.opt), V, "already prepared"),
     method("prepare(model, optimizer of other parameters)", _prepare_fresh_model_with_other_optimizer, V, "optimizer"),
     method("prepare(model, 5)", lambda s: s.acc.prepare(s.extra_model, 5), T, "argument 1"),
-    method("export(precision='int9')", lambda s: s.acc.export(s.model, torch.randn(2, 8), precision="int9"),
-           V, "precision"),
+    method(
+        "export(precision='int9')", lambda s: s.acc.export(s.model, torch.randn(2, 8), precision="int9"), V, "precision"
+    ),
     method("export(backend='tf')", lambda s: s.acc.export(s.model, torch.randn(2, 8), backend="tf"), V, "backend"),
     method("export(example_inputs=5)", lambda s: s.acc.export(s.model, 5), V, "example_inputs"),
-    method("export(out='model.onnx', backend='torch')",
-           lambda s: s.acc.export(s.model, torch.randn(2, 8), out=str(s.folder / "m.onnx")), V, "out"),
+    method(
+        "export(out='model.onnx', backend='torch')",
+        lambda s: s.acc.export(s.model, torch.randn(2, 8), out=str(s.folder / "m.onnx")),
+        V,
+        "out",
+    ),
 ]
 
 
@@ -193,7 +236,9 @@ def _snapshot(s: Setup) -> dict[str, Any]:
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
     for key in ("params", "grads", "extra"):
-        assert len(a[key]) == len(b[key]) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a[key], b[key])), key
+        assert len(a[key]) == len(b[key]) and all(
+            x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a[key], b[key])
+        ), key
     for key in ("opt", "acc", "prepared", "files"):
         assert a[key] == b[key], key
 
@@ -349,9 +394,11 @@ def test_bad_cli_input(argv, flag, cli_dir, capsys):
 
 
 def test_the_suggestions_name_the_flag_and_preset_meant(cli_dir, capsys):
-    for argv, meant in ((["run", "--precision", "bf16", "train.py"], "'bf16-mixed'"),
-                        (["compare", "--stpes", "3"], "did you mean '--steps'"),
-                        (["doctor", "--task", "iris-mlp", "--wramup", "1"], "did you mean '--warmup'")):
+    for argv, meant in (
+        (["run", "--precision", "bf16", "train.py"], "'bf16-mixed'"),
+        (["compare", "--stpes", "3"], "did you mean '--steps'"),
+        (["doctor", "--task", "iris-mlp", "--wramup", "1"], "did you mean '--warmup'"),
+    ):
         try:
             main(argv)
         except SystemExit:
@@ -360,11 +407,16 @@ def test_the_suggestions_name_the_flag_and_preset_meant(cli_dir, capsys):
         assert meant in err and err.startswith(f"ampkit {argv[0]}"), err
 
 
-@pytest.mark.parametrize("given", [
-    {}, {"nnodes": "1", "node_rank": 0}, {"nnodes": "2", "node_rank": 1, "rdzv_endpoint": "10.0.0.1:29400"},
-    {"nnodes": "1:4", "node_rank": 3, "rdzv_endpoint": "head", "rdzv_backend": "c10d"},
-    {"nnodes": "2", "node_rank": 0, "master_addr": "10.0.0.1", "master_port": "29500"},
-])
+@pytest.mark.parametrize(
+    "given",
+    [
+        {},
+        {"nnodes": "1", "node_rank": 0},
+        {"nnodes": "2", "node_rank": 1, "rdzv_endpoint": "10.0.0.1:29400"},
+        {"nnodes": "1:4", "node_rank": 3, "rdzv_endpoint": "head", "rdzv_backend": "c10d"},
+        {"nnodes": "2", "node_rank": 0, "master_addr": "10.0.0.1", "master_port": "29500"},
+    ],
+)
 def test_torchrun_flags_that_fit_pass_the_checks(given):
     import argparse
 
@@ -376,6 +428,7 @@ def test_torchrun_flags_that_fit_pass_the_checks(given):
 
 # --------------------------------------------------------------------------------------------------
 # What is accepted, on purpose
+
 
 def test_documented_leniencies():
     assert ampkit.LossScaler(init_scale=2.0**25).init_scale == 2.0**25  # clamped to max_scale at the first update

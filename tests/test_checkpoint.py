@@ -12,28 +12,32 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import ampkit
 from ampkit import checkpoint
 from conftest import assert_bitwise_equal
-from resume_run import build, resume_in_fresh_process, start_fresh, train
+from resume_run import resume_in_fresh_process, start_fresh, train
 
 
-@pytest.mark.parametrize("precision,accum,stop_after,inject_at", [
-    ("fp32", 1, 17, None),          # mid-epoch (12 batches per epoch)
-    ("bf16-mixed", 1, 17, None),
-    ("fp16-mixed", 1, 17, 16),      # an overflow just before the save: skipped step and halved scale carried over
-    ("bf16-true", 1, 17, None),
-    ("fp32", 3, 17, None),          # accumulation, saved mid-cycle (17 = 5 * 3 + 2) and mid-epoch
-    ("fp16-master", 2, 13, None),
-])
+@pytest.mark.parametrize(
+    "precision,accum,stop_after,inject_at",
+    [
+        ("fp32", 1, 17, None),  # mid-epoch (12 batches per epoch)
+        ("bf16-mixed", 1, 17, None),
+        ("fp16-mixed", 1, 17, 16),  # an overflow just before the save: skipped step and halved scale carried over
+        ("bf16-true", 1, 17, None),
+        ("fp32", 3, 17, None),  # accumulation, saved mid-cycle (17 = 5 * 3 + 2) and mid-epoch
+        ("fp16-master", 2, 13, None),
+    ],
+)
 def test_resumed_run_equals_the_uninterrupted_run_bitwise(tmp_path, precision, accum, stop_after, inject_at):
     full_losses, full_weights, full_acc = train(precision, accum, inject_at=inject_at)
     ckpt = tmp_path / "ckpts"
     first, _, _ = train(precision, accum, ckpt=str(ckpt), stop_after=stop_after, inject_at=inject_at)
-    rest = resume_in_fresh_process(tmp_path, precision, accum, ckpt, **({"inject_at": inject_at} if inject_at is not None else {}))
+    rest = resume_in_fresh_process(
+        tmp_path, precision, accum, ckpt, **({"inject_at": inject_at} if inject_at is not None else {})
+    )
     assert first + rest["losses"] == full_losses
     assert_bitwise_equal(rest["weights"], full_weights)
     assert rest["applied"] == full_acc.state.applied_steps
@@ -58,7 +62,9 @@ def _saver(conn, folder: str) -> None:
         conn.send(acc.state.applied_steps)
 
 
-@pytest.mark.parametrize("trials", [pytest.param(20, id="20-kills"), pytest.param(100, id="100-kills", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "trials", [pytest.param(20, id="20-kills"), pytest.param(100, id="100-kills", marks=pytest.mark.slow)]
+)
 def test_kill_during_save_always_leaves_the_last_completed_checkpoint(tmp_path, trials):
     ctx = multiprocessing.get_context("fork")
     rng = random.Random(0)
@@ -99,10 +105,15 @@ def _log_lines(log: Path, strict: bool = True) -> list[str]:
 
 def _logged(log: Path, strict: bool = True) -> list[tuple[int, float]]:
     """(micro-step, loss) for every step any process logged, in order."""
-    return [(int(i), float(loss)) for i, loss in (line.split() for line in _log_lines(log, strict) if not line.startswith("save"))]
+    return [
+        (int(i), float(loss))
+        for i, loss in (line.split() for line in _log_lines(log, strict) if not line.startswith("save"))
+    ]
 
 
-@pytest.mark.parametrize("kills", [pytest.param(2, id="2-kills"), pytest.param(20, id="20-kills", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "kills", [pytest.param(2, id="2-kills"), pytest.param(20, id="20-kills", marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("precision", ["fp32", "fp16-mixed", "bf16-mixed", "bf16-true"])
 def test_killed_at_random_moments_then_resumed_equals_the_uninterrupted_run(tmp_path, precision, kills):
     """SIGKILL a training process during steps and saves, resume it in a fresh process, again and
@@ -129,12 +140,18 @@ def test_killed_at_random_moments_then_resumed_equals_the_uninterrupted_run(tmp_
         seen = len(logged_so_far)
         proc = start_fresh(precision=precision, ckpt=str(ckpt), every=every, log=str(log), sleep=0.01, **options)
         deadline = time.time() + 120
-        while time.time() < deadline and proc.is_alive() and not any(i >= target for i, _ in _logged(log, strict=False)[seen:]):
+        while (
+            time.time() < deadline
+            and proc.is_alive()
+            and not any(i >= target for i, _ in _logged(log, strict=False)[seen:])
+        ):
             time.sleep(0.005)
         time.sleep(rng.uniform(0.0, 0.06))  # inside the step, or inside the save that follows every second one
         proc.kill()
         proc.join()
-        assert proc.exitcode == -signal.SIGKILL, f"the run ended before it was killed (exit code {proc.exitcode}: see its traceback)"
+        assert proc.exitcode == -signal.SIGKILL, (
+            f"the run ended before it was killed (exit code {proc.exitcode}: see its traceback)"
+        )
         landed += 1
         lines = _log_lines(log)
         mid_save += bool(lines) and lines[-1].startswith("save ")  # killed between "save n" and "saved n"
@@ -147,7 +164,11 @@ def test_killed_at_random_moments_then_resumed_equals_the_uninterrupted_run(tmp_
     assert resumed_from % every == 0
     assert rest["losses"] == full_losses[resumed_from:]
     assert_bitwise_equal(rest["weights"], full_weights)
-    assert (rest["applied"], rest["skipped"], rest["scale"]) == (full_acc.state.applied_steps, full_acc.state.skipped_steps, full_acc.state.scale)
+    assert (rest["applied"], rest["skipped"], rest["scale"]) == (
+        full_acc.state.applied_steps,
+        full_acc.state.skipped_steps,
+        full_acc.state.scale,
+    )
     assert landed >= max(1, kills // 2), f"only {landed} of {kills} kills landed inside the run"
     assert kills < 20 or mid_save > 0, f"none of {landed} kills landed inside a save"
 
@@ -178,10 +199,18 @@ def test_disk_full_raises_keeps_the_previous_checkpoint_and_removes_the_temp_fil
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(torch, "save", full_disk)
-    with pytest.raises(ampkit.CheckpointError, match=r"could not write .*step-00000004.pt: No space left on device; the previous checkpoint is intact"):
+    with pytest.raises(
+        ampkit.CheckpointError,
+        match=r"could not write .*step-00000004.pt: No space left on device; the previous checkpoint is intact",
+    ):
         acc.save_checkpoint(tmp_path)
     monkeypatch.setattr(torch, "save", real_save)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ampkit-checkpoints.json", "ampkit-checkpoints.lock", "latest", first.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ampkit-checkpoints.json",
+        "ampkit-checkpoints.lock",
+        "latest",
+        first.name,
+    ]
     fresh, _, _ = _tiny()
     assert fresh.resume(tmp_path) == first
 
@@ -200,7 +229,10 @@ def test_corrupt_truncated_and_pickled_files(tmp_path):
     assert offset > 0
     flipped[offset + 5] ^= 0x01
     (tmp_path / "flipped.pt").write_bytes(bytes(flipped))
-    with pytest.raises(ampkit.CheckpointError, match=r"checkpoint .*flipped.pt is corrupt: its content does not match its SHA-256 digest"):
+    with pytest.raises(
+        ampkit.CheckpointError,
+        match=r"checkpoint .*flipped.pt is corrupt: its content does not match its SHA-256 digest",
+    ):
         acc.load(tmp_path / "flipped.pt")
 
     class Payload:
@@ -208,7 +240,10 @@ def test_corrupt_truncated_and_pickled_files(tmp_path):
             return (os.system, ("echo pwned",))
 
     torch.save({"format": "ampkit-checkpoint", "code": Payload()}, tmp_path / "evil.pt")
-    with pytest.raises(ampkit.CheckpointError, match=r"evil.pt holds pickled objects other than tensors and plain data \(it could run code\); ampkit refuses to load it"):
+    with pytest.raises(
+        ampkit.CheckpointError,
+        match=r"evil.pt holds pickled objects other than tensors and plain data \(it could run code\); ampkit refuses to load it",
+    ):
         acc.load(tmp_path / "evil.pt")
 
     torch.save({"weights": torch.ones(2)}, tmp_path / "plain.pt")
@@ -227,7 +262,10 @@ def test_resume_skips_a_broken_newest_checkpoint_with_a_warning(tmp_path):
     newer = acc.save_checkpoint(tmp_path)
     newer.write_bytes(newer.read_bytes()[:100])
     fresh, _, _ = _tiny()
-    with pytest.warns(UserWarning, match=r"skipping checkpoint .*step-00000004.pt is truncated or corrupt.*trying the previous checkpoint"):
+    with pytest.warns(
+        UserWarning,
+        match=r"skipping checkpoint .*step-00000004.pt is truncated or corrupt.*trying the previous checkpoint",
+    ):
         assert fresh.resume(tmp_path) == older
     assert fresh.state.applied_steps == 3
     assert ampkit.Accelerator(device="cpu", precision="fp32").prepare(nn.Linear(1, 1)) is not None
@@ -244,7 +282,10 @@ def test_non_finite_weights_are_refused_and_the_previous_checkpoint_stays(tmp_pa
     first = acc.save_checkpoint(tmp_path)
     with torch.no_grad():
         model[2].bias[0] = float("nan")
-    with pytest.raises(ampkit.CheckpointError, match=r"refusing to save non-finite weights: 2.bias contain NaN or inf; the previous checkpoint is kept"):
+    with pytest.raises(
+        ampkit.CheckpointError,
+        match=r"refusing to save non-finite weights: 2.bias contain NaN or inf; the previous checkpoint is kept",
+    ):
         acc.save_checkpoint(tmp_path)
     assert [p.name for p in tmp_path.glob("*.pt")] == [first.name]
 
@@ -255,11 +296,17 @@ def test_loading_into_a_different_model_lists_every_mismatch(tmp_path):
     other = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 2), nn.Linear(2, 2))
     acc2 = ampkit.Accelerator(precision="fp32", device="cpu")
     acc2.prepare(other, torch.optim.AdamW(other.parameters()))
-    with pytest.raises(ampkit.CheckpointError, match=r"does not fit this model — missing keys: 3.weight, 3.bias \| shape mismatches: 0.weight \(8, 4\) in the checkpoint vs \(6, 4\) in the model"):
+    with pytest.raises(
+        ampkit.CheckpointError,
+        match=r"does not fit this model — missing keys: 3.weight, 3.bias \| shape mismatches: 0.weight \(8, 4\) in the checkpoint vs \(6, 4\) in the model",
+    ):
         acc2.load(path)
 
 
-@pytest.mark.parametrize("source,target", [("fp32", "bf16-master"), ("fp32", "bf16-true"), ("bf16-true", "fp32"), ("fp16-master", "bf16-true")])
+@pytest.mark.parametrize(
+    "source,target",
+    [("fp32", "bf16-master"), ("fp32", "bf16-true"), ("bf16-true", "fp32"), ("fp16-master", "bf16-true")],
+)
 def test_loading_into_another_precision_converts_from_the_fp32_truth(tmp_path, source, target):
     acc, model, opt = _tiny(source)
     path = acc.save(tmp_path / "c.pt")

@@ -23,7 +23,10 @@ def _tiny(precision: str = "fp32", optimizer: str = "adamw", groups: int = 1, st
     if groups == 1:
         params = model.parameters()
     else:
-        params = [{"params": model[0].parameters()}, {"params": list(model[1].parameters()) + list(model[2].parameters())}]
+        params = [
+            {"params": model[0].parameters()},
+            {"params": list(model[1].parameters()) + list(model[2].parameters())},
+        ]
     opt = torch.optim.AdamW(params, lr=1e-2) if optimizer == "adamw" else torch.optim.SGD(params, lr=1e-2, momentum=0.9)
     acc = ampkit.Accelerator(precision=precision, device="cpu")
     model, opt = acc.prepare(model, opt)
@@ -35,14 +38,20 @@ def _tiny(precision: str = "fp32", optimizer: str = "adamw", groups: int = 1, st
 
 
 def _snapshot(model: nn.Module, opt) -> dict:
-    return {"model": {k: v.clone() for k, v in model.state_dict().items()},
-            "opt": repr(opt.optimizer.state_dict()), "applied": opt.applied_steps}
+    return {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "opt": repr(opt.optimizer.state_dict()),
+        "applied": opt.applied_steps,
+    }
 
 
 def _unchanged(before: dict, model: nn.Module, opt) -> bool:
     after = model.state_dict()
-    return (all(torch.equal(before["model"][k], after[k]) for k in after)
-            and before["opt"] == repr(opt.optimizer.state_dict()) and before["applied"] == opt.applied_steps)
+    return (
+        all(torch.equal(before["model"][k], after[k]) for k in after)
+        and before["opt"] == repr(opt.optimizer.state_dict())
+        and before["applied"] == opt.applied_steps
+    )
 
 
 class _RunsCode:
@@ -74,7 +83,9 @@ def test_a_crafted_sharded_folder_runs_no_code_on_load_or_resume(tmp_path):
     folder = _crafted_sharded_folder(ck, marker)
     fresh, fmodel, fopt = _tiny(steps=0)
     before = _snapshot(fmodel, fopt)
-    with pytest.raises(ampkit.CheckpointError, match=r"\.metadata is damaged or holds objects other than DCP's metadata"):
+    with pytest.raises(
+        ampkit.CheckpointError, match=r"\.metadata is damaged or holds objects other than DCP's metadata"
+    ):
         fresh.load(folder)
     assert _unchanged(before, fmodel, fopt)
     assert fresh.resume(ck) == ck / "step-00000002.pt"  # the manifest lists only what this run wrote
@@ -86,7 +97,9 @@ def test_the_sharded_metadata_reader_refuses_code_and_garbage(tmp_path):
 
     marker = tmp_path / "pwned"
     (tmp_path / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
-    with pytest.raises(ampkit.CheckpointError, match=r"\.metadata is damaged or holds objects other than DCP's metadata"):
+    with pytest.raises(
+        ampkit.CheckpointError, match=r"\.metadata is damaged or holds objects other than DCP's metadata"
+    ):
         sharded.read_metadata(tmp_path)
     assert not marker.exists()
     (tmp_path / ".metadata").write_bytes(b"\x80\x04garbage")
@@ -101,13 +114,17 @@ def test_the_sharded_metadata_reader_reads_real_dcp_metadata(tmp_path):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
-        dcp.save({"model": {"w": torch.ones(3, 2)}, "optim": {"lr": 0.1, "step": torch.tensor(3.0)}}, checkpoint_id=str(tmp_path))
+        dcp.save(
+            {"model": {"w": torch.ones(3, 2)}, "optim": {"lr": 0.1, "step": torch.tensor(3.0)}},
+            checkpoint_id=str(tmp_path),
+        )
     metadata = sharded.read_metadata(tmp_path)
     assert "model.w" in metadata.state_dict_metadata
 
 
 def _global_call(module: str, name: str, arg: str) -> bytes:
     """A protocol-4 pickle calling `module`'s `name` (dotted names resolve attribute by attribute) on `arg`."""
+
     def text(t: str) -> bytes:
         return b"\x8c" + bytes([len(t.encode())]) + t.encode()
 
@@ -117,11 +134,22 @@ def _global_call(module: str, name: str, arg: str) -> bytes:
 _DCP = "torch.distributed.checkpoint.metadata"
 
 
-@pytest.mark.parametrize("module, name", [
-    (_DCP, "torch.os.system"), (_DCP, "os.system"), ("torch", "os.system"), ("torch.serialization", "os.system"),
-    ("torch.distributed.checkpoint.filesystem", "os.system"), ("collections", "OrderedDict.fromkeys"),
-    (_DCP, "os"), (_DCP, "field"), ("torch", "load"), ("os", "system"), ("builtins", "eval"),
-])
+@pytest.mark.parametrize(
+    "module, name",
+    [
+        (_DCP, "torch.os.system"),
+        (_DCP, "os.system"),
+        ("torch", "os.system"),
+        ("torch.serialization", "os.system"),
+        ("torch.distributed.checkpoint.filesystem", "os.system"),
+        ("collections", "OrderedDict.fromkeys"),
+        (_DCP, "os"),
+        (_DCP, "field"),
+        ("torch", "load"),
+        ("os", "system"),
+        ("builtins", "eval"),
+    ],
+)
 def test_a_dotted_or_unlisted_global_in_the_metadata_runs_nothing(tmp_path, module, name):
     marker = tmp_path / "pwned"
     acc, model, opt = _tiny()
@@ -156,7 +184,9 @@ def test_a_tampered_manifest_deletes_nothing_and_is_one_clear_error(tmp_path, en
     before = {p: p.read_bytes() for p in [user / "x", user / "step-00000001.pt", ck / "notes.txt"]}
     acc.backward(model(torch.randn(5, 4)).square().mean())
     opt.step()
-    with pytest.raises(ampkit.CheckpointError, match=r"ampkit-checkpoints.json lists .* which is not an ampkit checkpoint"):
+    with pytest.raises(
+        ampkit.CheckpointError, match=r"ampkit-checkpoints.json lists .* which is not an ampkit checkpoint"
+    ):
         acc.save_checkpoint(ck, keep=1)
     fresh, fmodel, fopt = _tiny(steps=0)
     snapshot = _snapshot(fmodel, fopt)
@@ -193,10 +223,12 @@ def test_a_second_live_writer_of_a_folder_is_refused(tmp_path):
     acc, model, opt = _tiny()
     ck = tmp_path / "ck"
     acc.save_checkpoint(ck)
-    code = ("import sys, torch, ampkit; from torch import nn; m = nn.Linear(2, 2); "
-            "o = torch.optim.SGD(m.parameters(), lr=0.1); a = ampkit.Accelerator(precision='fp32', device='cpu'); "
-            "m, o = a.prepare(m, o)\n"
-            "try:\n a.save_checkpoint(sys.argv[1])\nexcept ampkit.CheckpointError as e:\n print(e); sys.exit(3)")
+    code = (
+        "import sys, torch, ampkit; from torch import nn; m = nn.Linear(2, 2); "
+        "o = torch.optim.SGD(m.parameters(), lr=0.1); a = ampkit.Accelerator(precision='fp32', device='cpu'); "
+        "m, o = a.prepare(m, o)\n"
+        "try:\n a.save_checkpoint(sys.argv[1])\nexcept ampkit.CheckpointError as e:\n print(e); sys.exit(3)"
+    )
     done = subprocess.run([sys.executable, "-c", code, str(ck)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 3, done.stderr
     assert f"is being written by another process (pid {os.getpid()}" in done.stdout
@@ -208,8 +240,13 @@ def test_a_second_live_writer_of_a_folder_is_refused(tmp_path):
 
 # --- 2. ampkit deletes only what it wrote ----------------------------------------------------------
 def test_pruning_deletes_only_ampkits_own_checkpoints(tmp_path):
-    user_files = {"step-00000009.pt": b"mine", "step-7": b"mine too", ".draft.tmp-old": b"draft",
-                  ".report.tmp-999999": b"report", "notes.txt": b"notes"}
+    user_files = {
+        "step-00000009.pt": b"mine",
+        "step-7": b"mine too",
+        ".draft.tmp-old": b"draft",
+        ".report.tmp-999999": b"report",
+        "notes.txt": b"notes",
+    }
     for name, data in user_files.items():
         (tmp_path / name).write_bytes(data)
     (tmp_path / "step-00000003").mkdir()
@@ -252,17 +289,30 @@ def test_resume_never_falls_back_into_another_run(tmp_path):
     (tmp_path / "step-00000003.pt").write_bytes((old / "step-00000003.pt").read_bytes())
     newest.write_bytes(newest.read_bytes()[:100])  # this run's only checkpoint breaks
     fresh, _, _ = _tiny(steps=0)
-    with pytest.raises(ampkit.CheckpointError, match=r"no checkpoint in .* could be loaded .*step-00000002.pt: .*truncated or corrupt"):
+    with pytest.raises(
+        ampkit.CheckpointError, match=r"no checkpoint in .* could be loaded .*step-00000002.pt: .*truncated or corrupt"
+    ):
         with pytest.warns(UserWarning):
             fresh.resume(tmp_path)
 
 
 # --- 5. a failed load changes nothing ----------------------------------------------------------------
-@pytest.mark.parametrize("saved,loading,expected", [
-    (dict(optimizer="sgd"), dict(optimizer="adamw"), r"optimizer 0: it was saved from a SGD optimizer, this one is a AdamW"),
-    (dict(groups=2), dict(groups=1), r"optimizer 0: it has 2 parameter group\(s\), this optimizer has 1"),
-    (dict(precision="bf16-true"), dict(precision="bf16-true", optimizer="sgd"), r"SGD optimizer, this one is a AdamW|AdamW optimizer, this one is a SGD"),
-])
+@pytest.mark.parametrize(
+    "saved,loading,expected",
+    [
+        (
+            dict(optimizer="sgd"),
+            dict(optimizer="adamw"),
+            r"optimizer 0: it was saved from a SGD optimizer, this one is a AdamW",
+        ),
+        (dict(groups=2), dict(groups=1), r"optimizer 0: it has 2 parameter group\(s\), this optimizer has 1"),
+        (
+            dict(precision="bf16-true"),
+            dict(precision="bf16-true", optimizer="sgd"),
+            r"SGD optimizer, this one is a AdamW|AdamW optimizer, this one is a SGD",
+        ),
+    ],
+)
 def test_a_checkpoint_that_does_not_fit_changes_nothing(tmp_path, saved, loading, expected):
     acc, _, _ = _tiny(**saved)
     path = acc.save(tmp_path / "c.pt")
@@ -339,10 +389,17 @@ def test_saving_under_a_file_or_into_a_full_disk_is_a_checkpoint_error(tmp_path,
 
     monkeypatch.setattr(torch, "save", torn)
     acc.backward(torch.ones((), requires_grad=True) * 1.0)
-    with pytest.raises(ampkit.CheckpointError, match=r"could not write .*step-00000002.pt: .*the previous checkpoint is intact"):
+    with pytest.raises(
+        ampkit.CheckpointError, match=r"could not write .*step-00000002.pt: .*the previous checkpoint is intact"
+    ):
         acc.save_checkpoint(tmp_path / "ck")
     monkeypatch.setattr(torch, "save", real_save)
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["ampkit-checkpoints.json", "ampkit-checkpoints.lock", "latest", first.name]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
+        "ampkit-checkpoints.json",
+        "ampkit-checkpoints.lock",
+        "latest",
+        first.name,
+    ]
 
 
 def test_a_truncated_or_flipped_first_byte_file_is_called_corrupt_not_pickled(tmp_path):

@@ -101,7 +101,9 @@ def test_bad_input():
         compare(task="mnist", device="cpu", show=False)
     with pytest.raises(ampkit.PrecisionError, match=r"unknown precision\(s\) \['fp8'\]"):
         compare(task="iris-mlp", precisions=["fp32", "fp8"], device="cpu", show=False)
-    with pytest.raises(TypeError, match=r"cannot be sent to a fresh process .*define it at module level .*or pass isolate=False"):
+    with pytest.raises(
+        TypeError, match=r"cannot be sent to a fresh process .*define it at module level .*or pass isolate=False"
+    ):
         compare(lambda acc: {}, ["fp32"], device="cpu", show=False)
     with pytest.raises(ValueError, match=r"needs exactly one of train_fn=... or task='...'"):
         compare(device="cpu", show=False)
@@ -121,8 +123,8 @@ def test_default_precisions_follow_the_hardware(monkeypatch):
 def test_report_files_from_a_real_comparison(tmp_path, capsys):
     import json
 
-    from ampkit.doctor import validate_numerics
     from ampkit.compare import validate_report
+    from ampkit.doctor import validate_numerics
 
     out = tmp_path / "report"
     compare(task="iris-mlp", precisions=["fp32", "fp16-mixed"], steps=15, device="cpu", out=out)
@@ -144,16 +146,24 @@ def test_report_files_from_a_real_comparison(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "fp16-mixed" in printed and "baseline" in printed
     # the runs took turns: a warm-up chunk, then 4 timed rounds each, announced with an estimate
-    assert printed.index("fp32 (15 steps), fp16-mixed (15 steps): 4 rounds taking turns, about ") < printed.index("Verdict")
+    assert printed.index("fp32 (15 steps), fp16-mixed (15 steps): 4 rounds taking turns, about ") < printed.index(
+        "Verdict"
+    )
     assert report["plan"].startswith("fp32 (15 steps), fp16-mixed (15 steps): 4 rounds")
-    assert all(len(r["round_step_times_s"]) == 4 and all(t > 0 for t in r["round_step_times_s"]) for r in report["runs"])
+    assert all(
+        len(r["round_step_times_s"]) == 4 and all(t > 0 for t in r["round_step_times_s"]) for r in report["runs"]
+    )
     assert 0 < fp16["speedup_low"] <= fp16["speedup_vs_baseline"] <= fp16["speedup_high"]  # the paired rounds' 95% CI
     assert report["runs"][0]["speedup_low"] is None and fp16["rounds_interleaved"] is True
     load = report["machine"]["load"]  # the shared load check, looked at before and after the runs
     assert load["cores"] >= 1 and load["matmul_slowdown"] >= 1 and isinstance(load["busy"], bool)
     params = list(ampkit.tasks.get_task("iris-mlp").make_model(0).parameters())
     weights = 4 * sum(p.numel() for p in params)  # fp32; AdamW keeps two moments and a step count per tensor
-    assert fp16["memory_parts"] == {"weights": weights, "gradients": weights, "optimizer state": 2 * weights + 4 * len(params)}
+    assert fp16["memory_parts"] == {
+        "weights": weights,
+        "gradients": weights,
+        "optimizer state": 2 * weights + 4 * len(params),
+    }
     # each run has a numerics block (a separate pass: the figures above are the plain run's)
     for run in report["runs"]:
         numerics = run["numerics"]
@@ -189,8 +199,25 @@ def test_the_default_comparison_measures_its_own_noise_and_recommends_from_it(mo
 def test_cli_compare(tmp_path, capsys):
     from ampkit.cli import main
 
-    assert main(["compare", "--task", "iris-mlp", "--steps", "5", "--precisions", "fp32", "--out", str(tmp_path / "r"), "--device", "cpu",
-                 "--no-numerics"]) == 0
+    assert (
+        main(
+            [
+                "compare",
+                "--task",
+                "iris-mlp",
+                "--steps",
+                "5",
+                "--precisions",
+                "fp32",
+                "--out",
+                str(tmp_path / "r"),
+                "--device",
+                "cpu",
+                "--no-numerics",
+            ]
+        )
+        == 0
+    )
     assert (tmp_path / "r" / "report.html").exists()
     assert json.loads((tmp_path / "r" / "report.json").read_text())["runs"][0]["numerics"] is None
     assert main(["compare", "--task", "nope"]) == 2
@@ -247,8 +274,25 @@ def test_an_out_that_cannot_be_written_is_refused_before_any_training(tmp_path, 
     a_file = tmp_path / "a_file"
     a_file.write_text("the user's")
     for out in (a_file, a_file / "report"):  # a file; a folder that cannot be made
-        assert main(["compare", "--task", "iris-mlp", "--steps", "5", "--precisions", "fp32", "--out", str(out),
-                     "--device", "cpu", "--no-numerics"]) == 2
+        assert (
+            main(
+                [
+                    "compare",
+                    "--task",
+                    "iris-mlp",
+                    "--steps",
+                    "5",
+                    "--precisions",
+                    "fp32",
+                    "--out",
+                    str(out),
+                    "--device",
+                    "cpu",
+                    "--no-numerics",
+                ]
+            )
+            == 2
+        )
         printed = capsys.readouterr()
         assert printed.out == ""  # no progress bar, no table: nothing was trained
         assert printed.err.startswith("ampkit compare: cannot write the report into ") and printed.err.count("\n") == 1
@@ -258,7 +302,6 @@ def test_an_out_that_cannot_be_written_is_refused_before_any_training(tmp_path, 
 
 def test_resume_with_a_corrupt_finished_run_names_the_file(tmp_path, capsys):
     from ampkit.cli import main
-
     from ampkit.files import OwnedFiles
 
     record = tmp_path / "r" / ".compare" / "fp32.json"
@@ -266,8 +309,26 @@ def test_resume_with_a_corrupt_finished_run_names_the_file(tmp_path, capsys):
     record.parent.mkdir(parents=True)
     for content in ('{"precision": "fp32", "sta', "[]"):
         record.write_text(content)
-        assert main(["compare", "--task", "iris-mlp", "--steps", "5", "--precisions", "fp32", "--out",
-                     str(tmp_path / "r"), "--device", "cpu", "--no-numerics", "--resume"]) == 2
+        assert (
+            main(
+                [
+                    "compare",
+                    "--task",
+                    "iris-mlp",
+                    "--steps",
+                    "5",
+                    "--precisions",
+                    "fp32",
+                    "--out",
+                    str(tmp_path / "r"),
+                    "--device",
+                    "cpu",
+                    "--no-numerics",
+                    "--resume",
+                ]
+            )
+            == 2
+        )
         printed = capsys.readouterr()
         assert printed.out == "" and printed.err.count("\n") == 1
         assert f"cannot resume: {record} is not a finished run's record" in printed.err and "delete it" in printed.err
@@ -278,8 +339,16 @@ def test_compare_inference_adds_the_exports_section_to_the_report(tmp_path):
     import json
 
     out = tmp_path / "report"
-    compare(task="iris-mlp", precisions=["fp32"], steps=10, device="cpu", out=out, numerics=False, inference=True,
-            show=False)
+    compare(
+        task="iris-mlp",
+        precisions=["fp32"],
+        steps=10,
+        device="cpu",
+        out=out,
+        numerics=False,
+        inference=True,
+        show=False,
+    )
     rows = json.loads((out / "inference.json").read_text())["rows"]
     assert {(r["precision"], r["backend"]) for r in rows} >= {("fp32", "torch"), ("int8", "onnx")}
     html = (out / "report.html").read_text()

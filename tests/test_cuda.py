@@ -9,10 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-import ampkit
 from torch import nn
 
+import ampkit
 from conftest import assert_bitwise_equal, make_loader, make_model, params_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

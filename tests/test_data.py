@@ -23,7 +23,11 @@ class Batch:
 
 
 def test_nested_structures_keep_their_types():
-    batch = {"a": [torch.ones(1), (torch.zeros(1), 3)], "p": Pair(torch.ones(2), "s"), "d": Batch(torch.ones(3), {"m": torch.ones(1)})}
+    batch = {
+        "a": [torch.ones(1), (torch.zeros(1), 3)],
+        "p": Pair(torch.ones(2), "s"),
+        "d": Batch(torch.ones(3), {"m": torch.ones(1)}),
+    }
     moved = move_to_device(batch, torch.device("cpu"))
     assert isinstance(moved["p"], Pair) and moved["p"].y == "s"
     assert isinstance(moved["d"], Batch) and isinstance(moved["d"].meta["m"], torch.Tensor)

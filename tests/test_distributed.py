@@ -23,7 +23,17 @@ _GLOO_ABORT = "terminate called without an active exception"
 
 def torchrun(mode: str, out: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *extra, str(SCRIPT), mode, str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        *extra,
+        str(SCRIPT),
+        mode,
+        str(out),
+    ]
     env = {**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})}  # a C++ abort shows its Python stack
     start = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
@@ -67,7 +77,10 @@ def test_a_converted_scripts_leftover_ddp_is_refused_and_its_own_no_sync_is_resp
     torchrun("script-ddp", tmp_path)
     for r in ranks(tmp_path):
         errors = r["errors"]
-        assert "the prepared model runs inside another DistributedDataParallel: under torchrun ampkit wraps" in errors["nested"]
+        assert (
+            "the prepared model runs inside another DistributedDataParallel: under torchrun ampkit wraps"
+            in errors["nested"]
+        )
         assert errors["prewrapped"].startswith("prepare() got a model already wrapped in DistributedDataParallel")
         assert "strategy='none'" in errors["nested"]
         assert r["allreduces"] == 4  # one per optimizer step: the script's no-sync micro-steps did not sync
@@ -94,9 +107,16 @@ def test_only_rank_0_writes_files_and_prints(tmp_path):
     proc = torchrun("files", tmp_path)
     r0, r1 = ranks(tmp_path)
     assert r1["writes"] == []
-    assert len(r0["writes"]) == 6  # 10 batches per rank, a checkpoint every 4 steps: 2 files + 2 manifests + 2 `latest` markers
+    assert (
+        len(r0["writes"]) == 6
+    )  # 10 batches per rank, a checkpoint every 4 steps: 2 files + 2 manifests + 2 `latest` markers
     assert proc.stdout.count("saved at step") == 2 and "by rank 1" not in proc.stdout
-    assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == ["ampkit-checkpoints.json", "latest", "step-00000004.pt", "step-00000008.pt"]
+    assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == [
+        "ampkit-checkpoints.json",
+        "latest",
+        "step-00000004.pt",
+        "step-00000008.pt",
+    ]
 
 
 def test_a_killed_worker_restarts_resumes_and_finishes_like_an_uninterrupted_run(tmp_path):
@@ -130,7 +150,9 @@ def test_fsdp2_trains_checkpoints_shards_and_resumes_bitwise(tmp_path):
     acc = ampkit.Accelerator(precision="fp16-mixed", device="cpu")
     m = model()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    m, opt, _ = acc.prepare(m, opt, DataLoader(data(), batch_size=B, shuffle=True, generator=torch.Generator().manual_seed(3)))
+    m, opt, _ = acc.prepare(
+        m, opt, DataLoader(data(), batch_size=B, shuffle=True, generator=torch.Generator().manual_seed(3))
+    )
     with pytest.warns(UserWarning, match=r"saved by 2 rank\(s\) and is resumed by 1"):
         acc.resume(tmp_path / "run" / "ckpts")
     assert_bitwise_equal([p.detach() for p in m.parameters()], crashed[0]["weights"])

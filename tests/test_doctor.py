@@ -32,8 +32,9 @@ from ampkit.accelerator import Accelerator
 from ampkit.cli import main
 from ampkit.doctor import (
     DOCTOR_SCHEMA,
-    DoctorError,
     GPUS,
+    DoctorError,
+    advisor,
     diagnose_script,
     diagnose_task,
     find_gpu,
@@ -42,11 +43,9 @@ from ampkit.doctor import (
     render_html_section,
     validate_result,
 )
-from ampkit.doctor import advisor
 from ampkit.doctor.ops import KernelOp, OpStats, is_kernel
 from ampkit.doctor.sync import SYNC_METHODS, SyncWatcher
 from ampkit.optim import AmpOptimizer
-
 from conftest import make_loader, make_model
 
 SCRIPTS = Path(__file__).parent / "doctor_scripts"
@@ -65,11 +64,18 @@ def _patched_state() -> tuple:
     """Everything the doctor hooks into while it watches, to check that it takes it all off."""
     return (
         tuple(torch.Tensor.__dict__.get(name) for name in SYNC_METHODS),
-        Accelerator.__init__, Accelerator.backward, AmpOptimizer.step, AmpOptimizer.zero_grad,
-        ampkit.data.DeviceLoader.__iter__, ampkit.data.move_to_device,
-        len(nn.modules.module._global_forward_pre_hooks), len(nn.modules.module._global_forward_hooks),
+        Accelerator.__init__,
+        Accelerator.backward,
+        AmpOptimizer.step,
+        AmpOptimizer.zero_grad,
+        ampkit.data.DeviceLoader.__iter__,
+        ampkit.data.move_to_device,
+        len(nn.modules.module._global_forward_pre_hooks),
+        len(nn.modules.module._global_forward_hooks),
         torch._C._len_torch_function_stack(),  # the sync watcher's mode is gone
-        len(warnings.filters), list(sys.argv), list(sys.path),
+        len(warnings.filters),
+        list(sys.argv),
+        list(sys.path),
     )
 
 
@@ -87,6 +93,7 @@ def item_result():
 
 
 # ----- the planted problems ----------------------------------------------------------------------
+
 
 def test_a_planted_item_per_step_is_found_with_its_file_and_line(item_result):
     line = _line_of(ITEM_SCRIPT, "doctor: planted sync")
@@ -133,6 +140,7 @@ def test_the_tiny_lm_is_not_overhead_bound_and_a_gpu_would_beat_this_cpu():
 
 
 # ----- the contract ------------------------------------------------------------------------------
+
 
 def test_json_validates_against_the_schema(capsys):
     assert main(["doctor", "--task", "iris-mlp", "--steps", "4", "--warmup", "1", "--json", "--gpu", "T4"]) == 0
@@ -236,6 +244,7 @@ def test_the_profilers_log_lines_stay_off_stderr_and_other_stderr_output_is_kept
 
 # ----- running user code -------------------------------------------------------------------------
 
+
 def test_everything_patched_is_restored_after_a_run(item_result):
     before = _patched_state()
     with created_accelerators() as accs:
@@ -247,9 +256,12 @@ def test_everything_patched_is_restored_after_a_run(item_result):
 
 def test_a_script_that_raises_is_reraised_and_everything_is_restored(tmp_path):
     script = tmp_path / "crash.py"
-    script.write_text(ITEM_SCRIPT.read_text().replace(
-        "        losses.append(loss.item())  # doctor: planted sync",
-        "        if len(losses) == 3:\n            raise RuntimeError('boom at step 3')\n        losses.append(0.0)"))
+    script.write_text(
+        ITEM_SCRIPT.read_text().replace(
+            "        losses.append(loss.item())  # doctor: planted sync",
+            "        if len(losses) == 3:\n            raise RuntimeError('boom at step 3')\n        losses.append(0.0)",
+        )
+    )
     before = _patched_state()
     with pytest.raises(RuntimeError, match="boom at step 3"), created_accelerators() as accs:
         diagnose_script(script, steps=20, warmup=1, bench=False)
@@ -281,13 +293,16 @@ def test_errors_repeat_what_was_passed(tmp_path):
         diagnose_script(ITEM_SCRIPT, steps=0)
 
 
-@pytest.mark.parametrize("args, message", [
-    ([], "give a script to run"),
-    (["--task", "iris-mlp", "train.py"], "not both"),
-    (["--precision", "bf16-mixed", "train.py"], "are for --task"),
-    (["missing.py"], "script 'missing.py' not found"),
-    (["--task", "iris-mlp", "--gpu", "P100"], "gpu='P100' is not in the doctor's table"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "give a script to run"),
+        (["--task", "iris-mlp", "train.py"], "not both"),
+        (["--precision", "bf16-mixed", "train.py"], "are for --task"),
+        (["missing.py"], "script 'missing.py' not found"),
+        (["--task", "iris-mlp", "--gpu", "P100"], "gpu='P100' is not in the doctor's table"),
+    ],
+)
 def test_cli_errors(capsys, args, message):
     assert main(["doctor", *args]) == 2
     assert message in capsys.readouterr().err
@@ -318,7 +333,9 @@ def test_cli_a_script_that_fails_shows_its_traceback_and_says_it_failed(tmp_path
 
 def test_cli_a_missing_script_is_still_ampkits_one_line_error(capsys):
     assert main(["doctor", "no/such/train.py"]) == 2
-    assert capsys.readouterr().err.splitlines() == [f"ampkit doctor: script 'no/such/train.py' not found (from {Path.cwd()})"]
+    assert capsys.readouterr().err.splitlines() == [
+        f"ampkit doctor: script 'no/such/train.py' not found (from {Path.cwd()})"
+    ]
 
 
 def test_profile_watches_a_running_loop_without_stopping_it():
@@ -342,6 +359,7 @@ def test_profile_watches_a_running_loop_without_stopping_it():
 
 # ----- the parts -------------------------------------------------------------------------------------
 
+
 def test_sync_watcher_names_each_read_once_at_the_users_line():
     watcher = SyncWatcher(torch.device("cpu"))
     watcher.install()
@@ -359,9 +377,17 @@ def test_sync_watcher_names_each_read_once_at_the_users_line():
     here = Path(__file__).resolve()
     got = sorted((s.line, s.call) for s in watcher.sites if Path(s.file).resolve() == here)
     source = here.read_text().splitlines()
-    expected = sorted((i, call) for call, marker in [("__float__", "# read: float"), ("__repr__", "# read: print"),
-                                                       ("__format__", "# read: format"), ("item", "# read: item")]
-                      for i, line in enumerate(source, 1) if line.strip().endswith(marker))
+    expected = sorted(
+        (i, call)
+        for call, marker in [
+            ("__float__", "# read: float"),
+            ("__repr__", "# read: print"),
+            ("__format__", "# read: format"),
+            ("item", "# read: item"),
+        ]
+        for i, line in enumerate(source, 1)
+        if line.strip().endswith(marker)
+    )
     assert got == expected
     assert sum(watcher.sites.values()) == 4
     assert not any(name in torch.Tensor.__dict__ for name in ("item", "__float__", "tolist", "cpu"))
@@ -382,16 +408,19 @@ def test_reads_inside_ampkit_are_reported_at_the_users_line_with_via():
     assert site.via is not None and site.via.startswith("ampkit/metrics.py:")
 
 
-@pytest.mark.parametrize("name, overload, kernel", [
-    ("aten::addmm", "", True),  # a backend kernel
-    ("aten::copy_", "", True),  # CompositeExplicitAutograd: still does the copy
-    ("aten::add_", "Tensor", True),
-    ("aten::linear", "", False),  # decomposes into addmm
-    ("aten::view", "", False),  # a view: no work
-    ("aten::t", "", False),
-    ("aten::empty_strided", "", False),  # an allocation
-    ("autograd::engine::evaluate_function: AddmmBackward0", "", False),  # not an operator
-])
+@pytest.mark.parametrize(
+    "name, overload, kernel",
+    [
+        ("aten::addmm", "", True),  # a backend kernel
+        ("aten::copy_", "", True),  # CompositeExplicitAutograd: still does the copy
+        ("aten::add_", "Tensor", True),
+        ("aten::linear", "", False),  # decomposes into addmm
+        ("aten::view", "", False),  # a view: no work
+        ("aten::t", "", False),
+        ("aten::empty_strided", "", False),  # an allocation
+        ("autograd::engine::evaluate_function: AddmmBackward0", "", False),  # not an operator
+    ],
+)
 def test_kernel_ops_are_the_ones_that_do_work(name, overload, kernel):
     assert is_kernel(name, overload) is kernel
 
@@ -430,9 +459,12 @@ def test_the_gpu_table_is_complete_and_sourced():
 
 # ----- on a GPU ------------------------------------------------------------------------------------
 
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="needs CUDA: syncs counted by torch.cuda.set_sync_debug_mode, kernels by the profiler")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs CUDA: syncs counted by torch.cuda.set_sync_debug_mode, kernels by the profiler",
+)
 def test_on_cuda_the_sync_debugger_and_the_profilers_kernels_are_used():
     result = diagnose_script(ITEM_SCRIPT, ["--epochs", "50"], steps=6, warmup=2, bench=False)
     assert result["device"]["device"].startswith("cuda")

@@ -60,7 +60,9 @@ def test_a_warm_up_from_a_learning_rate_of_zero_loses_no_updates(precision):
 
 def test_the_lost_update_remedy_is_never_the_preset_in_use():
     assert lost_update_fix("bf16-true", "bfloat16", "compensated") == (
-        "use bf16-master", "use precision='bf16-master' (fp32 master weights)")
+        "use bf16-master",
+        "use precision='bf16-master' (fp32 master weights)",
+    )
     assert lost_update_fix("bf16-plain", "bfloat16", "param")[0] == "use bf16-master or bf16-true"
     assert lost_update_fix("bf16-master", "bfloat16", "master")[0] == "a larger learning rate"
     assert lost_update_fix("fp16-master", "float16", "master")[0] == "a larger learning rate"
@@ -104,8 +106,10 @@ def test_evaluation_reads_are_reported_apart_from_the_training_steps_and_host_te
     assert syncs["per_step"] == pytest.approx(1.0)  # the training step's own reads only
     titles = [f["title"] for f in session.result["findings"] if f["id"] == "sync"]
     assert any(t.startswith("1 sync per step at ") for t in titles)
-    assert any(t.startswith("3 reads in 1 of 5 watched steps at ") or t.startswith("6 reads in 2 of 5 watched steps at ")
-               for t in titles), titles
+    assert any(
+        t.startswith("3 reads in 1 of 5 watched steps at ") or t.startswith("6 reads in 2 of 5 watched steps at ")
+        for t in titles
+    ), titles
 
 
 def test_a_script_without_a_prepared_optimizer_is_told_within_the_first_steps():
@@ -113,8 +117,11 @@ def test_a_script_without_a_prepared_optimizer_is_told_within_the_first_steps():
     model = acc.prepare(Deep())
     DoctorSession(acc, steps=5, warmup=0, stop=True, bench=False)
     seen = 0
-    with pytest.raises(DoctorError, match=r"3 backward passes ran and no optimizer was prepared: .*"
-                                          r"model, optimizer = acc.prepare\(model, optimizer\)"):
+    with pytest.raises(
+        DoctorError,
+        match=r"3 backward passes ran and no optimizer was prepared: .*"
+        r"model, optimizer = acc.prepare\(model, optimizer\)",
+    ):
         for x, y in data(50):
             acc.backward(F.cross_entropy(model(x), y))
             seen += 1
@@ -122,8 +129,15 @@ def test_a_script_without_a_prepared_optimizer_is_told_within_the_first_steps():
 
 
 def test_the_header_shows_a_long_argument_list_on_one_line_cut():
-    argv = ["--batch_size=12", "--compile=False", "--eval_iters=20", "--log_interval=1", "--block_size=64",
-            "--n_layer=4", "--note=two\nlines"]
+    argv = [
+        "--batch_size=12",
+        "--compile=False",
+        "--eval_iters=20",
+        "--log_interval=1",
+        "--block_size=64",
+        "--n_layer=4",
+        "--note=two\nlines",
+    ]
     line = subject_line({"kind": "script", "name": "train.py", "argv": argv})
     assert "\n" not in line and line.startswith("train.py --batch_size=12 --compile=False")
     assert line.endswith("…") and len(line) <= len("train.py ") + 60

@@ -12,26 +12,48 @@ from conftest import make_loader, make_model
 
 
 def test_unknown_preset_lists_the_valid_ones():
-    with pytest.raises(ampkit.PrecisionError, match=r"unknown precision 'fp8'; choose one of: fp32, bf16-mixed, fp16-mixed, fp16-master, bf16-master, bf16-true, fp8-mixed, auto"):
+    with pytest.raises(
+        ampkit.PrecisionError,
+        match=r"unknown precision 'fp8'; choose one of: fp32, bf16-mixed, fp16-mixed, fp16-master, bf16-master, bf16-true, fp8-mixed, auto",
+    ):
         ampkit.Accelerator(precision="fp8", device="cpu")
 
 
 def test_preset_the_device_cannot_run_names_device_support_and_nearest(monkeypatch):
-    no_bf16 = Support("Tesla V100 (compute capability 7.0)", bf16_runs=False, bf16_fast=False, fp16_runs=True, fp16_fast=True, source="CUDA compute capability")
+    no_bf16 = Support(
+        "Tesla V100 (compute capability 7.0)",
+        bf16_runs=False,
+        bf16_fast=False,
+        fp16_runs=True,
+        fp16_fast=True,
+        source="CUDA compute capability",
+    )
     monkeypatch.setattr("ampkit.precision.capability", lambda device: no_bf16)
-    with pytest.raises(ampkit.PrecisionError, match=r"'bf16-true' needs bf16, which Tesla V100 \(compute capability 7.0\) cannot run .*supports: fp32, fp16-mixed, fp16-master. Nearest that works: 'fp16-mixed'"):
+    with pytest.raises(
+        ampkit.PrecisionError,
+        match=r"'bf16-true' needs bf16, which Tesla V100 \(compute capability 7.0\) cannot run .*supports: fp32, fp16-mixed, fp16-master. Nearest that works: 'fp16-mixed'",
+    ):
         ampkit.Accelerator(precision="bf16-true", device="cpu")
 
 
 def test_fp16_on_a_cpu_without_fp16_instructions_warns(monkeypatch):
-    monkeypatch.setattr("ampkit.hardware.cpu_flags", lambda: {"avx512_bf16": True, "amx_bf16": False, "avx512_fp16": False, "amx_fp16": False})
-    with pytest.warns(UserWarning, match=r"'fp16-mixed' on CPU \(avx512_bf16\): this CPU has no fp16 instructions, so it runs far slower than fp32"):
+    monkeypatch.setattr(
+        "ampkit.hardware.cpu_flags",
+        lambda: {"avx512_bf16": True, "amx_bf16": False, "avx512_fp16": False, "amx_fp16": False},
+    )
+    with pytest.warns(
+        UserWarning,
+        match=r"'fp16-mixed' on CPU \(avx512_bf16\): this CPU has no fp16 instructions, so it runs far slower than fp32",
+    ):
         ampkit.Accelerator(precision="fp16-mixed", device="cpu")
 
 
 def test_prepare_of_an_unsupported_object():
     acc = ampkit.Accelerator(precision="fp32", device="cpu")
-    with pytest.raises(TypeError, match=r"prepare\(\) argument 1 is a builtins.dict; expected an nn.Module, a torch.optim.Optimizer, a torch.utils.data.DataLoader or a torch LR scheduler"):
+    with pytest.raises(
+        TypeError,
+        match=r"prepare\(\) argument 1 is a builtins.dict; expected an nn.Module, a torch.optim.Optimizer, a torch.utils.data.DataLoader or a torch LR scheduler",
+    ):
         acc.prepare(make_model(), {"lr": 0.1})
 
 
@@ -49,7 +71,10 @@ def test_loss_backward_instead_of_acc_backward_is_caught():
     model, opt = acc.prepare(model, opt)
     x, y = next(iter(make_loader()))
     F.cross_entropy(model(x), y).backward()
-    with pytest.raises(ampkit.StepOrderError, match=r"optimizer.step\(\) was called but acc.backward\(loss\) has not run since the last optimizer step: replace loss.backward\(\) with acc.backward\(loss\)"):
+    with pytest.raises(
+        ampkit.StepOrderError,
+        match=r"optimizer.step\(\) was called but acc.backward\(loss\) has not run since the last optimizer step: replace loss.backward\(\) with acc.backward\(loss\)",
+    ):
         opt.step()
 
 
@@ -79,13 +104,20 @@ def test_clip_before_backward_and_backward_after_clip_are_caught():
         acc.backward(F.cross_entropy(model(x), y))
 
 
-@pytest.mark.parametrize("kwargs,error,message", [
-    (dict(grad_accum_steps=0), ValueError, r"grad_accum_steps=0: expected an integer >= 1"),
-    (dict(device="tpu"), ValueError, r"device='tpu'"),
-    (dict(device="cuda:0"), ValueError, r"device='cuda:0' but CUDA is not available here"),
-    (dict(precision="bf16-mixed", scaler=ampkit.LossScaler()), ampkit.PrecisionError, r"precision 'bf16-mixed' does not scale the loss"),
-    (dict(precision=16), ampkit.PrecisionError, r"precision=16 must be a preset name or an ampkit.Precision"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        (dict(grad_accum_steps=0), ValueError, r"grad_accum_steps=0: expected an integer >= 1"),
+        (dict(device="tpu"), ValueError, r"device='tpu'"),
+        (dict(device="cuda:0"), ValueError, r"device='cuda:0' but CUDA is not available here"),
+        (
+            dict(precision="bf16-mixed", scaler=ampkit.LossScaler()),
+            ampkit.PrecisionError,
+            r"precision 'bf16-mixed' does not scale the loss",
+        ),
+        (dict(precision=16), ampkit.PrecisionError, r"precision=16 must be a preset name or an ampkit.Precision"),
+    ],
+)
 def test_bad_accelerator_arguments(kwargs, error, message):
     if "cuda" in str(kwargs.get("device")) and torch.cuda.is_available():
         pytest.skip("CUDA is available here")
@@ -101,7 +133,10 @@ def test_bad_scaler_arguments():
 
 def test_keep_fp32_typo_lists_module_names():
     acc = ampkit.Accelerator(precision="bf16-mixed", device="cpu", keep_fp32=["haed"])
-    with pytest.raises(ValueError, match=r"keep_fp32=\['haed'\]: \['haed'\] matched no module of Sequential; its modules are named like: 0, 1, 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"keep_fp32=\['haed'\]: \['haed'\] matched no module of Sequential; its modules are named like: 0, 1, 2",
+    ):
         acc.prepare(make_model())
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import ampkit
-from ampkit.export import ExportError, Exported, export, load
+from ampkit.export import Exported, ExportError, export, load
 from ampkit.tasks import get_task
 from conftest import make_loader, make_model
 
@@ -54,8 +54,10 @@ def digits():
 
 
 def _both(digits, precision: str, folder: Path) -> dict[str, Exported]:
-    return {b: export(digits[1], digits[2].eval_inputs[:8], precision, b, folder / f"m{s}")
-            for b, s in (("torch", ".pt2"), ("onnx", ".onnx"))}
+    return {
+        b: export(digits[1], digits[2].eval_inputs[:8], precision, b, folder / f"m{s}")
+        for b, s in (("torch", ".pt2"), ("onnx", ".onnx"))
+    }
 
 
 @pytest.fixture(scope="module")
@@ -105,12 +107,19 @@ def test_int8_accuracy_within_one_point(digits, fp32_exports, int8_exports, back
 def test_saved_export_loads_in_a_fresh_process(digits, int8_exports, tmp_path):
     x = digits[2].eval_inputs[:32]
     torch.save(x, tmp_path / "x.pt")
-    code = ("import sys, torch; from ampkit.export import load\n"
-            "x = torch.load(sys.argv[1], weights_only=True)\n"
-            "torch.save([load(p).run(x) for p in sys.argv[3:]], sys.argv[2])")
+    code = (
+        "import sys, torch; from ampkit.export import load\n"
+        "x = torch.load(sys.argv[1], weights_only=True)\n"
+        "torch.save([load(p).run(x) for p in sys.argv[3:]], sys.argv[2])"
+    )
     paths = [str(int8_exports[b].path) for b in ("torch", "onnx")]
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "x.pt"), str(tmp_path / "y.pt"), *paths],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": SRC}, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "x.pt"), str(tmp_path / "y.pt"), *paths],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": SRC},
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     for backend, y in zip(("torch", "onnx"), torch.load(tmp_path / "y.pt", weights_only=True)):
         assert torch.equal(y, int8_exports[backend].run(x)), backend
@@ -139,7 +148,9 @@ def test_export_from_bf16_true_takes_the_fp32_truth():
     with torch.no_grad():
         torch.testing.assert_close(served.run(x), plain(x), rtol=0, atol=0)
         assert not torch.equal(served.run(x), rounded_model(x))
-        torch.testing.assert_close(acc.export(model, x, "fp32").run(x), plain(x), rtol=0, atol=0)  # the same, as a method
+        torch.testing.assert_close(
+            acc.export(model, x, "fp32").run(x), plain(x), rtol=0, atol=0
+        )  # the same, as a method
     with pytest.raises(ExportError, match="pass acc="):
         export(model, x, "fp32", "torch")
 

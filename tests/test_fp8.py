@@ -10,8 +10,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from pathlib import Path
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,9 +95,13 @@ def test_the_rule_converts_exactly_the_layers_it_names():
     assert {n: p for n, p in model.named_parameters()} == params  # the same parameter objects, same names
     reason = acc.policy.reason
     assert reason.startswith("requested; fp8 (torchao tensorwise, emulated): 2 of 9 Linear layers run in fp8"), reason
-    for expected in ("2 the model's first or last Linear (stem, head)", "2 in/out features not multiples of 16 (odd, back)",
-                     "1 in·out features under 4,096 (small)", "1 kept in fp32 (keep_fp32) (kept.0)",
-                     "1 a NonDynamicallyQuantizableLinear, not nn.Linear itself (attn.out_proj)"):
+    for expected in (
+        "2 the model's first or last Linear (stem, head)",
+        "2 in/out features not multiples of 16 (odd, back)",
+        "1 in·out features under 4,096 (small)",
+        "1 kept in fp32 (keep_fp32) (kept.0)",
+        "1 a NonDynamicallyQuantizableLinear, not nn.Linear itself (attn.out_proj)",
+    ):
         assert expected in reason, reason
     x = torch.randn(4, 5, 64)
     model(x).float().sum().backward()  # the kept and the fp8 layers run and get gradients
@@ -106,12 +110,21 @@ def test_the_rule_converts_exactly_the_layers_it_names():
 
 def test_the_default_threshold_is_a_2048_square_weight():
     with torch.device("meta"):
-        model = nn.Sequential(nn.Linear(16, 2048), nn.Linear(2048, 1024), nn.Linear(1024, 2048),
-                              nn.Linear(2048, 2048), nn.Linear(2048, 16))
+        model = nn.Sequential(
+            nn.Linear(16, 2048),
+            nn.Linear(2048, 1024),
+            nn.Linear(1024, 2048),
+            nn.Linear(2048, 2048),
+            nn.Linear(2048, 16),
+        )
     assert MIN_WEIGHT == 2048 * 2048
-    assert choose_layers(model) == {"0": "the model's first or last Linear", "1": f"in·out features under {MIN_WEIGHT:,}",
-                                    "2": f"in·out features under {MIN_WEIGHT:,}", "3": None,
-                                    "4": "the model's first or last Linear"}
+    assert choose_layers(model) == {
+        "0": "the model's first or last Linear",
+        "1": f"in·out features under {MIN_WEIGHT:,}",
+        "2": f"in·out features under {MIN_WEIGHT:,}",
+        "3": None,
+        "4": "the model's first or last Linear",
+    }
 
 
 def test_a_tiny_lm_at_the_default_threshold_runs_no_layer_in_fp8():
@@ -140,7 +153,10 @@ def test_fp8_mixed_trains_tiny_lm_like_bf16_mixed(one_thread, steps):
 def test_rowwise_recipe_converts_with_rowwise_scales_and_trains(one_thread):
     acc, model, opt = prepared("fp8-mixed", fp8_recipe="rowwise")
     layer = model.blocks[0].mlp[0]
-    assert isinstance(layer, Float8Linear) and "axiswise" in str(layer.config.cast_config_weight.scaling_granularity).lower()
+    assert (
+        isinstance(layer, Float8Linear)
+        and "axiswise" in str(layer.config.cast_config_weight.scaling_granularity).lower()
+    )
     assert "torchao rowwise, emulated" in acc.policy.reason
     losses = run(acc, model, opt, batches(4))
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
@@ -155,7 +171,9 @@ def test_resume_is_bitwise_with_accumulation_and_clipping(tmp_path, one_thread):
     acc, model, opt = prepared("fp8-mixed", grad_accum_steps=2, divide_loss=True)
     first = run(acc, model, opt, data[:5], clip=1.0)  # stops mid accumulation cycle
     acc.save(tmp_path / "ckpt.pt")
-    acc, model, opt = prepared("fp8-mixed", seed=1, grad_accum_steps=2, divide_loss=True)  # other initial weights: all must come from the file
+    acc, model, opt = prepared(
+        "fp8-mixed", seed=1, grad_accum_steps=2, divide_loss=True
+    )  # other initial weights: all must come from the file
     acc.load(tmp_path / "ckpt.pt")
     rest = run(acc, model, opt, data[5:], clip=1.0)
     assert first + rest == full
@@ -210,8 +228,17 @@ def test_two_cpu_ranks_train_fp8_replicas_in_step(tmp_path, strategy):
     """DDP, and FSDP2 with the Float8Linear weights sharded: the ranks end with the same full weights."""
     script = tmp_path / "fp8_ddp.py"
     script.write_text(DDP_SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), str(tmp_path),
-           str(Path(__file__).parent), strategy]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(script),
+        str(tmp_path),
+        str(Path(__file__).parent),
+        strategy,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
@@ -232,26 +259,59 @@ def test_fp8_on_a_cpu_without_emulation_says_why_and_what_works():
         ampkit.Accelerator("fp8-mixed", device="cpu")
 
 
-@pytest.mark.parametrize("cc,problem", [
-    ((8, 0), "NVIDIA compute capability 8.0 (Ampere): no fp8 Tensor Cores (first in Ada Lovelace, 8.9); fp8 matmuls need"),
-    ((8, 7), "NVIDIA compute capability 8.7 (Ampere, Jetson Orin): no fp8 Tensor Cores"),
-    ((8, 9), None), ((9, 0), None), ((12, 0), None), ((13, 0), None),  # a newer GPU than the table keeps fp8
-])
+@pytest.mark.parametrize(
+    "cc,problem",
+    [
+        (
+            (8, 0),
+            "NVIDIA compute capability 8.0 (Ampere): no fp8 Tensor Cores (first in Ada Lovelace, 8.9); fp8 matmuls need",
+        ),
+        ((8, 7), "NVIDIA compute capability 8.7 (Ampere, Jetson Orin): no fp8 Tensor Cores"),
+        ((8, 9), None),
+        ((9, 0), None),
+        ((12, 0), None),
+        ((13, 0), None),  # a newer GPU than the table keeps fp8
+    ],
+)
 def test_which_nvidia_gpus_run_fp8(monkeypatch, cc, problem):
     from ampkit.precision import fp8_problem
+
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc)
     found = fp8_problem(torch.device("cuda"))
     assert found == problem if problem is None else found.startswith(problem), found
     assert fp8_problem(torch.device("cuda"), emulate=True) is None
 
 
-@pytest.mark.parametrize("kwargs,error,match", [
-    (dict(precision="fp8-mixed", fp8_emulate=True, fp8_recipe="delayed"), PrecisionError, r"fp8_recipe='delayed': expected one of 'tensorwise', 'rowwise'"),
-    (dict(precision="bf16-mixed", fp8_recipe="rowwise"), PrecisionError, r"fp8_recipe='rowwise': only precision='fp8-mixed'.*'bf16-mixed'"),
-    (dict(precision="fp32", fp8_emulate=True, fp8_min_weight=0), PrecisionError, r"fp8_emulate=True, fp8_min_weight=0: only"),
-    (dict(precision="fp8-mixed", fp8_emulate=True, fp8_min_weight=-1), ValueError, r"fp8_min_weight=-1: expected an int >= 0"),
-    (dict(precision="fp8-mixed", fp8_emulate=1), TypeError, r"fp8_emulate=1: expected True or False"),  # before the device
-])
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (
+            dict(precision="fp8-mixed", fp8_emulate=True, fp8_recipe="delayed"),
+            PrecisionError,
+            r"fp8_recipe='delayed': expected one of 'tensorwise', 'rowwise'",
+        ),
+        (
+            dict(precision="bf16-mixed", fp8_recipe="rowwise"),
+            PrecisionError,
+            r"fp8_recipe='rowwise': only precision='fp8-mixed'.*'bf16-mixed'",
+        ),
+        (
+            dict(precision="fp32", fp8_emulate=True, fp8_min_weight=0),
+            PrecisionError,
+            r"fp8_emulate=True, fp8_min_weight=0: only",
+        ),
+        (
+            dict(precision="fp8-mixed", fp8_emulate=True, fp8_min_weight=-1),
+            ValueError,
+            r"fp8_min_weight=-1: expected an int >= 0",
+        ),
+        (
+            dict(precision="fp8-mixed", fp8_emulate=1),
+            TypeError,
+            r"fp8_emulate=1: expected True or False",
+        ),  # before the device
+    ],
+)
 def test_bad_fp8_arguments_raise_one_clear_error(kwargs, error, match):
     with pytest.raises(error, match=match):
         ampkit.Accelerator(device="cpu", **kwargs)
@@ -259,14 +319,17 @@ def test_bad_fp8_arguments_raise_one_clear_error(kwargs, error, match):
 
 def test_auto_never_picks_fp8_and_compare_leaves_it_out_where_it_cannot_run(monkeypatch):
     from ampkit.compare import default_precisions
+
     cpu = torch.device("cpu")
     assert not ampkit.resolve_precision("auto", cpu).fp8
     assert "fp8-mixed" not in default_precisions(cpu)[0]
 
 
 # --- on a GPU with fp8 (compute capability >= 8.9) --------------------------------------------------
-fp8_gpu = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-                             reason="needs a CUDA device of compute capability >= 8.9 (fp8 tensor cores)")
+fp8_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="needs a CUDA device of compute capability >= 8.9 (fp8 tensor cores)",
+)
 
 
 def _tokens_per_s(precision: str, d_model: int, n_layers: int, batch: int, block: int, steps: int = 20, **kw) -> float:
@@ -291,8 +354,10 @@ def _tokens_per_s(precision: str, d_model: int, n_layers: int, batch: int, block
 def test_fp8_beats_bf16_on_a_gemm_heavy_transformer_with_compile():
     bf16 = _tokens_per_s("bf16-mixed", 2048, 4, 8, 1024)
     fp8 = _tokens_per_s("fp8-mixed", 2048, 4, 8, 1024)
-    print(f"d_model 2048, 4 layers, 8x1024 tokens, compile: bf16-mixed {bf16:,.0f} tok/s, fp8-mixed {fp8:,.0f} "
-          f"tok/s ({fp8 / bf16:.2f}x)")
+    print(
+        f"d_model 2048, 4 layers, 8x1024 tokens, compile: bf16-mixed {bf16:,.0f} tok/s, fp8-mixed {fp8:,.0f} "
+        f"tok/s ({fp8 / bf16:.2f}x)"
+    )
     assert fp8 > 1.05 * bf16
 
 
@@ -304,8 +369,10 @@ def test_small_gemms_are_left_in_bf16_because_fp8_is_slower_there():
     assert "0 of 9 Linear layers run in fp8" in acc.policy.reason  # the rule keeps them all in bf16
     bf16 = _tokens_per_s("bf16-mixed", 256, 2, 32, 256)
     forced = _tokens_per_s("fp8-mixed", 256, 2, 32, 256, fp8_min_weight=0)  # every layer the rest of the rule allows
-    print(f"d_model 256, 2 layers, 32x256 tokens, compile: bf16-mixed {bf16:,.0f} tok/s, fp8 forced on small "
-          f"GEMMs {forced:,.0f} tok/s ({forced / bf16:.2f}x)")
+    print(
+        f"d_model 256, 2 layers, 32x256 tokens, compile: bf16-mixed {bf16:,.0f} tok/s, fp8 forced on small "
+        f"GEMMs {forced:,.0f} tok/s ({forced / bf16:.2f}x)"
+    )
 
 
 @pytest.mark.gpu

@@ -32,7 +32,12 @@ OLD = "flags\t: fpu sse sse2 avx avx2 fma\n"
 
 def test_cpu_flags_are_parsed_by_their_linux_names():
     assert parse_cpu_flags(ZEN4) == {"avx512_bf16": True, "amx_bf16": False, "avx512_fp16": False, "amx_fp16": False}
-    assert parse_cpu_flags(SAPPHIRE_RAPIDS) == {"avx512_bf16": True, "amx_bf16": True, "avx512_fp16": True, "amx_fp16": False}
+    assert parse_cpu_flags(SAPPHIRE_RAPIDS) == {
+        "avx512_bf16": True,
+        "amx_bf16": True,
+        "avx512_fp16": True,
+        "amx_fp16": False,
+    }
     assert parse_cpu_flags(OLD) == dict.fromkeys(["avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16"], False)
     assert parse_cpu_flags("") == dict.fromkeys(["avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16"], False)
 
@@ -44,7 +49,10 @@ def test_auto_on_cpus(monkeypatch):
         name, reason = auto_precision(cpu)
         assert name == expected, reason
     monkeypatch.setattr("ampkit.hardware.cpu_flags", lambda: parse_cpu_flags(OLD))
-    assert auto_precision(cpu)[1] == "CPU has neither avx512_bf16 nor amx_bf16: bf16 and fp16 would be slower than fp32 here"
+    assert (
+        auto_precision(cpu)[1]
+        == "CPU has neither avx512_bf16 nor amx_bf16: bf16 and fp16 would be slower than fp32 here"
+    )
     monkeypatch.setattr("ampkit.hardware.cpu_flags", lambda: None)
     assert auto_precision(cpu) == ("fp32", "CPU flags could not be read, so bf16 speed is unknown: fp32")
 
@@ -71,8 +79,14 @@ def test_accelerator_records_why_auto_chose(monkeypatch):
 def fake_rocm(monkeypatch, arch: str, name: str = "AMD Instinct MI300X") -> None:
     """What torch on ROCm reports: a HIP version, and the gfx number both as `gcnArchName` and as a
     "compute capability" (gfx942 reads 9.4) that must not be read as NVIDIA's."""
-    props = types.SimpleNamespace(name=name, gcnArchName=f"{arch}:sramecc+:xnack-", major=9, minor=4,
-                                  total_memory=192 * 2**30, multi_processor_count=304)
+    props = types.SimpleNamespace(
+        name=name,
+        gcnArchName=f"{arch}:sramecc+:xnack-",
+        major=9,
+        minor=4,
+        total_memory=192 * 2**30,
+        multi_processor_count=304,
+    )
     monkeypatch.setattr(torch.version, "hip", "6.2.41133")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
@@ -97,21 +111,33 @@ def test_an_amd_gpu_missing_from_the_table_is_unknown_but_auto_still_chooses(mon
     fake_rocm(monkeypatch, "gfx1100", name="AMD Radeon RX 7900 XTX")
     cuda = torch.device("cuda", 0)
     assert {f.supported for f in device_capabilities(cuda).values()} == {None}
-    assert device_capabilities(cuda)["bf16"].source == "AMD gfx1100 (ROCm) is not in ampkit's table (gfx908, gfx90a, gfx942): unknown"
+    assert (
+        device_capabilities(cuda)["bf16"].source
+        == "AMD gfx1100 (ROCm) is not in ampkit's table (gfx908, gfx90a, gfx942): unknown"
+    )
     assert auto_precision(cuda) == (
-        "bf16-mixed", "AMD gfx1100 on ROCm is not in ampkit's table but runs bf16: bf16 autocast, no loss scaling")
+        "bf16-mixed",
+        "AMD gfx1100 on ROCm is not in ampkit's table but runs bf16: bf16 autocast, no loss scaling",
+    )
 
 
 def test_capability_and_auto_derive_from_the_nvidia_table(monkeypatch):
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU")
-    for cc, runs, fast16 in [((6, 1), False, False), ((7, 5), False, True), ((8, 7), True, True), ((13, 0), True, True)]:
+    for cc, runs, fast16 in [
+        ((6, 1), False, False),
+        ((7, 5), False, True),
+        ((8, 7), True, True),
+        ((13, 0), True, True),
+    ]:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cc=cc: cc)
         support = capability(cuda)
         assert (support.bf16_runs, support.bf16_fast, support.fp16_fast) == (runs, runs, fast16), cc
     # A compute capability past the table: every fact unknown, yet bf16 runs on it (it arrived in 8.0).
     assert auto_precision(cuda) == (
-        "bf16-mixed", "CUDA compute capability 13.0 is not in ampkit's table but runs bf16: bf16 autocast, no loss scaling")
+        "bf16-mixed",
+        "CUDA compute capability 13.0 is not in ampkit's table but runs bf16: bf16 autocast, no loss scaling",
+    )
 
 
 def test_the_advisors_gpu_models_agree_with_the_capability_table():

@@ -20,7 +20,6 @@ from ampkit.hardware import (
     read_cpu_flags,
 )
 from ampkit.info import INFO_SCHEMA, bench_matmul, collect_info, format_info_text
-
 from test_hardware import OLD, SAPPHIRE_RAPIDS, ZEN4, fake_rocm
 
 ARM = "processor\t: 0\nBogoMIPS\t: 243.75\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 bf16 i8mm\n"
@@ -35,19 +34,21 @@ def supported(facts: dict[str, Fact]) -> tuple[bool | None, ...]:
 #                     fp16 TC  bf16   tf32   fp8
 GPU_TABLE = {
     (6, 1): (False, False, False, False),  # Pascal GTX 10xx: no Tensor Cores
-    (7, 0): (True, False, False, False),   # Volta V100
-    (7, 5): (True, False, False, False),   # Turing T4
-    (8, 0): (True, True, True, False),     # Ampere A100
-    (8, 6): (True, True, True, False),     # Ampere A10 / RTX 30xx
-    (8, 7): (True, True, True, False),     # Jetson Orin: above 8.6, below 8.9, still no fp8
-    (8, 9): (True, True, True, True),      # Ada L4 / RTX 40xx
-    (9, 0): (True, True, True, True),      # Hopper H100 / H200
-    (10, 0): (True, True, True, True),     # Blackwell B200
-    (12, 0): (True, True, True, True),     # Blackwell RTX 50xx
+    (7, 0): (True, False, False, False),  # Volta V100
+    (7, 5): (True, False, False, False),  # Turing T4
+    (8, 0): (True, True, True, False),  # Ampere A100
+    (8, 6): (True, True, True, False),  # Ampere A10 / RTX 30xx
+    (8, 7): (True, True, True, False),  # Jetson Orin: above 8.6, below 8.9, still no fp8
+    (8, 9): (True, True, True, True),  # Ada L4 / RTX 40xx
+    (9, 0): (True, True, True, True),  # Hopper H100 / H200
+    (10, 0): (True, True, True, True),  # Blackwell B200
+    (12, 0): (True, True, True, True),  # Blackwell RTX 50xx
 }
 
 
-@pytest.mark.parametrize("cc, expected", GPU_TABLE.items(), ids=lambda v: ".".join(map(str, v)) if len(v) == 2 else None)
+@pytest.mark.parametrize(
+    "cc, expected", GPU_TABLE.items(), ids=lambda v: ".".join(map(str, v)) if len(v) == 2 else None
+)
 def test_known_compute_capabilities_map_to_their_tensor_cores(cc, expected):
     assert supported(gpu_capabilities(*cc)) == expected
 
@@ -55,9 +56,16 @@ def test_known_compute_capabilities_map_to_their_tensor_cores(cc, expected):
 def test_each_gpu_fact_names_its_source():
     a100 = gpu_capabilities(8, 0)
     assert a100["bf16"] == Fact(True, "NVIDIA compute capability 8.0 (Ampere): bf16 Tensor Cores")
-    assert a100["fp8"] == Fact(False, "NVIDIA compute capability 8.0 (Ampere): no fp8 Tensor Cores (first in Ada Lovelace, 8.9)")
-    assert gpu_capabilities(7, 5)["bf16"].source == "NVIDIA compute capability 7.5 (Turing): no bf16 Tensor Cores (first in Ampere, 8.0)"
-    assert gpu_capabilities(5, 2)["fp16"] == Fact(False, "NVIDIA compute capability 5.2 (before Volta 7.0): no Tensor Cores")
+    assert a100["fp8"] == Fact(
+        False, "NVIDIA compute capability 8.0 (Ampere): no fp8 Tensor Cores (first in Ada Lovelace, 8.9)"
+    )
+    assert (
+        gpu_capabilities(7, 5)["bf16"].source
+        == "NVIDIA compute capability 7.5 (Turing): no bf16 Tensor Cores (first in Ampere, 8.0)"
+    )
+    assert gpu_capabilities(5, 2)["fp16"] == Fact(
+        False, "NVIDIA compute capability 5.2 (before Volta 7.0): no Tensor Cores"
+    )
 
 
 @pytest.mark.parametrize("cc", [(13, 0), (9, 9), (8, 8)], ids=["newer", "unlisted-minor", "between-rows"])
@@ -76,7 +84,9 @@ def test_cpu_capabilities_follow_the_flags():
     spr = cpu_capabilities(parse_cpu_flags(SAPPHIRE_RAPIDS))
     assert spr["bf16"] == Fact(True, "/proc/cpuinfo flags: avx512_bf16 and amx_bf16")
     assert spr["fp16"] == Fact(True, "/proc/cpuinfo flags: avx512_fp16")
-    assert cpu_capabilities(parse_cpu_flags(OLD))["bf16"] == Fact(False, "/proc/cpuinfo flags: neither avx512_bf16 nor amx_bf16")
+    assert cpu_capabilities(parse_cpu_flags(OLD))["bf16"] == Fact(
+        False, "/proc/cpuinfo flags: neither avx512_bf16 nor amx_bf16"
+    )
 
 
 def test_unreadable_cpu_flags_are_unknown():
@@ -100,6 +110,7 @@ def test_cpu_flags_are_read_from_the_os_file_or_unknown(tmp_path):
 def _strict_json(text: str):
     def reject(constant):
         raise ValueError(f"{constant} is not JSON")
+
     return json.loads(text, parse_constant=reject)
 
 
@@ -126,7 +137,10 @@ def test_info_json_with_unreadable_flags_says_null_and_unknown(capsys, monkeypat
     jsonschema.Draft202012Validator(INFO_SCHEMA).validate(info)
     assert info["cpu"]["flags"] is None
     assert info["cpu"]["capabilities"]["bf16"]["supported"] is None
-    assert info["recommended"] == {"preset": "fp32", "reason": "CPU flags could not be read, so bf16 speed is unknown: fp32"}
+    assert info["recommended"] == {
+        "preset": "fp32",
+        "reason": "CPU flags could not be read, so bf16 speed is unknown: fp32",
+    }
 
 
 def test_the_schema_rejects_a_flag_that_is_not_a_boolean():
@@ -139,7 +153,10 @@ def test_the_schema_rejects_a_flag_that_is_not_a_boolean():
 def test_recommendation_is_the_auto_choice(monkeypatch):
     monkeypatch.setattr("ampkit.hardware.cpu_flags", lambda: parse_cpu_flags(ZEN4))
     info = collect_info(device="cpu")
-    assert info["recommended"] == {"preset": "bf16-mixed", "reason": "CPU has avx512_bf16: bf16 matmul is faster than fp32 here"}
+    assert info["recommended"] == {
+        "preset": "bf16-mixed",
+        "reason": "CPU has avx512_bf16: bf16 matmul is faster than fp32 here",
+    }
     assert info["cpu"]["capabilities"]["bf16"] == {"supported": True, "source": "/proc/cpuinfo flags: avx512_bf16"}
 
 
@@ -151,7 +168,10 @@ def test_an_amd_gpu_is_shown_with_its_gfx_architecture_and_rocm_facts(monkeypatc
     jsonschema.Draft202012Validator(INFO_SCHEMA).validate(info)
     (gpu,) = info["gpus"]
     assert gpu["compute_capability"] == "gfx942" and gpu["sm_count"] == 304
-    assert gpu["capabilities"]["bf16"] == {"supported": True, "source": "AMD gfx942 (CDNA 3, Instinct MI300, ROCm): bf16 matrix cores"}
+    assert gpu["capabilities"]["bf16"] == {
+        "supported": True,
+        "source": "AMD gfx942 (CDNA 3, Instinct MI300, ROCm): bf16 matrix cores",
+    }
     text = format_info_text(info)
     assert "ROCm 6.2.41133" in text and "gfx942" in text and "192 GiB" in text
 
@@ -183,7 +203,9 @@ def test_info_bench_json_validates_and_compares_each_dtype_with_the_table(capsys
 def test_bench_errors_repeat_what_was_passed():
     with pytest.raises(ValueError, match=r"seconds=0 must be a positive number of seconds"):
         bench_matmul("cpu", seconds=0)
-    with pytest.raises(ValueError, match=r"dtypes=\[torch.int8\]: ampkit benchmarks only torch.float32, torch.bfloat16, torch.float16"):
+    with pytest.raises(
+        ValueError, match=r"dtypes=\[torch.int8\]: ampkit benchmarks only torch.float32, torch.bfloat16, torch.float16"
+    ):
         bench_matmul("cpu", dtypes=[torch.int8])
 
 
@@ -194,8 +216,10 @@ def test_human_output_shows_the_recommended_preset_and_its_reason(capsys, monkey
     monkeypatch.setattr("ampkit.hardware.cpu_flags", lambda: parse_cpu_flags(OLD))
     assert main(["info", "--device", "cpu"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # rich may wrap; the words and their order stay
-    assert ("Recommended on cpu: fp32 — CPU has neither avx512_bf16 nor amx_bf16: "
-            "bf16 and fp16 would be slower than fp32 here") in out
+    assert (
+        "Recommended on cpu: fp32 — CPU has neither avx512_bf16 nor amx_bf16: "
+        "bf16 and fp16 would be slower than fp32 here"
+    ) in out
     assert "avx512_bf16 no, amx_bf16 no, avx512_fp16 no, amx_fp16 no" in out
     assert "bf16 no /proc/cpuinfo flags: neither avx512_bf16 nor amx_bf16" in out
 
@@ -210,26 +234,69 @@ def test_plain_text_says_unknown_for_unreadable_flags(monkeypatch):
 
 def test_plain_text_bench_table_says_whether_the_measurement_agrees():
     info = collect_info(device="cpu")
-    info["bench"] = {"device": "cpu", "seconds": 2.0, "threads": 2, "float32_matmul_precision": "highest", "results": [
-        {"dtype": "fp32", "size": 1024, "iterations": 10, "seconds": 0.6, "flops_per_s": 5e10, "ratio_to_fp32": 1.0,
-         "table": None, "fast_here": None, "error": None},
-        {"dtype": "bf16", "size": 256, "iterations": 10, "seconds": 0.6, "flops_per_s": 6e8, "ratio_to_fp32": 0.012,
-         "table": False, "fast_here": False, "error": None},
-        {"dtype": "fp16", "size": 8192, "iterations": 10, "seconds": 0.6, "flops_per_s": 7e14, "ratio_to_fp32": 14000,
-         "table": False, "fast_here": True, "error": None},
-    ]}
+    info["bench"] = {
+        "device": "cpu",
+        "seconds": 2.0,
+        "threads": 2,
+        "float32_matmul_precision": "highest",
+        "results": [
+            {
+                "dtype": "fp32",
+                "size": 1024,
+                "iterations": 10,
+                "seconds": 0.6,
+                "flops_per_s": 5e10,
+                "ratio_to_fp32": 1.0,
+                "table": None,
+                "fast_here": None,
+                "error": None,
+            },
+            {
+                "dtype": "bf16",
+                "size": 256,
+                "iterations": 10,
+                "seconds": 0.6,
+                "flops_per_s": 6e8,
+                "ratio_to_fp32": 0.012,
+                "table": False,
+                "fast_here": False,
+                "error": None,
+            },
+            {
+                "dtype": "fp16",
+                "size": 8192,
+                "iterations": 10,
+                "seconds": 0.6,
+                "flops_per_s": 7e14,
+                "ratio_to_fp32": 14000,
+                "table": False,
+                "fast_here": True,
+                "error": None,
+            },
+        ],
+    }
     jsonschema.Draft202012Validator(INFO_SCHEMA).validate(info)
     lines = format_info_text(info).splitlines()
     # Numbers in ampkit.present's one format: "1×" (not "1.0×"), "600 MFLOP/s" (not "0.6 GFLOP/s").
     assert any(line.split() == ["fp32", "50", "GFLOP/s", "1×", "1024", "baseline"] for line in lines)
-    assert any(line.split() == ["bf16", "600", "MFLOP/s", "0.012×", "256", "slow", "slow", "(agrees)"] for line in lines)
-    assert any(line.split() == ["fp16", "700", "TFLOP/s", "14000×", "8192", "slow", "fast", "(DISAGREES)"] for line in lines)
+    assert any(
+        line.split() == ["bf16", "600", "MFLOP/s", "0.012×", "256", "slow", "slow", "(agrees)"] for line in lines
+    )
+    assert any(
+        line.split() == ["fp16", "700", "TFLOP/s", "14000×", "8192", "slow", "fast", "(DISAGREES)"] for line in lines
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--device", "tpu"], "ampkit info: device='tpu' is not a device name; expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"),
-    (["--bench", "--bench-seconds", "-1"], "ampkit info: --bench-seconds -1 must be a positive number of seconds"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--device", "tpu"],
+            "ampkit info: device='tpu' is not a device name; expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'",
+        ),
+        (["--bench", "--bench-seconds", "-1"], "ampkit info: --bench-seconds -1 must be a positive number of seconds"),
+    ],
+)
 def test_cli_errors_repeat_what_was_passed(capsys, args, message):
     assert main(["info", *args]) == 2
     assert capsys.readouterr().err.strip() == message

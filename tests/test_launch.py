@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_loader, make_model
 
 import ampkit
 from ampkit.cli import main
 from ampkit.compare.speed import paired_speedup
 from ampkit.compare.summary import verdict
 from ampkit.launch import ENV, launch_settings, read_env
+from conftest import make_loader, make_model
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -91,20 +91,31 @@ def no_env(monkeypatch):
 
 def ampkit_cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "ampkit.cli", *args], check=False, capture_output=True, text=True, env=env,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "ampkit.cli", *args], check=False, capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 # --- the variables ------------------------------------------------------------------------------
 def test_env_values_are_parsed_and_a_bad_one_names_its_variable():
     assert read_env({}) == {}
-    assert read_env({"AMPKIT_PRECISION": "bf16-mixed", "AMPKIT_GRAD_ACCUM_STEPS": "4", "AMPKIT_COMPILE": "On",
-                     "AMPKIT_MAX_STEPS": "7"}) == {"precision": "bf16-mixed", "grad_accum_steps": 4,
-                                                   "compile": True, "max_steps": 7}
+    assert read_env(
+        {
+            "AMPKIT_PRECISION": "bf16-mixed",
+            "AMPKIT_GRAD_ACCUM_STEPS": "4",
+            "AMPKIT_COMPILE": "On",
+            "AMPKIT_MAX_STEPS": "7",
+        }
+    ) == {"precision": "bf16-mixed", "grad_accum_steps": 4, "compile": True, "max_steps": 7}
     assert read_env({"AMPKIT_COMPILE": "max-autotune"}) == {"compile": {"mode": "max-autotune"}}
     assert read_env({"AMPKIT_COMPILE": "0"}) == {"compile": False}
-    for var, value in (("AMPKIT_PRECISION", "bf17"), ("AMPKIT_GRAD_ACCUM_STEPS", "0"),
-                       ("AMPKIT_GRAD_ACCUM_STEPS", "two"), ("AMPKIT_COMPILE", "maybe"), ("AMPKIT_MAX_STEPS", "-1")):
+    for var, value in (
+        ("AMPKIT_PRECISION", "bf17"),
+        ("AMPKIT_GRAD_ACCUM_STEPS", "0"),
+        ("AMPKIT_GRAD_ACCUM_STEPS", "two"),
+        ("AMPKIT_COMPILE", "maybe"),
+        ("AMPKIT_MAX_STEPS", "-1"),
+    ):
         with pytest.raises(ValueError, match=f"^{var}={value!r}: "):
             read_env({var: value})
 
@@ -112,15 +123,26 @@ def test_env_values_are_parsed_and_a_bad_one_names_its_variable():
 def test_explicit_arguments_win_and_every_value_from_the_environment_is_announced():
     env = {"AMPKIT_PRECISION": "bf16-mixed", "AMPKIT_GRAD_ACCUM_STEPS": "4"}
     with pytest.warns(UserWarning) as caught:
-        assert launch_settings({"precision": "auto"}, env) == {"precision": "bf16-mixed", "grad_accum_steps": 4,
-                                                                "compile": False, "max_steps": None}
-    assert str(caught[0].message) == ("ampkit launch settings: precision='bf16-mixed' from AMPKIT_PRECISION; "
-                                      "grad_accum_steps=4 from AMPKIT_GRAD_ACCUM_STEPS")
+        assert launch_settings({"precision": "auto"}, env) == {
+            "precision": "bf16-mixed",
+            "grad_accum_steps": 4,
+            "compile": False,
+            "max_steps": None,
+        }
+    assert str(caught[0].message) == (
+        "ampkit launch settings: precision='bf16-mixed' from AMPKIT_PRECISION; "
+        "grad_accum_steps=4 from AMPKIT_GRAD_ACCUM_STEPS"
+    )
     with pytest.warns(UserWarning, match=r"precision='fp32' from the script \(AMPKIT_PRECISION=bf16-mixed ignored"):
         assert launch_settings({"precision": "fp32", "grad_accum_steps": 4}, env)["precision"] == "fp32"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing set: nothing said, the defaults
-        assert launch_settings({}, {}) == {"precision": "auto", "grad_accum_steps": 1, "compile": False, "max_steps": None}
+        assert launch_settings({}, {}) == {
+            "precision": "auto",
+            "grad_accum_steps": 1,
+            "compile": False,
+            "max_steps": None,
+        }
         launch_settings({}, {"AMPKIT_PRECISION": "fp32", "RANK": "1"})  # only rank 0 speaks
 
 
@@ -178,7 +200,9 @@ def test_report_metric_reaches_listeners_without_a_sync_and_checks_its_arguments
 # --- ampkit run ---------------------------------------------------------------------------------
 def test_run_sets_the_precision_the_script_sees(script, tmp_path, capfd, no_env):
     out = tmp_path / "seen.json"
-    assert main(["run", "--precision", "bf16-mixed", str(script), "--epochs", "1", "--steps", "3", "--out", str(out)]) == 0
+    assert (
+        main(["run", "--precision", "bf16-mixed", str(script), "--epochs", "1", "--steps", "3", "--out", str(out)]) == 0
+    )
     seen = json.loads(out.read_text())
     assert (seen["precision"], seen["world"], seen["steps"]) == ("bf16-mixed", 1, 3)
     assert "precision='bf16-mixed' from AMPKIT_PRECISION" in capfd.readouterr().err
@@ -189,7 +213,10 @@ def test_run_refuses_bad_input_in_one_line_and_keeps_the_scripts_own_exit(tmp_pa
     for argv, problem in (
         (["run", str(tmp_path / "missing.py")], "ampkit run: script "),
         (["run", "--nproc", "0", __file__], "ampkit run: --nproc 0: expected an integer >= 1"),
-        (["run", "--precision", "fp12", __file__], "ampkit run: --precision 'fp12': unknown precision; choose one of: fp32"),
+        (
+            ["run", "--precision", "fp12", __file__],
+            "ampkit run: --precision 'fp12': unknown precision; choose one of: fp32",
+        ),
         (["compare", str(tmp_path / "missing.py")], "ampkit compare: script "),
         (["compare", __file__, "--precisions", "fp32,fp12"], "ampkit compare: unknown precision(s) ['fp12']"),
         (["compare", __file__, "--steps", "0"], "ampkit compare: --steps 0: expected an integer >= 1"),
@@ -210,12 +237,43 @@ def test_run_refuses_bad_input_in_one_line_and_keeps_the_scripts_own_exit(tmp_pa
 
 @pytest.mark.slow
 def test_run_nproc_2_trains_data_parallel_like_one_process_with_twice_the_batch(script, tmp_path, monkeypatch):
-    proc = ampkit_cli("run", "--nproc", "2", str(script), "--precision", "fp32", "--sgd", "--batch", "8",
-                      "--steps", "10", "--epochs", "1", "--out", str(tmp_path / "ddp.json"))
+    proc = ampkit_cli(
+        "run",
+        "--nproc",
+        "2",
+        str(script),
+        "--precision",
+        "fp32",
+        "--sgd",
+        "--batch",
+        "8",
+        "--steps",
+        "10",
+        "--epochs",
+        "1",
+        "--out",
+        str(tmp_path / "ddp.json"),
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     ddp = json.loads((tmp_path / "ddp.json").read_text())
-    monkeypatch.setattr(sys, "argv", [str(script), "--precision", "fp32", "--sgd", "--batch", "16", "--steps", "10",
-                                      "--epochs", "1", "--out", str(tmp_path / "one.json")])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            str(script),
+            "--precision",
+            "fp32",
+            "--sgd",
+            "--batch",
+            "16",
+            "--steps",
+            "10",
+            "--epochs",
+            "1",
+            "--out",
+            str(tmp_path / "one.json"),
+        ],
+    )
     runpy.run_path(str(script), run_name="__main__")
     one = json.loads((tmp_path / "one.json").read_text())
     assert (ddp["world"], ddp["steps"], one["world"], one["steps"]) == (2, 10, 1, 10)
@@ -226,8 +284,24 @@ def test_run_nproc_2_trains_data_parallel_like_one_process_with_twice_the_batch(
 # --- ampkit compare train.py --------------------------------------------------------------------
 def test_compare_a_script_reports_both_runs_with_loss_curves_and_its_metric(script, tmp_path):
     out = tmp_path / "report"
-    assert main(["compare", str(script), "--precisions", "fp32,bf16-mixed", "--steps", "50", "--out", str(out),
-                 "--", "--epochs", "5"]) == 0
+    assert (
+        main(
+            [
+                "compare",
+                str(script),
+                "--precisions",
+                "fp32,bf16-mixed",
+                "--steps",
+                "50",
+                "--out",
+                str(out),
+                "--",
+                "--epochs",
+                "5",
+            ]
+        )
+        == 0
+    )
     report = json.loads((out / "report.json").read_text())
     assert report["task"]["metric"] == "val_accuracy" and report["task"]["higher_is_better"] is True
     assert report["baseline"] == "fp32" and [r["precision"] for r in report["runs"]] == ["fp32", "bf16-mixed"]
@@ -242,7 +316,8 @@ def test_compare_a_script_reports_both_runs_with_loss_curves_and_its_metric(scri
     # one run after another: the speed-up's interval comes from each run's quarters, and the verdict says so
     assert all(len(r["round_step_times_s"]) == 4 for r in (fp32, bf16))
     assert paired_speedup(fp32["round_step_times_s"], bf16["round_step_times_s"]) == pytest.approx(
-        (bf16["speedup_vs_baseline"], bf16["speedup_low"], bf16["speedup_high"]))
+        (bf16["speedup_vs_baseline"], bf16["speedup_low"], bf16["speedup_high"])
+    )
     assert bf16["rounds_interleaved"] is False and "busy" in report["machine"]["load"]
     said = verdict(bf16, fp32, report["task"], report["machine"]["load"])
     assert "the runs ran one after another, so drift of the machine between them could not be separated" in said
@@ -251,8 +326,10 @@ def test_compare_a_script_reports_both_runs_with_loss_curves_and_its_metric(scri
 
 def test_compare_says_when_a_script_creates_no_accelerator(tmp_path):
     plain = tmp_path / "plain.py"
-    plain.write_text("import torch\nm = torch.nn.Linear(2, 2)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
-                     "while True:\n    m(torch.ones(1, 2)).sum().backward()\n    opt.step()\n")
+    plain.write_text(
+        "import torch\nm = torch.nn.Linear(2, 2)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "while True:\n    m(torch.ones(1, 2)).sum().backward()\n    opt.step()\n"
+    )
     out = tmp_path / "report"
     assert main(["compare", str(plain), "--precisions", "fp32", "--out", str(out)]) == 1
     (run,) = json.loads((out / "report.json").read_text())["runs"]
@@ -260,7 +337,7 @@ def test_compare_says_when_a_script_creates_no_accelerator(tmp_path):
     assert run["reason"].startswith(f"{plain} stepped a SGD before creating an ampkit.Accelerator")
 
 
-UNSEEDED = '''
+UNSEEDED = """
 import torch, torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 import ampkit
@@ -277,7 +354,7 @@ for epoch in range(1000):  # far past the limit: the first metric after it ends 
     with torch.no_grad():
         acc.report_metric("val_loss", sum(F.cross_entropy(model(xb), yb) for xb, yb in loader) / len(loader),
                           higher_is_better=False)
-'''
+"""
 
 
 def test_a_script_run_stops_at_its_first_metric_after_the_limit_and_says_it_does_not_seed(tmp_path, no_env):

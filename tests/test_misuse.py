@@ -220,7 +220,9 @@ def test_checkpoint_with_nan_weights_is_refused_on_load_and_changes_nothing(tmp_
     with pytest.raises(ampkit.CheckpointError) as raised:
         fresh.load(path)
     message = str(raised.value)
-    assert name in message or "digest" in message, message  # the finiteness check, or the digest that caught the edit first
+    assert name in message or "digest" in message, (
+        message
+    )  # the finiteness check, or the digest that caught the edit first
     assert_bitwise_equal(params_of(fresh_model), before)
     assert fresh_opt.state_dict()["state"] == state_before["state"] == {}
     assert fresh.state.applied_steps == 0

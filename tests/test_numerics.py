@@ -19,12 +19,10 @@ from torch.nn import functional as F
 import ampkit
 import ampkit.doctor
 from ampkit.cli import main
-from ampkit.doctor import NUMERICS_SCHEMA, NumericsSession, numerics, validate_numerics
+from ampkit.doctor import NUMERICS_SCHEMA, NumericsSession, numerics, summarize, validate_numerics
 from ampkit.doctor.lost_updates import half_ulp
-from ampkit.doctor import summarize
-from ampkit.doctor.sync import SyncWatcher
 from ampkit.doctor.numerics_report import format_text, render_html_section
-
+from ampkit.doctor.sync import SyncWatcher
 from conftest import assert_bitwise_equal, make_model
 
 PLANTED_SCRIPT = Path(__file__).parent / "numerics_scripts" / "planted_overflow.py"
@@ -58,8 +56,15 @@ def batches(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(n)]
 
 
-def train(acc: ampkit.Accelerator, model: nn.Module, optimizer: torch.optim.Optimizer, data: list, *,
-          loss_factor: float = 1.0, between: object = None) -> list[torch.Tensor]:
+def train(
+    acc: ampkit.Accelerator,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: list,
+    *,
+    loss_factor: float = 1.0,
+    between: object = None,
+) -> list[torch.Tensor]:
     losses = []
     for i, (x, y) in enumerate(data):
         loss = F.cross_entropy(model(x), y) * loss_factor
@@ -72,8 +77,13 @@ def train(acc: ampkit.Accelerator, model: nn.Module, optimizer: torch.optim.Opti
     return losses
 
 
-def prepared(precision: str | ampkit.Precision, model: nn.Module, lr: float = 1e-3, opt: type = torch.optim.AdamW,
-             **acc_kwargs: object) -> tuple[ampkit.Accelerator, nn.Module, torch.optim.Optimizer]:
+def prepared(
+    precision: str | ampkit.Precision,
+    model: nn.Module,
+    lr: float = 1e-3,
+    opt: type = torch.optim.AdamW,
+    **acc_kwargs: object,
+) -> tuple[ampkit.Accelerator, nn.Module, torch.optim.Optimizer]:
     acc = ampkit.Accelerator(precision, device="cpu", **acc_kwargs)
     model, optimizer = acc.prepare(model, opt(model.parameters(), lr=lr))
     return acc, model, optimizer
@@ -105,7 +115,10 @@ def test_planted_overflow_is_localized_ranked_first_and_keep_fp32_fixes_it():
     assert result["loss_scale"]["skipped"] == 3 and "'boom'" in result["loss_scale"]["diagnosis"]
     assert result["findings"][0]["id"] == "forward-overflow"
     assert "boom" in format_text(result) and "<section" in render_html_section(result)
-    assert summarize(result)["problem"] == "boom (Boom) is the first to go inf/NaN, in the forward: keep_fp32=['boom', 'norm']"
+    assert (
+        summarize(result)["problem"]
+        == "boom (Boom) is the first to go inf/NaN, in the forward: keep_fp32=['boom', 'norm']"
+    )
 
     # The suggested keep_fp32 makes the same run stable: no step skipped, the loss finite.
     acc2, model2, optimizer2 = prepared("fp16-mixed", planted_model(), keep_fp32=census["keep_fp32"])
@@ -236,6 +249,7 @@ def _trajectory(precision: str, doctor: bool, spike: int | None = None) -> tuple
         torch.rand(3)  # the loop draws random numbers of its own between steps: the replay must restore them
         if session is not None and i == 4:
             assert session.localize() is not None  # a replay in the middle of the run
+
     data = spiked(batches(10), spike) if spike is not None else batches(10)
     train(acc, model, optimizer, data, between=on_demand)
     if session is not None:
@@ -253,9 +267,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32) if t.dtype == torch.float32 else t
 
 
-@pytest.mark.parametrize(("precision", "spike"),
-                         [("fp32", None), ("fp16-mixed", None), ("fp32", 3), ("bf16-true", None), ("bf16-master", None)],
-                         ids=["fp32", "fp16-mixed", "fp32-nan-loss", "bf16-true", "bf16-master"])
+@pytest.mark.parametrize(
+    ("precision", "spike"),
+    [("fp32", None), ("fp16-mixed", None), ("fp32", 3), ("bf16-true", None), ("bf16-master", None)],
+    ids=["fp32", "fp16-mixed", "fp32-nan-loss", "bf16-true", "bf16-master"],
+)
 def test_the_doctor_leaves_the_training_trajectory_bitwise_unchanged(precision, spike):
     without, rng_without = _trajectory(precision, doctor=False, spike=spike)
     with_doctor, rng_with = _trajectory(precision, doctor=True, spike=spike)
@@ -283,8 +299,12 @@ def test_numerics_api_prints_the_report_and_works_as_a_context_manager(capsys):
     acc, model, optimizer = prepared("fp32", make_model())
     with numerics(acc, steps=10, report=True) as session:
         train(acc, model, optimizer, batches(2))  # ends before the 10 steps asked for
-    assert session.result is not None and session.result["steps"] == {"requested": 10, "warmup": 0, "watched": 2,
-                                                                     "complete": False}
+    assert session.result is not None and session.result["steps"] == {
+        "requested": 10,
+        "warmup": 0,
+        "watched": 2,
+        "complete": False,
+    }
     assert no_hooks_left(model) and not acc.events
     assert "ampkit doctor --numerics — training loop" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"steps=0: expected an integer >= 1"):

@@ -84,7 +84,10 @@ def test_prepared_forward_computes_in_the_policy_dtype_and_returns_fp32():
     assert model[0].weight.dtype == torch.float32  # bf16-mixed keeps fp32 parameters
 
 
-@pytest.mark.parametrize("precision,param_dtype", [("fp16-master", torch.float16), ("bf16-master", torch.bfloat16), ("bf16-true", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "precision,param_dtype",
+    [("fp16-master", torch.float16), ("bf16-master", torch.bfloat16), ("bf16-true", torch.bfloat16)],
+)
 def test_low_precision_presets_store_weights_as_their_table_says(precision, param_dtype):
     model = make_model(norm=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

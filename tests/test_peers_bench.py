@@ -8,13 +8,12 @@ Left out of the default suite: `python -m pytest -m bench` runs it.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
-
-import importlib.util
 
 import pytest
 import torch
@@ -29,8 +28,25 @@ PEERS = Path(__file__).resolve().parents[1] / "benchmarks" / "peers.py"
 def test_peers_iris_fp32_runs_and_reports_sane_figures(tmp_path: Path) -> None:
     out = tmp_path / "peers.json"
     cmd = [
-        sys.executable, str(PEERS), "--models", "iris", "--precisions", "fp32", "--no-compile",
-        "--rounds", "3", "--steps", "2", "--warmup", "1", "--threads", "1", "--device", "cpu", "--json", str(out),
+        sys.executable,
+        str(PEERS),
+        "--models",
+        "iris",
+        "--precisions",
+        "fp32",
+        "--no-compile",
+        "--rounds",
+        "3",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--threads",
+        "1",
+        "--device",
+        "cpu",
+        "--json",
+        str(out),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -78,7 +94,9 @@ def test_the_cuda_only_variants_run_on_cuda_alone() -> None:
     assert cuda_only <= {v.name for v in peers.select(args, torch.device("cuda"))}
     assert not cuda_only & {v.name for v in peers.select(args, torch.device("cpu"))}
     args.no_compile = True  # cuda_graphs=True compiles: --no-compile leaves it out
-    assert {v.name for v in peers.select(args, torch.device("cuda"))} & cuda_only == {"hand-written fp32 + TF32 matmuls"}
+    assert {v.name for v in peers.select(args, torch.device("cuda"))} & cuda_only == {
+        "hand-written fp32 + TF32 matmuls"
+    }
 
 
 def test_the_tf32_loop_sets_tf32_around_its_own_steps_only() -> None:
@@ -93,8 +111,12 @@ def test_the_tf32_loop_sets_tf32_around_its_own_steps_only() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_device_cuda_without_cuda_says_so(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(PEERS), "--device", "cuda", "--models", "iris"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(PEERS), "--device", "cuda", "--models", "iris"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "CUDA is not available here" in proc.stderr, proc.stderr[-2000:]
 
 
@@ -107,8 +129,13 @@ def test_step_buffers_child_measures_each_setting_in_its_own_process() -> None:
     """benchmarks/step_buffers.py's per-process memory figure (the half of it that runs in a child)."""
     script = PEERS.with_name("step_buffers.py")
     for setting in ("free", "keep"):
-        out = subprocess.run([sys.executable, str(script), "--child", "bf16-master", setting],
-                             capture_output=True, text=True, check=True, timeout=300)
+        out = subprocess.run(
+            [sys.executable, str(script), "--child", "bf16-master", setting],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=300,
+        )
         figures = json.loads(out.stdout)
         # the MLP's bf16 weights alone are 16 MiB and its fp32 masters 32: the peak holds at least those
         assert figures["peak_mib"] >= figures["rest_mib"] >= 48, figures
@@ -118,16 +145,35 @@ def test_step_memory_child_measures_the_step_with_and_without_the_kernels_warm_u
     """benchmarks/step_memory.py's child, both ways: each peak holds at least the tensors kept at rest."""
     script = PEERS.with_name("step_memory.py")
     for kind in ("warm", "cold"):
-        out = subprocess.run([sys.executable, str(script), "--child", f"bf16-true:{kind}"],
-                             capture_output=True, text=True, check=True, timeout=300)
+        out = subprocess.run(
+            [sys.executable, str(script), "--child", f"bf16-true:{kind}"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=300,
+        )
         figures = json.loads(out.stdout.strip().splitlines()[-1])
         at_rest_mib = figures["rest_bpp"] * figures["params"] / 2**20  # weights, Kahan buffer, bf16 moments: 8 B/param
         assert 7.9 <= figures["rest_bpp"] <= 8.5 and figures["peak_mib"] >= at_rest_mib, (kind, figures)
 
 
 def test_adamw_pieces_times_each_layout_of_the_same_elements() -> None:
-    out = subprocess.run([sys.executable, str(PEERS.with_name("adamw_pieces.py")), "--elements", "4096", "--pieces", "1000",
-                          "--rounds", "3"], capture_output=True, text=True, check=True, timeout=120).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(PEERS.with_name("adamw_pieces.py")),
+            "--elements",
+            "4096",
+            "--pieces",
+            "1000",
+            "--rounds",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
     line = out.strip().splitlines()[-1]  # 4 pieces of 1000 (the 96 left over are dropped)
     assert "one tensor" in line and "pieces of 1000, one call" in line and "pieces of 1000, a call each" in line, out
     assert all(float(part.rsplit(" ", 1)[1]) > 0 for part in line.split("; ")), out

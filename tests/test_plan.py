@@ -30,28 +30,48 @@ def _task(name: str, batch_size: int):
 
 
 def _bn_net() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1),
-                         nn.BatchNorm2d(32), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 10),
+    )
 
 
 def _cases():
     yield "tiny-lm", *_task("tiny-lm", 1)
     yield "digits-cnn", *_task("digits-cnn", 4)
-    yield "bn-convnet", _bn_net, (torch.randn(4, 3, 12, 12), torch.randint(0, 10, (4,))), \
-        (lambda p: torch.optim.AdamW(p, lr=1e-3)), None
+    yield (
+        "bn-convnet",
+        _bn_net,
+        (torch.randn(4, 3, 12, 12), torch.randint(0, 10, (4,))),
+        (lambda p: torch.optim.AdamW(p, lr=1e-3)),
+        None,
+    )
 
 
 def _gpt2():
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=128, n_positions=32)
     ids = torch.randint(0, 128, (2, 16))
-    return (lambda: transformers.GPT2LMHeadModel(config)), ({"input_ids": ids, "labels": ids}, None), \
-        (lambda p: torch.optim.AdamW(p, lr=1e-3)), None
+    return (
+        (lambda: transformers.GPT2LMHeadModel(config)),
+        ({"input_ids": ids, "labels": ids}, None),
+        (lambda p: torch.optim.AdamW(p, lr=1e-3)),
+        None,
+    )
 
 
 @pytest.mark.parametrize("case", ["tiny-lm", "digits-cnn", "bn-convnet", "gpt2"])
 def test_prediction_within_5_percent_of_the_real_step(case):
-    model_fn, batch, optimizer_fn, loss_fn = _gpt2() if case == "gpt2" else next(c[1:] for c in _cases() if c[0] == case)
+    model_fn, batch, optimizer_fn, loss_fn = (
+        _gpt2() if case == "gpt2" else next(c[1:] for c in _cases() if c[0] == case)
+    )
     size = next(t for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)).shape[0]
     for precision in PRESETS:
         args = (model_fn, batch, optimizer_fn, precision, CPU)
@@ -66,16 +86,23 @@ def _linear_model() -> nn.Module:
     return nn.Sequential(nn.Linear(512, 512, bias=False), nn.ReLU(), nn.Linear(512, 512, bias=False))
 
 
-@pytest.mark.parametrize("precision, weights, masters, state, grads", [
-    ("fp32", 4, 0, 8, 4), ("bf16-mixed", 4, 0, 8, 4), ("bf16-master", 2, 4, 8, 2), ("bf16-true", 2, 2, 4, 2),
-])
+@pytest.mark.parametrize(
+    "precision, weights, masters, state, grads",
+    [
+        ("fp32", 4, 0, 8, 4),
+        ("bf16-mixed", 4, 0, 8, 4),
+        ("bf16-master", 2, 4, 8, 2),
+        ("bf16-true", 2, 2, 4, 2),
+    ],
+)
 def test_bytes_per_parameter_by_component(precision, weights, masters, state, grads):
     """AdamW: fp32 keeps 16 B/param (4 weights + 4 gradients + 8 moments); bf16-true 8 at rest (2 weights,
     2 Kahan, 4 bf16 moments) plus 2 of gradients; the -master presets add 4 B/param of fp32 masters."""
     n = 2 * 512 * 512
     batch = (torch.randn(4, 512), torch.randn(4, 512))
-    after = measure(_linear_model, batch, lambda p: torch.optim.AdamW(p), precision, CPU, fake=True,
-                    batch_size=4).after_step
+    after = measure(
+        _linear_model, batch, lambda p: torch.optim.AdamW(p), precision, CPU, fake=True, batch_size=4
+    ).after_step
     assert after is not None
     assert after["parameters"] == weights * n
     assert after["ampkit_buffers"] == masters * n
@@ -87,8 +114,9 @@ def test_plan_rows_batch_search_and_schema():
     model_fn, batch, optimizer_fn, loss_fn = _task("digits-cnn", 8)[0:4]
     real = measure(model_fn, batch, optimizer_fn, "fp32", CPU, fake=False, batch_size=8, loss_fn=loss_fn)
     memory = int(real.peak * 1.5)
-    result = ampkit.plan(model_fn, lambda: batch, optimizer_fn, precisions=["fp32"], device="cpu", memory=memory,
-                         loss_fn=loss_fn)
+    result = ampkit.plan(
+        model_fn, lambda: batch, optimizer_fn, precisions=["fp32"], device="cpu", memory=memory, loss_fn=loss_fn
+    )
     row = result.rows[0]
     assert row.fits and row.method == "fake" and row.batch_size == 8
     assert abs(row.peak_bytes - real.peak) <= 0.05 * real.peak
@@ -103,13 +131,22 @@ def test_plan_rows_batch_search_and_schema():
 def test_a_7b_parameter_model_is_planned_in_seconds_without_its_memory():
     """A 7B-parameter transformer (wide and shallow so the test stays short): planned in < 30 s, < 1 GiB of
     real memory, and the figures are the parameters times the bytes per parameter of each preset."""
+
     def model_fn():
         return TinyLM(vocab=32000, block=128, d_model=8192, n_heads=64, n_layers=8)
+
     ids = torch.randint(0, 32000, (1, 128))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
-    result = ampkit.plan(model_fn, lambda: (ids, ids), lambda p: torch.optim.AdamW(p), precisions=["fp32", "bf16-mixed"],
-                         device="cpu", memory="80GiB", search=False)
+    result = ampkit.plan(
+        model_fn,
+        lambda: (ids, ids),
+        lambda p: torch.optim.AdamW(p),
+        precisions=["fp32", "bf16-mixed"],
+        device="cpu",
+        memory="80GiB",
+        search=False,
+    )
     assert time.perf_counter() - start < 30
     assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024 < 2**30  # ru_maxrss is in KiB
     n = result.parameter_count
@@ -135,8 +172,15 @@ class ItemInForward(nn.Module):
 
 def test_a_forward_fake_tensors_cannot_run_is_measured_and_says_so():
     batch = (torch.randn(16, 64), torch.randint(0, 10, (16,)))
-    result = ampkit.plan(ItemInForward, lambda: batch, lambda p: torch.optim.AdamW(p), precisions=["fp32"],
-                         device="cpu", memory="1GiB", search=False)
+    result = ampkit.plan(
+        ItemInForward,
+        lambda: batch,
+        lambda p: torch.optim.AdamW(p),
+        precisions=["fp32"],
+        device="cpu",
+        memory="1GiB",
+        search=False,
+    )
     row = result.rows[0]
     assert row.method == "real-scaled" and "_local_scalar_dense" in row.note and "batch 1 and 2" in row.note
     real = measure(ItemInForward, batch, lambda p: torch.optim.AdamW(p), "fp32", CPU, fake=False, batch_size=16)
@@ -152,14 +196,27 @@ def test_memory_sizes_parse_and_bad_ones_say_the_format(capsys):
     assert main(["plan", "--task", "iris-mlp", "--memory", "lots"]) == 2
     assert '"24GiB"' in capsys.readouterr().err
     with pytest.raises(ValueError, match="not a preset"):
-        ampkit.plan(_linear_model, lambda: (torch.randn(2, 512), torch.randn(2, 512)), torch.optim.AdamW,
-                    precisions=["fp8"])
+        ampkit.plan(
+            _linear_model, lambda: (torch.randn(2, 512), torch.randn(2, 512)), torch.optim.AdamW, precisions=["fp8"]
+        )
 
 
 def test_cli_json_and_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    code = main(["plan", "--task", "iris-mlp", "--precisions", "fp32,bf16-true", "--memory", "64MiB", "--json",
-                 "--out", str(tmp_path)])
+    code = main(
+        [
+            "plan",
+            "--task",
+            "iris-mlp",
+            "--precisions",
+            "fp32,bf16-true",
+            "--memory",
+            "64MiB",
+            "--json",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     printed = json.loads(capsys.readouterr().out)
     validate(printed, PLAN_SCHEMA)
@@ -173,8 +230,19 @@ def test_cli_json_and_png(tmp_path, capsys):
 def test_gpu_prediction_within_10_percent_of_max_memory_allocated():
     model_fn, batch, optimizer_fn, loss_fn = _task("tiny-lm", 16)
     for precision in ("fp32", "bf16-mixed", "bf16-true"):
-        predicted = ampkit.plan(model_fn, lambda: batch, optimizer_fn, precisions=[precision], device="cuda",
-                                loss_fn=loss_fn, search=False).rows[0].peak_bytes
+        predicted = (
+            ampkit.plan(
+                model_fn,
+                lambda: batch,
+                optimizer_fn,
+                precisions=[precision],
+                device="cuda",
+                loss_fn=loss_fn,
+                search=False,
+            )
+            .rows[0]
+            .peak_bytes
+        )
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -214,16 +282,33 @@ open(sys.argv[2], "w").write("trained")
 def test_a_script_is_planned_from_its_first_prepared_model_optimizer_and_batch(tmp_path, capsys):
     script, marker = tmp_path / "train.py", tmp_path / "trained"
     script.write_text(_SCRIPT)
-    code = main(["plan", "--precisions", "fp32,bf16-true", "--memory", "64MiB", "--json", "--no-search",
-                 str(script), "24", str(marker)])
+    code = main(
+        [
+            "plan",
+            "--precisions",
+            "fp32,bf16-true",
+            "--memory",
+            "64MiB",
+            "--json",
+            "--no-search",
+            str(script),
+            "24",
+            str(marker),
+        ]
+    )
     assert code == 0
     planned = json.loads(capsys.readouterr().out)
     assert not marker.exists()  # stopped at its first backward: nothing trained
     torch.manual_seed(0)
     x, y = torch.randn(24, 32), torch.randint(0, 10, (24,))
-    direct = ampkit.plan(lambda: nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 10)), lambda: (x, y),
-                         lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.05), precisions=["fp32", "bf16-true"],
-                         memory="64MiB", search=False)
+    direct = ampkit.plan(
+        lambda: nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 10)),
+        lambda: (x, y),
+        lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.05),
+        precisions=["fp32", "bf16-true"],
+        memory="64MiB",
+        search=False,
+    )
     assert planned["parameter_count"] == direct.parameter_count == 32 * 256 + 256 + 256 * 10 + 10
     for row, want in zip(planned["rows"], direct.rows):
         assert (row["precision"], row["batch_size"], row["peak_bytes"]) == (want.precision, 24, want.peak_bytes)
@@ -243,7 +328,8 @@ def test_a_script_without_a_prepared_loader_is_planned_from_its_models_first_for
         "model = acc.prepare(LM())\n"
         "opt = acc.prepare(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))\n"
         "x = torch.randint(0, 64, (8, 16))\n"
-        "_, loss = model(x, torch.roll(x, 1))\nacc.backward(loss)\n")
+        "_, loss = model(x, torch.roll(x, 1))\nacc.backward(loss)\n"
+    )
     assert main(["plan", "--precisions", "fp32", "--json", "--no-search", str(script)]) == 0
     captured = capsys.readouterr()
     row = json.loads(captured.out)["rows"][0]
@@ -282,5 +368,7 @@ def test_the_plan_ignores_the_launchers_settings_and_says_when_it_did_not_search
     monkeypatch.setenv("AMPKIT_GRAD_ACCUM_STEPS", "4")  # a step every 4th backward would make no optimizer state
     monkeypatch.setenv("AMPKIT_COMPILE", "1")
     assert ampkit.plan(model_fn, lambda: batch, optimizer_fn, memory="1GiB", search=False, **kw).rows == plain.rows
-    tight = ampkit.plan(model_fn, lambda: batch, optimizer_fn, memory=25_000, search=False, **kw)  # state fits, peak not
+    tight = ampkit.plan(
+        model_fn, lambda: batch, optimizer_fn, memory=25_000, search=False, **kw
+    )  # state fits, peak not
     assert tight.rows[0].max_batch_size == 0 and "were not searched" in tight.recommendation

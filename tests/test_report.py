@@ -79,19 +79,41 @@ def test_numerics_findings_are_only_those_that_matter_for_the_runs_precision(sam
     from ampkit.doctor import numerics_task, summarize
 
     block = summarize(numerics_task("iris-mlp", steps=2, precision="fp32", device="cpu"))
-    found = [{"id": "grad-underflow", "title": "3 layer(s) have gradients below fp16's normal range", "fix": "scale", "evidence": "seen"},
-             {"id": "lost-updates", "title": "40% of weight updates are lost to rounding", "fix": "use masters", "evidence": "seen"},
-             {"id": "forward-overflow", "title": "fc (Linear) exceeds fp16's range", "fix": "keep it in fp32", "evidence": "seen"}]
+    found = [
+        {
+            "id": "grad-underflow",
+            "title": "3 layer(s) have gradients below fp16's normal range",
+            "fix": "scale",
+            "evidence": "seen",
+        },
+        {
+            "id": "lost-updates",
+            "title": "40% of weight updates are lost to rounding",
+            "fix": "use masters",
+            "evidence": "seen",
+        },
+        {
+            "id": "forward-overflow",
+            "title": "fc (Linear) exceeds fp16's range",
+            "fix": "keep it in fp32",
+            "evidence": "seen",
+        },
+    ]
     report = copy.deepcopy(sample)
-    for run, (compute, param) in zip(report["runs"], [("float32", "float32"), ("bfloat16", "bfloat16"),
-                                                       ("float16", "float32"), ("float16", "float16")]):
+    for run, (compute, param) in zip(
+        report["runs"],
+        [("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float32"), ("float16", "float16")],
+    ):
         device = dict(block["detail"]["device"], compute_dtype=compute, param_dtype=param)
         run["numerics"] = dict(block, detail=dict(block["detail"], device=device, findings=found))
     runs = validate_report(report).runs
     shown = {run.precision: [line.split(":")[0] for line in numerics_findings(run)] for run in runs}
-    assert shown == {"fp32": [], "bf16-mixed": ["40% of weight updates are lost to rounding"],
-                     "fp16-mixed": ["3 layer(s) have gradients below fp16's normal range", "fc (Linear) exceeds fp16's range"],
-                     "fp16-master": [f["title"] for f in found]}
+    assert shown == {
+        "fp32": [],
+        "bf16-mixed": ["40% of weight updates are lost to rounding"],
+        "fp16-mixed": ["3 layer(s) have gradients below fp16's normal range", "fc (Linear) exceeds fp16's range"],
+        "fp16-master": [f["title"] for f in found],
+    }
 
 
 def test_schema_is_a_valid_draft_2020_12_schema():
@@ -137,6 +159,7 @@ def _set(path: list, value):
         for key in path[:-1]:
             target = target[key]
         target[path[-1]] = value
+
     return corrupt
 
 
@@ -146,6 +169,7 @@ def _delete(path: list):
         for key in path[:-1]:
             target = target[key]
         del target[path[-1]]
+
     return corrupt
 
 
@@ -204,8 +228,14 @@ def test_cpu_reports_and_custom_train_fn_reports_validate(sample, tmp_path):
 # Verdicts, pinned word for word
 # --------------------------------------------------------------------------------------------------
 
-ACCURACY_TASK = {"name": "digits", "metric": "accuracy", "higher_is_better": True,
-                 "steps": 200, "batch_size": 64, "seed": 0}
+ACCURACY_TASK = {
+    "name": "digits",
+    "metric": "accuracy",
+    "higher_is_better": True,
+    "steps": 200,
+    "batch_size": 64,
+    "seed": 0,
+}
 
 
 def synthetic_run(sample: dict, **changes) -> dict:
@@ -228,24 +258,27 @@ def test_verdict_of_a_faster_run_with_perplexity_as_a_relative_change(sample):
 
 
 def test_verdict_of_a_faster_run_with_accuracy_in_percentage_points(sample):
-    run = synthetic_run(sample, speedup_vs_baseline=1.6, memory_ratio_vs_baseline=0.62,
-                        metric=0.952, metric_delta_vs_baseline=-0.001)
+    run = synthetic_run(
+        sample, speedup_vs_baseline=1.6, memory_ratio_vs_baseline=0.62, metric=0.952, metric_delta_vs_baseline=-0.001
+    )
     assert verdict(run, run_of(sample, "fp32"), ACCURACY_TASK) == (
         "bf16-mixed: 1.6× faster, 0.62× memory, accuracy −0.1 pp"
     )
 
 
 def test_verdict_of_a_slower_run_gives_the_slowdown_too(sample):
-    run = synthetic_run(sample, speedup_vs_baseline=0.4, memory_ratio_vs_baseline=1.1,
-                        metric=0.955, metric_delta_vs_baseline=0.002)
+    run = synthetic_run(
+        sample, speedup_vs_baseline=0.4, memory_ratio_vs_baseline=1.1, metric=0.955, metric_delta_vs_baseline=0.002
+    )
     assert verdict(run, run_of(sample, "fp32"), ACCURACY_TASK) == (
         "bf16-mixed: 0.4× (2.5× slower), 1.1× memory, accuracy +0.2 pp"
     )
 
 
 def test_verdict_within_timing_noise_says_same_speed(sample):
-    run = synthetic_run(sample, speedup_vs_baseline=0.97, memory_ratio_vs_baseline=1.0,
-                        metric=0.953, metric_delta_vs_baseline=0.0)
+    run = synthetic_run(
+        sample, speedup_vs_baseline=0.97, memory_ratio_vs_baseline=1.0, metric=0.953, metric_delta_vs_baseline=0.0
+    )
     assert verdict(run, run_of(sample, "fp32"), ACCURACY_TASK) == (
         "bf16-mixed: same speed (0.97×), 1× memory, accuracy ±0.0 pp"
     )
@@ -257,32 +290,49 @@ def test_speed_interval_noise_band_and_the_recommendation_come_from_the_measured
     fp32, fp16 = run_of(sample, "fp32"), run_of(sample, "fp16-mixed")
     fp32["metric_band"] = 0.05  # perplexity 4.100 ± 0.05: ±1.2%, wider than fp16-mixed's +0.7%
     fp16.update(speedup_low=2.2, speedup_high=2.6)
-    assert verdict(fp16, fp32, sample["task"]) == ("fp16-mixed: 2.4× faster (95% CI 2.2×–2.6×), 0.58× memory, "
-                                                   "perplexity +0.7% (within the noise, ±1.2%), 3 overflow steps skipped")
+    assert verdict(fp16, fp32, sample["task"]) == (
+        "fp16-mixed: 2.4× faster (95% CI 2.2×–2.6×), 0.58× memory, "
+        "perplexity +0.7% (within the noise, ±1.2%), 3 overflow steps skipped"
+    )
     assert verdict(fp32, fp32, sample["task"]).endswith("perplexity 4.1 ± 0.05")
-    assert recommendation(validate_report(sample)) == ("Use fp16-mixed: 2.4× faster (95% CI 2.2×–2.6×), 0.58× memory, "
-                                                       "perplexity within the noise of fp32 — speed decided")
+    assert recommendation(validate_report(sample)) == (
+        "Use fp16-mixed: 2.4× faster (95% CI 2.2×–2.6×), 0.58× memory, "
+        "perplexity within the noise of fp32 — speed decided"
+    )
     fp32["metric_band"] = 0.01  # now +0.7% is beyond the noise: fp32 stays, and the page says why
     assert recommendation(validate_report(sample)) == (
         "Use fp32: fp16-mixed is 2.4× faster (95% CI 2.2×–2.6×) but its perplexity is +0.7%, beyond the noise "
-        "— the metric decided")
+        "— the metric decided"
+    )
     fp32["metric_band"] = 0.05
     fp16.update(speedup_vs_baseline=1.04, speedup_low=0.97, speedup_high=1.2)  # the interval covers 1.0: unclear
     assert verdict(fp16, fp32, sample["task"]).endswith(
         "; speed: can't tell on this machine (1.04× measured, 95% CI 0.97×–1.2×): the rounds disagree; rerun on an "
-        "idle machine or with `--steps`")
+        "idle machine or with `--steps`"
+    )
     assert recommendation(validate_report(sample)).startswith(  # never "Use fp32" from an inconclusive speed
-        "Can't tell on this machine whether fp16-mixed is faster than fp32 (1.04× measured, 95% CI 0.97×–1.2×, ")
-    fp16.update(speedup_vs_baseline=1.01, speedup_low=0.98, speedup_high=1.03, peak_memory_bytes=None,
-                memory_ratio_vs_baseline=None)  # the whole interval within ±5%: same speed, and no memory saved
+        "Can't tell on this machine whether fp16-mixed is faster than fp32 (1.04× measured, 95% CI 0.97×–1.2×, "
+    )
+    fp16.update(
+        speedup_vs_baseline=1.01,
+        speedup_low=0.98,
+        speedup_high=1.03,
+        peak_memory_bytes=None,
+        memory_ratio_vs_baseline=None,
+    )  # the whole interval within ±5%: same speed, and no memory saved
     assert "same speed (1.01×; 95% CI 0.98×–1.03×)" in verdict(fp16, fp32, sample["task"])
     assert recommendation(validate_report(sample)) == (
         "Use fp32: fp16-mixed is no faster on Tesla T4 (same speed (1.01×; 95% CI 0.98×–1.03×)) and saves no "
-        "memory — speed and memory decided")
+        "memory — speed and memory decided"
+    )
     fp16.update(speedup_vs_baseline=0.25, speedup_low=0.2, speedup_high=0.3, status="probe")
     assert recommendation(validate_report(sample)) == (
-        "Use fp32: fp16-mixed costs 4× the time on Tesla T4 (95% CI 0.2×–0.3×) — speed decided")
-    assert format_text(sample).splitlines()[1] == "Use fp32: fp16-mixed costs 4× the time on Tesla T4 (95% CI 0.2×–0.3×) — speed decided"
+        "Use fp32: fp16-mixed costs 4× the time on Tesla T4 (95% CI 0.2×–0.3×) — speed decided"
+    )
+    assert (
+        format_text(sample).splitlines()[1]
+        == "Use fp32: fp16-mixed costs 4× the time on Tesla T4 (95% CI 0.2×–0.3×) — speed decided"
+    )
 
 
 def test_verdict_of_a_skipped_run_gives_the_reason(sample):
@@ -303,15 +353,22 @@ def test_verdict_of_a_diverged_run_gives_the_last_finite_step_and_the_reason(sam
 
 def test_verdict_of_probe_failed_and_interrupted_runs(sample):
     fp32 = run_of(sample, "fp32")
-    probe = synthetic_run(sample, status="probe", steps=20, speedup_vs_baseline=0.011, memory_ratio_vs_baseline=None,
-                          metric=None, metric_delta_vs_baseline=None,
-                          reason="this CPU has no bf16 instructions: timed 20 steps only")
+    probe = synthetic_run(
+        sample,
+        status="probe",
+        steps=20,
+        speedup_vs_baseline=0.011,
+        memory_ratio_vs_baseline=None,
+        metric=None,
+        metric_delta_vs_baseline=None,
+        reason="this CPU has no bf16 instructions: timed 20 steps only",
+    )
     assert verdict(probe, fp32, sample["task"]) == (
         "bf16-mixed: probe only, 0.011× (91× slower) — this CPU has no bf16 instructions: timed 20 steps only"
     )
     failed = synthetic_run(sample, status="failed", reason="RuntimeError: CUDA out of memory")
     assert verdict(failed, fp32, sample["task"]) == "bf16-mixed: failed — RuntimeError: CUDA out of memory"
-    traceback = "RuntimeError: boom\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+    traceback = 'RuntimeError: boom\nTraceback (most recent call last):\n  File "x.py", line 1\n'
     failed_with_traceback = synthetic_run(sample, status="failed", reason=traceback)
     assert verdict(failed_with_traceback, fp32, sample["task"]) == "bf16-mixed: failed — RuntimeError: boom"
     interrupted = synthetic_run(sample, status="interrupted", reason=None)
@@ -319,8 +376,7 @@ def test_verdict_of_probe_failed_and_interrupted_runs(sample):
 
 
 def test_verdict_without_a_baseline(sample):
-    run = synthetic_run(sample, speedup_vs_baseline=None, memory_ratio_vs_baseline=None,
-                        metric_delta_vs_baseline=None)
+    run = synthetic_run(sample, speedup_vs_baseline=None, memory_ratio_vs_baseline=None, metric_delta_vs_baseline=None)
     assert verdict(run, None, sample["task"]) == "bf16-mixed: no baseline to compare with"
 
 
@@ -366,6 +422,7 @@ def _assert_real_png(path: Path) -> None:
 def _strict_json(text: str):
     def reject(constant: str):
         raise AssertionError(f"report.json contains {constant}")
+
     return json.loads(text, parse_constant=reject)
 
 
@@ -382,12 +439,14 @@ def _numbers(value):
 
 def test_write_report_writes_json_plots_and_one_self_contained_page(sample, tmp_path):
     pytest.importorskip("matplotlib")
-    sample["runs"][0]["loss_curve"][7] = math.nan          # what a runner might hand over
+    sample["runs"][0]["loss_curve"][7] = math.nan  # what a runner might hand over
     sample["runs"][2]["wall_time_s"] = math.inf
     paths = write_report(sample, tmp_path / "out")
 
     assert set(paths) == {"json", "html", "loss_curves", "throughput", "memory", "scale_history"}
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted([".ampkit-owned.json", *(p.name for p in paths.values())])
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        [".ampkit-owned.json", *(p.name for p in paths.values())]
+    )
     owned = json.loads((tmp_path / "out" / ".ampkit-owned.json").read_text())["files"]
     assert {p.name for p in paths.values()} <= set(owned)  # each file it wrote, recorded as ampkit's
     loaded = _strict_json(paths["json"].read_text(encoding="utf-8"))
@@ -452,10 +511,14 @@ def test_write_report_rejects_an_invalid_report_before_writing(sample, tmp_path)
 
 def test_a_failed_runs_traceback_is_folded_under_its_verdict(sample, tmp_path):
     sample["runs"][1].update(status="failed", reason="RuntimeError: boom\nTraceback (most recent call last):\n  x < y")
-    assert "  bf16-mixed: failed — RuntimeError: boom\n      Traceback (most recent call last):\n" in format_text(sample)
+    assert "  bf16-mixed: failed — RuntimeError: boom\n      Traceback (most recent call last):\n" in format_text(
+        sample
+    )
     page = write_report(sample, tmp_path)["html"].read_text(encoding="utf-8")
-    assert ("bf16-mixed: failed — RuntimeError: boom<details><summary>details</summary>"
-            "<pre>Traceback (most recent call last):\n  x &lt; y</pre></details>") in page
+    assert (
+        "bf16-mixed: failed — RuntimeError: boom<details><summary>details</summary>"
+        "<pre>Traceback (most recent call last):\n  x &lt; y</pre></details>"
+    ) in page
 
 
 def test_interrupted_report_without_a_baseline(sample, tmp_path):
@@ -495,9 +558,15 @@ def _chromium() -> str | None:
 
 def _headless(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     command = [
-        _chromium(), "--headless=new", "--no-sandbox", "--disable-gpu",
-        "--disable-dev-shm-usage",               # containers often have a 64 MB /dev/shm
-        "--no-first-run", "--hide-scrollbars", f"--user-data-dir={tmp_path / 'profile'}", *args,
+        _chromium(),
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",  # containers often have a 64 MB /dev/shm
+        "--no-first-run",
+        "--hide-scrollbars",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        *args,
     ]
     return subprocess.run(command, capture_output=True, text=True, timeout=60, check=True)
 

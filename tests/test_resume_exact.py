@@ -15,34 +15,57 @@ from resume_run import build, resume_in_fresh_process, train
 EPOCHS = 2  # 12 batches per epoch: enough to resume into a second epoch and see its shuffle
 
 
-def case(id: str, precision: str = "fp32", accum: int = 1, loader: str = "plain", stop_after: int | None = 7,
-         stop_after_epoch: int | None = None, inject_at: int | None = None, **data):
+def case(
+    id: str,
+    precision: str = "fp32",
+    accum: int = 1,
+    loader: str = "plain",
+    stop_after: int | None = 7,
+    stop_after_epoch: int | None = None,
+    inject_at: int | None = None,
+    **data,
+):
     return pytest.param(precision, accum, loader, stop_after, stop_after_epoch, inject_at, data, id=id)
 
 
-@pytest.mark.parametrize("precision,accum,loader,stop_after,stop_after_epoch,inject_at,data", [
-    # DataLoader(ds, shuffle=True) without a generator: the sampler draws its seed from the global RNG.
-    case("plain-mid-epoch"),
-    case("plain-last-batch", stop_after=12),                                 # saved inside the loop on the epoch's last batch
-    # A loader with its own generator= (the mid-epoch case is in test_checkpoint.py).
-    case("generator-last-batch", loader="generator", stop_after=12),
-    case("generator-after-epoch", loader="generator", stop_after=None, stop_after_epoch=0),
-    case("plain-2-workers", workers=2),
-    case("plain-drop-last-after-epoch", stop_after=None, stop_after_epoch=0, n=100, drop_last=True),  # 12 full batches, 4 samples dropped
-    case("plain-bf16-mixed", precision="bf16-mixed"),
-    case("plain-fp16-mixed-overflow", precision="fp16-mixed", inject_at=6),  # skipped step + halved scale just before the save
-    case("plain-bf16-true", precision="bf16-true", stop_after=20),            # 20: a Kahan buffer holds a rounding tie here
-    case("plain-accum-mid-cycle", accum=2),                                 # 7 micro-steps = 3 cycles + 1
-    # An IterableDataset (no len, no sampler): resumed by skipping the batches already seen.
-    case("iterable-mid-epoch", loader="iterable"),
-])
-def test_resumed_in_a_fresh_process_equals_the_uninterrupted_run_bitwise(tmp_path, precision, accum, loader, stop_after,
-                                                                         stop_after_epoch, inject_at, data):
+@pytest.mark.parametrize(
+    "precision,accum,loader,stop_after,stop_after_epoch,inject_at,data",
+    [
+        # DataLoader(ds, shuffle=True) without a generator: the sampler draws its seed from the global RNG.
+        case("plain-mid-epoch"),
+        case("plain-last-batch", stop_after=12),  # saved inside the loop on the epoch's last batch
+        # A loader with its own generator= (the mid-epoch case is in test_checkpoint.py).
+        case("generator-last-batch", loader="generator", stop_after=12),
+        case("generator-after-epoch", loader="generator", stop_after=None, stop_after_epoch=0),
+        case("plain-2-workers", workers=2),
+        case(
+            "plain-drop-last-after-epoch", stop_after=None, stop_after_epoch=0, n=100, drop_last=True
+        ),  # 12 full batches, 4 samples dropped
+        case("plain-bf16-mixed", precision="bf16-mixed"),
+        case(
+            "plain-fp16-mixed-overflow", precision="fp16-mixed", inject_at=6
+        ),  # skipped step + halved scale just before the save
+        case("plain-bf16-true", precision="bf16-true", stop_after=20),  # 20: a Kahan buffer holds a rounding tie here
+        case("plain-accum-mid-cycle", accum=2),  # 7 micro-steps = 3 cycles + 1
+        # An IterableDataset (no len, no sampler): resumed by skipping the batches already seen.
+        case("iterable-mid-epoch", loader="iterable"),
+    ],
+)
+def test_resumed_in_a_fresh_process_equals_the_uninterrupted_run_bitwise(
+    tmp_path, precision, accum, loader, stop_after, stop_after_epoch, inject_at, data
+):
     options = dict(epochs=EPOCHS, loader=loader, **data)
     full_losses, full_weights, full_acc = train(precision, accum, inject_at=inject_at, **options)
     ckpt = tmp_path / "ckpts"
-    first, _, _ = train(precision, accum, ckpt=str(ckpt), stop_after=stop_after, stop_after_epoch=stop_after_epoch,
-                        inject_at=inject_at, **options)
+    first, _, _ = train(
+        precision,
+        accum,
+        ckpt=str(ckpt),
+        stop_after=stop_after,
+        stop_after_epoch=stop_after_epoch,
+        inject_at=inject_at,
+        **options,
+    )
     assert 0 < len(first) < len(full_losses)
     extra = {k: int(v) if isinstance(v, bool) else v for k, v in options.items()}
     if inject_at is not None:

@@ -30,7 +30,8 @@ def test_scale_trajectory_and_weights_equal_torch_grad_scaler():
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     acc = ampkit.Accelerator(
-        precision="fp16-mixed", device="cpu",
+        precision="fp16-mixed",
+        device="cpu",
         scaler=ampkit.LossScaler(**settings, min_scale=None, max_scale=None),
     )
     model, opt = acc.prepare(model, opt)
@@ -181,12 +182,16 @@ def test_collapse_raises_with_a_diagnosis():
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     acc = ampkit.Accelerator(
-        precision="fp16-mixed", device="cpu",
+        precision="fp16-mixed",
+        device="cpu",
         scaler=ampkit.LossScaler(init_scale=8.0, min_scale=1.0, collapse_after=5),
     )
     model, opt = acc.prepare(model, opt)
     x, y = next(iter(make_loader()))
-    with pytest.raises(ampkit.LossScaleCollapse, match=r"5 optimizer steps in a row overflowed at the minimum scale 1 .*8 of 8 steps skipped.*bf16-mixed"):
+    with pytest.raises(
+        ampkit.LossScaleCollapse,
+        match=r"5 optimizer steps in a row overflowed at the minimum scale 1 .*8 of 8 steps skipped.*bf16-mixed",
+    ):
         for _ in range(20):
             acc.backward(F.cross_entropy(model(x), y))
             _inject_inf(model)

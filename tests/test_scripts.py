@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
-import textwrap
 import warnings
 
 import pytest
@@ -62,7 +61,9 @@ def grouped_adamw(model: nn.Module) -> torch.optim.Optimizer:
     """nanoGPT's configure_optimizers: weight decay on matrices only, so the groups reorder the parameters."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=3e-3)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=3e-3
+    )
 
 
 def lm_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -87,8 +88,12 @@ def manual_loop(model, backward, clip, steps: int = 6, lr: float = 0.5, autocast
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 def test_a_manual_update_without_an_optimizer_equals_the_hand_written_loop(precision):
     ref = TinyLM()
-    expected = manual_loop(ref, lambda l: l.backward(), lambda m: nn.utils.clip_grad_norm_(m.parameters(), 0.25),
-                           autocast=precision == "bf16-mixed")
+    expected = manual_loop(
+        ref,
+        lambda l: l.backward(),
+        lambda m: nn.utils.clip_grad_norm_(m.parameters(), 0.25),
+        autocast=precision == "bf16-mixed",
+    )
     acc = ampkit.Accelerator(precision=precision, device="cpu")
     model = acc.prepare(TinyLM())
     got = manual_loop(model, acc.backward, lambda m: acc.clip_grad_norm_(0.25))
@@ -103,8 +108,11 @@ def test_a_manual_update_that_cannot_be_right_is_refused_at_the_first_backward(p
         acc = ampkit.Accelerator(precision=precision, device="cpu")
     model = acc.prepare(TinyLM())
     x, y = next(batches(1))
-    with pytest.raises(ampkit.StepOrderError, match=rf"precision '{precision}' .*and no optimizer was prepared\. "
-                       r"Prepare one: model, optimizer = acc\.prepare\(model, optimizer\)"):
+    with pytest.raises(
+        ampkit.StepOrderError,
+        match=rf"precision '{precision}' .*and no optimizer was prepared\. "
+        r"Prepare one: model, optimizer = acc\.prepare\(model, optimizer\)",
+    ):
         acc.backward(lm_loss(model(x), y))
     assert all(p.grad is None for p in model.parameters())  # refused before the backward ran
 
@@ -130,7 +138,9 @@ def test_the_accumulation_division_is_announced_once():
     acc = ampkit.Accelerator(precision="fp32", device="cpu", grad_accum_steps=4)
     model = TinyLM()
     model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.warns(UserWarning, match=r"grad_accum_steps=4: acc.backward\(loss\) divides each micro-batch's loss by 4") as seen:
+    with pytest.warns(
+        UserWarning, match=r"grad_accum_steps=4: acc.backward\(loss\) divides each micro-batch's loss by 4"
+    ) as seen:
         for x, y in batches(8):
             acc.backward(lm_loss(model(x), y))
             opt.step()
@@ -220,7 +230,9 @@ def _reload(path, folder) -> str:
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
-def test_a_prepared_model_saved_whole_loads_like_the_plain_module_in_a_process_without_ampkit(tmp_path, precision, monkeypatch):
+def test_a_prepared_model_saved_whole_loads_like_the_plain_module_in_a_process_without_ampkit(
+    tmp_path, precision, monkeypatch
+):
     (tmp_path / "netdef.py").write_text(_NET)
     monkeypatch.syspath_prepend(str(tmp_path))
     import netdef
@@ -262,9 +274,13 @@ def test_clipping_a_grouped_optimizer_equals_the_hand_written_clip_bitwise(preci
     ref = TinyLM()
     ref_opt = grouped_adamw(ref)
     norms: list[torch.Tensor] = []
-    expected = clip_loop(ref, ref_opt, lambda l: l.backward(),
-                         lambda: norms.append(nn.utils.clip_grad_norm_(ref.parameters(), 0.05)),
-                         autocast=precision == "bf16-mixed")
+    expected = clip_loop(
+        ref,
+        ref_opt,
+        lambda l: l.backward(),
+        lambda: norms.append(nn.utils.clip_grad_norm_(ref.parameters(), 0.05)),
+        autocast=precision == "bf16-mixed",
+    )
     acc = ampkit.Accelerator(precision=precision, device="cpu")
     model = TinyLM()
     model, opt = acc.prepare(model, grouped_adamw(model))
@@ -277,8 +293,13 @@ def test_clipping_a_grouped_optimizer_equals_the_hand_written_clip_bitwise(preci
 
 # --- 10. fp16 on a CPU ------------------------------------------------------------------------------
 def test_fp16_on_a_cpu_warns_that_some_ops_may_not_run(monkeypatch):
-    monkeypatch.setattr("ampkit.hardware.cpu_flags", lambda: {"avx512_bf16": True, "amx_bf16": False, "avx512_fp16": False, "amx_fp16": False})
-    with pytest.warns(UserWarning, match=r"far slower than fp32, and some ops may not run at all \(oneDNN's LSTM has no fp16 forward"):
+    monkeypatch.setattr(
+        "ampkit.hardware.cpu_flags",
+        lambda: {"avx512_bf16": True, "amx_bf16": False, "avx512_fp16": False, "amx_fp16": False},
+    )
+    with pytest.warns(
+        UserWarning, match=r"far slower than fp32, and some ops may not run at all \(oneDNN's LSTM has no fp16 forward"
+    ):
         ampkit.Accelerator(precision="fp16-mixed", device="cpu")
 
 
@@ -305,10 +326,16 @@ def test_compare_passes_accelerator_arguments_and_knows_the_metrics_direction(mo
     monkeypatch.setattr(runner.RunProgress, "start", lambda self, label, total: totals.append(total))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = compare(lm_train_fn, ["fp32", "bf16-mixed"], device="cpu", show=False, isolate=False, numerics=False,
-                         accelerator_kwargs={"grad_accum_steps": 2, "divide_loss": True,
-                                             "bf16-mixed": {"cast_outputs": False}},
-                         metric_direction="lower")
+        report = compare(
+            lm_train_fn,
+            ["fp32", "bf16-mixed"],
+            device="cpu",
+            show=False,
+            isolate=False,
+            numerics=False,
+            accelerator_kwargs={"grad_accum_steps": 2, "divide_loss": True, "bf16-mixed": {"cast_outputs": False}},
+            metric_direction="lower",
+        )
     fp32, bf16 = report["runs"]
     assert (fp32["eval"]["accum"], fp32["eval"]["cast"]) == (2.0, 1.0)
     assert (bf16["eval"]["accum"], bf16["eval"]["cast"]) == (2.0, 0.0)  # the preset's own override
@@ -318,7 +345,9 @@ def test_compare_passes_accelerator_arguments_and_knows_the_metrics_direction(mo
     decimals = {len(row[7].split(".")[1]) for row in cells}  # the final-loss column: one format
     assert len(decimals) == 1
     assert "val_loss" in verdicts(as_report(report))[1]
-    with pytest.raises(ValueError, match=r"accelerator_kwargs=\{'precision': 'fp16-mixed'\}: expected Accelerator arguments"):
+    with pytest.raises(
+        ValueError, match=r"accelerator_kwargs=\{'precision': 'fp16-mixed'\}: expected Accelerator arguments"
+    ):
         compare(lm_train_fn, ["fp32"], device="cpu", show=False, accelerator_kwargs={"precision": "fp16-mixed"})
     with pytest.raises(ValueError, match=r"metric_direction='down': expected 'higher' or 'lower'"):
         compare(lm_train_fn, ["fp32"], device="cpu", show=False, metric_direction="down")

@@ -57,10 +57,17 @@ def report_with(base_rounds, run_rounds, load=None, *, interleaved=True, memory=
     report = copy.deepcopy(SAMPLE)
     fp32 = next(r for r in report["runs"] if r["precision"] == "fp32")
     run = next(r for r in report["runs"] if r["precision"] == "bf16-mixed")
-    run.update(status="ok", reason=None, metric=fp32["metric"] + metric_delta, skipped_steps=0,
-               step_time_median_s=fp32["step_time_median_s"] / (sum(base_rounds) / sum(run_rounds)),
-               peak_memory_bytes=int(fp32["peak_memory_bytes"] * memory), policy=fp32["policy"] | {"name": "bf16-mixed"},
-               eval={"perplexity": fp32["metric"] + metric_delta}, loss_curve=fp32["loss_curve"])
+    run.update(
+        status="ok",
+        reason=None,
+        metric=fp32["metric"] + metric_delta,
+        skipped_steps=0,
+        step_time_median_s=fp32["step_time_median_s"] / (sum(base_rounds) / sum(run_rounds)),
+        peak_memory_bytes=int(fp32["peak_memory_bytes"] * memory),
+        policy=fp32["policy"] | {"name": "bf16-mixed"},
+        eval={"perplexity": fp32["metric"] + metric_delta},
+        loss_curve=fp32["loss_curve"],
+    )
     fp32["metric_band"] = 0.2
     for r, rounds in ((fp32, base_rounds), (run, run_rounds)):
         r.update(round_step_times_s=rounds, rounds_interleaved=interleaved)
@@ -83,31 +90,39 @@ def line(records):
 
 def test_a_clear_gain_is_faster_with_its_interval():
     records = report_with([5.4, 5.5, 5.3, 5.6, 5.4], [2.8, 2.9, 2.8, 2.8, 2.85], IDLE)
-    assert line(records) == ("bf16-mixed: 1.92× faster (95% CI 1.89×–1.96×), 0.82× memory, perplexity +1.2% "
-                             "(within the noise, ±4.9%)")
-    assert recommendation(records) == ("Use bf16-mixed: 1.92× faster (95% CI 1.89×–1.96×), 0.82× memory, "
-                                       "perplexity within the noise of fp32 — speed decided")
+    assert line(records) == (
+        "bf16-mixed: 1.92× faster (95% CI 1.89×–1.96×), 0.82× memory, perplexity +1.2% (within the noise, ±4.9%)"
+    )
+    assert recommendation(records) == (
+        "Use bf16-mixed: 1.92× faster (95% CI 1.89×–1.96×), 0.82× memory, "
+        "perplexity within the noise of fp32 — speed decided"
+    )
 
 
 def test_a_clear_loss_is_slower_with_its_interval():
     records = report_with([2.8, 2.9, 2.8, 2.8], [5.4, 5.5, 5.3, 5.6], IDLE, memory=1.0)
     assert line(records).startswith("bf16-mixed: 0.52× (1.93× slower; 95% CI 0.51×–0.53×), 1× memory")
-    assert recommendation(records) == ("Use fp32: bf16-mixed costs 1.93× the time on Tesla T4 "
-                                       "(95% CI 0.51×–0.53×) — speed decided")
+    assert recommendation(records) == (
+        "Use fp32: bf16-mixed costs 1.93× the time on Tesla T4 (95% CI 0.51×–0.53×) — speed decided"
+    )
 
 
 def test_noise_on_a_busy_machine_cannot_tell_and_names_the_load():
     # the run: 1.93x overall, but four rounds from 0.51x to 10x on a machine at load 12 on 2 cores
     records = report_with([5.0, 30.0, 2.0, 5.4], [9.8, 3.0, 1.2, 2.8], BUSY)
     said = line(records)
-    assert said == ("bf16-mixed: 0.82× memory, perplexity +1.2% (within the noise, ±4.9%); speed: can't tell on "
-                    "this machine (2.01× measured, 95% CI 0.71×–6.39×): it was busy (load 12.3 on 2 cores; ops ran "
-                    "~3.1× slower than this CPU can); rerun on an idle machine or with `--steps`")
+    assert said == (
+        "bf16-mixed: 0.82× memory, perplexity +1.2% (within the noise, ±4.9%); speed: can't tell on "
+        "this machine (2.01× measured, 95% CI 0.71×–6.39×): it was busy (load 12.3 on 2 cores; ops ran "
+        "~3.1× slower than this CPU can); rerun on an idle machine or with `--steps`"
+    )
     banner = recommendation(records)
     assert banner.startswith("Can't tell on this machine whether bf16-mixed is faster than fp32 (")
-    assert banner == ("Can't tell on this machine whether bf16-mixed is faster than fp32 (2.01× measured, 95% CI "
-                      "0.71×–6.39×, 0.82× memory, perplexity within the noise of fp32): it was busy (load 12.3 on 2 "
-                      "cores; ops ran ~3.1× slower than this CPU can); rerun on an idle machine or with `--steps`")
+    assert banner == (
+        "Can't tell on this machine whether bf16-mixed is faster than fp32 (2.01× measured, 95% CI "
+        "0.71×–6.39×, 0.82× memory, perplexity within the noise of fp32): it was busy (load 12.3 on 2 "
+        "cores; ops ran ~3.1× slower than this CPU can); rerun on an idle machine or with `--steps`"
+    )
     assert not banner.startswith("Use")  # never "Use fp32" from an inconclusive speed
     assert flat(format_text(records).split("\n", 1)[1]).startswith(flat(banner))  # the terminal's first line
     idle = report_with([5.0, 30.0, 2.0, 5.4], [9.8, 3.0, 1.2, 2.8], IDLE)
@@ -123,8 +138,12 @@ def test_never_fp32_on_speed_from_an_inconclusive_comparison():
         for load in (BUSY, IDLE, None):
             records = report_with(base, run, load)
             rec = recommendation(records)
-            fate = outcome(records.runs[1].speedup_vs_baseline, records.runs[1].speedup_low,
-                           records.runs[1].speedup_high, busy=bool(load and load["busy"]))
+            fate = outcome(
+                records.runs[1].speedup_vs_baseline,
+                records.runs[1].speedup_low,
+                records.runs[1].speedup_high,
+                busy=bool(load and load["busy"]),
+            )
             if fate == "unclear":
                 assert not rec.startswith("Use"), (base, run, rec)
                 assert "can't tell" in line(records)
@@ -137,8 +156,10 @@ def test_same_speed_with_less_memory_lets_memory_decide():
     assert line(records).startswith("bf16-mixed: same speed (1×; 95% CI 1×–1×), 0.82× memory")
     assert recommendation(records).endswith("— memory decided")
     heavy = report_with([2.0, 2.02, 1.99, 2.01], [2.0, 2.01, 2.0, 2.0], IDLE, memory=1.0)
-    assert recommendation(heavy) == ("Use fp32: bf16-mixed is no faster on Tesla T4 (same speed (1×; 95% CI "
-                                     "1×–1×)) and saves no memory — speed and memory decided")
+    assert recommendation(heavy) == (
+        "Use fp32: bf16-mixed is no faster on Tesla T4 (same speed (1×; 95% CI "
+        "1×–1×)) and saves no memory — speed and memory decided"
+    )
 
 
 def test_runs_one_after_another_say_so_and_cannot_tell_on_a_busy_machine():
@@ -150,11 +171,15 @@ def test_runs_one_after_another_say_so_and_cannot_tell_on_a_busy_machine():
     assert not recommendation(records).startswith("Use")
     idle = report_with([1.0, 1.1, 0.9, 1.0], [2.2, 2.3, 2.1, 2.2], IDLE, interleaved=False)
     assert line(idle).startswith("bf16-mixed: 0.45× (2.2× slower; 95% CI 0.43×–0.47×; ")
-    assert "; the runs ran one after another, so drift of the machine between them could not be separated)" in line(idle)
+    assert "; the runs ran one after another, so drift of the machine between them could not be separated)" in line(
+        idle
+    )
     assert "drift between them is not separated" in flat(format_text(idle))
-    assert recommendation(idle) == ("Use fp32: bf16-mixed costs 2.2× the time on Tesla T4 (95% CI 0.43×–0.47×; "
-                                    "the runs ran one after another, so drift of the machine between them could "
-                                    "not be separated) — speed decided")
+    assert recommendation(idle) == (
+        "Use fp32: bf16-mixed costs 2.2× the time on Tesla T4 (95% CI 0.43×–0.47×; "
+        "the runs ran one after another, so drift of the machine between them could "
+        "not be separated) — speed decided"
+    )
 
 
 # --- the load check --------------------------------------------------------------------------------

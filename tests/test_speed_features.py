@@ -22,7 +22,9 @@ from conftest import assert_bitwise_equal, make_loader, make_model
 STEPS = 8
 
 
-def losses_of(precision: str, steps: int = STEPS, batch_size: int = 32, **kwargs) -> tuple[list[float], ampkit.Accelerator, nn.Module]:
+def losses_of(
+    precision: str, steps: int = STEPS, batch_size: int = 32, **kwargs
+) -> tuple[list[float], ampkit.Accelerator, nn.Module]:
     model = make_model(width=16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     acc = ampkit.Accelerator(precision, device="cpu", **kwargs)
@@ -38,7 +40,9 @@ def losses_of(precision: str, steps: int = STEPS, batch_size: int = 32, **kwargs
 
 
 # --- compile=True -------------------------------------------------------------------------------
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None, reason="inductor on CPU needs a C++ compiler")
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("clang++") is None, reason="inductor on CPU needs a C++ compiler"
+)
 def test_compile_matches_eager_trajectory_and_reports_compile_time_apart():
     eager, _, _ = losses_of("bf16-mixed")
     compiled, acc, model = losses_of("bf16-mixed", compile=True)
@@ -135,11 +139,14 @@ def test_a_model_bug_under_compile_raises_the_models_own_error():
         model(torch.randn(2, 5))
 
 
-@pytest.mark.parametrize("bad, match", [
-    ({"mode": "fast", "turbo": True}, r"compile=\{.*'turbo'.*unknown key\(s\) \['turbo'\]"),
-    ("yes", r"compile='yes': expected True, False or a dict"),
-    ({"trial": "no"}, r"compile=\{'trial': 'no'\}: 'trial' must be True or False"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"mode": "fast", "turbo": True}, r"compile=\{.*'turbo'.*unknown key\(s\) \['turbo'\]"),
+        ("yes", r"compile='yes': expected True, False or a dict"),
+        ({"trial": "no"}, r"compile=\{'trial': 'no'\}: 'trial' must be True or False"),
+    ],
+)
 def test_bad_compile_arguments_name_what_was_passed(bad, match):
     with pytest.raises((ValueError, TypeError), match=match):
         ampkit.Accelerator("fp32", device="cpu", compile=bad)
@@ -158,8 +165,9 @@ class FakeClock:
         return self.now
 
 
-def trial_run(eager_s: float, compiled_s: float, steps: int = 12, evals: bool = False, compile: dict | None = None,
-              **kwargs):
+def trial_run(
+    eager_s: float, compiled_s: float, steps: int = 12, evals: bool = False, compile: dict | None = None, **kwargs
+):
     """Train `steps` micro-steps compiled with a backend counting its compiled forward's calls (training
     and `evals` apart), under a fake trial clock; `chosen`: per step, what the trial had chosen by then.
     `evals`: an eval-mode forward and a no_grad forward after every step."""
@@ -169,6 +177,7 @@ def trial_run(eager_s: float, compiled_s: float, steps: int = 12, evals: bool = 
         def run(*args):
             calls.append(1)
             return gm.forward(*args)
+
         return run
 
     model = make_model(width=16)
@@ -195,8 +204,15 @@ def trial_run(eager_s: float, compiled_s: float, steps: int = 12, evals: bool = 
                     model(x)
                 eval_calls += len(calls) - before
     messages = [str(w.message) for w in caught if "compile=True" in str(w.message)]
-    return SimpleNamespace(losses=losses, acc=acc, model=model, compiled_calls=len(calls) - eval_calls,
-                           eval_compiled_calls=eval_calls, chosen=chosen, messages=messages)
+    return SimpleNamespace(
+        losses=losses,
+        acc=acc,
+        model=model,
+        compiled_calls=len(calls) - eval_calls,
+        eval_compiled_calls=eval_calls,
+        chosen=chosen,
+        messages=messages,
+    )
 
 
 def test_the_compile_trial_runs_eager_when_eager_measures_faster_and_training_still_works():
@@ -225,7 +241,9 @@ def test_the_compile_trial_runs_eager_when_eager_measures_faster_and_training_st
 @pytest.mark.parametrize("eager_s", [0.003, 0.002], ids=["compiled-faster", "tie"])
 def test_the_compile_trial_keeps_compiled_when_compiled_is_faster_or_ties(eager_s):
     run = trial_run(eager_s=eager_s, compiled_s=0.002)
-    assert run.acc.compile_stats.chosen == "compiled" and run.acc.compile_stats.reason.startswith("compiled is not slower: the compiled step measured 2 ms vs eager")
+    assert run.acc.compile_stats.chosen == "compiled" and run.acc.compile_stats.reason.startswith(
+        "compiled is not slower: the compiled step measured 2 ms vs eager"
+    )
     assert run.chosen == [None] * 6 + ["compiled"] * 6
     assert run.compiled_calls == 1 + 3 + 5 and run.messages == []
 
@@ -340,7 +358,12 @@ def reference_run(precision: str, steps: int, unused: bool, low_state: bool = Tr
     model = WithUnused(unused)
     keep_norm = precision == "bf16-master"
     init = {p: p.detach().clone() for p in model.parameters()}
-    low = [p for m in model.modules() if not (keep_norm and isinstance(m, nn.LayerNorm)) for p in m.parameters(recurse=False)]
+    low = [
+        p
+        for m in model.modules()
+        if not (keep_norm and isinstance(m, nn.LayerNorm))
+        for p in m.parameters(recurse=False)
+    ]
     with torch.no_grad():
         for p in low:
             p.data = p.data.to(torch.bfloat16)
@@ -379,12 +402,20 @@ def reference_run(precision: str, steps: int, unused: bool, low_state: bool = Tr
         model.zero_grad()
     out = [p.detach().clone() for p in model.parameters()]
     if precision == "bf16-true":
-        out += [comp[p] for p in low] + [v for p in low for k, v in sorted(opt.state.get(stand_in[p], {}).items()) if k != "step"]
+        out += [comp[p] for p in low] + [
+            v for p in low for k, v in sorted(opt.state.get(stand_in[p], {}).items()) if k != "step"
+        ]
     return out
 
 
-def ampkit_run(precision: str, steps: int, unused: bool, free: bool, clip: bool = False,
-               make_opt=lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)) -> list[torch.Tensor]:
+def ampkit_run(
+    precision: str,
+    steps: int,
+    unused: bool,
+    free: bool,
+    clip: bool = False,
+    make_opt=lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01),
+) -> list[torch.Tensor]:
     model = WithUnused(unused)
     opt = make_opt(model.parameters())
     acc = ampkit.Accelerator(precision, device="cpu", free_step_buffers=free)
@@ -486,8 +517,11 @@ def test_master_fp32_gradient_buffer_is_made_at_the_first_step_and_kept_only_wit
 
     def fp32_bytes_held() -> int:  # every distinct fp32 storage alive in the process
         gc.collect()
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in gc.get_objects()
-                    if type(t) in (torch.Tensor, nn.Parameter) and t.dtype == torch.float32 and t.device.type == "cpu"}
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in gc.get_objects()
+            if type(t) in (torch.Tensor, nn.Parameter) and t.dtype == torch.float32 and t.device.type == "cpu"
+        }
         return sum(storages.values())
 
     held = [fp32_bytes_held()]
@@ -554,6 +588,7 @@ def test_bf16_true_optimizer_load_state_dict_restores_the_moments():
     for x, y in batches[:4]:
         step(x, y)
     import copy
+
     saved = copy.deepcopy(opt.state_dict())
     for x, y in batches[4:7]:
         step(x, y)

@@ -29,6 +29,7 @@ def count_syncs(counter: list[str]):
             caller = sys._getframe(1).f_code.co_filename
             counter.append(f"ampkit:{name}" if caller.startswith(PACKAGE_DIR) else name)
             return fn(self, *args, **kwargs)
+
         return counted
 
     for name, fn in originals.items():
@@ -103,8 +104,12 @@ def test_on_cuda_torchs_default_adamw_is_stepped_fused_so_overflows_skip_on_the_
     def opt(**kw):
         return torch.optim.AdamW(nn.Linear(2, 2).parameters(), lr=1e-3, **kw)
 
-    for kwargs, device, scaled in [({"foreach": True}, cuda, True), ({"fused": False}, cuda, True), ({}, cpu, True),
-                                   ({}, cuda, False)]:
+    for kwargs, device, scaled in [
+        ({"foreach": True}, cuda, True),
+        ({"fused": False}, cuda, True),
+        ({}, cpu, True),
+        ({}, cuda, False),
+    ]:
         o = opt(**kwargs)
         assert not fuse_for_device_skips(o, device, scaled) and o.param_groups[0].get("fused") in (None, False)
     o = opt()

@@ -16,8 +16,7 @@ import sys
 import pytest
 import torch
 
-from ampkit.tasks import TASKS, Task, TaskData, get_task
-from ampkit.tasks import tiny_lm
+from ampkit.tasks import TASKS, Task, TaskData, get_task, tiny_lm
 
 SMALL_BATCH = {"iris-mlp": 16, "digits-cnn": 32, "tiny-lm": 8}
 """Batch sizes that keep each test well under a second or two on a 2-core CPU."""
@@ -63,9 +62,7 @@ def test_registry_lists_the_three_tasks():
 
 
 def test_unknown_task_names_the_choices():
-    with pytest.raises(
-        ValueError, match=r"unknown task 'nope'; choose one of: digits-cnn, iris-mlp, tiny-lm"
-    ):
+    with pytest.raises(ValueError, match=r"unknown task 'nope'; choose one of: digits-cnn, iris-mlp, tiny-lm"):
         get_task("nope")
 
 
@@ -231,11 +228,15 @@ def _matmul_flops_per_kernel(size: str, foreach: bool) -> float:
     s = tiny_lm.SIZES[size]
     x = torch.randint(0, 256, (s.batch_size, tiny_lm.BLOCK), device="meta")
     with torch.device("meta"):
-        model = tiny_lm.TinyLM(vocab=256, block=tiny_lm.BLOCK, d_model=s.d_model, n_heads=s.n_heads, n_layers=s.n_layers)
+        model = tiny_lm.TinyLM(
+            vocab=256, block=tiny_lm.BLOCK, d_model=s.d_model, n_heads=s.n_heads, n_layers=s.n_layers
+        )
     flops, kernels = FlopCounterMode(display=False), Kernels()
     with flops, kernels:
         tiny_lm.loss_fn(model(x), x).backward()
-    narrow = tiny_lm.TinyLM(vocab=256, block=tiny_lm.BLOCK, d_model=2 * s.n_heads, n_heads=s.n_heads, n_layers=s.n_layers)
+    narrow = tiny_lm.TinyLM(
+        vocab=256, block=tiny_lm.BLOCK, d_model=2 * s.n_heads, n_heads=s.n_heads, n_layers=s.n_layers
+    )
     opt = torch.optim.AdamW(narrow.parameters(), lr=1e-3, foreach=foreach)
     one = torch.zeros(1, tiny_lm.BLOCK, dtype=torch.int64)
     tiny_lm.loss_fn(narrow(one), one).backward()
@@ -276,7 +277,8 @@ def test_sizes_share_the_data_and_refuse_what_they_do_not_know():
     medium = get_task("tiny-lm", "medium")
     assert medium.make_data is tiny_lm.make_data and medium.evaluate is tiny_lm.evaluate
     assert sum(p.numel() for p in medium.make_model(0).parameters()) > 5 * sum(
-        p.numel() for p in get_task("tiny-lm").make_model(0).parameters())
+        p.numel() for p in get_task("tiny-lm").make_model(0).parameters()
+    )
     with pytest.raises(ValueError, match=r"size='huge': expected one of small, medium, large"):
         get_task("tiny-lm", "huge")
     with pytest.raises(ValueError, match=r"size='small': only tiny-lm comes in sizes; leave it out for iris-mlp"):

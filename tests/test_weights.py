@@ -105,8 +105,9 @@ def test_bf16_true_adamw_step_streams_18_bytes_per_parameter_of_memory_kept_betw
     weight, Kahan buffer and moments once (18 B/param of the memory kept between steps): the gradient's
     copy into the flat step buffer counted op by op (inputs and outputs; views move nothing; copy_ does not
     read its target), the fused kernel by what it reads and writes (`kahan.STATS`) less the flat gradient."""
-    from ampkit import kahan
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ampkit import kahan
 
     class Traffic(TorchDispatchMode):
         def __init__(self, kept: set[int]) -> None:
@@ -140,8 +141,12 @@ def test_bf16_true_adamw_step_streams_18_bytes_per_parameter_of_memory_kept_betw
     model, opt = acc.prepare(model, opt)
     for step in range(3):
         acc.backward(model(torch.randn(8, 64)).square().mean())
-        kept = [*model.parameters(), *(p.grad for p in model.parameters()), *opt.weights.compensation,
-                *(v for st in opt.state.values() for k, v in st.items() if k != "step")]
+        kept = [
+            *model.parameters(),
+            *(p.grad for p in model.parameters()),
+            *opt.weights.compensation,
+            *(v for st in opt.state.values() for k, v in st.items() if k != "step"),
+        ]
         before = kahan.STATS.bytes
         with Traffic({t.untyped_storage().data_ptr() for t in kept}) as traffic:
             opt.step()
@@ -188,16 +193,25 @@ class NotKnownElementwise(torch.optim.AdamW):
     """A subclass: ampkit steps it per tensor, the reference for the flat steps of plain AdamW."""
 
 
-def train_branchy(make: type, steps: int, reload_at: int | None = None,
-                  precision: str = "bf16-true") -> list[torch.Tensor]:
+def train_branchy(
+    make: type, steps: int, reload_at: int | None = None, precision: str = "bf16-true"
+) -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = Branchy()
-    groups = [{"params": model.a.parameters(), "lr": 1e-2},
-              {"params": [*model.b.parameters(), *model.aux.parameters(), *model.c.parameters()], "lr": 3e-3, "weight_decay": 0.1}]
+    groups = [
+        {"params": model.a.parameters(), "lr": 1e-2},
+        {
+            "params": [*model.b.parameters(), *model.aux.parameters(), *model.c.parameters()],
+            "lr": 3e-3,
+            "weight_decay": 0.1,
+        },
+    ]
     acc = ampkit.Accelerator(precision=precision, device="cpu")
     model, opt = acc.prepare(model, make(groups))
     seen: list[int] = []  # tensors the user's optimizer steps in each call
-    opt.optimizer.register_step_pre_hook(lambda o, args, kwargs: seen.append(sum(len(g["params"]) for g in o.param_groups)))
+    opt.optimizer.register_step_pre_hook(
+        lambda o, args, kwargs: seen.append(sum(len(g["params"]) for g in o.param_groups))
+    )
     g = torch.Generator().manual_seed(1)
     for step in range(steps):
         if step == reload_at:  # a new process resuming: everything from state_dicts
@@ -205,12 +219,24 @@ def train_branchy(make: type, steps: int, reload_at: int | None = None,
             torch.manual_seed(0)
             model = Branchy()
             acc = ampkit.Accelerator(precision=precision, device="cpu")
-            model, opt = acc.prepare(model, make([{"params": model.a.parameters(), "lr": 1e-2},
-                                                  {"params": [*model.b.parameters(), *model.aux.parameters(),
-                                                              *model.c.parameters()], "lr": 3e-3, "weight_decay": 0.1}]))
+            model, opt = acc.prepare(
+                model,
+                make(
+                    [
+                        {"params": model.a.parameters(), "lr": 1e-2},
+                        {
+                            "params": [*model.b.parameters(), *model.aux.parameters(), *model.c.parameters()],
+                            "lr": 3e-3,
+                            "weight_decay": 0.1,
+                        },
+                    ]
+                ),
+            )
             model.load_state_dict(saved[0])
             opt.load_state_dict(saved[1])
-            opt.optimizer.register_step_pre_hook(lambda o, args, kwargs: seen.append(sum(len(g["params"]) for g in o.param_groups)))
+            opt.optimizer.register_step_pre_hook(
+                lambda o, args, kwargs: seen.append(sum(len(g["params"]) for g in o.param_groups))
+            )
         x, y = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
         acc.backward(((model(x, step % 2 == 0).float() - y) ** 2).mean())
         opt.step()
@@ -227,7 +253,9 @@ def one_range_per_weight(monkeypatch) -> None:
     """bf16-true's fused kernel called once per weight: the reference for its ranges over whole groups."""
     from ampkit.compensated import CompensatedWeights
 
-    monkeypatch.setattr(CompensatedWeights, "_ranges", lambda self, kept, marks: ((i, i, m) for i, m in zip(kept, marks)))
+    monkeypatch.setattr(
+        CompensatedWeights, "_ranges", lambda self, kept, marks: ((i, i, m) for i, m in zip(kept, marks))
+    )
 
 
 @pytest.mark.parametrize("precision", ["bf16-true", "bf16-master"])
@@ -247,8 +275,15 @@ def test_flat_steps_equal_stepping_each_weight_with_groups_and_a_lagging_step_co
     assert all(torch.equal(a, b) for a, b in zip(resumed, reference))
 
 
-def train_lagging(make: type, precision: str, steps: int = 10, use_aux=lambda s: True, clip=lambda s: False,
-                  frozen=lambda s: False, between=None) -> list[torch.Tensor]:
+def train_lagging(
+    make: type,
+    precision: str,
+    steps: int = 10,
+    use_aux=lambda s: True,
+    clip=lambda s: False,
+    frozen=lambda s: False,
+    between=None,
+) -> list[torch.Tensor]:
     """Branchy trained with a schedule: which steps use aux, clip, freeze layer b's weight; `between(step, opt)`
     runs before each step (e.g. changes the optimizer's state outside ampkit)."""
     torch.manual_seed(0)
@@ -290,11 +325,16 @@ def test_flat_steps_follow_step_counters_changed_off_their_path(precision, case,
     fp32 truth and the optimizer state stay bitwise those of the same run stepped weight by weight."""
     saved = lagging_saved_state()
     schedule = {
-        "clipped-some-steps": dict(use_aux=lambda s: s in (6, 7), clip=lambda s: s in (1, 3, 6, 7, 8), frozen=lambda s: s == 7),
+        "clipped-some-steps": dict(
+            use_aux=lambda s: s in (6, 7), clip=lambda s: s in (1, 3, 6, 7, 8), frozen=lambda s: s == 7
+        ),
         "state-loaded-into-the-wrapped-optimizer": dict(
             # a copy each time: torch's load_state_dict keeps the "step" tensors it is given and counts on them
-            between=lambda s, opt: opt.optimizer.load_state_dict(copy.deepcopy(saved)) if s == 4 else None),
-        "state-cleared": dict(use_aux=lambda s: s % 3 != 1, between=lambda s, opt: opt.optimizer.state.clear() if s == 5 else None),
+            between=lambda s, opt: opt.optimizer.load_state_dict(copy.deepcopy(saved)) if s == 4 else None
+        ),
+        "state-cleared": dict(
+            use_aux=lambda s: s % 3 != 1, between=lambda s, opt: opt.optimizer.state.clear() if s == 5 else None
+        ),
     }[case]
     if precision == "bf16-true":  # the kernel once per weight (torch's own step would keep fp32 state)
         one_range_per_weight(monkeypatch)
@@ -355,7 +395,9 @@ def ampkit_master(precision: str, foreach: bool, clip: bool, steps: int) -> list
     acc = ampkit.Accelerator(precision=precision, device="cpu")
     model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=foreach))
     calls: list[int] = []  # tensors the user's optimizer steps in each call
-    opt.optimizer.register_step_pre_hook(lambda o, args, kwargs: calls.append(sum(len(g["params"]) for g in o.param_groups)))
+    opt.optimizer.register_step_pre_hook(
+        lambda o, args, kwargs: calls.append(sum(len(g["params"]) for g in o.param_groups))
+    )
     for x, y in master_batches(steps):
         acc.backward(torch.nn.functional.cross_entropy(model(x), y))
         if clip:
@@ -364,7 +406,11 @@ def ampkit_master(precision: str, foreach: bool, clip: bool, steps: int) -> list
         opt.zero_grad()
     assert calls == [6] * steps, calls  # one call a step, over every master
     state = [v for s in opt.state_dict()["state"].values() for _, v in sorted(s.items())]
-    return [p.detach().clone() for p in model.parameters()] + [m.detach().clone() for m in opt.weights.exact_state()] + state
+    return (
+        [p.detach().clone() for p in model.parameters()]
+        + [m.detach().clone() for m in opt.weights.exact_state()]
+        + state
+    )
 
 
 @pytest.mark.parametrize("clip", [False, True], ids=["no-clip", "clip"])

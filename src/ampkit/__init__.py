@@ -9,9 +9,9 @@ __version__ = ampkit_version()  # the installed package's metadata; modules call
 
 from ampkit.accelerator import Accelerator
 from ampkit.compare import compare
-from ampkit.plan import plan
-from ampkit.export import Exported, export
 from ampkit.errors import AmpkitError, CheckpointError, LossScaleCollapse, PrecisionError, StepOrderError
+from ampkit.export import Exported, export
+from ampkit.plan import plan
 from ampkit.precision import PRESETS, Precision, resolve_precision
 from ampkit.scaler import LossScaler
 from ampkit.training_state import TrainingState

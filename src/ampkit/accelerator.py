@@ -27,8 +27,14 @@ from ampkit import validate as check
 from ampkit.compiler import CompileStats, CompileTrial, compile_setup
 from ampkit.cycle import AccumulationCycle
 from ampkit.data import DeviceLoader
-from ampkit.distributed import (FSDP_PRESETS, DistributedContext, barrier, check_backend, gather_objects,
-                                sum_across_ranks)
+from ampkit.distributed import (
+    FSDP_PRESETS,
+    DistributedContext,
+    barrier,
+    check_backend,
+    gather_objects,
+    sum_across_ranks,
+)
 from ampkit.errors import PrecisionError, StepOrderError
 from ampkit.events import Events, Listener, created
 from ampkit.exporter import export
@@ -90,13 +96,25 @@ class Accelerator:
     """
 
     def __init__(
-        self, precision: str | Precision = "auto", grad_accum_steps: int | None = None,
-        device: str | torch.device = "auto", *, scaler: LossScaler | None = None, keep_fp32: KeepSpec = (),
-        step_scheduler_with_optimizer: bool = True, strategy: str = "auto", backend: str | None = None,
-        compile: bool | Mapping[str, Any] | None = None, channels_last: bool = False,
-        cuda_graphs: bool = False, free_step_buffers: bool | None = None, cast_outputs: bool = True,
+        self,
+        precision: str | Precision = "auto",
+        grad_accum_steps: int | None = None,
+        device: str | torch.device = "auto",
+        *,
+        scaler: LossScaler | None = None,
+        keep_fp32: KeepSpec = (),
+        step_scheduler_with_optimizer: bool = True,
+        strategy: str = "auto",
+        backend: str | None = None,
+        compile: bool | Mapping[str, Any] | None = None,
+        channels_last: bool = False,
+        cuda_graphs: bool = False,
+        free_step_buffers: bool | None = None,
+        cast_outputs: bool = True,
         divide_loss: bool | None = None,
-        fp8_recipe: str | None = None, fp8_emulate: bool = False, fp8_min_weight: int = MIN_WEIGHT,
+        fp8_recipe: str | None = None,
+        fp8_emulate: bool = False,
+        fp8_min_weight: int = MIN_WEIGHT,
     ) -> None:
         # What the script did not pass comes from the launcher (AMPKIT_* variables, `ampkit.launch`).
         given = {"precision": precision, "grad_accum_steps": grad_accum_steps, "compile": compile}
@@ -105,17 +123,25 @@ class Accelerator:
         self.max_steps = chosen["max_steps"]
         if not isinstance(grad_accum_steps, int) or isinstance(grad_accum_steps, bool) or grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps={grad_accum_steps!r}: expected an integer >= 1")
-        for name, flag in (("fp8_emulate", fp8_emulate), ("channels_last", channels_last),
-                           ("cuda_graphs", cuda_graphs), ("free_step_buffers", free_step_buffers),
-                           ("cast_outputs", cast_outputs)):
+        for name, flag in (
+            ("fp8_emulate", fp8_emulate),
+            ("channels_last", channels_last),
+            ("cuda_graphs", cuda_graphs),
+            ("free_step_buffers", free_step_buffers),
+            ("cast_outputs", cast_outputs),
+        ):
             if not isinstance(flag, bool) and not (name == "free_step_buffers" and flag is None):
                 by_device = " (or None: chosen by device and preset)" if name == "free_step_buffers" else ""
                 raise TypeError(f"{name}={flag!r}: expected True or False{by_device}")
         if scaler is not None and not isinstance(scaler, LossScaler):
             raise TypeError(f"scaler={scaler!r}: expected an ampkit.LossScaler")
-        keep_fp32 = check.entries("", "keep_fp32", [keep_fp32] if isinstance(keep_fp32, (str, type)) else keep_fp32,
-                                  lambda s: isinstance(s, str) or (isinstance(s, type) and issubclass(s, nn.Module)),
-                                  "a list of nn.Module subclasses or module-name patterns, e.g. ['head', nn.LayerNorm]")
+        keep_fp32 = check.entries(
+            "",
+            "keep_fp32",
+            [keep_fp32] if isinstance(keep_fp32, (str, type)) else keep_fp32,
+            lambda s: isinstance(s, str) or (isinstance(s, type) and issubclass(s, nn.Module)),
+            "a list of nn.Module subclasses or module-name patterns, e.g. ['head', nn.LayerNorm]",
+        )
         check.flag("", "step_scheduler_with_optimizer", step_scheduler_with_optimizer)
         check_backend(backend)
         if strategy not in ("auto", "ddp", "fsdp", "none"):
@@ -134,18 +160,22 @@ class Accelerator:
             raise PrecisionError(
                 f"strategy='fsdp' runs the presets {', '.join(FSDP_PRESETS)} (FSDP's sharded fp32 parameters are the "
                 f"master weights) without keep_fp32; got precision={self.policy.name!r}"
-                + (f", keep_fp32={list(keep_fp32)!r}" if keep_fp32 else ""))
+                + (f", keep_fp32={list(keep_fp32)!r}" if keep_fp32 else "")
+            )
         if scaler is not None and not self.policy.loss_scaling:
             raise PrecisionError(
                 f"scaler= was given but precision {self.policy.name!r} does not scale the loss; loss scaling "
-                f"is for fp16: use precision='fp16-mixed' or 'fp16-master', or drop scaler=")
+                f"is for fp16: use precision='fp16-mixed' or 'fp16-master', or drop scaler="
+            )
         self.scaler = (scaler or LossScaler()).to(self.device) if self.policy.loss_scaling else None
         self.cycle = AccumulationCycle(grad_accum_steps, self.scaler, divide_loss)
         self.events = Events()  # listeners: ampkit.events.Listener
         self.compile_options = compile_setup(self.device, compile, cuda_graphs)  # torch.compile kwargs, or None
         self.cuda_graphs = cuda_graphs and self.compile_options is not None
         self.compile_stats = CompileStats()
-        self.compile_trial = CompileTrial(self.compile_stats, self.device, compile, self.cuda_graphs)  # eager or compiled?
+        self.compile_trial = CompileTrial(
+            self.compile_stats, self.device, compile, self.cuda_graphs
+        )  # eager or compiled?
         if free_step_buffers is None:  # measured: benchmarks/RESULTS.md, "free_step_buffers"
             free_step_buffers = not (self.device.type == "cpu" and self.policy.master_weights)
         self.channels_last, self.free_step_buffers = channels_last, free_step_buffers
@@ -171,7 +201,9 @@ class Accelerator:
         """`loss.backward()` with loss scaling and gradient accumulation (the loop's one changed line).
         A backward that raises (a loss without grad, say) does not count as a micro-step."""
         if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"acc.backward(loss) expects the loss tensor the model's output produced; got a {type(loss).__name__} ({loss!r})")
+            raise TypeError(
+                f"acc.backward(loss) expects the loss tensor the model's output produced; got a {type(loss).__name__} ({loss!r})"
+            )
         self._prepared.check_backward()
         if self.events.listeners:
             self.events.emit(Listener.on_backward_start, self, loss)
@@ -207,10 +239,17 @@ class Accelerator:
         On an overflowing step it is inf/NaN and the step is skipped; on a micro-step that does not end
         an accumulation cycle it does nothing and returns None, so the loop needs no `if` around it."""
         call = "acc.clip_grad_norm_"
-        max_norm = check.number(call, "max_norm", max_norm, "a number > 0 (inf: measure the norm without clipping)",
-                                lambda v: v > 0, finite=False)
-        norm_type = check.number(call, "norm_type", norm_type, "a number > 0 such as 2.0, or inf", lambda v: v > 0,
-                                 finite=False)
+        max_norm = check.number(
+            call,
+            "max_norm",
+            max_norm,
+            "a number > 0 (inf: measure the norm without clipping)",
+            lambda v: v > 0,
+            finite=False,
+        )
+        norm_type = check.number(
+            call, "norm_type", norm_type, "a number > 0 such as 2.0, or inf", lambda v: v > 0, finite=False
+        )
         return self._prepared.clip_grad_norm_(max_norm, norm_type)
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
@@ -286,8 +325,12 @@ class Accelerator:
 
     def state_dict(self) -> dict[str, Any]:
         """The Accelerator's own state: epoch, accumulation position, loss scaler (not what it prepared)."""
-        return {"run_id": self.run_id, "epoch": self._epoch, "cycle": self.cycle.state_dict(),
-                "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+        return {
+            "run_id": self.run_id,
+            "epoch": self._epoch,
+            "cycle": self.cycle.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        }
 
     def check_state_dict(self, state: dict[str, Any]) -> list[str]:
         """Every reason `state` cannot be loaded here (empty: it fits). Changes nothing."""
@@ -304,7 +347,9 @@ class Accelerator:
 
     def _require_prepared(self, what: str) -> None:
         if not (self._prepared.models or self._prepared.optimizers):
-            raise StepOrderError(f"acc.{what}() needs the prepared objects to restore into: call acc.prepare(model, optimizer, ...) first")
+            raise StepOrderError(
+                f"acc.{what}() needs the prepared objects to restore into: call acc.prepare(model, optimizer, ...) first"
+            )
 
     def track(self, name: str, value: torch.Tensor | float) -> None:
         """Accumulate `value` into the running mean `name` on the device (no sync)."""
@@ -360,11 +405,19 @@ class Accelerator:
         """`model`'s state_dict in fp32, each low-precision weight replaced by the fp32 value it stands
         for (its master copy, or bf16 weight plus Kahan compensation): the truth to export or serve."""
         truth = {id(p): v for opt in self.optimizers for p, v in opt.fp32_values()}
-        return {k: (truth.get(id(t), t).detach().float() if t.is_floating_point() else t.detach()).clone()
-                for k, t in self.unwrap(model).state_dict(keep_vars=True).items()}
+        return {
+            k: (truth.get(id(t), t).detach().float() if t.is_floating_point() else t.detach()).clone()
+            for k, t in self.unwrap(model).state_dict(keep_vars=True).items()
+        }
 
-    def export(self, model: nn.Module, example_inputs: Any, precision: str = "int8", backend: str = "torch",
-               out: str | None = None) -> Any:
+    def export(
+        self,
+        model: nn.Module,
+        example_inputs: Any,
+        precision: str = "int8",
+        backend: str = "torch",
+        out: str | None = None,
+    ) -> Any:
         """`ampkit.export(model, ...)` of a prepared model from its fp32 truth (see `fp32_state_dict`)."""
         return export(model, example_inputs, precision, backend, out, acc=self)
 
@@ -374,6 +427,7 @@ class Accelerator:
         return capability(self.device).bf16_runs
 
     def __repr__(self) -> str:
-        return (f"Accelerator(precision={self.policy.name!r}, device={str(self.device)!r}, "
-                f"grad_accum_steps={self.grad_accum_steps}, rank={self.rank}/{self.world_size})")
-
+        return (
+            f"Accelerator(precision={self.policy.name!r}, device={str(self.device)!r}, "
+            f"grad_accum_steps={self.grad_accum_steps}, rank={self.rank}/{self.world_size})"
+        )

@@ -52,10 +52,14 @@ def compile_options(value: bool | Mapping[str, Any]) -> dict[str, Any] | None:
         raise TypeError(f"compile={value!r}: expected True, False or a dict of torch.compile arguments")
     allowed = {"backend", "mode", "fullgraph", "dynamic", "options", "trial"}
     if unknown := sorted(set(value) - allowed):
-        raise ValueError(f"compile={dict(value)!r}: unknown key(s) {unknown}; expected True, False or a dict "
-                         f"of torch.compile arguments ({', '.join(sorted(allowed))})")
+        raise ValueError(
+            f"compile={dict(value)!r}: unknown key(s) {unknown}; expected True, False or a dict "
+            f"of torch.compile arguments ({', '.join(sorted(allowed))})"
+        )
     if not isinstance(value.get("trial", True), bool):
-        raise TypeError(f"compile={dict(value)!r}: 'trial' must be True or False (False: compiled, never timed against eager)")
+        raise TypeError(
+            f"compile={dict(value)!r}: 'trial' must be True or False (False: compiled, never timed against eager)"
+        )
     return dict(value)
 
 
@@ -69,12 +73,14 @@ def compile_setup(device: torch.device, compile: bool | Mapping[str, Any], cuda_
         if device.type != "cuda":
             raise ValueError(
                 f"cuda_graphs=True needs a CUDA device (a CUDA graph replays recorded GPU kernels); "
-                f"this Accelerator runs on {str(device)!r}: drop cuda_graphs=True, or use compile=True")
+                f"this Accelerator runs on {str(device)!r}: drop cuda_graphs=True, or use compile=True"
+            )
         options = options or {}
         if options.get("mode", "reduce-overhead") != "reduce-overhead":
             raise ValueError(
                 f"cuda_graphs=True records CUDA graphs through torch.compile's 'reduce-overhead' mode; "
-                f"compile={compile!r} asks for mode={options['mode']!r}: drop one of the two")
+                f"compile={compile!r} asks for mode={options['mode']!r}: drop one of the two"
+            )
         options["mode"] = "reduce-overhead"
     if options is None or (reason := unavailable_reason(device, options)) is None:
         return options
@@ -89,10 +95,14 @@ def unavailable_reason(device: torch.device, options: Mapping[str, Any]) -> str 
     if not torch._dynamo.is_dynamo_supported():
         return "torch.compile does not support this Python version"
     cxx = os.environ.get("CXX") or "g++"
-    if options.get("backend", "inductor") == "inductor" and device.type == "cpu" and not any(
-            shutil.which(c) for c in (cxx, "g++", "clang++", "c++")):
-        return (f"the CPU backend (inductor) needs a C++ compiler and none was found (looked for {cxx}, g++, "
-                f"clang++, c++)")
+    if (
+        options.get("backend", "inductor") == "inductor"
+        and device.type == "cpu"
+        and not any(shutil.which(c) for c in (cxx, "g++", "clang++", "c++"))
+    ):
+        return (
+            f"the CPU backend (inductor) needs a C++ compiler and none was found (looked for {cxx}, g++, clang++, c++)"
+        )
     return None
 
 
@@ -105,10 +115,21 @@ class CompileTrial:
     or under no_grad run compiled and are not timed. Under torchrun all ranks take rank 0's choice. No trial
     with compile={"trial": False} or cuda_graphs=True. `clock` is injectable (tests force either outcome)."""
 
-    def __init__(self, stats: CompileStats, device: torch.device, compile: Any = True, cuda_graphs: bool = False,
-                 clock: Any = time.perf_counter) -> None:
-        off = "cuda_graphs=True" if cuda_graphs else (
-            "compile={'trial': False}" if isinstance(compile, Mapping) and compile.get("trial") is False else None)
+    def __init__(
+        self,
+        stats: CompileStats,
+        device: torch.device,
+        compile: Any = True,
+        cuda_graphs: bool = False,
+        clock: Any = time.perf_counter,
+    ) -> None:
+        off = (
+            "cuda_graphs=True"
+            if cuda_graphs
+            else (
+                "compile={'trial': False}" if isinstance(compile, Mapping) and compile.get("trial") is False else None
+            )
+        )
         self.stats, self.device, self.clock, self.start = stats, device, clock, 0.0
         self.samples: dict[str, list[float]] = {"eager": [], "compiled": []}  # seconds per timed step
         self.measuring, self.eager = off is None, False  # eager: the trial chose eager
@@ -123,7 +144,9 @@ class CompileTrial:
         if self.timing is None:
             self.timing = "eager" if len(self.samples["eager"]) <= len(self.samples["compiled"]) else "compiled"
             if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # sync: the timed step starts with no earlier work queued (trial only)
+                torch.cuda.synchronize(
+                    self.device
+                )  # sync: the timed step starts with no earlier work queued (trial only)
             self.start = self.clock()
         return self.timing
 
@@ -141,19 +164,25 @@ class CompileTrial:
         s.chosen, s.eager_step_s, s.compiled_step_s = ("eager" if eager < compiled else "compiled"), eager, compiled
         self.measuring, self.eager = False, s.chosen == "eager"
         measured = f"{seconds(compiled)} vs eager {seconds(eager)} (median of {TRIAL_STEPS} each)"
-        s.reason = f"{'eager is faster' if self.eager else 'compiled is not slower'}: the compiled step measured {measured}"
+        s.reason = (
+            f"{'eager is faster' if self.eager else 'compiled is not slower'}: the compiled step measured {measured}"
+        )
         if self.eager:
-            warnings.warn(f"compile=True: the compiled training step measured {measured}; this Accelerator's models "
-                          f"({', '.join(s.models)}) run eagerly (same results within rounding; compile={{'trial': "
-                          f"False}} keeps them compiled)", stacklevel=3)
+            warnings.warn(
+                f"compile=True: the compiled training step measured {measured}; this Accelerator's models "
+                f"({', '.join(s.models)}) run eagerly (same results within rounding; compile={{'trial': "
+                f"False}} keeps them compiled)",
+                stacklevel=3,
+            )
 
 
 class CompiledForward:
     """A module's forward, compiled on first use; eager if compiling fails (one warning) or its `CompileTrial`
     measured eager faster. A class rather than a closure so a prepared model stays picklable and deep-copyable."""
 
-    def __init__(self, forward: Any, options: Mapping[str, Any], trial: CompileTrial, label: str,
-                 module: torch.nn.Module) -> None:
+    def __init__(
+        self, forward: Any, options: Mapping[str, Any], trial: CompileTrial, label: str, module: torch.nn.Module
+    ) -> None:
         self.forward, self.options, self.trial, self.label = forward, dict(options), trial, label
         self.stats, self.module = trial.stats, module  # module: its `training` flag decides what the trial times
         self._compiled: Any = None
@@ -179,7 +208,9 @@ class CompiledForward:
             self._eager = True
             reason = f"compiling {self.label} failed: {_describe(exc)}"
             self.stats.fallback = reason if self.stats.fallback is None else f"{self.stats.fallback}; {reason}"
-            warnings.warn(f"compile=True: {reason}; this model runs eagerly (same results, no compiler speed-up)", stacklevel=3)
+            warnings.warn(
+                f"compile=True: {reason}; this model runs eagerly (same results, no compiler speed-up)", stacklevel=3
+            )
             return out
         self._first = False
         self.stats.first_forward_s = time.perf_counter() - start
@@ -222,8 +253,10 @@ def _describe(exc: BaseException) -> str:
         return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
 
     root, seen = exc, {id(exc)}
-    while (isinstance(inner := getattr(root, "inner_exception", None) or root.__cause__ or root.__context__,
-                      BaseException) and id(inner) not in seen):
+    while (
+        isinstance(inner := getattr(root, "inner_exception", None) or root.__cause__ or root.__context__, BaseException)
+        and id(inner) not in seen
+    ):
         root = inner
         seen.add(id(root))
     return line(exc) if root is exc else f"{line(exc)} (caused by {line(root)})"

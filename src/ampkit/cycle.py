@@ -63,7 +63,9 @@ class AccumulationCycle:
                 f"the accumulated gradient is the mean over the cycle. If the loop divides its loss by its accumulation "
                 f"steps too (loss = loss / gradient_accumulation_steps), remove that line: divided twice, every gradient "
                 f"is {self.steps}x too small. Accelerator(divide_loss=True) says this is intended (no notice); "
-                f"divide_loss=False keeps the loop's own division", stacklevel=3)
+                f"divide_loss=False keeps the loop's own division",
+                stacklevel=3,
+            )
         return loss / self.steps
 
     def owe_scale_update(self, found_inf: torch.Tensor) -> None:
@@ -84,8 +86,10 @@ class AccumulationCycle:
     def check_state_dict(self, state: dict[str, Any]) -> str | None:
         """Why `state` cannot be loaded into this cycle, or None."""
         if state["steps"] != self.steps and state["position"] not in (0, state["steps"]):
-            return (f"it was saved mid-way through an accumulation cycle of {state['steps']} micro-steps; "
-                    f"resume it with grad_accum_steps={state['steps']} (now {self.steps})")
+            return (
+                f"it was saved mid-way through an accumulation cycle of {state['steps']} micro-steps; "
+                f"resume it with grad_accum_steps={state['steps']} (now {self.steps})"
+            )
         return None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -15,8 +15,9 @@ from torch.utils.data import DataLoader
 from ampkit.events import Events, Listener
 
 
-def move_to_device(obj: Any, device: torch.device, non_blocking: bool = False,
-                   memory_format: torch.memory_format | None = None) -> Any:
+def move_to_device(
+    obj: Any, device: torch.device, non_blocking: bool = False, memory_format: torch.memory_format | None = None
+) -> Any:
     """Return `obj` with every tensor inside it (tuples, lists, dicts, dataclasses, namedtuples) on `device`;
     with `memory_format` (channels_last), 4-D floating tensors (image batches) laid out in it by the copy."""
     if isinstance(obj, torch.Tensor):
@@ -32,7 +33,8 @@ def move_to_device(obj: Any, device: torch.device, non_blocking: bool = False,
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         names = [f.name for f in dataclasses.fields(obj) if f.init]
         return dataclasses.replace(
-            obj, **{n: move_to_device(getattr(obj, n), device, non_blocking, memory_format) for n in names})
+            obj, **{n: move_to_device(getattr(obj, n), device, non_blocking, memory_format) for n in names}
+        )
     return obj
 
 
@@ -41,8 +43,14 @@ class DeviceLoader:
     access (`dataset`, `batch_size`, ...) goes to it. It keeps its place (the epoch, the batches handed out
     in it, the random state its shuffle started from): a checkpoint resumes mid-epoch at the next batch."""
 
-    def __init__(self, loader: DataLoader, device: torch.device, memory_format: torch.memory_format | None = None,
-                 events: Events | None = None, stop: Callable[[], bool] | None = None) -> None:
+    def __init__(
+        self,
+        loader: DataLoader,
+        device: torch.device,
+        memory_format: torch.memory_format | None = None,
+        events: Events | None = None,
+        stop: Callable[[], bool] | None = None,
+    ) -> None:
         self.loader = loader
         self.stop = stop  # true once a training pass (autograd on) should end: the launcher's AMPKIT_MAX_STEPS
         self.events = events if events is not None else Events()
@@ -60,8 +68,11 @@ class DeviceLoader:
 
     def _generators(self) -> dict[str, torch.Generator]:
         found: dict[str, torch.Generator] = {}
-        for name, owner in (("loader", self.loader), ("sampler", getattr(self.loader, "sampler", None)),
-                            ("batch_sampler", getattr(getattr(self.loader, "batch_sampler", None), "sampler", None))):
+        for name, owner in (
+            ("loader", self.loader),
+            ("sampler", getattr(self.loader, "sampler", None)),
+            ("batch_sampler", getattr(getattr(self.loader, "batch_sampler", None), "sampler", None)),
+        ):
             gen = getattr(owner, "generator", None)
             if isinstance(gen, torch.Generator) and all(gen is not g for g in found.values()):
                 found[name] = gen
@@ -162,9 +173,14 @@ class DeviceLoader:
     def state_dict(self) -> dict[str, Any]:
         """Where the loader is: epoch, batches handed out, the pass's starting random state, and its
         generators' state now (a finished pass is not replayed: the next one starts from that)."""
-        return {"epoch": self.epoch, "batch_index": self.batch_index, "finished": self._finished,
-                "started": self._started, "epoch_rng": dict(self._epoch_rng),
-                "generators": {name: gen.get_state() for name, gen in self._generators().items()}}
+        return {
+            "epoch": self.epoch,
+            "batch_index": self.batch_index,
+            "finished": self._finished,
+            "started": self._started,
+            "epoch_rng": dict(self._epoch_rng),
+            "generators": {name: gen.get_state() for name, gen in self._generators().items()},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Arrange for the next pass to resume exactly where `state` was taken."""

@@ -75,8 +75,10 @@ def check_backend(backend: Any) -> None:
         raise TypeError(f"backend={backend!r}: expected {expected}")
     parts = [part.split(":")[-1].strip().lower() for part in backend.split(",")]
     if unknown := [p for p in parts if p not in known]:
-        raise ValueError(f"backend={backend!r}: unknown backend {unknown[0]!r}; expected {expected}"
-                         f"{check.suggest(unknown[0], known)}")
+        raise ValueError(
+            f"backend={backend!r}: unknown backend {unknown[0]!r}; expected {expected}"
+            f"{check.suggest(unknown[0], known)}"
+        )
 
 
 def _destroy() -> None:
@@ -103,9 +105,11 @@ def wrap_ddp(model: nn.Module, device: torch.device) -> nn.parallel.DistributedD
     return ddp
 
 
-_NESTED = ("{where}: under torchrun ampkit wraps the model in DDP itself, so two DDPs would all-reduce every "
-           "gradient. Drop the script's own DDP(model) line (acc.unwrap(model) is the plain module, as "
-           "model.module was), or pass strategy='none' to keep the script's DDP")
+_NESTED = (
+    "{where}: under torchrun ampkit wraps the model in DDP itself, so two DDPs would all-reduce every "
+    "gradient. Drop the script's own DDP(model) line (acc.unwrap(model) is the plain module, as "
+    "model.module was), or pass strategy='none' to keep the script's DDP"
+)
 
 
 class NestedDDPCheck:
@@ -120,9 +124,14 @@ class NestedDDPCheck:
         frame = inspect.currentframe()
         while frame is not None:  # the callers' frames: an enclosing DDP's forward is one of them
             outer = frame.f_locals.get("self")
-            if (isinstance(outer, nn.parallel.DistributedDataParallel) and outer is not self.ddp
-                    and any(id(p) in ours for p in outer.parameters())):
-                raise StepOrderError(_NESTED.format(where="the prepared model runs inside another DistributedDataParallel"))
+            if (
+                isinstance(outer, nn.parallel.DistributedDataParallel)
+                and outer is not self.ddp
+                and any(id(p) in ours for p in outer.parameters())
+            ):
+                raise StepOrderError(
+                    _NESTED.format(where="the prepared model runs inside another DistributedDataParallel")
+                )
             frame = frame.f_back
 
 
@@ -131,25 +140,43 @@ def shard_loader(loader: DataLoader, ctx: DistributedContext) -> DataLoader:
     sequential (rank r takes samples r, r+W, ...); a random sampler becomes a shuffling DistributedSampler
     seeded from the loader's generator, so every rank agrees on the epoch's permutation."""
     if isinstance(loader.dataset, IterableDataset):
-        warnings.warn("an IterableDataset cannot be sharded by ampkit: make it yield this rank's share "
-                      "(acc.rank, acc.world_size)", stacklevel=3)
+        warnings.warn(
+            "an IterableDataset cannot be sharded by ampkit: make it yield this rank's share "
+            "(acc.rank, acc.world_size)",
+            stacklevel=3,
+        )
     if isinstance(loader.sampler, DistributedSampler) or isinstance(loader.dataset, IterableDataset):
         return loader
     sampler = loader.sampler
     if not isinstance(sampler, (RandomSampler, SequentialSampler)) or loader.batch_sampler is None:
         raise ValueError(
             f"prepare() cannot shard a DataLoader with a {type(sampler).__name__} across {ctx.world_size} ranks; "
-            f"give it a DistributedSampler yourself (it is then left as it is)")
+            f"give it a DistributedSampler yourself (it is then left as it is)"
+        )
     shuffle = isinstance(sampler, RandomSampler)
     generator = getattr(sampler, "generator", None) or loader.generator
     seed = generator.initial_seed() if shuffle and generator is not None else 0
-    dist_sampler = DistributedSampler(loader.dataset, num_replicas=ctx.world_size, rank=ctx.rank,
-                                      shuffle=shuffle, seed=seed, drop_last=loader.drop_last)
+    dist_sampler = DistributedSampler(
+        loader.dataset,
+        num_replicas=ctx.world_size,
+        rank=ctx.rank,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=loader.drop_last,
+    )
     return DataLoader(
-        loader.dataset, batch_size=loader.batch_size, sampler=dist_sampler, num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
-        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn, persistent_workers=loader.persistent_workers,
-        prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None)
+        loader.dataset,
+        batch_size=loader.batch_size,
+        sampler=dist_sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        persistent_workers=loader.persistent_workers,
+        prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
+    )
 
 
 def agree_on_overflow(found_inf: torch.Tensor) -> None:
@@ -194,8 +221,11 @@ def wrap_fsdp(model: nn.Module, compute_dtype: torch.dtype) -> tuple[nn.Module, 
 
     old = dict(model.named_parameters())
     low = compute_dtype != torch.float32  # gradients are averaged in fp32: no precision lost across ranks
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype if low else None, reduce_dtype=torch.float32,
-                              output_dtype=torch.float32 if low else None)
+    mp = MixedPrecisionPolicy(
+        param_dtype=compute_dtype if low else None,
+        reduce_dtype=torch.float32,
+        output_dtype=torch.float32 if low else None,
+    )
     for unit in fsdp_units(model):
         fully_shard(unit, mp_policy=mp)
     fully_shard(model, mp_policy=mp)

@@ -50,7 +50,9 @@ class Listener:
     def on_outcome(self, optimizer: AmpOptimizer, outcome: Outcome) -> None:
         """A loss-scaled step's outcome (applied or skipped, and its scale) reached the host."""
 
-    def on_metric(self, acc: Accelerator, name: str, value: torch.Tensor | float, higher_is_better: bool | None) -> None:
+    def on_metric(
+        self, acc: Accelerator, name: str, value: torch.Tensor | float, higher_is_better: bool | None
+    ) -> None:
         """`acc.report_metric(name, value, higher_is_better)`: a result of the run (`value` as passed:
         a tensor stays on the device; a listener that reads it syncs, and says so)."""
 
@@ -77,7 +79,9 @@ class Events:
     """The listeners of one engine object (shared by an Accelerator and what it prepares)."""
 
     def __init__(self) -> None:
-        self.listeners: tuple[Listener, ...] = ()  # a new tuple per change; `if events.listeners:` is the emit sites' check
+        self.listeners: tuple[
+            Listener, ...
+        ] = ()  # a new tuple per change; `if events.listeners:` is the emit sites' check
 
     def add(self, listener: Listener) -> None:
         """Start delivering events to `listener` (after those already registered)."""

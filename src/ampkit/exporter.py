@@ -75,8 +75,9 @@ class Exported:
         if len(inputs) == 1 and isinstance(inputs[0], (tuple, list)):
             inputs = tuple(inputs[0])
         if bad := [x for x in inputs if not isinstance(x, torch.Tensor)]:
-            raise TypeError(f"Exported.run(*inputs): expected tensors (or one tuple of them), got a "
-                            f"{type(bad[0]).__name__}")
+            raise TypeError(
+                f"Exported.run(*inputs): expected tensors (or one tuple of them), got a {type(bad[0]).__name__}"
+            )
         cast = [x.to(self.input_dtype) if x.is_floating_point() else x for x in inputs]
         out = [o.float() if o.is_floating_point() else o for o in self.runner(cast)]
         return out[0] if len(out) == 1 else tuple(out)
@@ -105,8 +106,15 @@ class Served(nn.Module):
 
 
 # --- export ------------------------------------------------------------------------------------
-def export(model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor], precision: str = "int8",
-           backend: str = "torch", out: str | Path | None = None, *, acc: Any = None) -> Exported:
+def export(
+    model: nn.Module,
+    example_inputs: torch.Tensor | Sequence[torch.Tensor],
+    precision: str = "int8",
+    backend: str = "torch",
+    out: str | Path | None = None,
+    *,
+    acc: Any = None,
+) -> Exported:
     """Export `model` for inference in `precision` ("fp32", "bf16", "fp16", "int8") with `backend`
     ("torch": a `.pt2` program run by PyTorch; "onnx": an `.onnx` file run by onnxruntime).
 
@@ -121,20 +129,29 @@ def export(model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tenso
         raise ExportError(f"precision={precision!r}: expected one of {', '.join(map(repr, PRECISIONS))}")
     if precision not in SUPPORTED[backend]:
         others = [b for b in SUPPORTED if precision in SUPPORTED[b]]
-        raise ExportError(f"precision={precision!r} is not supported by backend={backend!r} (onnxruntime has no "
-                          f"bf16 CPU kernels); it supports {', '.join(SUPPORTED[backend])}; for {precision} use "
-                          f"backend={others[0]!r}")
-    inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else (
-        tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else ())
+        raise ExportError(
+            f"precision={precision!r} is not supported by backend={backend!r} (onnxruntime has no "
+            f"bf16 CPU kernels); it supports {', '.join(SUPPORTED[backend])}; for {precision} use "
+            f"backend={others[0]!r}"
+        )
+    inputs = (
+        (example_inputs,)
+        if isinstance(example_inputs, torch.Tensor)
+        else (tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else ())
+    )
     if not inputs or not all(isinstance(x, torch.Tensor) and x.dim() >= 1 for x in inputs):
-        raise ExportError("example_inputs: expected a batch tensor, or a tuple of them (each with a batch "
-                          f"dimension first); got {type(example_inputs).__name__}")
+        raise ExportError(
+            "example_inputs: expected a batch tensor, or a tuple of them (each with a batch "
+            f"dimension first); got {type(example_inputs).__name__}"
+        )
     path = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="ampkit-export-")) / f"model{SUFFIX[backend]}"
     if path.suffix != SUFFIX[backend]:
         raise ExportError(f"out={str(path)!r}: the {backend} backend writes a {SUFFIX[backend]} file; name it so")
     if path.exists() and not _ours(path):
-        raise ExportError(f"out={str(path)!r} exists and is not an ampkit export: choose another path (ampkit "
-                          "never overwrites files it did not write)")
+        raise ExportError(
+            f"out={str(path)!r} exists and is not an ampkit export: choose another path (ampkit "
+            "never overwrites files it did not write)"
+        )
     if backend == "onnx":
         for module in ("onnx", "onnxscript", "onnxruntime"):
             need(module, "backend='onnx'")
@@ -145,8 +162,16 @@ def export(model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tenso
     clean = fp32_copy(model, acc).to(dtype)
     inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
     path.parent.mkdir(parents=True, exist_ok=True)
-    meta = json.dumps({"ampkit_export": 1, "precision": precision, "backend": backend, "inputs": len(inputs),
-                       "ampkit_version": ampkit_version(), "torch_version": torch.__version__})
+    meta = json.dumps(
+        {
+            "ampkit_export": 1,
+            "precision": precision,
+            "backend": backend,
+            "inputs": len(inputs),
+            "ampkit_version": ampkit_version(),
+            "torch_version": torch.__version__,
+        }
+    )
     data = (_export_torch if backend == "torch" else _export_onnx)(clean, inputs, precision, meta)
     atomic_write(path, lambda f: f.write(data))
     return load(path)
@@ -159,11 +184,16 @@ def fp32_copy(model: nn.Module, acc: Any = None) -> nn.Module:
         raise ExportError(f"model: expected an nn.Module, got {type(model).__name__}")
     state = acc.fp32_state_dict(model) if acc is not None else None
     model = acc.unwrap(model) if acc is not None else model
-    if acc is None and any(isinstance(uncompiled(vars(m).get("forward")), PolicyForward) for m in model.modules()) \
-            and any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters()):
-        raise ExportError("this model was prepared with a preset that stores its weights in low precision: pass "
-                          "acc=<its Accelerator> so that the export takes the fp32 values (acc.fp32_state_dict), "
-                          "not the rounded training weights")
+    if (
+        acc is None
+        and any(isinstance(uncompiled(vars(m).get("forward")), PolicyForward) for m in model.modules())
+        and any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters())
+    ):
+        raise ExportError(
+            "this model was prepared with a preset that stores its weights in low precision: pass "
+            "acc=<its Accelerator> so that the export takes the fp32 values (acc.fp32_state_dict), "
+            "not the rounded training weights"
+        )
     clean = copy.deepcopy(model)
     for m in clean.modules():  # serve the user's own forward, without the training autocast
         if isinstance(uncompiled(vars(m).get("forward")), PolicyForward):
@@ -196,9 +226,11 @@ def untraceable(model: nn.Module, err: BaseException) -> str:
             where.append(name)
     reason = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
     inside = f" in module {' > '.join(where)}" if where else ""
-    return (f"torch.export cannot trace this model{inside}: {type(err).__name__}: {reason[:300]}. Usually control "
-            "flow that depends on tensor values (an if on a tensor, a Python number read from one): compute it "
-            "with torch.where or torch.cond, or move it out of forward")
+    return (
+        f"torch.export cannot trace this model{inside}: {type(err).__name__}: {reason[:300]}. Usually control "
+        "flow that depends on tensor values (an if on a tensor, a Python number read from one): compute it "
+        "with torch.where or torch.cond, or move it out of forward"
+    )
 
 
 def _export_torch(model: nn.Module, inputs: tuple[torch.Tensor, ...], precision: str, meta: str) -> bytes:
@@ -221,8 +253,12 @@ def _export_onnx(model: nn.Module, inputs: tuple[torch.Tensor, ...], precision: 
         quantization = need("onnxruntime.quantization", "precision='int8' with backend='onnx'")
         with tempfile.TemporaryDirectory() as tmp:
             onnx.save(proto, f"{tmp}/fp32.onnx")
-            quantization.quantize_dynamic(f"{tmp}/fp32.onnx", f"{tmp}/int8.onnx", op_types_to_quantize=["MatMul", "Gemm"],
-                                          weight_type=quantization.QuantType.QInt8)
+            quantization.quantize_dynamic(
+                f"{tmp}/fp32.onnx",
+                f"{tmp}/int8.onnx",
+                op_types_to_quantize=["MatMul", "Gemm"],
+                weight_type=quantization.QuantType.QInt8,
+            )
             proto = onnx.load(f"{tmp}/int8.onnx")
     onnx.helper.set_model_props(proto, {META: meta})
     return proto.SerializeToString()
@@ -251,6 +287,7 @@ def load(path: str | Path) -> Exported:
         def run_onnx(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
             feed = {n: x.detach().cpu().numpy() for n, x in zip(names, inputs)}  # sync: onnxruntime reads host arrays
             return [torch.from_numpy(o) for o in session.run(None, feed)]
+
         return Exported(path, meta, run_onnx)
     with contextlib.suppress(ImportError):
         importlib.import_module("torchao")  # registers the int8 ops and tensor classes its programs use
@@ -259,14 +296,17 @@ def load(path: str | Path) -> Exported:
     try:
         program = torch.export.load(path, extra_files=extra)
     except Exception as err:
-        raise ExportError(f"{str(path)!r} could not be loaded by torch.export.load: {type(err).__name__}: "
-                          f"{str(err).splitlines()[0] if str(err) else ''} (an int8 export needs torchao: {INSTALL})") from err
+        raise ExportError(
+            f"{str(path)!r} could not be loaded by torch.export.load: {type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''} (an int8 export needs torchao: {INSTALL})"
+        ) from err
     meta = _meta(path, extra[META])
     module = program.module()
 
     def run_torch(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         with torch.no_grad():
             return list(torch.utils._pytree.tree_leaves(module(*inputs)))
+
     return Exported(path, meta, run_torch)
 
 
@@ -302,8 +342,10 @@ def _check_pickles(path: Path) -> None:
                     folder = name.rsplit("/", 1)[0]
                     for entry in json.loads(z.read(name))["config"].values():
                         if entry["path_name"].startswith(("custom_obj", "opaque_obj")):
-                            raise ExportError(f"{str(path)!r} holds a pickled Python object "
-                                              f"({entry['path_name']}): refusing to load it (it could run code)")
+                            raise ExportError(
+                                f"{str(path)!r} holds a pickled Python object "
+                                f"({entry['path_name']}): refusing to load it (it could run code)"
+                            )
                         if entry.get("use_pickle"):
                             pickled.append(f"{folder}/{entry['path_name']}")
             for name in pickled:
@@ -311,5 +353,7 @@ def _check_pickles(path: Path) -> None:
     except ExportError:
         raise
     except Exception as err:
-        raise ExportError(f"{str(path)!r}: not a safe .pt2 export ({type(err).__name__}: "
-                          f"{str(err).splitlines()[0] if str(err) else ''}); refusing to load it") from None
+        raise ExportError(
+            f"{str(path)!r}: not a safe .pt2 export ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}); refusing to load it"
+        ) from None

@@ -117,7 +117,8 @@ class OwnedFiles:
             if (path.exists() or path.is_symlink()) and not self.owns(name):
                 raise ValueError(
                     f"{path} exists and ampkit did not write it (no earlier ampkit report in {self.folder} records "
-                    f"it in {OWNED_RECORD}): ampkit never overwrites or deletes it; move it or choose another --out")
+                    f"it in {OWNED_RECORD}): ampkit never overwrites or deletes it; move it or choose another --out"
+                )
 
     def claim(self, names: Iterable[str]) -> None:
         """`check(names)`, then record them as ampkit's before they are written (a crash leaves a record of

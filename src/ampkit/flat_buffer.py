@@ -20,8 +20,14 @@ class FlatBuffer:
     view of it): if something does, the buffer is left to its holder and the next step makes a new one.
     """
 
-    def __init__(self, like: list[torch.Tensor], dtype: torch.dtype, releasable: bool = True,
-                 indices: list[int] | None = None, allocate: bool = True) -> None:
+    def __init__(
+        self,
+        like: list[torch.Tensor],
+        dtype: torch.dtype,
+        releasable: bool = True,
+        indices: list[int] | None = None,
+        allocate: bool = True,
+    ) -> None:
         self.device, self.dtype = like[0].device if like else torch.device("cpu"), dtype
         self.shapes = [t.shape for t in like]
         self.sizes = [t.numel() for t in like]

@@ -32,7 +32,9 @@ RECIPES = ("tensorwise", "rowwise")
 """torchao's scaling recipes: one scale per tensor (fastest), or one per row (more accurate, slower)."""
 
 
-def choose_layers(model: nn.Module, min_weight: int = MIN_WEIGHT, kept: Iterable[nn.Module] = ()) -> dict[str, str | None]:
+def choose_layers(
+    model: nn.Module, min_weight: int = MIN_WEIGHT, kept: Iterable[nn.Module] = ()
+) -> dict[str, str | None]:
     """Every nn.Linear of `model` by name: None if it runs in fp8, else why it does not (the rule
     above); `kept`: the keep_fp32 modules, whose layers stay out."""
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
@@ -72,14 +74,17 @@ class Float8Training:
 
         chosen = choose_layers(model, self.min_weight, kept_fp32_roots(model, keep_fp32))
         config = dataclasses.replace(Float8LinearConfig.from_recipe_name(self.recipe), emulate=self.emulate)
-        convert_to_float8_training(model, config=config, module_filter_fn=lambda _m, fqn: fqn in chosen and chosen[fqn] is None)
+        convert_to_float8_training(
+            model, config=config, module_filter_fn=lambda _m, fqn: fqn in chosen and chosen[fqn] is None
+        )
         self.layers += [(f"{self.models}:{name}" if self.models else name, why) for name, why in chosen.items()]
         self.models += 1
         if device.type == "cuda" and not self.emulate and not compiled and any(w is None for w in chosen.values()):
             warnings.warn(
                 f"precision 'fp8-mixed' on {device} without compile=True: torchao's fp8 casts then run as separate "
                 f"kernels and the fp8 layers are usually slower than bf16-mixed; pass Accelerator(compile=True)",
-                stacklevel=4)
+                stacklevel=4,
+            )
 
     @property
     def reason(self) -> str:
@@ -92,22 +97,37 @@ class Float8Training:
         for name, why in self.layers:
             if why is not None:
                 groups.setdefault(why, []).append(name)
-        rest = "; ".join(f"{len(names)} {why} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
-                         for why, names in groups.items())
-        return head + f"{len(fp8)} of {len(self.layers)} Linear layers run in fp8" + (f", in bf16: {rest}" if rest else "")
+        rest = "; ".join(
+            f"{len(names)} {why} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+            for why, names in groups.items()
+        )
+        return (
+            head + f"{len(fp8)} of {len(self.layers)} Linear layers run in fp8" + (f", in bf16: {rest}" if rest else "")
+        )
 
 
 def fp8_training(policy: Precision, recipe: str | None, emulate: bool, min_weight: int) -> Float8Training | None:
     """Check `Accelerator`'s fp8 arguments against `policy`; the fp8 setup for an fp8 policy, else None."""
-    given = [f"{k}={v!r}" for k, v, default in (("fp8_recipe", recipe, None), ("fp8_emulate", emulate, False),
-                                                 ("fp8_min_weight", min_weight, MIN_WEIGHT)) if v != default]
+    given = [
+        f"{k}={v!r}"
+        for k, v, default in (
+            ("fp8_recipe", recipe, None),
+            ("fp8_emulate", emulate, False),
+            ("fp8_min_weight", min_weight, MIN_WEIGHT),
+        )
+        if v != default
+    ]
     if not policy.fp8:
         if given:
-            raise PrecisionError(f"{', '.join(given)}: only precision='fp8-mixed' trains in fp8, and precision is "
-                                 f"{policy.name!r}; drop {'them' if len(given) > 1 else 'it'} or use 'fp8-mixed'")
+            raise PrecisionError(
+                f"{', '.join(given)}: only precision='fp8-mixed' trains in fp8, and precision is "
+                f"{policy.name!r}; drop {'them' if len(given) > 1 else 'it'} or use 'fp8-mixed'"
+            )
         return None
     if recipe is not None and recipe not in RECIPES:
-        raise PrecisionError(f"fp8_recipe={recipe!r}: expected one of {', '.join(map(repr, RECIPES))} (default 'tensorwise')")
+        raise PrecisionError(
+            f"fp8_recipe={recipe!r}: expected one of {', '.join(map(repr, RECIPES))} (default 'tensorwise')"
+        )
     if isinstance(min_weight, bool) or not isinstance(min_weight, int) or min_weight < 0:
         raise ValueError(f"fp8_min_weight={min_weight!r}: expected an int >= 0 (default {MIN_WEIGHT:,} = 2048·2048)")
     return Float8Training(policy, recipe or "tensorwise", emulate, min_weight)

@@ -67,7 +67,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
             raise ValueError(f"device={device!r} but CUDA is not available here; use device='auto' or 'cpu'")
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         if index >= (count := torch.cuda.device_count()):
-            raise ValueError(f"device={device!r} but this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1})")
+            raise ValueError(
+                f"device={device!r} but this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1})"
+            )
         return torch.device("cuda", index)
     if dev.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"device={device!r} but MPS is not available here; use device='auto' or 'cpu'")
@@ -159,19 +161,62 @@ class GPUModel:
 #: Known GPU models by name (the doctor's `--gpu` choices). Sources: NVIDIA's datasheets at
 #: nvidia.com/en-us/data-center/{tesla-t4,l4,a100,h100}/ (dense figures: half the "with sparsity"
 #: ones; A100 SXM4 80GB, H100 SXM5) and the Ada Lovelace whitepaper's appendix table (RTX 4090).
-GPU_MODELS: dict[str, GPUModel] = {g.name: g for g in (
-    # Turing (7.5) has no bf16 or tf32 Tensor Cores.
-    GPUModel(name="T4", compute_capability=(7, 5), fp32_tflops=8.1, tf32_tflops=None, bf16_tflops=None,
-             fp16_tflops=65.0, memory_gbps=320.0, source="NVIDIA T4 datasheet"),
-    GPUModel(name="L4", compute_capability=(8, 9), fp32_tflops=30.3, tf32_tflops=60.0, bf16_tflops=121.0,
-             fp16_tflops=121.0, memory_gbps=300.0, source="NVIDIA L4 datasheet (dense = sparse / 2)"),
-    GPUModel(name="A100", compute_capability=(8, 0), fp32_tflops=19.5, tf32_tflops=156.0, bf16_tflops=312.0,
-             fp16_tflops=312.0, memory_gbps=2039.0, source="NVIDIA A100 datasheet (SXM4 80GB)"),
-    GPUModel(name="RTX 4090", compute_capability=(8, 9), fp32_tflops=82.6, tf32_tflops=82.6, bf16_tflops=165.2,
-             fp16_tflops=165.2, memory_gbps=1008.0, source="NVIDIA Ada Lovelace whitepaper (RTX 4090)"),
-    GPUModel(name="H100", compute_capability=(9, 0), fp32_tflops=67.0, tf32_tflops=494.5, bf16_tflops=989.5,
-             fp16_tflops=989.5, memory_gbps=3350.0, source="NVIDIA H100 datasheet (SXM, dense = sparse / 2)"),
-)}
+GPU_MODELS: dict[str, GPUModel] = {
+    g.name: g
+    for g in (
+        # Turing (7.5) has no bf16 or tf32 Tensor Cores.
+        GPUModel(
+            name="T4",
+            compute_capability=(7, 5),
+            fp32_tflops=8.1,
+            tf32_tflops=None,
+            bf16_tflops=None,
+            fp16_tflops=65.0,
+            memory_gbps=320.0,
+            source="NVIDIA T4 datasheet",
+        ),
+        GPUModel(
+            name="L4",
+            compute_capability=(8, 9),
+            fp32_tflops=30.3,
+            tf32_tflops=60.0,
+            bf16_tflops=121.0,
+            fp16_tflops=121.0,
+            memory_gbps=300.0,
+            source="NVIDIA L4 datasheet (dense = sparse / 2)",
+        ),
+        GPUModel(
+            name="A100",
+            compute_capability=(8, 0),
+            fp32_tflops=19.5,
+            tf32_tflops=156.0,
+            bf16_tflops=312.0,
+            fp16_tflops=312.0,
+            memory_gbps=2039.0,
+            source="NVIDIA A100 datasheet (SXM4 80GB)",
+        ),
+        GPUModel(
+            name="RTX 4090",
+            compute_capability=(8, 9),
+            fp32_tflops=82.6,
+            tf32_tflops=82.6,
+            bf16_tflops=165.2,
+            fp16_tflops=165.2,
+            memory_gbps=1008.0,
+            source="NVIDIA Ada Lovelace whitepaper (RTX 4090)",
+        ),
+        GPUModel(
+            name="H100",
+            compute_capability=(9, 0),
+            fp32_tflops=67.0,
+            tf32_tflops=494.5,
+            bf16_tflops=989.5,
+            fp16_tflops=989.5,
+            memory_gbps=3350.0,
+            source="NVIDIA H100 datasheet (SXM, dense = sparse / 2)",
+        ),
+    )
+}
 
 
 def _dotted(cc: tuple[int, int]) -> str:
@@ -184,16 +229,17 @@ def gpu_capabilities(major: int, minor: int) -> dict[str, Fact]:
     cc = f"NVIDIA compute capability {major}.{minor}"
     first, first_arch = FIRST_IN["fp16"]
     if (major, minor) < first:
-        return {c: Fact(False, f"{cc} (before {first_arch} {_dotted(first)}): no Tensor Cores")
-                for c in CAPABILITIES}
+        return {c: Fact(False, f"{cc} (before {first_arch} {_dotted(first)}): no Tensor Cores") for c in CAPABILITIES}
     if (row := CUDA_ARCHITECTURES.get((major, minor))) is None:
         known = ", ".join(map(_dotted, CUDA_ARCHITECTURES))
         return {c: Fact(None, f"{cc} is not in ampkit's table ({known}): unknown") for c in CAPABILITIES}
     arch, has = row
-    return {c: Fact(True, f"{cc} ({arch}): {c} Tensor Cores") if c in has
-            else Fact(False, f"{cc} ({arch}): no {c} Tensor Cores (first in {FIRST_IN[c][1]}, "
-                             f"{_dotted(FIRST_IN[c][0])})")
-            for c in CAPABILITIES}
+    return {
+        c: Fact(True, f"{cc} ({arch}): {c} Tensor Cores")
+        if c in has
+        else Fact(False, f"{cc} ({arch}): no {c} Tensor Cores (first in {FIRST_IN[c][1]}, {_dotted(FIRST_IN[c][0])})")
+        for c in CAPABILITIES
+    }
 
 
 def rocm_capabilities(arch: str) -> dict[str, Fact]:
@@ -202,8 +248,10 @@ def rocm_capabilities(arch: str) -> dict[str, Fact]:
         known = ", ".join(ROCM_ARCHITECTURES)
         return {c: Fact(None, f"AMD {arch} (ROCm) is not in ampkit's table ({known}): unknown") for c in CAPABILITIES}
     name, has = row
-    return {c: Fact(c in has, f"AMD {arch} ({name}, ROCm): {'' if c in has else 'no '}{c} matrix cores")
-            for c in CAPABILITIES}
+    return {
+        c: Fact(c in has, f"AMD {arch} ({name}, ROCm): {'' if c in has else 'no '}{c} matrix cores")
+        for c in CAPABILITIES
+    }
 
 
 def _cpu_has(flags: dict[str, bool], dtype: str) -> list[str]:
@@ -292,8 +340,14 @@ def capability(device: torch.device) -> Support:
     else:
         have = [f for f, on in flags.items() if on]
         name, source = f"CPU ({', '.join(have) if have else 'no bf16/fp16 instructions'})", "/proc/cpuinfo flags"
-    return Support(device=name, bf16_runs=bf16_runs, bf16_fast=bf16_runs and fast["bf16"], fp16_runs=True,
-                   fp16_fast=fast["fp16"], source=source)
+    return Support(
+        device=name,
+        bf16_runs=bf16_runs,
+        bf16_fast=bf16_runs and fast["bf16"],
+        fp16_runs=True,
+        fp16_fast=fast["fp16"],
+        source=source,
+    )
 
 
 def auto_precision(device: torch.device) -> tuple[str, str]:
@@ -307,7 +361,10 @@ def auto_precision(device: torch.device) -> tuple[str, str]:
         if flags is None:
             return "fp32", "CPU flags could not be read, so bf16 speed is unknown: fp32"
         if bf16:
-            return "bf16-mixed", f"CPU has {' and '.join(_cpu_has(flags, 'bf16'))}: bf16 matmul is faster than fp32 here"
+            return (
+                "bf16-mixed",
+                f"CPU has {' and '.join(_cpu_has(flags, 'bf16'))}: bf16 matmul is faster than fp32 here",
+            )
         return "fp32", "CPU has neither avx512_bf16 nor amx_bf16: bf16 and fp16 would be slower than fp32 here"
     who = _gpu_named(device)[0]
     if bf16:
@@ -334,11 +391,21 @@ def describe(device: torch.device) -> dict[str, Any]:
     gpu = None
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        gpu = {"name": props.name, "capability": rocm_arch(device) or f"{props.major}.{props.minor}",
-               "memory_bytes": int(props.total_memory)}
+        gpu = {
+            "name": props.name,
+            "capability": rocm_arch(device) or f"{props.major}.{props.minor}",
+            "memory_bytes": int(props.total_memory),
+        }
     have = [f for f, on in (flags or {}).items() if on]
     name = gpu["name"] if gpu else f"{cpu_name()} ({', '.join(have) if have else 'no avx512_bf16/amx'})"
-    return {"device": str(device), "device_name": name, "torch": torch.__version__, "cuda": torch.version.cuda,
-            "python": platform.python_version(), "platform": platform.platform(), "threads": torch.get_num_threads(),
-            "cpu_flags": flags, "gpu": gpu}
-
+    return {
+        "device": str(device),
+        "device_name": name,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "threads": torch.get_num_threads(),
+        "cpu_flags": flags,
+        "gpu": gpu,
+    }

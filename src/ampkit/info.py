@@ -30,30 +30,44 @@ Info = dict[str, Any]
 
 # --- The schema ---
 
+
 def _object(properties: dict[str, Any], **extra: Any) -> dict[str, Any]:
     """A JSON object with exactly `properties`, each one required."""
-    return {"type": "object", **extra, "additionalProperties": False, "required": list(properties),
-            "properties": properties}
+    return {
+        "type": "object",
+        **extra,
+        "additionalProperties": False,
+        "required": list(properties),
+        "properties": properties,
+    }
 
 
-_FACT = _object({
-    "supported": {"type": ["boolean", "null"], "description": "null: unknown (never a guess)."},
-    "source": {"type": "string", "minLength": 1, "description": "Where the fact comes from."},
-})
-_CAPABILITIES = _object({c: {"$ref": "#/$defs/fact"} for c in CAPABILITIES},
-                        description="Per dtype: does the device have hardware that runs matmuls in it faster than fp32?")
-_BENCH_RESULT = _object({
-    "dtype": {"enum": ["fp32", "bf16", "fp16"]},
-    "size": {"type": ["integer", "null"], "minimum": 1, "description": "n of the n×n @ n×n matmul."},
-    "iterations": {"type": "integer", "minimum": 0},
-    "seconds": {"type": "number", "minimum": 0, "description": "Time the timed iterations took."},
-    "flops_per_s": {"type": ["number", "null"], "exclusiveMinimum": 0, "description": "2n³ per matmul."},
-    "ratio_to_fp32": {"type": ["number", "null"], "exclusiveMinimum": 0},
-    "table": {"type": ["boolean", "null"], "description": "The capability table's fact for this dtype."},
-    "fast_here": {"type": ["boolean", "null"],
-                  "description": "Measured: ratio_to_fp32 >= FAST_RATIO (null for fp32 or on error)."},
-    "error": {"type": ["string", "null"], "description": "Why the dtype could not be measured."},
-})
+_FACT = _object(
+    {
+        "supported": {"type": ["boolean", "null"], "description": "null: unknown (never a guess)."},
+        "source": {"type": "string", "minLength": 1, "description": "Where the fact comes from."},
+    }
+)
+_CAPABILITIES = _object(
+    {c: {"$ref": "#/$defs/fact"} for c in CAPABILITIES},
+    description="Per dtype: does the device have hardware that runs matmuls in it faster than fp32?",
+)
+_BENCH_RESULT = _object(
+    {
+        "dtype": {"enum": ["fp32", "bf16", "fp16"]},
+        "size": {"type": ["integer", "null"], "minimum": 1, "description": "n of the n×n @ n×n matmul."},
+        "iterations": {"type": "integer", "minimum": 0},
+        "seconds": {"type": "number", "minimum": 0, "description": "Time the timed iterations took."},
+        "flops_per_s": {"type": ["number", "null"], "exclusiveMinimum": 0, "description": "2n³ per matmul."},
+        "ratio_to_fp32": {"type": ["number", "null"], "exclusiveMinimum": 0},
+        "table": {"type": ["boolean", "null"], "description": "The capability table's fact for this dtype."},
+        "fast_here": {
+            "type": ["boolean", "null"],
+            "description": "Measured: ratio_to_fp32 >= FAST_RATIO (null for fp32 or on error).",
+        },
+        "error": {"type": ["string", "null"], "description": "Why the dtype could not be measured."},
+    }
+)
 
 INFO_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -62,46 +76,72 @@ INFO_SCHEMA: dict[str, Any] = {
     "description": "`ampkit info --json`: versions, devices, what each runs fast (with sources), the "
     "preset precision='auto' picks on `device`, and an optional matmul benchmark.",
     "$defs": {"fact": _FACT, "capabilities": _CAPABILITIES},
-    **_object({
-        "schema_version": {"const": 1},
-        "ampkit_version": {"type": "string"},
-        "torch": {"type": "string"},
-        "cuda": {"type": ["string", "null"], "description": "CUDA torch was built with; null: none."},
-        "cudnn": {"type": ["string", "null"], "description": "cuDNN version, e.g. '9.1.0'; null: none."},
-        "hip": {"type": ["string", "null"], "description": "ROCm/HIP torch was built with; null: none."},
-        "python": {"type": "string"},
-        "platform": {"type": "string"},
-        "device": {"type": "string", "description": "The device the recommendation and benchmark are for."},
-        "cpu": _object({
-            "name": {"type": "string"},
-            "threads": {"type": "integer", "minimum": 1, "description": "torch.get_num_threads()."},
-            "flags": _object({f: {"type": "boolean"} for f in CPU_FLAGS}, type=["object", "null"],
-                             description="Each flag a boolean under exactly its Linux name; null: the OS did not say."),
-            "flags_source": {"type": "string"},
-            "capabilities": {"$ref": "#/$defs/capabilities"},
-        }),
-        "gpus": {"type": "array", "items": _object({
-            "device": {"type": "string", "pattern": r"^cuda:\d+$"},
-            "name": {"type": "string"},
-            "compute_capability": {"type": "string", "pattern": r"^(\d+\.\d+|gfx[0-9a-f]+)$",
-                                   "description": "NVIDIA's major.minor; on ROCm the gfx architecture."},
-            "memory_bytes": {"type": "integer", "minimum": 0},
-            "sm_count": {"type": "integer", "minimum": 0},
-            "capabilities": {"$ref": "#/$defs/capabilities"},
-        })},
-        "mps": _object({"capabilities": {"$ref": "#/$defs/capabilities"}}, type=["object", "null"],
-                       description="Apple's GPU, or null where MPS is not available."),
-        "recommended": _object({"preset": {"enum": list(PRESETS)}, "reason": {"type": "string", "minLength": 1}},
-                               description="What precision='auto' picks on `device` (ampkit.hardware.auto_precision)."),
-        "bench": _object({
-            "device": {"type": "string"},
-            "seconds": {"type": "number", "exclusiveMinimum": 0, "description": "Budget, all dtypes."},
-            "threads": {"type": "integer", "minimum": 1},
-            "float32_matmul_precision": {"enum": ["highest", "high", "medium"],
-                                         "description": "Not 'highest': fp32 matmuls may use tf32/bf16."},
-            "results": {"type": "array", "items": _BENCH_RESULT},
-        }, type=["object", "null"], description="Matmul throughput per dtype on `device` (--bench); null when not run."),
-    }),
+    **_object(
+        {
+            "schema_version": {"const": 1},
+            "ampkit_version": {"type": "string"},
+            "torch": {"type": "string"},
+            "cuda": {"type": ["string", "null"], "description": "CUDA torch was built with; null: none."},
+            "cudnn": {"type": ["string", "null"], "description": "cuDNN version, e.g. '9.1.0'; null: none."},
+            "hip": {"type": ["string", "null"], "description": "ROCm/HIP torch was built with; null: none."},
+            "python": {"type": "string"},
+            "platform": {"type": "string"},
+            "device": {"type": "string", "description": "The device the recommendation and benchmark are for."},
+            "cpu": _object(
+                {
+                    "name": {"type": "string"},
+                    "threads": {"type": "integer", "minimum": 1, "description": "torch.get_num_threads()."},
+                    "flags": _object(
+                        {f: {"type": "boolean"} for f in CPU_FLAGS},
+                        type=["object", "null"],
+                        description="Each flag a boolean under exactly its Linux name; null: the OS did not say.",
+                    ),
+                    "flags_source": {"type": "string"},
+                    "capabilities": {"$ref": "#/$defs/capabilities"},
+                }
+            ),
+            "gpus": {
+                "type": "array",
+                "items": _object(
+                    {
+                        "device": {"type": "string", "pattern": r"^cuda:\d+$"},
+                        "name": {"type": "string"},
+                        "compute_capability": {
+                            "type": "string",
+                            "pattern": r"^(\d+\.\d+|gfx[0-9a-f]+)$",
+                            "description": "NVIDIA's major.minor; on ROCm the gfx architecture.",
+                        },
+                        "memory_bytes": {"type": "integer", "minimum": 0},
+                        "sm_count": {"type": "integer", "minimum": 0},
+                        "capabilities": {"$ref": "#/$defs/capabilities"},
+                    }
+                ),
+            },
+            "mps": _object(
+                {"capabilities": {"$ref": "#/$defs/capabilities"}},
+                type=["object", "null"],
+                description="Apple's GPU, or null where MPS is not available.",
+            ),
+            "recommended": _object(
+                {"preset": {"enum": list(PRESETS)}, "reason": {"type": "string", "minLength": 1}},
+                description="What precision='auto' picks on `device` (ampkit.hardware.auto_precision).",
+            ),
+            "bench": _object(
+                {
+                    "device": {"type": "string"},
+                    "seconds": {"type": "number", "exclusiveMinimum": 0, "description": "Budget, all dtypes."},
+                    "threads": {"type": "integer", "minimum": 1},
+                    "float32_matmul_precision": {
+                        "enum": ["highest", "high", "medium"],
+                        "description": "Not 'highest': fp32 matmuls may use tf32/bf16.",
+                    },
+                    "results": {"type": "array", "items": _BENCH_RESULT},
+                },
+                type=["object", "null"],
+                description="Matmul throughput per dtype on `device` (--bench); null when not run.",
+            ),
+        }
+    ),
 }
 
 
@@ -118,10 +158,16 @@ def collect_info(device: str | torch.device = "auto", bench: bool = False, bench
     gpus = []
     for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
         props, gpu = torch.cuda.get_device_properties(i), torch.device("cuda", i)
-        gpus.append({"device": str(gpu), "name": props.name,
-                     "compute_capability": hardware.rocm_arch(gpu) or f"{props.major}.{props.minor}",
-                     "memory_bytes": int(props.total_memory), "sm_count": int(props.multi_processor_count),
-                     "capabilities": _facts(hardware.device_capabilities(gpu))})
+        gpus.append(
+            {
+                "device": str(gpu),
+                "name": props.name,
+                "compute_capability": hardware.rocm_arch(gpu) or f"{props.major}.{props.minor}",
+                "memory_bytes": int(props.total_memory),
+                "sm_count": int(props.multi_processor_count),
+                "capabilities": _facts(hardware.device_capabilities(gpu)),
+            }
+        )
     mps = torch.backends.mps.is_available()
     preset, reason = hardware.auto_precision(dev)
     v = versions()
@@ -131,9 +177,13 @@ def collect_info(device: str | torch.device = "auto", bench: bool = False, bench
         **{key: v[key] for key in ("torch", "cuda", "cudnn", "hip", "python")},
         "platform": platform.platform(),
         "device": str(dev),
-        "cpu": {"name": hardware.cpu_name(), "threads": torch.get_num_threads(), "flags": flags,
-                "flags_source": "/proc/cpuinfo" if flags is not None else "unknown: no x86 flags line in /proc/cpuinfo",
-                "capabilities": _facts(hardware.cpu_capabilities(flags))},
+        "cpu": {
+            "name": hardware.cpu_name(),
+            "threads": torch.get_num_threads(),
+            "flags": flags,
+            "flags_source": "/proc/cpuinfo" if flags is not None else "unknown: no x86 flags line in /proc/cpuinfo",
+            "capabilities": _facts(hardware.cpu_capabilities(flags)),
+        },
         "gpus": gpus,
         "mps": {"capabilities": _facts(hardware.device_capabilities(torch.device("mps")))} if mps else None,
         "recommended": {"preset": preset, "reason": reason},
@@ -161,8 +211,9 @@ _START_N = {"cpu": 128, "cuda": 256, "mps": 256}
 _MAX_N = {"cpu": 1024, "cuda": 8192, "mps": 4096}
 
 
-def bench_matmul(device: str | torch.device, dtypes: Sequence[torch.dtype] = BENCH_DTYPES,
-                 seconds: float = 2.0) -> dict[str, Any]:
+def bench_matmul(
+    device: str | torch.device, dtypes: Sequence[torch.dtype] = BENCH_DTYPES, seconds: float = 2.0
+) -> dict[str, Any]:
     """Time n×n matmuls per dtype on `device` within `seconds` for all (the `bench` of `INFO_SCHEMA`).
 
     Each dtype gets an equal share: the matrix size doubles while a matmul of the next would take under
@@ -186,8 +237,13 @@ def bench_matmul(device: str | torch.device, dtypes: Sequence[torch.dtype] = BEN
         if fp32 and r["flops_per_s"]:
             r["ratio_to_fp32"] = r["flops_per_s"] / fp32
             r["fast_here"] = None if r["dtype"] == "fp32" else r["ratio_to_fp32"] >= FAST_RATIO
-    return {"device": str(dev), "seconds": float(seconds), "threads": torch.get_num_threads(),
-            "float32_matmul_precision": torch.get_float32_matmul_precision(), "results": results}
+    return {
+        "device": str(dev),
+        "seconds": float(seconds),
+        "threads": torch.get_num_threads(),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "results": results,
+    }
 
 
 def _matmul_timer(n: int, dtype: torch.dtype, device: torch.device) -> benchmark.Timer:
@@ -198,9 +254,17 @@ def _matmul_timer(n: int, dtype: torch.dtype, device: torch.device) -> benchmark
 
 
 def _bench_one(device: torch.device, dtype: torch.dtype, budget: float) -> dict[str, Any]:
-    result: dict[str, Any] = {"dtype": short_dtype_name(dtype), "size": None, "iterations": 0, "seconds": 0.0,
-                              "flops_per_s": None, "ratio_to_fp32": None, "table": None, "fast_here": None,
-                              "error": None}
+    result: dict[str, Any] = {
+        "dtype": short_dtype_name(dtype),
+        "size": None,
+        "iterations": 0,
+        "seconds": 0.0,
+        "flops_per_s": None,
+        "ratio_to_fp32": None,
+        "table": None,
+        "fast_here": None,
+        "error": None,
+    }
     try:
         start = time.perf_counter()  # the budget's clock; the matmuls are timed by the Timer
         n = _START_N.get(device.type, 256)
@@ -232,7 +296,9 @@ def _cpu_line(info: Info) -> str:
     head = f"CPU: {cpu['name']}, {cpu['threads']} torch threads; flags"
     if cpu["flags"] is None:
         return f"{head}: unknown ({cpu['flags_source']})"
-    return f"{head} ({cpu['flags_source']}): " + ", ".join(f"{f} {present.yes_no(on)}" for f, on in cpu["flags"].items())
+    return f"{head} ({cpu['flags_source']}): " + ", ".join(
+        f"{f} {present.yes_no(on)}" for f, on in cpu["flags"].items()
+    )
 
 
 def _selected_capabilities(info: Info) -> dict[str, dict[str, Any]]:
@@ -251,8 +317,9 @@ def _bench_rows(info: Info) -> list[list[str]]:
     rows = []
     for r in info["bench"]["results"]:
         if r["error"]:
-            rows.append([r["dtype"], "failed", "", "", present.yes_no(r["table"]) if r["dtype"] != "fp32" else "",
-                         r["error"]])
+            rows.append(
+                [r["dtype"], "failed", "", "", present.yes_no(r["table"]) if r["dtype"] != "fp32" else "", r["error"]]
+            )
             continue
         ratio = present.times(r["ratio_to_fp32"]) if r["ratio_to_fp32"] else ""
         if r["dtype"] == "fp32":
@@ -272,27 +339,63 @@ def _table(title: str, header: list[str], rows: list[list[str]]) -> Table:
 def _renderables(info: Info) -> list[Any]:
     """The report, top to bottom: what the terminal shows and what `format_info_text` writes."""
     rocm = [f"ROCm {info['hip']}"] if info["hip"] else []
-    parts = [f"ampkit {info['ampkit_version']}", f"torch {info['torch']}", f"CUDA {info['cuda'] or 'none'}",
-             f"cuDNN {info['cudnn'] or 'none'}", *rocm]
-    out: list[Any] = [Text(" · ".join(parts)), Text(f"Python {info['python']} · {info['platform']}"),
-                      Text(_cpu_line(info))]
+    parts = [
+        f"ampkit {info['ampkit_version']}",
+        f"torch {info['torch']}",
+        f"CUDA {info['cuda'] or 'none'}",
+        f"cuDNN {info['cudnn'] or 'none'}",
+        *rocm,
+    ]
+    out: list[Any] = [
+        Text(" · ".join(parts)),
+        Text(f"Python {info['python']} · {info['platform']}"),
+        Text(_cpu_line(info)),
+    ]
     if info["gpus"]:
-        out.append(_table("GPUs", ["device", "name", "compute capability", "memory", "SMs"], [
-            [g["device"], g["name"], g["compute_capability"], present.size(g["memory_bytes"]), str(g["sm_count"])]
-            for g in info["gpus"]]))
+        out.append(
+            _table(
+                "GPUs",
+                ["device", "name", "compute capability", "memory", "SMs"],
+                [
+                    [
+                        g["device"],
+                        g["name"],
+                        g["compute_capability"],
+                        present.size(g["memory_bytes"]),
+                        str(g["sm_count"]),
+                    ]
+                    for g in info["gpus"]
+                ],
+            )
+        )
     else:
         out.append(Text("GPUs: none" + ("" if info["cuda"] or info["hip"] else " (this torch has no CUDA)")))
-    out.append(_table(f"What {info['device']} runs fast", ["dtype", "fast", "source"],
-                      [[c, present.yes_no(f["supported"]), f["source"]] for c, f in _selected_capabilities(info).items()]))
+    out.append(
+        _table(
+            f"What {info['device']} runs fast",
+            ["dtype", "fast", "source"],
+            [[c, present.yes_no(f["supported"]), f["source"]] for c, f in _selected_capabilities(info).items()],
+        )
+    )
     rec = info["recommended"]
     out.append(Text(f"Recommended on {info['device']}: {rec['preset']} — {rec['reason']}", style="bold"))
     if (b := info["bench"]) is not None:
-        out.append(_table(f"Matmul benchmark on {b['device']}",
-                          ["dtype", "matmul", "× fp32", "n", "table says", "measured"], _bench_rows(info)))
+        out.append(
+            _table(
+                f"Matmul benchmark on {b['device']}",
+                ["dtype", "matmul", "× fp32", "n", "table says", "measured"],
+                _bench_rows(info),
+            )
+        )
         # A line of its own: as a rich caption it would wrap to the table's width.
-        out.append(Text(f"  n×n @ n×n, {present.seconds(b['seconds'])} in all, {b['threads']} threads, "
-                        f"float32_matmul_precision={b['float32_matmul_precision']}; "
-                        f"fast: ≥ {present.times(FAST_RATIO)} fp32", style="dim"))
+        out.append(
+            Text(
+                f"  n×n @ n×n, {present.seconds(b['seconds'])} in all, {b['threads']} threads, "
+                f"float32_matmul_precision={b['float32_matmul_precision']}; "
+                f"fast: ≥ {present.times(FAST_RATIO)} fp32",
+                style="dim",
+            )
+        )
     return out
 
 

@@ -31,8 +31,12 @@ from typing import Any
 from ampkit.errors import PrecisionError
 from ampkit.precision import PRESET_NAMES
 
-ENV = {"precision": "AMPKIT_PRECISION", "grad_accum_steps": "AMPKIT_GRAD_ACCUM_STEPS",
-       "compile": "AMPKIT_COMPILE", "max_steps": "AMPKIT_MAX_STEPS"}
+ENV = {
+    "precision": "AMPKIT_PRECISION",
+    "grad_accum_steps": "AMPKIT_GRAD_ACCUM_STEPS",
+    "compile": "AMPKIT_COMPILE",
+    "max_steps": "AMPKIT_MAX_STEPS",
+}
 DEFAULTS: dict[str, Any] = {"precision": "auto", "grad_accum_steps": 1, "compile": False, "max_steps": None}
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -53,8 +57,10 @@ def read_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         elif key == "compile":
             low = text.lower()
             if low not in (*_TRUE, *_FALSE, *COMPILE_MODES):
-                raise ValueError(f"{var}={text!r}: expected 1/true/on, 0/false/off or a torch.compile mode "
-                                 f"({', '.join(COMPILE_MODES)}); fix or unset {var}")
+                raise ValueError(
+                    f"{var}={text!r}: expected 1/true/on, 0/false/off or a torch.compile mode "
+                    f"({', '.join(COMPILE_MODES)}); fix or unset {var}"
+                )
             found[key] = low in _TRUE or ({"mode": low} if low in COMPILE_MODES else False)
         else:
             with contextlib.suppress(ValueError):
@@ -76,8 +82,10 @@ def launch_settings(given: dict[str, Any], environ: Mapping[str, str] | None = N
         if key in env and not passed:
             notes.append(f"{key}={env[key]!r} from {var}")
         elif key in env and env[key] != value:
-            notes.append(f"{key}={getattr(value, 'name', value)!r} from the script ({var}={environ[var]} ignored: arguments passed to "
-                         f"Accelerator win)")
+            notes.append(
+                f"{key}={getattr(value, 'name', value)!r} from the script ({var}={environ[var]} ignored: arguments passed to "
+                f"Accelerator win)"
+            )
         chosen[key] = value if passed else env.get(key, DEFAULTS[key] if value is None else value)
     if notes and environ.get("RANK", "0") == "0":
         warnings.warn("ampkit launch settings: " + "; ".join(notes), stacklevel=3)
@@ -96,12 +104,20 @@ def max_steps_reached(acc: Any) -> bool:
 def check_metric(name: Any, higher_is_better: Any) -> None:
     """`acc.report_metric`'s arguments: a non-empty name, and a direction that is True, False or None."""
     if not isinstance(name, str) or not name or not isinstance(higher_is_better, (bool, type(None))):
-        raise TypeError(f"report_metric({name!r}, value, higher_is_better={higher_is_better!r}): expected a "
-                        f"non-empty name and higher_is_better True, False or None")
+        raise TypeError(
+            f"report_metric({name!r}, value, higher_is_better={higher_is_better!r}): expected a "
+            f"non-empty name and higher_is_better True, False or None"
+        )
 
 
-def launch(script: str, args: Sequence[str] = (), *, nproc: int = 1, settings: Mapping[str, Any] | None = None,
-           torchrun_args: Sequence[str] = ()) -> int:
+def launch(
+    script: str,
+    args: Sequence[str] = (),
+    *,
+    nproc: int = 1,
+    settings: Mapping[str, Any] | None = None,
+    torchrun_args: Sequence[str] = (),
+) -> int:
     """Run `script` with `args` as `python script args...` (nproc 1) or under torchrun (nproc > 1,
     `torchrun_args` passed to it: --nnodes, --node-rank, --rdzv-endpoint, ...), with `settings`
     (Accelerator argument name -> value, as `ENV` names them) set as AMPKIT_* variables. Returns the
@@ -117,9 +133,19 @@ def launch(script: str, args: Sequence[str] = (), *, nproc: int = 1, settings: M
     read_env(env)  # a bad value fails here, naming its variable, before anything starts
     cmd = [sys.executable, script, *args]
     if nproc > 1 or torchrun_args:
-        rendezvous = [] if any(a.startswith(("--nnodes", "--rdzv", "--master")) for a in torchrun_args) else ["--standalone"]
-        cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc-per-node={nproc}",
-               *torchrun_args, script, *args]
+        rendezvous = (
+            [] if any(a.startswith(("--nnodes", "--rdzv", "--master")) for a in torchrun_args) else ["--standalone"]
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            *rendezvous,
+            f"--nproc-per-node={nproc}",
+            *torchrun_args,
+            script,
+            *args,
+        ]
     proc = subprocess.Popen(cmd, env=env)
     try:
         return proc.wait()

@@ -22,8 +22,12 @@ class MasterWeights(ExactState):
     one foreach copy). The launches per step depend on the number of tensors, never on their size.
     """
 
-    def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]], optimizer: torch.optim.Optimizer,
-                 free_step_buffers: bool = True) -> None:
+    def __init__(
+        self,
+        pairs: list[tuple[nn.Parameter, nn.Parameter]],
+        optimizer: torch.optim.Optimizer,
+        free_step_buffers: bool = True,
+    ) -> None:
         self.pairs = pairs  # (model parameter in bf16/fp16, its fp32 master)
         self.optimizer = optimizer
         self._params = [p for p, _ in pairs]

@@ -26,8 +26,10 @@ class MetricTracker:
         elif isinstance(value, (int, float)):
             total, count = torch.tensor(float(value)), 1
         else:
-            raise TypeError(f"track({name!r}, {type(value).__name__}): expected a tensor or a number as the value, "
-                            f"e.g. acc.track('loss', loss)")
+            raise TypeError(
+                f"track({name!r}, {type(value).__name__}): expected a tensor or a number as the value, "
+                f"e.g. acc.track('loss', loss)"
+            )
         if name in self._sums:
             self._sums[name] = self._sums[name] + total.to(self._sums[name].device)
             self._counts[name] += count
@@ -47,7 +49,7 @@ class MetricTracker:
         if reduce is not None:
             both = reduce(both)
         values = both.tolist()  # sync: the one read per logging window, by design
-        result = {n: s / c for n, s, c in zip(names, values[: len(names)], values[len(names):])}
+        result = {n: s / c for n, s, c in zip(names, values[: len(names)], values[len(names) :])}
         self._sums.clear()
         self._counts.clear()
         return result

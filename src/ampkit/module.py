@@ -25,8 +25,15 @@ class PolicyForward:
     """A module's forward run under autocast (or with autocast off, for kept-fp32 layers). A class rather
     than a closure so a prepared model stays picklable and deep-copyable."""
 
-    def __init__(self, forward: Any, device_type: str, dtype: torch.dtype, fp32: bool, cast_inputs: bool = False,
-                 cast_outputs: bool = True) -> None:
+    def __init__(
+        self,
+        forward: Any,
+        device_type: str,
+        dtype: torch.dtype,
+        fp32: bool,
+        cast_inputs: bool = False,
+        cast_outputs: bool = True,
+    ) -> None:
         self.forward, self.device_type, self.dtype = forward, device_type, dtype
         self.fp32 = fp32  # True: a kept-fp32 layer inside an autocast model
         # True for presets that store parameters in `dtype`: fp32 inputs are cast to it at the model's
@@ -82,12 +89,18 @@ def kept_fp32_roots(model: nn.Module, keep_fp32: KeepSpec) -> list[nn.Module]:
     entry of the wrong kind or a pattern that matches nothing (a typo would leave a layer in fp16)."""
     for spec in keep_fp32:
         if not (isinstance(spec, str) or (isinstance(spec, type) and issubclass(spec, nn.Module))):
-            raise ValueError(f"keep_fp32 entry {spec!r}: expected an nn.Module subclass or a module-name pattern like 'head' or 'blocks.*.attn'")
+            raise ValueError(
+                f"keep_fp32 entry {spec!r}: expected an nn.Module subclass or a module-name pattern like 'head' or 'blocks.*.attn'"
+            )
     roots: list[nn.Module] = []
     covered: set[int] = set()
     matched: set[int] = set()
     for name, module in model.named_modules():
-        hits = [s for s in keep_fp32 if (isinstance(s, str) and fnmatch.fnmatchcase(name, s)) or (isinstance(s, type) and isinstance(module, s))]
+        hits = [
+            s
+            for s in keep_fp32
+            if (isinstance(s, str) and fnmatch.fnmatchcase(name, s)) or (isinstance(s, type) and isinstance(module, s))
+        ]
         matched.update(id(s) for s in hits)
         if hits and id(module) not in covered:
             roots.append(module)
@@ -96,12 +109,14 @@ def kept_fp32_roots(model: nn.Module, keep_fp32: KeepSpec) -> list[nn.Module]:
         names = [n for n, _ in model.named_modules() if n][:12]
         raise ValueError(
             f"keep_fp32={list(keep_fp32)!r}: {missing!r} matched no module of {model.__class__.__name__}; "
-            f"its modules are named like: {', '.join(names)}")
+            f"its modules are named like: {', '.join(names)}"
+        )
     return roots
 
 
-def prepare_module(model: nn.Module, policy: Precision, device: torch.device, keep_fp32: KeepSpec,
-                   cast_outputs: bool = True) -> dict[nn.Parameter, torch.Tensor]:
+def prepare_module(
+    model: nn.Module, policy: Precision, device: torch.device, keep_fp32: KeepSpec, cast_outputs: bool = True
+) -> dict[nn.Parameter, torch.Tensor]:
     """Move `model` to `device`, store its parameters as `policy` says and wrap its forward. Returns the fp32
     values of the parameters cast down: masters or compensation start from the exact initial weights."""
     if isinstance(uncompiled(model.__dict__.get("forward")), PolicyForward):  # compile=True wraps it
@@ -125,8 +140,14 @@ def prepare_module(model: nn.Module, policy: Precision, device: torch.device, ke
                     if buf.is_floating_point():
                         buf.data = buf.data.to(policy.param_dtype)
     if policy.autocast:
-        model.forward = PolicyForward(model.forward, device.type, policy.compute_dtype, fp32=False,
-                                      cast_inputs=policy.low_precision_params, cast_outputs=cast_outputs)
+        model.forward = PolicyForward(
+            model.forward,
+            device.type,
+            policy.compute_dtype,
+            fp32=False,
+            cast_inputs=policy.low_precision_params,
+            cast_outputs=cast_outputs,
+        )
         for root in roots:
             if root is not model:
                 root.forward = PolicyForward(root.forward, device.type, policy.compute_dtype, fp32=True)

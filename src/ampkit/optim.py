@@ -45,10 +45,12 @@ def fuse_for_device_skips(optimizer: torch.optim.Optimizer, device: torch.device
     for g in groups:
         g["fused"] = True
     optimizer.defaults["fused"] = True
-    warnings.warn(f"{type(optimizer).__name__} on CUDA with loss scaling: ampkit steps it through torch's fused kernel "
-                  f"(fused=True), which skips an overflowing step on the GPU without a host sync; pass foreach=True or "
-                  f"fused=False to keep another implementation (then ampkit reads found_inf once per step)",
-                  stacklevel=4)
+    warnings.warn(
+        f"{type(optimizer).__name__} on CUDA with loss scaling: ampkit steps it through torch's fused kernel "
+        f"(fused=True), which skips an overflowing step on the GPU without a host sync; pass foreach=True or "
+        f"fused=False to keep another implementation (then ampkit reads found_inf once per step)",
+        stacklevel=4,
+    )
     return True
 
 
@@ -86,7 +88,8 @@ class AmpOptimizer(torch.optim.Optimizer):
         self._last_loss: torch.Tensor | None = None  # the latest loss before scaling (explains a collapse)
         # fused Adam/AdamW/SGD take found_inf and skip on the device; others need one host read.
         self._skips_on_device = bool(getattr(optimizer, "_step_supports_amp_scaling", False)) or all(
-            g.get("fused") for g in optimizer.param_groups)
+            g.get("fused") for g in optimizer.param_groups
+        )
         self._plain_zero_grad = type(optimizer).zero_grad is torch.optim.Optimizer.zero_grad  # not overridden
         self._outcomes = StepOutcomes(acc.device) if acc.scaler is not None else None
         self._model_params = [p for p, _ in weights.pairs] if weights is not None else []
@@ -132,8 +135,11 @@ class AmpOptimizer(torch.optim.Optimizer):
         state = dict(self.optimizer.state_dict())
         state["ampkit"] = {
             "optimizer": type(self.optimizer).__name__,
-            "attempted": self.attempted_steps, "applied": self.applied_steps, "skipped": self.skipped_steps,
-            "stage": self._stage.value, "overflows_at_min": self._overflows_at_min,
+            "attempted": self.attempted_steps,
+            "applied": self.applied_steps,
+            "skipped": self.skipped_steps,
+            "stage": self._stage.value,
+            "overflows_at_min": self._overflows_at_min,
             "weights": self.weights.state_dict() if self.weights is not None else None,
         }
         return state
@@ -147,14 +153,18 @@ class AmpOptimizer(torch.optim.Optimizer):
             return ["it is not an optimizer state_dict"]
         same_class = amp is None or amp.get("optimizer") == type(self.optimizer).__name__
         if not same_class:
-            problems.append(f"it was saved from a {amp.get('optimizer')} optimizer, this one is a {type(self.optimizer).__name__}")
+            problems.append(
+                f"it was saved from a {amp.get('optimizer')} optimizer, this one is a {type(self.optimizer).__name__}"
+            )
         saved_groups, groups = state["param_groups"], mine["param_groups"]
         if len(saved_groups) != len(groups):
             problems.append(f"it has {len(saved_groups)} parameter group(s), this optimizer has {len(groups)}")
         else:
             for i, (a, b) in enumerate(zip(saved_groups, groups)):
                 if len(a["params"]) != len(b["params"]):
-                    problems.append(f"parameter group {i} has {len(a['params'])} parameters in the checkpoint, {len(b['params'])} here")
+                    problems.append(
+                        f"parameter group {i} has {len(a['params'])} parameters in the checkpoint, {len(b['params'])} here"
+                    )
         if same_class and not problems:
             problems += self._check_state_keys(state, mine)
         if amp is not None and self.weights is not None and amp.get("weights") is not None:
@@ -232,7 +242,9 @@ class AmpOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         """Apply the update on accumulation boundaries; skip it on the device if gradients overflowed."""
         if closure is not None:
-            raise StepOrderError("optimizer.step(closure) is not supported by ampkit: compute the loss in the loop and call acc.backward(loss)")
+            raise StepOrderError(
+                "optimizer.step(closure) is not supported by ampkit: compute the loss in the loop and call acc.backward(loss)"
+            )
         if self._stage is READY or self._stage is STEPPED:
             raise StepOrderError(
                 "optimizer.step() was called but acc.backward(loss) has not run since the last "
@@ -369,8 +381,10 @@ class AmpOptimizer(torch.optim.Optimizer):
         return self._latest_applied
 
     def _collapse_message(self, min_scale: float) -> str:
-        counts = (f"{self._overflows_at_min} optimizer steps in a row overflowed at the minimum scale {min_scale:g} "
-                  f"({self.skipped_steps} of {self.attempted_steps} steps skipped in all")
+        counts = (
+            f"{self._overflows_at_min} optimizer steps in a row overflowed at the minimum scale {min_scale:g} "
+            f"({self.skipped_steps} of {self.attempted_steps} steps skipped in all"
+        )
         if self._last_loss is not None and not bool(torch.isfinite(self._last_loss).all()):  # sync: once, when raising
             return (
                 f"loss scale collapsed: {counts}), and the loss itself is NaN or inf before any scaling, which loss "

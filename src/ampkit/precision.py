@@ -20,8 +20,12 @@ from ampkit.validate import suggest
 #: Module types kept in fp32 by the presets that store parameters in low precision: their
 #: statistics (mean/variance) lose too much in bf16/fp16 and they are a tiny share of the weights.
 NORM_TYPES: tuple[type[torch.nn.Module], ...] = (
-    torch.nn.modules.batchnorm._NormBase, torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.LocalResponseNorm,
-    torch.nn.RMSNorm)
+    torch.nn.modules.batchnorm._NormBase,
+    torch.nn.LayerNorm,
+    torch.nn.GroupNorm,
+    torch.nn.LocalResponseNorm,
+    torch.nn.RMSNorm,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,7 +56,8 @@ class Precision:
         """The policy as plain JSON-able data (checkpoints and reports store it this way)."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return {"name": self.name, "reason": self.reason} | {
-            k: dtype_name(v) if isinstance(v, torch.dtype) else v for k, v in fields.items()}
+            k: dtype_name(v) if isinstance(v, torch.dtype) else v for k, v in fields.items()
+        }
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -69,10 +74,15 @@ PRESETS: dict[str, Precision] = {
         Precision(name="fp32", compute_dtype=_fp32, param_dtype=_fp32),
         Precision(name="bf16-mixed", compute_dtype=_bf16, param_dtype=_fp32),
         Precision(name="fp16-mixed", compute_dtype=_fp16, param_dtype=_fp32, loss_scaling=True),
-        Precision(name="fp16-master", compute_dtype=_fp16, param_dtype=_fp16, master_weights=True,
-                  loss_scaling=True, norms_fp32=True),
-        Precision(name="bf16-master", compute_dtype=_bf16, param_dtype=_bf16, master_weights=True,
-                  norms_fp32=True),
+        Precision(
+            name="fp16-master",
+            compute_dtype=_fp16,
+            param_dtype=_fp16,
+            master_weights=True,
+            loss_scaling=True,
+            norms_fp32=True,
+        ),
+        Precision(name="bf16-master", compute_dtype=_bf16, param_dtype=_bf16, master_weights=True, norms_fp32=True),
         Precision(name="bf16-true", compute_dtype=_bf16, param_dtype=_bf16, compensated=True),
         Precision(name="fp8-mixed", compute_dtype=_bf16, param_dtype=_fp32, fp8=True),
     )
@@ -91,8 +101,10 @@ def resolve_precision(precision: str | Precision, device: torch.device, *, fp8_e
     if isinstance(precision, Precision):
         policy = precision
     elif not isinstance(precision, str):
-        raise PrecisionError(f"precision={precision!r} must be a preset name or an ampkit.Precision; "
-                             f"choose one of: {', '.join(PRESET_NAMES)}")
+        raise PrecisionError(
+            f"precision={precision!r} must be a preset name or an ampkit.Precision; "
+            f"choose one of: {', '.join(PRESET_NAMES)}"
+        )
     elif precision == "auto":
         name, reason = auto_precision(device)
         return dataclasses.replace(PRESETS[name], reason=f"auto: {reason}")
@@ -117,9 +129,13 @@ def fp8_problem(device: torch.device, emulate: bool = False) -> str | None:
     if emulate or (nvidia and torch.cuda.get_device_capability(device) >= FIRST_IN["fp8"][0]):
         return None
     kind = "AMD GPUs" if device.type == "cuda" else device.type.upper()
-    why = device_capabilities(device)["fp8"].source if nvidia else f"torchao's fp8 training has no fp8 matmul for {kind}"
-    return (f"{why}; fp8 matmuls need an NVIDIA GPU of compute capability 8.9 or later (Ada, Hopper, Blackwell). "
-            f"Use precision='bf16-mixed', or fp8_emulate=True to test the fp8 path here (no speed-up)")
+    why = (
+        device_capabilities(device)["fp8"].source if nvidia else f"torchao's fp8 training has no fp8 matmul for {kind}"
+    )
+    return (
+        f"{why}; fp8 matmuls need an NVIDIA GPU of compute capability 8.9 or later (Ada, Hopper, Blackwell). "
+        f"Use precision='bf16-mixed', or fp8_emulate=True to test the fp8 path here (no speed-up)"
+    )
 
 
 def _check_runs(policy: Precision, device: torch.device) -> None:
@@ -133,12 +149,15 @@ def _check_runs(policy: Precision, device: torch.device) -> None:
         nearest = next((n for n in working if n != "fp32" and PRESETS[n].compute_dtype != dtype), "fp32")
         raise PrecisionError(
             f"precision {policy.name!r} needs {short_dtype_name(dtype)}, which {support.device} cannot run "
-            f"(per {support.source}); it supports: {', '.join(working)}. Nearest that works: {nearest!r}")
+            f"(per {support.source}); it supports: {', '.join(working)}. Nearest that works: {nearest!r}"
+        )
     if not fast[dtype] and device.type == "cpu":
         warnings.warn(
             f"precision {policy.name!r} on {support.device}: this CPU has no {short_dtype_name(dtype)} "
             f"instructions, so it runs far slower than fp32{_FP16_CPU_OPS if dtype == _fp16 else ''}. Use it only "
-            f"to test; precision='auto' picks what is fast here", stacklevel=3)
+            f"to test; precision='auto' picks what is fast here",
+            stacklevel=3,
+        )
 
 
 _FP16_CPU_OPS = ", and some ops may not run at all (oneDNN's LSTM has no fp16 forward on CPUs: it raises)"

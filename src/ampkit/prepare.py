@@ -27,8 +27,12 @@ from ampkit.scheduler import AmpScheduler
 if TYPE_CHECKING:
     from ampkit.accelerator import Accelerator
 
-_KINDS = ((nn.Module, "model"), (torch.optim.Optimizer, "optimizer"), (DataLoader, "loader"),
-          ((torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau), "scheduler"))
+_KINDS = (
+    (nn.Module, "model"),
+    (torch.optim.Optimizer, "optimizer"),
+    (DataLoader, "loader"),
+    ((torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau), "scheduler"),
+)
 _ORDER = [kind for _, kind in _KINDS]  # the order prepare() prepares them in
 
 
@@ -64,14 +68,17 @@ class Prepared:
     @staticmethod
     def _kind(obj: Any, position: int) -> str:
         if isinstance(obj, (AmpOptimizer, AmpScheduler, DeviceLoader)):
-            raise ValueError(f"prepare() argument {position} ({obj!r}) was already prepared; pass the original object once")
+            raise ValueError(
+                f"prepare() argument {position} ({obj!r}) was already prepared; pass the original object once"
+            )
         for types, kind in _KINDS:
             if isinstance(obj, types):
                 return kind
         raise TypeError(
             f"prepare() argument {position} is a {type(obj).__module__}.{type(obj).__qualname__}; "
             f"expected an nn.Module, a torch.optim.Optimizer, a torch.utils.data.DataLoader or a torch LR "
-            f"scheduler")
+            f"scheduler"
+        )
 
     def _check_optimizers(self, objs: tuple[Any, ...], kinds: list[str]) -> None:
         """Before anything is prepared: an optimizer given with (or after) models steps some of their
@@ -86,7 +93,8 @@ class Prepared:
                 raise ValueError(
                     f"prepare() argument {i} (optimizer {type(obj).__name__}) steps none of the parameters of the "
                     f"model(s) prepared ({names}): it was built from other parameters. Build it from the model's, "
-                    f"e.g. torch.optim.AdamW(model.parameters()), then prepare(model, optimizer)")
+                    f"e.g. torch.optim.AdamW(model.parameters()), then prepare(model, optimizer)"
+                )
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
         acc = self.acc
@@ -98,7 +106,8 @@ class Prepared:
                 raise StepOrderError(
                     f"precision {acc.policy.name!r}: the optimizer of {type(model).__name__} was prepared before the "
                     f"model, so it would step the low-precision weights directly (no master weights or compensation): "
-                    f"prepare the model first, e.g. model, optimizer = acc.prepare(model, optimizer)")
+                    f"prepare the model first, e.g. model, optimizer = acc.prepare(model, optimizer)"
+                )
         originals: dict[nn.Parameter, torch.Tensor] = {}
         if acc.strategy == "fsdp":  # FSDP's MixedPrecisionPolicy does the casts
             model.to(acc.device)
@@ -109,8 +118,11 @@ class Prepared:
             acc.policy = dataclasses.replace(acc.policy, reason=acc.fp8.reason)
         if acc.channels_last:
             if not any(p.dim() == 4 for p in model.parameters()):
-                warnings.warn(f"channels_last=True: {type(model).__name__} has no 4-D (convolution) weights, "
-                              f"so the layout changes nothing for it", stacklevel=3)
+                warnings.warn(
+                    f"channels_last=True: {type(model).__name__} has no 4-D (convolution) weights, "
+                    f"so the layout changes nothing for it",
+                    stacklevel=3,
+                )
             model.to(memory_format=torch.channels_last)
         if acc.strategy == "fsdp":
             model, params = wrap_fsdp(model, acc.policy.compute_dtype)
@@ -145,14 +157,19 @@ class Prepared:
             return
         # Refused, not supported: a manual update would have to unscale, skip overflowing steps and update
         # the scale (fp16), or update low-precision weights in fp32: the prepared optimizer is that code.
-        what = ("scales the loss (by 65536 at first) and only a prepared optimizer unscales the gradients and skips "
-                "overflowing steps" if policy.loss_scaling else f"stores the weights in {dtype_name(policy.param_dtype)}, "
-                f"where a manual update loses the small steps; only a prepared optimizer applies it in fp32")
+        what = (
+            "scales the loss (by 65536 at first) and only a prepared optimizer unscales the gradients and skips "
+            "overflowing steps"
+            if policy.loss_scaling
+            else f"stores the weights in {dtype_name(policy.param_dtype)}, "
+            f"where a manual update loses the small steps; only a prepared optimizer applies it in fp32"
+        )
         raise StepOrderError(
             f"precision {policy.name!r} {what}, and no optimizer was prepared. Prepare one: model, optimizer = "
             f"acc.prepare(model, optimizer) (torch.optim.SGD(model.parameters(), lr=lr) is the manual update "
             f"p.data.add_(p.grad, alpha=-lr)); or train a manual update with precision='bf16-mixed' or "
-            f"'fp32'")
+            f"'fp32'"
+        )
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor | None:
         """`Accelerator.clip_grad_norm_`: unscale, then clip in the prepared models' parameter order."""
@@ -176,7 +193,9 @@ class Prepared:
             if not self.optimizers:  # fp32 / bf16-mixed: the gradients are the models' own, unscaled
                 params = [p for model in self.models for p in model.parameters()]
             else:
-                stands = {id(stand): p for opt in self.optimizers if opt.weights is not None for p, stand in opt.weights.pairs}
+                stands = {
+                    id(stand): p for opt in self.optimizers if opt.weights is not None for p, stand in opt.weights.pairs
+                }
                 params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
                 params.sort(key=lambda p: order.get(id(stands.get(id(p), p)), len(order)))
             self._clip_params, self._clip_key = list({id(p): p for p in params}.values()), key
@@ -185,7 +204,9 @@ class Prepared:
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AmpOptimizer:
         if self.fsdp_params:  # re-point an optimizer built before sharding at the sharded parameters
             if optimizer.state:
-                raise StepOrderError("strategy='fsdp': prepare the optimizer before its first step (FSDP replaces the parameters)")
+                raise StepOrderError(
+                    "strategy='fsdp': prepare the optimizer before its first step (FSDP replaces the parameters)"
+                )
             for group in optimizer.param_groups:
                 group["params"] = [self.fsdp_params.get(id(p), p) for p in group["params"]]
         lowp = self.acc.policy.master_weights or self.acc.policy.compensated
@@ -205,24 +226,30 @@ class Prepared:
         low = [p for p in params if p.is_floating_point() and p.dtype != torch.float32]
         prepared = {id(p) for model in self.models for p in model.parameters()}
         if any(id(p) not in prepared for p in low):
-            raise StepOrderError(f"precision {policy.name!r}: prepare the model together with (or before) "
-                                 f"its optimizer, e.g. model, optimizer = acc.prepare(model, optimizer)")
+            raise StepOrderError(
+                f"precision {policy.name!r}: prepare the model together with (or before) "
+                f"its optimizer, e.g. model, optimizer = acc.prepare(model, optimizer)"
+            )
         if optimizer.state:
-            raise StepOrderError(f"precision {policy.name!r}: the optimizer already has state; prepare it "
-                                 f"before its first step (load its state_dict after prepare)")
+            raise StepOrderError(
+                f"precision {policy.name!r}: the optimizer already has state; prepare it "
+                f"before its first step (load its state_dict after prepare)"
+            )
         devices = sorted({str(p.device) for p in low})
         if len(devices) > 1:  # the update's flat fp32 buffers live on one device
             raise PrecisionError(
                 f"precision {policy.name!r} keeps its fp32 update buffers on one device, but this "
                 f"optimizer's parameters are on {', '.join(devices)}: use one optimizer per device, or "
-                f"precision='bf16-mixed'")
+                f"precision='bf16-mixed'"
+            )
         pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
         for p in low:
             # The exact fp32 initial value, handed over (not copied) so no fp32 copy outlives prepare; a
             # weight already low-precision before prepare has only its own value.
             init = next((m.originals.pop(p) for m in self.originals.values() if p in m.originals), None)
-            pairs.append((p, nn.Parameter(p.detach().to(torch.float32) if init is None else init,
-                                          requires_grad=p.requires_grad)))
+            pairs.append(
+                (p, nn.Parameter(p.detach().to(torch.float32) if init is None else init, requires_grad=p.requires_grad))
+            )
         stand_in = {id(p): fp32 for p, fp32 in pairs}
         for group in optimizer.param_groups:
             group["params"] = [stand_in.get(id(p), p) for p in group["params"]]
@@ -233,8 +260,9 @@ class Prepared:
         if self.acc.strategy != "none":
             loader = shard_loader(loader, self.acc.distributed)
         stop = (lambda: max_steps_reached(self.acc)) if self.acc.max_steps else None
-        wrapped = DeviceLoader(loader, self.acc.device, torch.channels_last if self.acc.channels_last else None,
-                               self.acc.events, stop)
+        wrapped = DeviceLoader(
+            loader, self.acc.device, torch.channels_last if self.acc.channels_last else None, self.acc.events, stop
+        )
         self.loaders.append(wrapped)
         return wrapped
 
@@ -245,6 +273,7 @@ class Prepared:
                 wrapped = AmpScheduler(scheduler, opt, per_step=self.acc.step_scheduler_with_optimizer)
                 self.schedulers.append(wrapped)
                 return wrapped
-        raise StepOrderError(f"prepare() got the scheduler {scheduler.__class__.__name__} before its "
-                             f"optimizer: prepare the optimizer in the same call or earlier")
-
+        raise StepOrderError(
+            f"prepare() got the scheduler {scheduler.__class__.__name__} before its "
+            f"optimizer: prepare the optimizer in the same call or earlier"
+        )

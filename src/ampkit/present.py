@@ -59,7 +59,7 @@ def times(x: float) -> str:
 
 
 def article(name: str) -> str:
-    """"a" or "an" before a device name as it is read aloud: "an A100", "an RTX 4090", "a T4"."""
+    """ "a" or "an" before a device name as it is read aloud: "an A100", "an RTX 4090", "a T4"."""
     return "an" if name[:1].upper() in "AEFHILMNORSX8" else "a"
 
 
@@ -79,7 +79,7 @@ def sig(x: float) -> str:
 
 
 def signed(x: float, decimals: int) -> str:
-    """"+0.7", "−0.1" (a real minus, to line up with "+"), or "±0.0" when it rounds to zero."""
+    """ "+0.7", "−0.1" (a real minus, to line up with "+"), or "±0.0" when it rounds to zero."""
     text = f"{abs(x):.{decimals}f}"
     if float(text) == 0:
         return "\u00b1" + text
@@ -103,22 +103,39 @@ def yes_no(value: bool | None) -> str:
     return {True: "yes", False: "no", None: "unknown"}[value]
 
 
-def table(columns: Sequence[str], rows: Iterable[Sequence[str | Text]], *, title: str | None = None,
-          caption: str | None = None, numeric_from: int = 1, row_styles: Sequence[str | None] = (),
-          two_line_headers: bool = False, heading: bool = False, wrap: bool = False) -> Table:
+def table(
+    columns: Sequence[str],
+    rows: Iterable[Sequence[str | Text]],
+    *,
+    title: str | None = None,
+    caption: str | None = None,
+    numeric_from: int = 1,
+    row_styles: Sequence[str | None] = (),
+    two_line_headers: bool = False,
+    heading: bool = False,
+    wrap: bool = False,
+) -> Table:
     """A table as ampkit prints them: numbers right-aligned from column `numeric_from` on, cells not
     wrapped unless `wrap`. Strings go in as `Text`, never as markup, so "[red]" in a user's string prints
     as written; pass a `Text` to style a cell. `two_line_headers` breaks each header at its first space;
     `heading` sets the title as a bold heading on the left rather than centred over the table."""
-    out = Table(title=Text(title, style="bold" if heading else "") if title else None,
-                title_justify="left" if heading else "center", caption=Text(caption) if caption else None,
-                box=box.SIMPLE_HEAD, collapse_padding=True)
+    out = Table(
+        title=Text(title, style="bold" if heading else "") if title else None,
+        title_justify="left" if heading else "center",
+        caption=Text(caption) if caption else None,
+        box=box.SIMPLE_HEAD,
+        collapse_padding=True,
+    )
     for i, name in enumerate(columns):
-        out.add_column(Text(name.replace(" ", "\n", 1) if two_line_headers else name),
-                       justify="right" if i >= numeric_from else "left", no_wrap=not wrap)
+        out.add_column(
+            Text(name.replace(" ", "\n", 1) if two_line_headers else name),
+            justify="right" if i >= numeric_from else "left",
+            no_wrap=not wrap,
+        )
     for i, row in enumerate(rows):
-        out.add_row(*(c if isinstance(c, Text) else Text(c) for c in row),
-                    style=row_styles[i] if i < len(row_styles) else None)
+        out.add_row(
+            *(c if isinstance(c, Text) else Text(c) for c in row), style=row_styles[i] if i < len(row_styles) else None
+        )
     return out
 
 

@@ -32,24 +32,36 @@ class LossScaler:
     """
 
     def __init__(
-        self, init_scale: float = 2.0**16, *, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-        growth_interval: int = 2000, min_scale: float | None = 1.0, max_scale: float | None = 2.0**24,
-        hysteresis: int = 1, dynamic: bool = True, collapse_after: int = 50,
+        self,
+        init_scale: float = 2.0**16,
+        *,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        min_scale: float | None = 1.0,
+        max_scale: float | None = 2.0**24,
+        hysteresis: int = 1,
+        dynamic: bool = True,
+        collapse_after: int = 50,
     ) -> None:
         call, finite = "LossScaler", "a finite number"
         init_scale = check.number(call, "init_scale", init_scale, f"{finite} > 0, e.g. 2**16", lambda v: v > 0)
         growth_factor = check.number(call, "growth_factor", growth_factor, f"{finite} > 1, e.g. 2.0", lambda v: v > 1)
-        backoff_factor = check.number(call, "backoff_factor", backoff_factor, "a number in (0, 1), e.g. 0.5",
-                                      lambda v: 0 < v < 1)
-        growth_interval = check.integer(call, "growth_interval", growth_interval, 1, "clean steps before the scale grows")
+        backoff_factor = check.number(
+            call, "backoff_factor", backoff_factor, "a number in (0, 1), e.g. 0.5", lambda v: 0 < v < 1
+        )
+        growth_interval = check.integer(
+            call, "growth_interval", growth_interval, 1, "clean steps before the scale grows"
+        )
         hysteresis = check.integer(call, "hysteresis", hysteresis, 1, "overflows tolerated before backing off")
         collapse_after = check.integer(call, "collapse_after", collapse_after, 1, "overflows in a row at min_scale")
         dynamic = check.flag(call, "dynamic", dynamic)
         # A scale of 0 never grows again and unscaling by it makes NaN of every gradient: the floor is > 0.
         bound = f"{finite} > 0, or None: %s"
         if min_scale is not None:
-            min_scale = check.number(call, "min_scale", min_scale, bound % "the smallest normal fp32, 2**-126",
-                                     lambda v: v > 0)
+            min_scale = check.number(
+                call, "min_scale", min_scale, bound % "the smallest normal fp32, 2**-126", lambda v: v > 0
+            )
         if max_scale is not None:
             max_scale = check.number(call, "max_scale", max_scale, bound % "no upper bound", lambda v: v > 0)
         if min_scale is not None and max_scale is not None:
@@ -70,7 +82,8 @@ class LossScaler:
             self._hysteresis_left = torch.full((), self.hysteresis, dtype=torch.int32, device=device)
         else:
             self._scale, self._growth_tracker, self._hysteresis_left = (
-                t.to(device) for t in (self._scale, self._growth_tracker, self._hysteresis_left))
+                t.to(device) for t in (self._scale, self._growth_tracker, self._hysteresis_left)
+            )
         return self
 
     @property
@@ -113,8 +126,9 @@ class LossScaler:
         scale, tracker = self.scale_tensor, self._growth_tracker
         if self.hysteresis == 1:
             # torch's own kernel: one launch, and the trajectory is GradScaler's by construction.
-            torch._amp_update_scale_(scale, tracker, found_inf, self.growth_factor, self.backoff_factor,
-                                     self.growth_interval)
+            torch._amp_update_scale_(
+                scale, tracker, found_inf, self.growth_factor, self.backoff_factor, self.growth_interval
+            )
         else:
             self._update_with_hysteresis(found_inf)
         # Never 0 (a zero scale could never grow again, and unscaling by it makes NaN of every gradient).
@@ -163,8 +177,17 @@ class LossScaler:
 
 
 _SMALLEST_NORMAL = 2.0**-126
-_SETTINGS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "min_scale", "max_scale",
-             "hysteresis", "dynamic", "collapse_after")
+_SETTINGS = (
+    "init_scale",
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "min_scale",
+    "max_scale",
+    "hysteresis",
+    "dynamic",
+    "collapse_after",
+)
 
 
 def _require(ok: bool, name: str, value: object, expected: str) -> None:

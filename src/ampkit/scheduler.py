@@ -59,7 +59,9 @@ class AmpScheduler:
             return ["it is not a scheduler state_dict"]
         amp = state.get("ampkit")
         if amp is not None and amp.get("scheduler") != type(self.scheduler).__name__:
-            return [f"it was saved from a {amp.get('scheduler')} scheduler, this one is a {type(self.scheduler).__name__}"]
+            return [
+                f"it was saved from a {amp.get('scheduler')} scheduler, this one is a {type(self.scheduler).__name__}"
+            ]
         return []
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -113,7 +113,9 @@ class Invalid(ValueError):
 
 def _is(value: Any, kind: str) -> bool:
     if kind == "integer":
-        return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
+        return (isinstance(value, int) and not isinstance(value, bool)) or (
+            isinstance(value, float) and value.is_integer()
+        )
     if kind == "number":
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     expected = {"null": type(None), "boolean": bool, "string": str, "array": list, "object": dict}[kind]

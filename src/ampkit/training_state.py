@@ -42,4 +42,6 @@ class TrainingState:
         return self._acc.scaler.get_scale()
 
     def __repr__(self) -> str:
-        return f"TrainingState(applied_steps={self.applied_steps}, skipped_steps={self.skipped_steps}, scale={self.scale})"
+        return (
+            f"TrainingState(applied_steps={self.applied_steps}, skipped_steps={self.skipped_steps}, scale={self.scale})"
+        )

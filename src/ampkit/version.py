@@ -30,5 +30,11 @@ def cudnn_version() -> str | None:
 
 def versions() -> dict[str, str | None]:
     """The software this process runs on: ampkit, torch, CUDA, cuDNN, ROCm (HIP), Python; None: absent."""
-    return {"ampkit": ampkit_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "cudnn": cudnn_version(), "hip": torch.version.hip, "python": platform.python_version()}
+    return {
+        "ampkit": ampkit_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": cudnn_version(),
+        "hip": torch.version.hip,
+        "python": platform.python_version(),
+    }

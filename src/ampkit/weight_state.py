@@ -57,4 +57,6 @@ class ExactState:
 
 def per_element(key: str, value: Any, param: torch.Tensor) -> bool:
     # Per-element state (moments, momentum buffers) only; scalar step counters stay exact.
-    return key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == param.shape
+    return (
+        key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == param.shape
+    )

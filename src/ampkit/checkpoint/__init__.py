@@ -29,7 +29,9 @@ def save(acc: Accelerator, path: str | Path) -> Path:
         path = path.with_suffix("") if path.suffix == ".pt" else path
         path = sharded.save(acc, path, dict(state.collect(acc, weights=False), sharded=True), payload.write)
     elif path.is_dir():
-        raise CheckpointError(f"cannot save a checkpoint to {path}: it is a folder (use acc.save_checkpoint(folder) for folders)")
+        raise CheckpointError(
+            f"cannot save a checkpoint to {path}: it is a folder (use acc.save_checkpoint(folder) for folders)"
+        )
     else:
         data = state.collect(acc)
         if acc.is_main:

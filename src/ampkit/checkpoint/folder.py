@@ -42,14 +42,17 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
         if manifest.get("format") != "ampkit-checkpoints" or not isinstance(manifest.get("checkpoints"), list):
             raise ValueError("not an ampkit manifest")
     except (OSError, ValueError, AttributeError) as exc:
-        raise CheckpointError(f"{path} cannot be read ({exc}): ampkit will not guess which files in {folder} are its own; "
-                              f"move the folder's checkpoints elsewhere or delete the damaged manifest") from None
+        raise CheckpointError(
+            f"{path} cannot be read ({exc}): ampkit will not guess which files in {folder} are its own; "
+            f"move the folder's checkpoints elsewhere or delete the damaged manifest"
+        ) from None
     bad = [name for name in manifest["checkpoints"] if not isinstance(name, str) or not _NAME.match(name)]
     if bad:
         raise CheckpointError(
             f"{path} lists {bad[0]!r}, which is not an ampkit checkpoint (step-NNNNNNNN or step-NNNNNNNN.pt directly "
             f"in {folder}): the manifest was edited or damaged, so ampkit neither loads nor deletes through it; "
-            f"restore the manifest or move the checkpoints you want into a new folder")
+            f"restore the manifest or move the checkpoints you want into a new folder"
+        )
     return manifest
 
 
@@ -88,11 +91,14 @@ def save_checkpoint(acc: Accelerator, folder: Path, keep: int, save: Any) -> Pat
         raise CheckpointError(
             f"{folder} holds the checkpoints of another run (newest: {newest}); this run did not resume from "
             f"it. Call acc.resume({str(folder)!r}) before training to continue that run, or save into "
-            f"another folder")
+            f"another folder"
+        )
     name = f"step-{acc.state.applied_steps:08d}{'' if acc.strategy == 'fsdp' else '.pt'}"
     path = folder / name
     if path.exists() and name not in manifest["checkpoints"] and not _this_runs(path, acc.run_id):
-        raise CheckpointError(f"{path} exists and was not written by this run: ampkit does not overwrite it; move it or save elsewhere")
+        raise CheckpointError(
+            f"{path} exists and was not written by this run: ampkit does not overwrite it; move it or save elsewhere"
+        )
     save(acc, path)
     if acc.is_main:
         manifest["checkpoints"] = [n for n in manifest["checkpoints"] if n != name] + [name]
@@ -124,7 +130,8 @@ def _lock(folder: Path) -> None:
             raise CheckpointError(
                 f"{folder} is being written by another process (pid {pid} on {host}, per {path}): two writers "
                 f"would overwrite each other's checkpoints. Save into another folder, or delete {path} if that "
-                f"process is gone") from None
+                f"process is gone"
+            ) from None
         files.atomic_write(path, lambda f: f.write(f"{me[0]} {me[1]}\n".encode()))  # its writer is gone
     else:
         with os.fdopen(fd, "w", encoding="utf-8") as f:

@@ -58,14 +58,18 @@ def write(path: Path, payload: dict[str, Any]) -> None:
 def read(path: Path) -> dict[str, Any]:
     """Load and verify one checkpoint file; `CheckpointError` naming the file and the fault otherwise."""
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist" if not path.exists() else f"checkpoint {path} is not a file")
+        raise CheckpointError(
+            f"checkpoint {path} does not exist" if not path.exists() else f"checkpoint {path} is not a file"
+        )
     try:
         with open(path, "rb") as f:
             head = f.read(4)
     except OSError as exc:
         raise CheckpointError(f"checkpoint {path} cannot be read: {exc.strerror or exc}") from None
     if head != _ZIP:
-        raise CheckpointError(f"checkpoint {path} is truncated or corrupt: it does not start like a file torch.save writes")
+        raise CheckpointError(
+            f"checkpoint {path} is truncated or corrupt: it does not start like a file torch.save writes"
+        )
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
@@ -77,9 +81,13 @@ def read(path: Path) -> dict[str, Any]:
             ) from None
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt: {first_line(exc)}") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not an ampkit checkpoint (no '{FORMAT}' header); it may be a plain torch.save file")
+        raise CheckpointError(
+            f"{path} is not an ampkit checkpoint (no '{FORMAT}' header); it may be a plain torch.save file"
+        )
     if payload.get("version") != VERSION:
-        raise CheckpointError(f"checkpoint {path} has format version {payload.get('version')!r}; this ampkit reads version {VERSION}")
+        raise CheckpointError(
+            f"checkpoint {path} has format version {payload.get('version')!r}; this ampkit reads version {VERSION}"
+        )
     if payload.get("digest") != digest({k: v for k, v in payload.items() if k != "digest"}):
         raise CheckpointError(f"checkpoint {path} is corrupt: its content does not match its SHA-256 digest")
     return payload

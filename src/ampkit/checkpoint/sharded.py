@@ -30,13 +30,26 @@ OWN_FILES = (META, DCP_META)
 _DCP = "torch.distributed.checkpoint.metadata"
 #: Every global a DCP `.metadata` pickle may name, as exact (module, name) pairs: a closed list. A dotted
 #: name is refused outright, since pickle would resolve `torch.os.system` inside an admitted module.
-_ALLOWED = frozenset({
-    (_DCP, "Metadata"), (_DCP, "MetadataIndex"), (_DCP, "StorageMeta"), (_DCP, "TensorProperties"),
-    (_DCP, "TensorStorageMetadata"), (_DCP, "BytesStorageMetadata"), (_DCP, "ChunkStorageMetadata"),
-    (_DCP, "_MEM_FORMAT_ENCODING"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
-    ("torch", "Size"), ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-    ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")})
+_ALLOWED = frozenset(
+    {
+        (_DCP, "Metadata"),
+        (_DCP, "MetadataIndex"),
+        (_DCP, "StorageMeta"),
+        (_DCP, "TensorProperties"),
+        (_DCP, "TensorStorageMetadata"),
+        (_DCP, "BytesStorageMetadata"),
+        (_DCP, "ChunkStorageMetadata"),
+        (_DCP, "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),
+        ("torch", "Size"),
+        ("collections", "OrderedDict"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "PureWindowsPath"),
+    }
+)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -58,8 +71,10 @@ def read_metadata(path: Path) -> Any:
         with open(path / DCP_META, "rb") as f:
             return _MetadataUnpickler(f).load()
     except Exception as exc:
-        raise CheckpointError(f"checkpoint {path}: its {DCP_META} is damaged or holds objects other than DCP's "
-                              f"metadata (it could run code): {exc}") from None
+        raise CheckpointError(
+            f"checkpoint {path}: its {DCP_META} is damaged or holds objects other than DCP's "
+            f"metadata (it could run code): {exc}"
+        ) from None
 
 
 def _reader_and_planner(path: Path) -> tuple[Any, Any]:
@@ -105,7 +120,9 @@ def save(acc: Accelerator, path: Path, payload: dict[str, Any], write_meta: Any)
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     except OSError as exc:
-        raise CheckpointError(f"could not write {path}: {exc.strerror or exc}; the previous checkpoint is intact") from exc
+        raise CheckpointError(
+            f"could not write {path}: {exc.strerror or exc}; the previous checkpoint is intact"
+        ) from exc
     if acc.is_main:
         write_meta(tmp / META, payload)
     barrier()
@@ -136,7 +153,9 @@ def loader(acc: Accelerator, path: Path) -> Any:
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            raise CheckpointError(f"checkpoint {path} does not fit this model or is damaged: {first_line(exc)}") from None
+            raise CheckpointError(
+                f"checkpoint {path} does not fit this model or is damaged: {first_line(exc)}"
+            ) from None
         set_state_dict(model, optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
     if len(acc.models) != 1:
@@ -147,7 +166,8 @@ def loader(acc: Accelerator, path: Path) -> Any:
 def is_own_folder(path: Path) -> bool:
     """Whether `path` holds only what a sharded save writes (so removing it deletes nothing of the user's)."""
     try:
-        return path.is_dir() and all(p.is_file() and (p.name in OWN_FILES or p.name.endswith(OWN_FILE_SUFFIXES))
-                                     for p in path.iterdir())
+        return path.is_dir() and all(
+            p.is_file() and (p.name in OWN_FILES or p.name.endswith(OWN_FILE_SUFFIXES)) for p in path.iterdir()
+        )
     except OSError:
         return False

@@ -37,16 +37,27 @@ def _without_weights(state: dict[str, Any]) -> dict[str, Any]:
 
 def rng_state() -> dict[str, Any]:
     name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()[:5]
-    numpy = {"name": name, "keys": torch.from_numpy(keys.copy()), "pos": int(pos),
-             "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
-    return {"python": _lists(random.getstate()), "numpy": numpy, "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    numpy = {
+        "name": name,
+        "keys": torch.from_numpy(keys.copy()),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached_gaussian),
+    }
+    return {
+        "python": _lists(random.getstate()),
+        "numpy": numpy,
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(_tuples(state["python"]))
     n = state["numpy"]
-    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    np.random.set_state(
+        (n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         for i, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
@@ -68,8 +79,11 @@ def _names(acc: Accelerator) -> dict[int, str]:
 
 def _non_finite(named: Iterable[tuple[str, Any]]) -> set[str]:
     """The names of the floating-point tensors among `named` that hold NaN or inf."""
-    return {n for n, t in named if isinstance(t, torch.Tensor) and t.is_floating_point()
-            and not bool(torch.isfinite(t).all())}  # sync: once per save or load, outside the step
+    return {
+        n
+        for n, t in named
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())
+    }  # sync: once per save or load, outside the step
 
 
 def _first(names: list[str]) -> str:
@@ -78,14 +92,18 @@ def _first(names: list[str]) -> str:
 
 def _check_finite(acc: Accelerator) -> None:
     several = len(acc.models) > 1
-    bad = _non_finite((f"model {i}: {n}" if several else n, local_tensor(p.detach()))
-                      for i, model in enumerate(acc.models) for n, p in model.named_parameters())
+    bad = _non_finite(
+        (f"model {i}: {n}" if several else n, local_tensor(p.detach()))
+        for i, model in enumerate(acc.models)
+        for n, p in model.named_parameters()
+    )
     bad = sorted({name for names in gather_objects(sorted(bad)) for name in names})  # all refuse together
     if bad:
         raise CheckpointError(
             f"refusing to save non-finite weights: {_first(bad)} contain NaN or inf; the previous checkpoint "
             f"is kept. The run has diverged: resume from the last good checkpoint with a lower learning "
-            f"rate, or find the layer with `ampkit doctor --numerics`")
+            f"rate, or find the layer with `ampkit doctor --numerics`"
+        )
 
 
 def collect(acc: Accelerator, weights: bool = True) -> dict[str, Any]:
@@ -95,20 +113,27 @@ def collect(acc: Accelerator, weights: bool = True) -> dict[str, Any]:
     if any(o.stage is Stage.UNSCALED for o in acc.optimizers):
         raise CheckpointError(
             "cannot save between acc.clip_grad_norm_() and optimizer.step(): the gradients are half-way through "
-            "the update; save after optimizer.step()")
+            "the update; save after optimizer.step()"
+        )
     pending = any(o.stage is Stage.BACKWARD for o in acc.optimizers)  # mid-accumulation: keep the gradients
     names = _names(acc)
     optimizers = [o.state_dict() for o in acc.optimizers]
     if not weights:  # keep ampkit's own entry only: the optimizer state itself is in the shards
         optimizers = [{"ampkit": _without_weights(sd)["ampkit"]} for sd in optimizers]
-    meta = {"ampkit_version": ampkit_version(), "torch_version": torch.__version__, "precision": acc.policy.as_dict(),
-            "world_size": acc.world_size}
+    meta = {
+        "ampkit_version": ampkit_version(),
+        "torch_version": torch.__version__,
+        "precision": acc.policy.as_dict(),
+        "world_size": acc.world_size,
+    }
     return {
-        "meta": json.dumps(meta, sort_keys=True), "accelerator": acc.state_dict(),
+        "meta": json.dumps(meta, sort_keys=True),
+        "accelerator": acc.state_dict(),
         "models": [_cpu(m.state_dict()) for m in acc.models] if weights else [],
         "optimizers": _cpu(optimizers),
         "fp32_weights": _cpu({names[id(p)]: v for o in acc.optimizers for p, v in o.fp32_values() if id(p) in names})
-        if weights else {},
+        if weights
+        else {},
         "grads": [_cpu([p.grad for p in m.parameters()]) for m in acc.models] if pending and weights else [],
         "schedulers": _cpu([s.state_dict() for s in acc.schedulers]),
         # Random state and data position differ per rank: keep every rank's (rank order).
@@ -121,11 +146,16 @@ def _model_problems(acc: Accelerator, saved_models: list[dict[str, Any]]) -> lis
     for i, (model, saved) in enumerate(zip(acc.models, saved_models)):
         mine = model.state_dict()
         prefix = f"model {i}: " if len(acc.models) > 1 else ""
-        shapes = [f"{k} {tuple(saved[k].shape)} in the checkpoint vs {tuple(v.shape)} in the model"
-                  for k, v in mine.items() if k in saved and isinstance(v, torch.Tensor) and tuple(saved[k].shape) != tuple(v.shape)]
-        for what, items, sep in (("missing keys", [k for k in mine if k not in saved], ", "),
-                                 ("unexpected keys", [k for k in saved if k not in mine], ", "),
-                                 ("shape mismatches", shapes, "; ")):
+        shapes = [
+            f"{k} {tuple(saved[k].shape)} in the checkpoint vs {tuple(v.shape)} in the model"
+            for k, v in mine.items()
+            if k in saved and isinstance(v, torch.Tensor) and tuple(saved[k].shape) != tuple(v.shape)
+        ]
+        for what, items, sep in (
+            ("missing keys", [k for k in mine if k not in saved], ", "),
+            ("unexpected keys", [k for k in saved if k not in mine], ", "),
+            ("shape mismatches", shapes, "; "),
+        ):
             if items:
                 problems.append(f"{prefix}{what}: {sep.join(items)}")
     return problems
@@ -139,10 +169,12 @@ def same_preset(acc: Accelerator, payload: dict[str, Any]) -> bool:
 def validate(acc: Accelerator, payload: dict[str, Any], path: Path, sharded: bool = False) -> None:
     """One `CheckpointError` naming every way `payload` does not fit `acc`'s setup; changes nothing."""
     problems: list[str] = [] if sharded else _model_problems(acc, payload["models"])
-    counts = [("models", len(acc.models), len(payload["models"])),
-              ("optimizers", len(acc.optimizers), len(payload["optimizers"])),
-              ("schedulers", len(acc.schedulers), len(payload["schedulers"])),
-              ("data loaders", len(acc.loaders), len(payload["ranks"][0]["loaders"]))]
+    counts = [
+        ("models", len(acc.models), len(payload["models"])),
+        ("optimizers", len(acc.optimizers), len(payload["optimizers"])),
+        ("schedulers", len(acc.schedulers), len(payload["schedulers"])),
+        ("data loaders", len(acc.loaders), len(payload["ranks"][0]["loaders"])),
+    ]
     for what, have, saved in counts:
         if have != saved and not (sharded and what == "models"):
             problems.append(f"it holds {saved} {what} but this Accelerator prepared {have}")
@@ -157,8 +189,11 @@ def validate(acc: Accelerator, payload: dict[str, Any], path: Path, sharded: boo
     if bad := sorted(bad | _non_finite(payload["fp32_weights"].items())):
         problems.append(f"non-finite weights (NaN or inf): {_first(bad)}")
     if problems:
-        raise CheckpointError(f"checkpoint {path} does not fit this model — " + " | ".join(problems)
-                              + " (nothing was loaded: every object is as it was)")
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this model — "
+            + " | ".join(problems)
+            + " (nothing was loaded: every object is as it was)"
+        )
 
 
 def apply(acc: Accelerator, payload: dict[str, Any], path: Path, load_shards: Any = None) -> None:
@@ -188,7 +223,8 @@ def apply(acc: Accelerator, payload: dict[str, Any], path: Path, load_shards: An
         warnings.warn(
             f"checkpoint {path} was saved by {len(ranks)} rank(s) and is resumed by {acc.world_size}: weights, optimizer "
             f"and schedule continue exactly, but the data order and random streams of the new ranks differ",
-            stacklevel=4)
+            stacklevel=4,
+        )
     mine = ranks[acc.rank % len(ranks)]
     for loader, state in zip(acc.loaders, mine["loaders"]):
         loader.load_state_dict(state)

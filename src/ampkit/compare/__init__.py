@@ -14,6 +14,20 @@ from ampkit.compare.records import MEMORY_KINDS, REPORT_SCHEMA, STATUSES, Report
 from ampkit.compare.runner import compare, default_precisions
 from ampkit.compare.summary import format_text, render_table, verdict
 
-__all__ = ["MEMORY_KINDS", "PLOT_FILES", "REPORT_SCHEMA", "STATUSES", "Report", "Run", "RunSpec", "compare",
-           "default_precisions", "format_text", "render_table", "run_one", "validate_report", "verdict",
-           "write_report"]
+__all__ = [
+    "MEMORY_KINDS",
+    "PLOT_FILES",
+    "REPORT_SCHEMA",
+    "STATUSES",
+    "Report",
+    "Run",
+    "RunSpec",
+    "compare",
+    "default_precisions",
+    "format_text",
+    "render_table",
+    "run_one",
+    "validate_report",
+    "verdict",
+    "write_report",
+]

@@ -14,10 +14,22 @@ from typing import Any
 
 from ampkit.compare.plots import CAPTIONS, PLOT_FILES, have_matplotlib, write_plots
 from ampkit.compare.records import Report, Run, Task, json_safe, validate_report
-from ampkit.compare.summary import (NUMERIC_FROM, columns, details, notes, numerics_findings, numerics_line, policy_lines,
-                                    recommendation, rows, title, verdicts)
+from ampkit.compare.summary import (
+    NUMERIC_FROM,
+    columns,
+    details,
+    notes,
+    numerics_findings,
+    numerics_line,
+    policy_lines,
+    recommendation,
+    rows,
+    title,
+    verdicts,
+)
 from ampkit.files import OwnedFiles, atomic_write
-from ampkit.present import NONE, escape as _e, page, size
+from ampkit.present import NONE, page, size
+from ampkit.present import escape as _e
 
 _CSS = """
 ul.verdicts { list-style: none; padding: 0; margin: 0; }
@@ -67,13 +79,16 @@ def _task_items(task: Task | None) -> list[tuple[str, str]]:
 
 def _table(report: Report) -> str:
     num = ' class="num"'
-    head = "".join(f'<th scope="col"{num if i >= NUMERIC_FROM else ""}>{_e(c)}</th>'
-                   for i, c in enumerate(columns(report.task)))
+    head = "".join(
+        f'<th scope="col"{num if i >= NUMERIC_FROM else ""}>{_e(c)}</th>' for i, c in enumerate(columns(report.task))
+    )
     body = []
     for run, row in zip(report.runs, rows(report)):
         baseline = run.precision == report.baseline
-        cells = [f"<td>{_e(row[0] + (' (baseline)' if baseline else ''))}</td>",
-                 f'<td><span class="badge s-{_e(run.status)}">{_e(row[1])}</span></td>']
+        cells = [
+            f"<td>{_e(row[0] + (' (baseline)' if baseline else ''))}</td>",
+            f'<td><span class="badge s-{_e(run.status)}">{_e(row[1])}</span></td>',
+        ]
         cells += [f'<td class="num">{_e(cell)}</td>' for cell in row[NUMERIC_FROM:]]
         attributes = ' class="baseline"' if baseline else ""
         body.append(f"<tr{attributes}>{''.join(cells)}</tr>")
@@ -93,8 +108,10 @@ def _figure(name: str, path: Path) -> str:
     # width and height from the PNG's IHDR chunk, so that the page reserves the space before decoding
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
     uri = "data:image/png;base64," + base64.b64encode(data).decode("ascii")
-    return (f'<figure><img src="{uri}" alt="{_e(name.replace("_", " "))} plot" width="{width}" '
-            f'height="{height}"><figcaption>{_e(CAPTIONS[name])}</figcaption></figure>')
+    return (
+        f'<figure><img src="{uri}" alt="{_e(name.replace("_", " "))} plot" width="{width}" '
+        f'height="{height}"><figcaption>{_e(CAPTIONS[name])}</figcaption></figure>'
+    )
 
 
 def _figures(plots: dict[str, Path], missing_reason: str | None) -> str:
@@ -114,22 +131,34 @@ def _numerics(report: Report, plots: dict[str, Path]) -> str:
     found = [(r.precision, numerics_findings(r)) for r in runs]
     quiet = [name for name, items in found if not items]
     items = "".join(f"<li><b>{_e(name)}</b>: {_e('; '.join(lines))}</li>" for name, lines in found if lines)
-    items += f"<li>{_e(', '.join(quiet))}: nothing that matters for {'its' if len(quiet) == 1 else 'their'} precision</li>" if quiet else ""
+    items += (
+        f"<li>{_e(', '.join(quiet))}: nothing that matters for {'its' if len(quiet) == 1 else 'their'} precision</li>"
+        if quiet
+        else ""
+    )
     picture = _figure("numerics", plots["numerics"]) if "numerics" in plots else ""
-    return ("<h2>Numerics</h2>"
-            '<p class="sub">A few steps of each run again, on a fresh model with the same seed, under ampkit doctor '
-            "--numerics (not in the figures above); the full census is in report.json.</p>"
-            f'<div class="plots">{picture}<ul>{items}</ul></div>')
+    return (
+        "<h2>Numerics</h2>"
+        '<p class="sub">A few steps of each run again, on a fresh model with the same seed, under ampkit doctor '
+        "--numerics (not in the figures above); the full census is in report.json.</p>"
+        f'<div class="plots">{picture}<ul>{items}</ul></div>'
+    )
 
 
-def render_html(report: Report, plots: dict[str, Path], missing_reason: str | None, sections: Sequence[str] = ()) -> str:
+def render_html(
+    report: Report, plots: dict[str, Path], missing_reason: str | None, sections: Sequence[str] = ()
+) -> str:
     """The page: the recommendation, verdicts, the table, plots, numerics, `sections` (HTML, e.g. the
     inference measurements), policies; task and machine folded."""
     items = "".join(_verdict_item(run, line) for run, line in zip(report.runs, verdicts(report)))
     policies = policy_lines(report)
     rec = recommendation(report)
-    interrupted = ('<p class="warn">Interrupted (Ctrl-C): finished runs are reported; the others are marked '
-                   "<b>interrupted</b>.</p>" if report.interrupted else "")
+    interrupted = (
+        '<p class="warn">Interrupted (Ctrl-C): finished runs are reported; the others are marked '
+        "<b>interrupted</b>.</p>"
+        if report.interrupted
+        else ""
+    )
     body = f"""<h1>{_e(title(report))}</h1>
 <p class="sub">ampkit {_e(report.ampkit_version)} &middot; {_e(report.created)} &middot; {_e(report.machine["device_name"])}</p>
 <pre><code>$ {_e(report.command)}</code></pre>
@@ -160,12 +189,18 @@ def render_html(report: Report, plots: dict[str, Path], missing_reason: str | No
 #: What `write_report` writes into its folder (each claimed as ampkit's before it is written).
 REPORT_FILES = ("report.json", "report.html", *PLOT_FILES.values())
 
-_NO_MATPLOTLIB = ("No plots: matplotlib is not installed. Install it with pip install 'ampkit[compare]' "
-                  "and run the comparison again; report.json holds every number meanwhile.")
+_NO_MATPLOTLIB = (
+    "No plots: matplotlib is not installed. Install it with pip install 'ampkit[compare]' "
+    "and run the comparison again; report.json holds every number meanwhile."
+)
 
 
-def write_report(report: Report | dict[str, Any], out_dir: str | Path, extra_plots: dict[str, Path] | None = None,
-                 sections: Sequence[str] = ()) -> dict[str, Path]:
+def write_report(
+    report: Report | dict[str, Any],
+    out_dir: str | Path,
+    extra_plots: dict[str, Path] | None = None,
+    sections: Sequence[str] = (),
+) -> dict[str, Path]:
     """Write report.json, the plots and report.html into `out_dir`; return {name: path} written.
 
     Names: "json", "html", and each plot of `PLOT_FILES` that had data (scale_history only when some

@@ -74,8 +74,9 @@ def _prepared(acc: Accelerator, spec: RunSpec, memory: Memory | None = None) -> 
     return task, data, *acc.prepare(model, optimizer, data.train_loader)
 
 
-def train_task(acc: Accelerator, spec: RunSpec, steps: int, memory: Memory,
-               pause: Callable[[int], int | None]) -> tuple[dict[str, float], dict[str, int]]:
+def train_task(
+    acc: Accelerator, spec: RunSpec, steps: int, memory: Memory, pause: Callable[[int], int | None]
+) -> tuple[dict[str, float], dict[str, int]]:
     """The built-in task's loop (`Task.training`) up to the step `pause(steps done)` names, again and again
     until it names none it has not reached (`steps` without interleaving); its metrics and memory parts."""
     task, data, model, optimizer, loader = _prepared(acc, spec, memory)
@@ -94,8 +95,11 @@ def train_task(acc: Accelerator, spec: RunSpec, steps: int, memory: Memory,
     memory.freeze()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     tensors = torch.utils._pytree.tree_leaves(optimizer.state_dict())
-    parts = {"weights": weights, "gradients": weights,  # a gradient per weight, in its dtype
-             "optimizer state": sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))}
+    parts = {
+        "weights": weights,
+        "gradients": weights,  # a gradient per weight, in its dtype
+        "optimizer state": sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)),
+    }
     return ({} if spec.probe else task.evaluate(model, data, acc.device)), parts
 
 
@@ -110,12 +114,17 @@ def run_one(spec: RunSpec, progress: Callable[[int], None] | None = None, gate: 
     memory = Memory(device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        acc = Accelerator(precision=spec.precision, device=device,  # the comparison's settings, not AMPKIT_*
-                          **{"grad_accum_steps": 1, "compile": False, **spec.accelerator_kwargs})
+        acc = Accelerator(
+            precision=spec.precision,
+            device=device,  # the comparison's settings, not AMPKIT_*
+            **{"grad_accum_steps": 1, "compile": False, **spec.accelerator_kwargs},
+        )
     notes = [str(w.message) for w in caught]
     recorder = Recorder(acc, on_step=progress)
     acc.events.add(recorder)
-    steps = PROBE_STEPS if spec.probe else spec.steps or (get_task(spec.task, spec.size).default_steps if spec.task else 0)
+    steps = (
+        PROBE_STEPS if spec.probe else spec.steps or (get_task(spec.task, spec.size).default_steps if spec.task else 0)
+    )
     seen = [0]
 
     def pause(done: int) -> int | None:
@@ -124,7 +133,7 @@ def run_one(spec: RunSpec, progress: Callable[[int], None] | None = None, gate: 
         times = recorder.step_times()
         if device.type == "cuda":  # the runs share the GPU while they take turns: hand back the cached blocks
             torch.cuda.empty_cache()
-        target = gate(done, times[seen[0]:])
+        target = gate(done, times[seen[0] :])
         seen[0] = len(times)
         recorder.restart()
         return target
@@ -142,19 +151,33 @@ def run_one(spec: RunSpec, progress: Callable[[int], None] | None = None, gate: 
     numerics = numerics_pass(spec, device) if spec.numerics_steps and spec.nproc == 1 else None
     resumed_at = acc.optimizers[0].attempted_steps - recorder.steps if acc.optimizers else 0
     if resumed_at > 0:
-        notes.append(f"resumed from a checkpoint at step {resumed_at}: the loss curve and timings cover the steps after it")
+        notes.append(
+            f"resumed from a checkpoint at step {resumed_at}: the loss curve and timings cover the steps after it"
+        )
     if spec.probe:  # why its figures are timing only, in place of any notes
         dtype = dtype_name(PRESETS[spec.precision].compute_dtype)
-        notes = [f"timing only: {device.type} runs {dtype} slowly here, so a full run was left out; name it "
-                 f"in --precisions to run it fully"]
+        notes = [
+            f"timing only: {device.type} runs {dtype} slowly here, so a full run was left out; name it "
+            f"in --precisions to run it fully"
+        ]
     median = summary["step_time_median_s"]
     return Run(
-        precision=spec.precision, status="probe" if spec.probe else "ok", reason="; ".join(notes) or None,
-        policy=build(Policy, acc.policy.as_dict()), **summary, skipped_steps=skipped,
+        precision=spec.precision,
+        status="probe" if spec.probe else "ok",
+        reason="; ".join(notes) or None,
+        policy=build(Policy, acc.policy.as_dict()),
+        **summary,
+        skipped_steps=skipped,
         # every process trains a batch per step: the job's throughput is nproc times one rank's
         samples_per_s=spec.samples_per_step * spec.nproc / median if spec.samples_per_step and median else None,
-        memory_kind=kind, peak_memory_bytes=peak, peak_rss_bytes=raw, memory_parts=parts,
-        eval={k: float(v) for k, v in metrics.items()}, wall_time_s=wall, numerics=numerics)
+        memory_kind=kind,
+        peak_memory_bytes=peak,
+        peak_rss_bytes=raw,
+        memory_parts=parts,
+        eval={k: float(v) for k, v in metrics.items()},
+        wall_time_s=wall,
+        numerics=numerics,
+    )
 
 
 def numerics_pass(spec: RunSpec, device: torch.device) -> Numerics:
@@ -167,11 +190,25 @@ def numerics_pass(spec: RunSpec, device: torch.device) -> Numerics:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the run has recorded the Accelerator's warnings already
-            result = numerics_train_fn(spec.train_fn or functools.partial(_train_forever, spec), steps=steps,
-                                       precision=spec.precision, device=device, accelerator_kwargs=spec.accelerator_kwargs)
+            result = numerics_train_fn(
+                spec.train_fn or functools.partial(_train_forever, spec),
+                steps=steps,
+                precision=spec.precision,
+                device=device,
+                accelerator_kwargs=spec.accelerator_kwargs,
+            )
     except Exception as exc:  # noqa: BLE001 - a failed diagnosis is reported beside the run
-        return Numerics(steps=0, at_risk=[], keep_fp32=[], lost_update_share=None, loss_scale=None,
-                        top_finding=None, problem=None, error=f"{type(exc).__name__}: {exc}", detail=None)
+        return Numerics(
+            steps=0,
+            at_risk=[],
+            keep_fp32=[],
+            lost_update_share=None,
+            loss_scale=None,
+            top_finding=None,
+            problem=None,
+            error=f"{type(exc).__name__}: {exc}",
+            detail=None,
+        )
     return Numerics(**summarize(result))
 
 

@@ -9,28 +9,35 @@ from typing import Any
 from ampkit.compare.records import Report, Run
 from ampkit.present import times
 
-PLOT_FILES: dict[str, str] = {name: f"{name}.png"
-                              for name in ("loss_curves", "throughput", "memory", "scale_history", "numerics")}
+PLOT_FILES: dict[str, str] = {
+    name: f"{name}.png" for name in ("loss_curves", "throughput", "memory", "scale_history", "numerics")
+}
 """Plot name -> file name in the output directory."""
 
 CAPTIONS = {
     "loss_curves": "Training loss per optimizer step (log scale). A gap is a non-finite loss; "
-                   "\u00d7 marks a diverged run's last finite step.",
+    "\u00d7 marks a diverged run's last finite step.",
     "throughput": "Training samples per second after warm-up; labels are the speed-up over the "
-                  "baseline, error bars its 95% interval from the paired rounds (as in the verdict). Hatched "
-                  "bars are probes (a few steps only).",
+    "baseline, error bars its 95% interval from the paired rounds (as in the verdict). Hatched "
+    "bars are probes (a few steps only).",
     "scale_history": "Dynamic loss scale per optimizer step (log\u2082). Each drop is a step skipped "
-                     "because its gradients overflowed.",
+    "because its gradients overflowed.",
     "memory": "Peak memory of each run's training; the parts counted from its tensors where known "
-              "(the rest: activations, workspace, allocator and framework overhead).",
+    "(the rest: activations, workspace, allocator and framework overhead).",
     "numerics": "Share of each layer's outputs and gradients outside the range of the run's compute dtype "
-                "(lost to overflow or flushed to zero), from the numerics pass: fp32 loses none.",
+    "(lost to overflow or flushed to zero), from the numerics pass: fp32 loses none.",
     "plan": "Peak memory each precision was predicted to need before the runs (ampkit plan: live tensor bytes "
-            "over two steps on fake tensors), by part — beside the measured peaks.",
+    "over two steps on fake tensors), by part — beside the measured peaks.",
 }
 
-_PRESET_COLORS = {"fp32": "#4d4d4d", "bf16-mixed": "#1f77b4", "fp16-mixed": "#d62728",
-                  "fp16-master": "#ff7f0e", "bf16-master": "#2ca02c", "bf16-true": "#9467bd"}
+_PRESET_COLORS = {
+    "fp32": "#4d4d4d",
+    "bf16-mixed": "#1f77b4",
+    "fp16-mixed": "#d62728",
+    "fp16-master": "#ff7f0e",
+    "bf16-master": "#2ca02c",
+    "bf16-true": "#9467bd",
+}
 """One colour per preset in every plot, so a preset is recognisable across figures."""
 _OTHER_COLORS = ("#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
 
@@ -51,8 +58,13 @@ def write_plots(report: Report, out_dir: Path) -> dict[str, Path]:
     subject = report.task.name if report.task else "custom training function"
     written = {}
     rows = _lost_shares(report)
-    for name, plot in (("loss_curves", _losses), ("throughput", _throughput), ("memory", _memory),
-                       ("scale_history", _scales), ("numerics", lambda r, ax, c: _heatmap(rows, r, ax))):
+    for name, plot in (
+        ("loss_curves", _losses),
+        ("throughput", _throughput),
+        ("memory", _memory),
+        ("scale_history", _scales),
+        ("numerics", lambda r, ax, c: _heatmap(rows, r, ax)),
+    ):
         # A figure outside pyplot: `matplotlib.use("Agg")` would switch the backend of a user's
         # interactive session as a side effect of writing a report; a bare Figure renders through Agg.
         high = name == "numerics" and len(rows) > 10
@@ -108,14 +120,25 @@ def _throughput(report: Report, ax: Any, colors: dict[str, str]) -> str | None:
         return None
     heights = [r.samples_per_s or 0.0 for r in runs]
     low, high = zip(*(_error_bar(r, h) for r, h in zip(runs, heights)))
-    bars = ax.bar([r.precision for r in runs], heights, color=[colors[r.precision] for r in runs],
-                  yerr=[low, high], error_kw={"capsize": 4, "elinewidth": 1.2, "ecolor": "#24292f"})
+    bars = ax.bar(
+        [r.precision for r in runs],
+        heights,
+        color=[colors[r.precision] for r in runs],
+        yerr=[low, high],
+        error_kw={"capsize": 4, "elinewidth": 1.2, "ecolor": "#24292f"},
+    )
     for bar, run, top in zip(bars, runs, high):
         if run.status == "probe":
             bar.set_hatch("//")
             bar.set_edgecolor("white")
-        ax.annotate(_bar_label(run, report.baseline), (bar.get_x() + bar.get_width() / 2, bar.get_height() + top),
-                    xytext=(0, 3), textcoords="offset points", ha="center", va="bottom")
+        ax.annotate(
+            _bar_label(run, report.baseline),
+            (bar.get_x() + bar.get_width() / 2, bar.get_height() + top),
+            xytext=(0, 3),
+            textcoords="offset points",
+            ha="center",
+            va="bottom",
+        )
     ax.set(ylabel="samples/s (higher is better)", ylim=(0, max(h + t for h, t in zip(heights, high)) * 1.2))
     ax.grid(True, axis="y", alpha=0.3)
     return "Throughput"
@@ -147,8 +170,14 @@ def _scales(report: Report, ax: Any, colors: dict[str, str]) -> str | None:
     for i, run in enumerate(runs):
         history = run.scale_history or []
         # Scales often coincide for long stretches: draw earlier runs wider so later ones leave them visible.
-        ax.step(range(len(history)), history, where="post", color=colors[run.precision],
-                linewidth=max(1.2, 3.2 - 0.9 * i), label=f"{run.precision} ({run.skipped_steps} skipped steps)")
+        ax.step(
+            range(len(history)),
+            history,
+            where="post",
+            color=colors[run.precision],
+            linewidth=max(1.2, 3.2 - 0.9 * i),
+            label=f"{run.precision} ({run.skipped_steps} skipped steps)",
+        )
     ax.set_yscale("log", base=2)
     ax.set(xlabel="optimizer step", ylabel="loss scale (log\u2082)")
     ax.grid(True, which="major", alpha=0.3)
@@ -159,15 +188,28 @@ def _memory(report: Report, ax: Any, colors: dict[str, str]) -> str | None:
     runs = [r for r in report.runs if r.peak_memory_bytes]
     if not runs:
         return None
-    mib = 2.0 ** 20
+    mib = 2.0**20
     names = [r.precision for r in runs]
     bottom = [0.0] * len(runs)
     parts = ("weights", "gradients", "optimizer state", None) if any(r.memory_parts for r in runs) else (None,)
     for i, part in enumerate(parts):
-        heights = [((r.memory_parts or {}).get(part, 0) if part else
-                    max(0, (r.peak_memory_bytes or 0) - sum((r.memory_parts or {}).values()))) / mib for r in runs]
-        ax.bar(names, heights, bottom=bottom, color=("#4c72b0", "#55a868", "#dd8452", "#c8ccd0")[i - len(parts) + 4],
-               edgecolor="white", label=(part or "rest") if len(parts) > 1 else None)
+        heights = [
+            (
+                (r.memory_parts or {}).get(part, 0)
+                if part
+                else max(0, (r.peak_memory_bytes or 0) - sum((r.memory_parts or {}).values()))
+            )
+            / mib
+            for r in runs
+        ]
+        ax.bar(
+            names,
+            heights,
+            bottom=bottom,
+            color=("#4c72b0", "#55a868", "#dd8452", "#c8ccd0")[i - len(parts) + 4],
+            edgecolor="white",
+            label=(part or "rest") if len(parts) > 1 else None,
+        )
         bottom = [b + h for b, h in zip(bottom, heights)]
     ax.set(ylabel="peak MiB (lower is better)")
     ax.grid(True, axis="y", alpha=0.3)
@@ -184,12 +226,14 @@ def _lost_shares(report: Report) -> dict[str, dict[str, float]]:
         dtype = {"float16": "fp16", "bfloat16": "bf16"}.get(detail["device"]["compute_dtype"])
         for module in detail["census"]["modules"]:
             parts = module["name"].split(".")
-            layer = ".".join(parts[:next((i + 1 for i, p in enumerate(parts) if p.isdigit()), 1)]) or "(model)"
+            layer = ".".join(parts[: next((i + 1 for i, p in enumerate(parts) if p.isdigit()), 1)]) or "(model)"
             lost = 0.0
             for stats in (module.get("output"), module.get("grad")):
                 if stats and dtype:
-                    lost = max(lost, stats[f"over_{dtype}_share"] + stats.get(f"flush_{dtype}_share",
-                                                                           stats[f"under_{dtype}_share"]))
+                    lost = max(
+                        lost,
+                        stats[f"over_{dtype}_share"] + stats.get(f"flush_{dtype}_share", stats[f"under_{dtype}_share"]),
+                    )
             row = rows.setdefault(layer, {})
             row[run.precision] = max(row.get(run.precision, 0.0), lost)
     return rows
@@ -201,8 +245,9 @@ def _heatmap(rows: dict[str, dict[str, float]], report: Report, ax: Any) -> str 
     if not low:  # fp32 alone loses nothing: no picture of nothing
         return None
     grid = [[100 * rows[layer].get(run, math.nan) for run in runs] for layer in rows]
-    image = ax.imshow(grid, cmap="Reds", vmin=0, vmax=max(1.0, max(v for g in grid for v in g if v == v)),
-                      aspect="auto")
+    image = ax.imshow(
+        grid, cmap="Reds", vmin=0, vmax=max(1.0, max(v for g in grid for v in g if v == v)), aspect="auto"
+    )
     for y, line in enumerate(grid):
         for x, value in enumerate(line):
             if value == value and value >= 0.05:

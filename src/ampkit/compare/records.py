@@ -52,69 +52,93 @@ class Numerics:
     steps: int = field("Optimizer steps watched.", minimum=0)
     at_risk: list[str] = field("Layers at risk, worst first.")
     keep_fp32: list[str] = field("The suggested keep_fp32.")
-    lost_update_share: float | None = field("Largest share of updates lost to rounding, over the parameter "
-                                            "groups.", minimum=0, maximum=1)
+    lost_update_share: float | None = field(
+        "Largest share of updates lost to rounding, over the parameter groups.", minimum=0, maximum=1
+    )
     loss_scale: str | None = field("Loss-scale health in one line (loss-scaled presets only).")
     top_finding: str | None = field("The first finding's title.")
     problem: str | None = field("One line when something needs changing in this run's precision.")
     error: str | None = field("Why the numerics pass failed (the run itself is unaffected).")
     detail: dict[str, Any] | None = field(
         "The whole `ampkit doctor --numerics --json` result.",
-        schema={"anyOf": [{k: v for k, v in NUMERICS_SCHEMA.items() if k not in ("$schema", "$id")}, {"type": "null"}]})
+        schema={"anyOf": [{k: v for k, v in NUMERICS_SCHEMA.items() if k not in ("$schema", "$id")}, {"type": "null"}]},
+    )
 
 
 @dataclass(kw_only=True)
 class Run:
     """One precision preset's run, in its own subprocess."""
 
-    precision: str = field('Preset name, e.g. "bf16-mixed"; "fp32 (seed 1)": the baseline again from the next seed, '
-                           "the noise yardstick of a default comparison.", minLength=1)
+    precision: str = field(
+        'Preset name, e.g. "bf16-mixed"; "fp32 (seed 1)": the baseline again from the next seed, '
+        "the noise yardstick of a default comparison.",
+        minLength=1,
+    )
     status: Status = field()
     reason: str | None = field("Why the run was skipped, failed, diverged or only probed.", None)
     policy: Policy | None = field(default=None)
     steps: int = field("Optimizer steps run (0 if skipped).", 0, minimum=0)
     warmup_steps: int = field("Steps left out of the timing.", 0, minimum=0)
-    step_time_median_s: float | None = field("Median seconds per optimizer step after warm-up.", None,
-                                             exclusiveMinimum=0)
+    step_time_median_s: float | None = field(
+        "Median seconds per optimizer step after warm-up.", None, exclusiveMinimum=0
+    )
     samples_per_s: float | None = field("Training throughput after warm-up.", None, exclusiveMinimum=0)
-    speedup_vs_baseline: float | None = field("Baseline step time / this step time; with rounds, the geometric "
-                                              "mean of the paired per-round ratios.", None, exclusiveMinimum=0)
+    speedup_vs_baseline: float | None = field(
+        "Baseline step time / this step time; with rounds, the geometric mean of the paired per-round ratios.",
+        None,
+        exclusiveMinimum=0,
+    )
     memory_kind: MemoryKind = field()
     peak_memory_bytes: int | None = field("The peak that memory ratios use (see memory_kind).", None, minimum=0)
     peak_rss_bytes: int | None = field("CPU only: the process's raw peak RSS.", None, minimum=0)
     memory_ratio_vs_baseline: float | None = field("peak_memory_bytes / the baseline's.", None, minimum=0)
-    loss_curve: list[float | None] | None = field("Training loss per optimizer step; null where it was "
-                                                  "non-finite.", [])
+    loss_curve: list[float | None] | None = field("Training loss per optimizer step; null where it was non-finite.", [])
     final_train_loss: float | None = field("Last training loss, if finite.", None)
     eval: dict[str, float | None] = field("Held-out metrics by name.", {})
     metric: float | None = field("The task's headline metric (task.metric) for this run.", None)
     metric_delta_vs_baseline: float | None = field(
-        "metric - the baseline's metric; accuracy in fraction units (-0.001 = -0.1 pp).", None)
+        "metric - the baseline's metric; accuracy in fraction units (-0.001 = -0.1 pp).", None
+    )
     skipped_steps: int = field("Steps skipped on overflow.", 0, minimum=0)
-    scale_history: list[float] | None = field("Loss scale per optimizer step (loss-scaled presets only).", None,
-                                              items={"exclusiveMinimum": 0})
+    scale_history: list[float] | None = field(
+        "Loss scale per optimizer step (loss-scaled presets only).", None, items={"exclusiveMinimum": 0}
+    )
     last_finite_step: int | None = field("Index of the last step with a finite loss.", None, minimum=0)
     wall_time_s: float | None = field("Wall-clock seconds of the whole run.", None, minimum=0)
     numerics: Numerics | None = field(default=None, optional=True)
     round_step_times_s: list[float | None] | None = field(
         "Median step time in each round of an interleaved comparison (rounds alternate between the runs' "
         "processes, so a slow moment of the machine lands on every run); for a script, in each quarter of "
-        "its timed steps.", None, optional=True)
+        "its timed steps.",
+        None,
+        optional=True,
+    )
     speedup_low: float | None = field(
         "Lower end of the speed-up's 95% interval: a seeded bootstrap of the paired per-round ratios (baseline "
-        "round time / this run's); older reports held the smallest per-round ratio.", None, optional=True)
-    speedup_high: float | None = field("Upper end of that interval (before: the largest per-round ratio).", None,
-                                       optional=True)
+        "round time / this run's); older reports held the smallest per-round ratio.",
+        None,
+        optional=True,
+    )
+    speedup_high: float | None = field(
+        "Upper end of that interval (before: the largest per-round ratio).", None, optional=True
+    )
     rounds_interleaved: bool | None = field(
         "True: the rounds took turns with the baseline's (each ratio is paired in time); False: the runs ran one "
         "after another (a script's quarters), so a drift of the machine between them is not separated; null: no "
-        "rounds.", None, optional=True)
+        "rounds.",
+        None,
+        optional=True,
+    )
     metric_band: float | None = field(
         "Half-width of the metric's noise band: two standard errors of the held-out mean (tiny-lm), and for the "
-        "baseline of a default comparison at least its difference from its run from the next seed.", None,
-        optional=True, minimum=0)
-    memory_parts: dict[str, int] | None = field("Parts of the peak counted from the tensors: weights, gradients, "
-                                                "optimizer state (bytes).", None, optional=True)
+        "baseline of a default comparison at least its difference from its run from the next seed.",
+        None,
+        optional=True,
+        minimum=0,
+    )
+    memory_parts: dict[str, int] | None = field(
+        "Parts of the peak counted from the tensors: weights, gradients, optimizer state (bytes).", None, optional=True
+    )
 
     def finish(self, metric: str | None) -> None:
         """Derive final loss, headline metric and divergence from the raw measurements."""
@@ -122,14 +146,16 @@ class Run:
         self.loss_curve = curve
         finite = [i for i, v in enumerate(curve) if v is not None]
         self.last_finite_step = finite[-1] if finite else None
-        tail = [v for v in curve[-max(1, min(20, len(curve) // 10)):] if v is not None]
+        tail = [v for v in curve[-max(1, min(20, len(curve) // 10)) :] if v is not None]
         self.final_train_loss = sum(tail) / len(tail) if tail else None
         value = self.eval.get(metric) if metric else next(iter(self.eval.values()), None)
         self.metric = value if value is not None and math.isfinite(value) else None
         self.metric_band = self.eval.get(f"{metric}_band") if metric else None
         if self.status == "ok" and (not curve or curve[-1] is None or (self.eval and self.metric is None)):
             self.status = "diverged"
-            self.reason = "the loss became non-finite" + (f" after step {finite[-1]}" if finite else " from the first step")
+            self.reason = "the loss became non-finite" + (
+                f" after step {finite[-1]}" if finite else " from the first step"
+            )
 
 
 @dataclass(kw_only=True)
@@ -161,12 +187,15 @@ class Load:
     """How busy the machine was while the runs were timed (`ampkit.load.check_load`, the busiest look of those
     before and after); absent in reports written before the check existed."""
 
-    load_average: float | None = field("1-minute load average less ampkit's own threads; null where the OS has "
-                                       "none.", minimum=0)
+    load_average: float | None = field(
+        "1-minute load average less ampkit's own threads; null where the OS has none.", minimum=0
+    )
     cores: int = field(minimum=1)
     threads: int = field("torch's threads.", minimum=1)
-    matmul_slowdown: float | None = field("Mean time of a burst of small fp32 matmuls / their fastest (idle: "
-                                          "~1-1.3); null where not measured (a GPU).", minimum=0)
+    matmul_slowdown: float | None = field(
+        "Mean time of a burst of small fp32 matmuls / their fastest (idle: ~1-1.3); null where not measured (a GPU).",
+        minimum=0,
+    )
     busy: bool = field("Other work held over half the cores, or the matmuls ran 2x slower than they can.")
 
 
@@ -194,8 +223,9 @@ class Report:
 
     schema_version: Literal[1] = field(default=1)
     ampkit_version: str = field()
-    created: str = field("ISO 8601 with a UTC offset.",
-                         pattern=r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?(Z|[+-]\d{2}:\d{2})$")
+    created: str = field(
+        "ISO 8601 with a UTC offset.", pattern=r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?(Z|[+-]\d{2}:\d{2})$"
+    )
     command: str = field('The command line, or "ampkit.compare(...)".')
     task: Task | None = field()
     # a dict, not a Machine: hardware.describe() may say more than the schema requires, and all of it is kept
@@ -236,8 +266,10 @@ def validate_report(report: dict[str, Any]) -> Report:
             raise ValueError(f"invalid ampkit report: runs[{i}].precision: {run['precision']!r} appears twice")
         seen.add(run["precision"])
     if report["baseline"] is not None and report["baseline"] not in seen:
-        raise ValueError(f"invalid ampkit report: baseline: {report['baseline']!r} is not the precision of any run "
-                         f"({', '.join(sorted(seen)) or 'no runs'})")
+        raise ValueError(
+            f"invalid ampkit report: baseline: {report['baseline']!r} is not the precision of any run "
+            f"({', '.join(sorted(seen)) or 'no runs'})"
+        )
     return build(Report, report)
 
 

@@ -18,15 +18,17 @@ from typing import Any
 import torch
 
 from ampkit.accelerator import Accelerator
-from ampkit.compare.measure import NUMERICS_STEPS, PROBE_STEPS, RunSpec, TrainFn
 from ampkit.checkpoint.folder import remove_folder
 from ampkit.compare.html import REPORT_FILES, write_report
+from ampkit.compare.measure import NUMERICS_STEPS, PROBE_STEPS, RunSpec, TrainFn
 from ampkit.compare.records import Report, Run, Task, json_safe, validate_run
 from ampkit.compare.speed import paired_speedup
 from ampkit.compare.summary import render_table
 from ampkit.compare.turns import RunProgress, blank_run, interleaved, run_planned
 from ampkit.errors import AmpkitError, PrecisionError
-from ampkit.export import format_text as format_inference, measure as measure_inference, render_html_section
+from ampkit.export import format_text as format_inference
+from ampkit.export import measure as measure_inference
+from ampkit.export import render_html_section
 from ampkit.files import OwnedFiles, atomic_write
 from ampkit.hardware import auto_precision, capability, describe, resolve_device
 from ampkit.load import check_load, worst
@@ -52,13 +54,29 @@ def default_precisions(device: torch.device) -> tuple[list[str], list[str]]:
     return full, probes
 
 
-def compare(train_fn: TrainFn | None = None, precisions: list[str] | tuple[str, ...] | None = None, *,
-            task: str | None = None, steps: int | None = None, batch_size: int | None = None, seed: int = 0,
-            device: str = "auto", out: str | Path | None = None, metric: str | None = None,
-            samples_per_step: int | None = None, isolate: bool = True, show: bool = True,
-            command: str | None = None, resume: bool = False, nproc: int = 1, numerics: bool = True,
-            accelerator_kwargs: dict[str, Any] | None = None, metric_direction: str | None = None,
-            size: str | None = None, inference: bool = False) -> dict[str, Any]:
+def compare(
+    train_fn: TrainFn | None = None,
+    precisions: list[str] | tuple[str, ...] | None = None,
+    *,
+    task: str | None = None,
+    steps: int | None = None,
+    batch_size: int | None = None,
+    seed: int = 0,
+    device: str = "auto",
+    out: str | Path | None = None,
+    metric: str | None = None,
+    samples_per_step: int | None = None,
+    isolate: bool = True,
+    show: bool = True,
+    command: str | None = None,
+    resume: bool = False,
+    nproc: int = 1,
+    numerics: bool = True,
+    accelerator_kwargs: dict[str, Any] | None = None,
+    metric_direction: str | None = None,
+    size: str | None = None,
+    inference: bool = False,
+) -> dict[str, Any]:
     """Run `train_fn` (or a built-in `task`) once per precision and return the report dict.
 
     Args:
@@ -105,12 +123,24 @@ def compare(train_fn: TrainFn | None = None, precisions: list[str] | tuple[str, 
         size = size or default_size(task, dev)
         t = get_task(task, size)
         metric, samples_per_step = t.metric, batch_size or t.default_batch_size
-        task_info = Task(name=t.name, metric=t.metric, higher_is_better=t.higher_is_better,
-                         steps=steps or t.default_steps, batch_size=samples_per_step, seed=seed, size=size)
+        task_info = Task(
+            name=t.name,
+            metric=t.metric,
+            higher_is_better=t.higher_is_better,
+            steps=steps or t.default_steps,
+            batch_size=samples_per_step,
+            seed=seed,
+            size=size,
+        )
     else:  # steps 0: the loop decides how many it runs
-        task_info = Task(name=getattr(train_fn, "__name__", "train_fn"), metric=metric, steps=steps or 0, seed=seed,
-                         higher_is_better=None if metric_direction is None else metric_direction == "higher",
-                         batch_size=samples_per_step)
+        task_info = Task(
+            name=getattr(train_fn, "__name__", "train_fn"),
+            metric=metric,
+            steps=steps or 0,
+            seed=seed,
+            higher_is_better=None if metric_direction is None else metric_direction == "higher",
+            batch_size=samples_per_step,
+        )
     plan = plan_runs(precisions, dev)
     if precisions is None and task is not None:  # the default experiment also measures its own noise
         plan.insert(1, (f"{plan[0][0]} (seed {seed + 1})", False))
@@ -123,15 +153,35 @@ def compare(train_fn: TrainFn | None = None, precisions: list[str] | tuple[str, 
             _forget_runs(owned)  # a new comparison: forget an old one's runs (only what ampkit wrote)
     kept = _finished_runs(state_dir, [p for p, _ in plan]) if resume and state_dir is not None else {}
     report = new_report(command or "ampkit.compare(...)", task_info, dev, plan[0][0])
-    base = RunSpec(precision="", device=str(dev), seed=seed, task=task, steps=task_info.steps or None, size=size,
-                   batch_size=batch_size, train_fn=train_fn, samples_per_step=samples_per_step, nproc=nproc,
-                   numerics_steps=NUMERICS_STEPS if numerics else 0)
+    base = RunSpec(
+        precision="",
+        device=str(dev),
+        seed=seed,
+        task=task,
+        steps=task_info.steps or None,
+        size=size,
+        batch_size=batch_size,
+        train_fn=train_fn,
+        samples_per_step=samples_per_step,
+        nproc=nproc,
+        numerics_steps=NUMERICS_STEPS if numerics else 0,
+    )
     progress = RunProgress(show)
-    specs = {name: dataclasses.replace(  # "fp32 (seed 1)": the noise run, fp32 again from the next seed
-        base, precision=name.split(" ")[0], seed=seed + (" " in name), probe=probe,
-        numerics_steps=0 if probe or " " in name else base.numerics_steps, accelerator_kwargs=kwargs_of(name.split(" ")[0]),
-        checkpoints=str(state_dir / f"{name}.ckpt") if state_dir is not None and task is not None and not probe else None)
-        for name, probe in plan if name not in kept}
+    specs = {
+        name: dataclasses.replace(  # "fp32 (seed 1)": the noise run, fp32 again from the next seed
+            base,
+            precision=name.split(" ")[0],
+            seed=seed + (" " in name),
+            probe=probe,
+            numerics_steps=0 if probe or " " in name else base.numerics_steps,
+            accelerator_kwargs=kwargs_of(name.split(" ")[0]),
+            checkpoints=str(state_dir / f"{name}.ckpt")
+            if state_dir is not None and task is not None and not probe
+            else None,
+        )
+        for name, probe in plan
+        if name not in kept
+    }
     if owned is not None:  # the checkpoint folders each run writes while it trains, recorded before it starts
         owned.claim([STATE_DIR, *(f"{STATE_DIR}/{Path(s.checkpoints).name}" for s in specs.values() if s.checkpoints)])
     turns = isolate and task is not None and nproc == 1
@@ -139,7 +189,9 @@ def compare(train_fn: TrainFn | None = None, precisions: list[str] | tuple[str, 
     try:
         taken = interleaved(specs, report, dev, progress, fit=steps is None) if turns else {}
         if not turns:
-            report.plan = "; ".join(f"{n} ({'probe, ' * s.probe}{s.steps or 'its own'} steps)" for n, s in specs.items())
+            report.plan = "; ".join(
+                f"{n} ({'probe, ' * s.probe}{s.steps or 'its own'} steps)" for n, s in specs.items()
+            )
             progress.say(f"{report.plan}: one after another")
         for name, _ in plan:
             if name in kept:
@@ -148,7 +200,11 @@ def compare(train_fn: TrainFn | None = None, precisions: list[str] | tuple[str, 
             spec = specs[name]
             # a train_fn's step count is known once one run has finished: every run trains the same loop
             known = task_info.steps or next((r.steps for r in report.runs if r.status == "ok" and r.steps), None)
-            run = taken[name] if turns else run_planned(spec, dev, isolate, progress, PROBE_STEPS if spec.probe else known)
+            run = (
+                taken[name]
+                if turns
+                else run_planned(spec, dev, isolate, progress, PROBE_STEPS if spec.probe else known)
+            )
             run.precision = name
             run.finish(metric)
             if task_info.metric is None and run.eval:
@@ -164,8 +220,11 @@ def compare(train_fn: TrainFn | None = None, precisions: list[str] | tuple[str, 
     except KeyboardInterrupt:
         report.interrupted = True
         done = {r.precision for r in report.runs}
-        report.runs += [blank_run(p, "interrupted", "interrupted (Ctrl-C) before this run finished", dev)
-                        for p, _ in plan if p not in done]
+        report.runs += [
+            blank_run(p, "interrupted", "interrupted (Ctrl-C) before this run finished", dev)
+            for p, _ in plan
+            if p not in done
+        ]
     finally:
         progress.stop()
     report.machine["load"] = worst(before, check_load(dev, own=torch.get_num_threads() * nproc)).as_dict()
@@ -195,8 +254,17 @@ def compare(train_fn: TrainFn | None = None, precisions: list[str] | tuple[str, 
     return report.to_dict()
 
 
-def _check_args(train_fn: TrainFn | None, task: str | None, steps: int | None, batch_size: int | None, nproc: int,
-                isolate: bool, resume: bool, out: str | Path | None, inference: bool = False) -> None:
+def _check_args(
+    train_fn: TrainFn | None,
+    task: str | None,
+    steps: int | None,
+    batch_size: int | None,
+    nproc: int,
+    isolate: bool,
+    resume: bool,
+    out: str | Path | None,
+    inference: bool = False,
+) -> None:
     """The arguments a comparison can reject before it starts anything."""
     if (train_fn is None) == (task is None):
         raise ValueError("compare() needs exactly one of train_fn=... or task='...'")
@@ -226,8 +294,10 @@ def _accelerator_kwargs(given: dict[str, Any] | None) -> Any:
     for name, value in [("", common), *((k, v) for k, v in given.items() if k in PRESETS)]:
         if not isinstance(value, dict) or set(value) - allowed:
             where = f"[{name!r}]" if name else ""
-            raise ValueError(f"accelerator_kwargs{where}={value!r}: expected Accelerator arguments "
-                             f"({', '.join(sorted(allowed))}); precision and device are compare()'s own")
+            raise ValueError(
+                f"accelerator_kwargs{where}={value!r}: expected Accelerator arguments "
+                f"({', '.join(sorted(allowed))}); precision and device are compare()'s own"
+            )
     return lambda name: {**common, **given.get(name, {})}
 
 
@@ -245,12 +315,19 @@ def plan_runs(precisions: list[str] | tuple[str, ...] | None, dev: torch.device)
 def new_report(command: str, task: Task, dev: torch.device, baseline: str) -> Report:
     """A comparison's report before its runs, stamped now."""
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    return Report(ampkit_version=ampkit_version(), command=command, task=task, created=now,
-                  machine=describe(dev), baseline=baseline)
+    return Report(
+        ampkit_version=ampkit_version(),
+        command=command,
+        task=task,
+        created=now,
+        machine=describe(dev),
+        baseline=baseline,
+    )
 
 
-def _planned(report: Report, task: str, size: str | None, seed: int, batch_size: int | None,
-             dev: torch.device, out: Path) -> dict[str, Path]:
+def _planned(
+    report: Report, task: str, size: str | None, seed: int, batch_size: int | None, dev: torch.device, out: Path
+) -> dict[str, Path]:
     """{"plan": out/plan.png}: the peak `ampkit plan` predicted for each precision that ran, by part; {}
     where planning or plotting fails (a warning says why: the comparison itself stands)."""
     ran = (r.precision.split(" ")[0] for r in report.runs if r.status in ("ok", "probe"))
@@ -260,8 +337,7 @@ def _planned(report: Report, task: str, size: str | None, seed: int, batch_size:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the runs already said what is slow here
-            result = plan_task(task, precisions, size=size, seed=seed, batch_size=batch_size, device=dev,
-                               search=False)
+            result = plan_task(task, precisions, size=size, seed=seed, batch_size=batch_size, device=dev, search=False)
         OwnedFiles(out).claim(["plan.png"])
         return {"plan": plot_png(result, out / "plan.png")}
     except (ImportError, ValueError, RuntimeError, AmpkitError) as exc:
@@ -286,15 +362,17 @@ def _forget_runs(owned: OwnedFiles) -> None:
 def _check_writable(out: Path) -> None:
     """Refuse an output folder that cannot be written, before a comparison's training is spent."""
     if out.exists() and not out.is_dir():
-        raise ValueError(f"cannot write the report into {str(out)!r}: it is a file; name a folder "
-                         f"(it is created if missing)")
+        raise ValueError(
+            f"cannot write the report into {str(out)!r}: it is a file; name a folder (it is created if missing)"
+        )
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out):
             pass
     except OSError as exc:
-        raise ValueError(f"cannot write the report into {str(out)!r} ({exc.strerror or exc}); name a folder "
-                         f"you can write to") from None
+        raise ValueError(
+            f"cannot write the report into {str(out)!r} ({exc.strerror or exc}); name a folder you can write to"
+        ) from None
 
 
 def _finished_runs(state_dir: Path, names: list[str]) -> dict[str, Run]:
@@ -306,8 +384,9 @@ def _finished_runs(state_dir: Path, names: list[str]) -> dict[str, Run]:
             try:
                 kept[name] = validate_run(json.loads(path.read_bytes()))
             except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors too
-                raise ValueError(f"cannot resume: {path} is not a finished run's record ({exc}); delete it "
-                                 f"to run {name} again") from None
+                raise ValueError(
+                    f"cannot resume: {path} is not a finished run's record ({exc}); delete it to run {name} again"
+                ) from None
     return kept
 
 
@@ -318,8 +397,20 @@ def compare_to_baseline(report: Report) -> Run | None:
     if base is None:
         report.baseline = None
         return None
-    noise = next((r for r in report.runs if r.precision == f"{base.precision} (seed {(report.task.seed or 0) + 1})"
-                  and r.metric is not None and base.metric is not None), None) if report.task else None
+    noise = (
+        next(
+            (
+                r
+                for r in report.runs
+                if r.precision == f"{base.precision} (seed {(report.task.seed or 0) + 1})"
+                and r.metric is not None
+                and base.metric is not None
+            ),
+            None,
+        )
+        if report.task
+        else None
+    )
     if noise is not None:  # the band: the larger of the held-out set's spread and fp32's seed-to-seed difference
         base.metric_band = max(base.metric_band or 0.0, abs((noise.metric or 0.0) - (base.metric or 0.0)))
     for run in report.runs:
@@ -333,5 +424,3 @@ def compare_to_baseline(report: Report) -> Run | None:
         if run.metric is not None and base.metric is not None:
             run.metric_delta_vs_baseline = run.metric - base.metric
     return base
-
-

@@ -85,16 +85,19 @@ class ScriptRecorder(Recorder):
             self.timer.daemon = True
             self.timer.start()
         elif limit is not None and step > limit:  # its loop is its own (a step counter, an unprepared loader)
-            self.stopped = (f"stopped at step {limit}: the script's training loop does not iterate a DataLoader "
-                            f"passed through acc.prepare (it counts its own steps or slices its own tensors), so "
-                            f"the step limit could not end it and the run was stopped there; an evaluation after "
-                            f"the loop did not run")
+            self.stopped = (
+                f"stopped at step {limit}: the script's training loop does not iterate a DataLoader "
+                f"passed through acc.prepare (it counts its own steps or slices its own tensors), so "
+                f"the step limit could not end it and the run was stopped there; an evaluation after "
+                f"the loop did not run"
+            )
             raise ScriptStop
 
     def on_batch_wait_end(self, loader: Any, batch: Any) -> None:
         if self.batch_size is None:
-            self.batch_size = next((t.shape[0] for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim()),
-                                   None)
+            self.batch_size = next(
+                (t.shape[0] for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim()), None
+            )
 
     def on_metric(self, acc: Any, name: str, value: Any, higher_is_better: bool | None) -> None:
         """Keep each metric's latest value (a tensor copied on the device: no sync); after the step limit,
@@ -119,20 +122,26 @@ def measure_script(spec: ScriptSpec, progress: Callable[[int], None]) -> tuple[R
         if found:
             return
         if acc.policy.name != spec.precision:
-            raise ScriptProblem(f"{spec.script} passes precision={acc.policy.name!r} to ampkit.Accelerator, so the "
-                                f"comparison cannot choose it: drop precision= (or pass 'auto') and AMPKIT_PRECISION applies")
+            raise ScriptProblem(
+                f"{spec.script} passes precision={acc.policy.name!r} to ampkit.Accelerator, so the "
+                f"comparison cannot choose it: drop precision= (or pass 'auto') and AMPKIT_PRECISION applies"
+            )
         found.append(ScriptRecorder(acc, spec, progress))
         acc.events.add(found[0])
 
     def plain_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         if not found:
-            raise ScriptProblem(f"{spec.script} stepped a {type(optimizer).__name__} before creating an "
-                                f"ampkit.Accelerator: convert it with the README's four lines (Accelerator, prepare, backward)")
+            raise ScriptProblem(
+                f"{spec.script} stepped a {type(optimizer).__name__} before creating an "
+                f"ampkit.Accelerator: convert it with the README's four lines (Accelerator, prepare, backward)"
+            )
 
     def grace_spent(signum: int, frame: Any) -> None:  # the recorder's timer: GRACE after the step limit
         if found:
-            found[0].stopped = (f"stopped after step {spec.steps}: the script neither ended nor reported a metric "
-                                f"in the grace time after it")
+            found[0].stopped = (
+                f"stopped after step {spec.steps}: the script neither ended nor reported a metric "
+                f"in the grace time after it"
+            )
         raise ScriptStop
 
     hook = register_optimizer_step_pre_hook(plain_step)
@@ -160,28 +169,44 @@ def measure_script(spec: ScriptSpec, progress: Callable[[int], None]) -> tuple[R
             if value is not None:
                 os.environ[name] = value
     if not found:
-        raise ScriptProblem(f"{spec.script} ended without creating an ampkit.Accelerator: convert it with the "
-                            f"README's four lines (Accelerator, prepare, backward)")
+        raise ScriptProblem(
+            f"{spec.script} ended without creating an ampkit.Accelerator: convert it with the "
+            f"README's four lines (Accelerator, prepare, backward)"
+        )
     rec = found[0]
     acc, wall = rec.acc, time.perf_counter() - start
     skipped = acc.state.skipped_steps  # waits for the outcomes still in flight: the run is over
     summary = rec.summary(min(10, rec.steps // 10))
-    timed = rec.step_times()[summary["warmup_steps"]:]  # the speed-up's pairs: the median of each quarter
-    summary["round_step_times_s"] = [statistics.median(timed[i * len(timed) // 4:(i + 1) * len(timed) // 4])
-                                     for i in range(4)] if len(timed) >= 4 else None
+    timed = rec.step_times()[summary["warmup_steps"] :]  # the speed-up's pairs: the median of each quarter
+    summary["round_step_times_s"] = (
+        [statistics.median(timed[i * len(timed) // 4 : (i + 1) * len(timed) // 4]) for i in range(4)]
+        if len(timed) >= 4
+        else None
+    )
     summary["rounds_interleaved"] = False if summary["round_step_times_s"] else None  # one run after another
     peak, raw, kind = rec.memory.read()
     notes = [rec.stopped] if rec.stopped else []
     metrics = {name: float(value) for name, (value, _) in rec.metrics.items()}  # sync: once, after the run
     if torch.initial_seed() == process_seed:
-        notes.append(f"the script does not seed torch itself: every run started from the same seed, set by ampkit "
-                     f"(--seed {spec.seed}) before the script ran")
+        notes.append(
+            f"the script does not seed torch itself: every run started from the same seed, set by ampkit "
+            f"(--seed {spec.seed}) before the script ran"
+        )
     median, per_step = summary["step_time_median_s"], (rec.batch_size or 0) * acc.grad_accum_steps
-    return Run(precision=spec.precision, status="ok", reason="; ".join(notes) or None,
-               policy=build(Policy, acc.policy.as_dict()), **summary, skipped_steps=skipped,
-               samples_per_s=per_step / median if per_step and median else None, memory_kind=kind,
-               peak_memory_bytes=peak, peak_rss_bytes=raw, eval=metrics, wall_time_s=wall), \
-        {name: direction for name, (_, direction) in rec.metrics.items()}
+    return Run(
+        precision=spec.precision,
+        status="ok",
+        reason="; ".join(notes) or None,
+        policy=build(Policy, acc.policy.as_dict()),
+        **summary,
+        skipped_steps=skipped,
+        samples_per_s=per_step / median if per_step and median else None,
+        memory_kind=kind,
+        peak_memory_bytes=peak,
+        peak_rss_bytes=raw,
+        eval=metrics,
+        wall_time_s=wall,
+    ), {name: direction for name, (_, direction) in rec.metrics.items()}
 
 
 def _child(spec: ScriptSpec, conn: Any, gated: bool = False) -> None:
@@ -202,9 +227,17 @@ def _child(spec: ScriptSpec, conn: Any, gated: bool = False) -> None:
         conn.close()
 
 
-def compare_script(script: str | Path, args: Sequence[str] = (), precisions: Sequence[str] | None = None, *,
-                   steps: int | None = None, seed: int = 0, out: str | Path | None = None, show: bool = True,
-                   command: str | None = None) -> dict[str, Any]:
+def compare_script(
+    script: str | Path,
+    args: Sequence[str] = (),
+    precisions: Sequence[str] | None = None,
+    *,
+    steps: int | None = None,
+    seed: int = 0,
+    out: str | Path | None = None,
+    show: bool = True,
+    command: str | None = None,
+) -> dict[str, Any]:
     """Run `script` with `args` once per precision, each in a fresh process, and return the report dict.
 
     The script needs no change beyond the four-line conversion: it must not pass `precision=` to its
@@ -217,7 +250,9 @@ def compare_script(script: str | Path, args: Sequence[str] = (), precisions: Seq
     """
     check_script(script)
     if steps is not None and (not isinstance(steps, int) or steps < 1):
-        raise ValueError(f"steps={steps!r}: expected an integer >= 1 (optimizer steps per run), or None for the whole script")
+        raise ValueError(
+            f"steps={steps!r}: expected an integer >= 1 (optimizer steps per run), or None for the whole script"
+        )
     dev = resolve_device("auto")
     given = list(precisions) if precisions else default_precisions(dev)[0]
     names = [name for name, _ in plan_runs(given, dev)]
@@ -229,15 +264,22 @@ def compare_script(script: str | Path, args: Sequence[str] = (), precisions: Seq
     try:
         logs.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ValueError(f"cannot write the report into {str(out)!r} ({exc.strerror or exc}); name a folder you can "
-                         f"write to") from None
+        raise ValueError(
+            f"cannot write the report into {str(out)!r} ({exc.strerror or exc}); name a folder you can write to"
+        ) from None
     task = Task(name=str(script), metric=None, higher_is_better=None, steps=steps or 0, batch_size=None, seed=seed)
     report = new_report(command or "ampkit.compare_script(...)", task, dev, names[0])
     progress = RunProgress(show)
     before = check_load(dev)  # the machine as the runs found it and left it: the busier look is kept
     for name in names:
-        report.runs.append(_one(ScriptSpec(str(script), tuple(map(str, args)), name, steps, seed,
-                                           str(logs / f"{name}.log")), dev, progress, task))
+        report.runs.append(
+            _one(
+                ScriptSpec(str(script), tuple(map(str, args)), name, steps, seed, str(logs / f"{name}.log")),
+                dev,
+                progress,
+                task,
+            )
+        )
     report.machine["load"] = worst(before, check_load(dev, own=torch.get_num_threads())).as_dict()
     _compared(report)
     if out is not None:
@@ -268,7 +310,13 @@ def _compared(report: Report) -> None:
     base = compare_to_baseline(report)
     for run in report.runs if base is not None else ():
         first, first_base = (r.loss_curve[0] if r.loss_curve else None for r in (run, base))
-        if first is not None and first_base is not None and not math.isclose(first, first_base, rel_tol=0.05, abs_tol=1e-3):
-            note = (f"its first loss ({first:.4g}) is not {report.baseline}'s ({first_base:.4g}): the runs did not "
-                    f"start from the same weights and data (does the script seed every random source?)")
+        if (
+            first is not None
+            and first_base is not None
+            and not math.isclose(first, first_base, rel_tol=0.05, abs_tol=1e-3)
+        ):
+            note = (
+                f"its first loss ({first:.4g}) is not {report.baseline}'s ({first_base:.4g}): the runs did not "
+                f"start from the same weights and data (does the script seed every random source?)"
+            )
             run.reason = f"{run.reason}; {note}" if run.reason else note

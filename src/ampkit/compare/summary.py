@@ -13,8 +13,8 @@ from ampkit.compare.records import MEMORY_KINDS, Report, Run, Task, as_report
 from ampkit.compare.speed import RERUN, SAME, measured, qualifiers, run_outcome, speed_words, unclear_reason
 from ampkit.load import describe_load
 from ampkit.precision import PRESETS
-from ampkit.present import (NONE, as_text, console as default_console, indented, sig, signed, size, table,
-                            times)
+from ampkit.present import NONE, as_text, indented, sig, signed, size, table, times
+from ampkit.present import console as default_console
 from ampkit.schema import build
 
 
@@ -53,7 +53,9 @@ def within_noise(run: Run, baseline: Run | None, task: Task | None) -> bool | No
     """True: the metric is within the baseline's noise band or better; False: worse beyond it; None: no band."""
     if baseline is None or None in (run.metric, baseline.metric, baseline.metric_band):
         return None
-    worse = (baseline.metric - run.metric) if (task is None or task.higher_is_better) else (run.metric - baseline.metric)
+    worse = (
+        (baseline.metric - run.metric) if (task is None or task.higher_is_better) else (run.metric - baseline.metric)
+    )
     return worse <= baseline.metric_band
 
 
@@ -69,8 +71,11 @@ def recommendation(report: Report) -> str | None:
     if base is None or base.status != "ok":
         return None
     load = report.machine.get("load")
-    others = [r for r in report.runs if r is not base and r.speedup_vs_baseline and r.status in ("ok", "probe")
-              and r.precision in PRESETS]  # not the baseline's noise run, "fp32 (seed 1)"
+    others = [
+        r
+        for r in report.runs
+        if r is not base and r.speedup_vs_baseline and r.status in ("ok", "probe") and r.precision in PRESETS
+    ]  # not the baseline's noise run, "fp32 (seed 1)"
     if not others:
         return f"Use {base.precision}: no other precision finished to compare with"
     judged = [(r, run_outcome(r, load), within_noise(r, base, task)) for r in others]
@@ -87,18 +92,24 @@ def recommendation(report: Report) -> str | None:
     if unclear:
         best = max(unclear, key=lambda r: r.speedup_vs_baseline or 0)
         known = _figures(best, base, task, load, with_speed=False)
-        return (f"Can't tell on this machine whether {best.precision} is faster than {base.precision} "
-                f"({', '.join([measured(best), *known])}): {unclear_reason(best, load)}; {RERUN}")
+        return (
+            f"Can't tell on this machine whether {best.precision} is faster than {base.precision} "
+            f"({', '.join([measured(best), *known])}): {unclear_reason(best, load)}; {RERUN}"
+        )
     best, fate, quality = max(judged, key=lambda j: j[0].speedup_vs_baseline or 0)
     where = f"on {report.machine.get('device_name', 'this device')}"
     ci = f" ({qualifiers(best)})" if qualifiers(best) else ""
     if quality is False:
         lead = f"is {times(best.speedup_vs_baseline or 1)} faster{ci} but its" if fate == "faster" else "'s"
-        why = (f"{best.precision} {lead} {metric_name(task)} is {metric_delta(best, base, task)}, beyond the noise "
-               f"\u2014 the metric decided").replace(" 's", "'s")
+        why = (
+            f"{best.precision} {lead} {metric_name(task)} is {metric_delta(best, base, task)}, beyond the noise "
+            f"\u2014 the metric decided"
+        ).replace(" 's", "'s")
     elif best.status == "probe" and fate == "faster":
-        why = (f"{best.precision} ran only as a timing probe, {speed_words(best, load)}: its {metric_name(task)} "
-               f"was not measured (rerun with --precisions {base.precision},{best.precision}) \u2014 the metric decided")
+        why = (
+            f"{best.precision} ran only as a timing probe, {speed_words(best, load)}: its {metric_name(task)} "
+            f"was not measured (rerun with --precisions {base.precision},{best.precision}) \u2014 the metric decided"
+        )
     elif fate == "same":
         why = f"{best.precision} is no faster {where} ({speed_words(best, load)}) and saves no memory \u2014 speed and memory decided"
     else:
@@ -122,17 +133,29 @@ def numerics_findings(run: Run) -> list[str]:
     updates only where weights are stored below fp32, overflow where it happened (or in fp16)."""
     detail = run.numerics.detail if run.numerics is not None else None
     if not detail:
-        return [f"the diagnosis failed ({first_line(run.numerics.error)})"] if run.numerics and run.numerics.error else []
-    device, localized = detail["device"], bool(detail.get("localizer") and (detail["localizer"].get("forward")
-                                                                          or detail["localizer"].get("backward")))
+        return (
+            [f"the diagnosis failed ({first_line(run.numerics.error)})"] if run.numerics and run.numerics.error else []
+        )
+    device, localized = (
+        detail["device"],
+        bool(detail.get("localizer") and (detail["localizer"].get("forward") or detail["localizer"].get("backward"))),
+    )
     fp16 = device["compute_dtype"] == "float16"
-    keep = {"grad-underflow": fp16, "lost-updates": device["param_dtype"] != "float32",
-            "forward-overflow": fp16 or localized, "backward-overflow": fp16 or localized}
+    keep = {
+        "grad-underflow": fp16,
+        "lost-updates": device["param_dtype"] != "float32",
+        "forward-overflow": fp16 or localized,
+        "backward-overflow": fp16 or localized,
+    }
     return [f"{f['title']}: {f['fix']}" for f in detail["findings"] if keep.get(f["id"], True)]
 
 
-def verdict(run: Run | dict[str, Any], baseline: Run | dict[str, Any] | None,
-            task: Task | dict[str, Any] | None, load: dict[str, Any] | None = None) -> str:
+def verdict(
+    run: Run | dict[str, Any],
+    baseline: Run | dict[str, Any] | None,
+    task: Task | dict[str, Any] | None,
+    load: dict[str, Any] | None = None,
+) -> str:
     """One line on what this preset did, e.g. "bf16-mixed: 1.6× faster, 0.62× memory, accuracy −0.1 pp".
 
     The line leads with the outcome a reader acts on: skipped, failed and diverged runs say so and
@@ -215,9 +238,15 @@ def policy_lines(report: Report) -> list[str]:
         if (policy := run.policy) is None:
             continue
         how = [f"compute {policy.compute_dtype}", f"parameters {policy.param_dtype}"]
-        how += [words for flag, words in ((policy.master_weights, "fp32 master weights"),
-                                          (policy.compensated, "Kahan-compensated update"),
-                                          (policy.loss_scaling, "dynamic loss scaling")) if flag]
+        how += [
+            words
+            for flag, words in (
+                (policy.master_weights, "fp32 master weights"),
+                (policy.compensated, "Kahan-compensated update"),
+                (policy.loss_scaling, "dynamic loss scaling"),
+            )
+            if flag
+        ]
         lines.append(f"{run.precision}: {policy.name} ({policy.reason}): {', '.join(how)}")
     return lines
 
@@ -239,19 +268,28 @@ def notes(report: Report) -> list[str]:
     else:
         out.append(f"ratios and \u0394 are relative to {report.baseline}")
     if any(r.speedup_low is not None for r in report.runs):
-        rounds = ("each run's timed steps in quarters, the runs one after another, so drift between them is not "
-                  "separated" if any(r.rounds_interleaved is False for r in report.runs) else
-                  "the runs took turns in rounds")
-        out.append(f"speed-up: the geometric mean of paired per-round ratios with its 95% bootstrap interval "
-                   f"({rounds}); an interval within {times(SAME[0])}\u2013{times(SAME[1])} is 'same speed', one "
-                   f"across 1.0 otherwise 'can't tell'")
+        rounds = (
+            "each run's timed steps in quarters, the runs one after another, so drift between them is not separated"
+            if any(r.rounds_interleaved is False for r in report.runs)
+            else "the runs took turns in rounds"
+        )
+        out.append(
+            f"speed-up: the geometric mean of paired per-round ratios with its 95% bootstrap interval "
+            f"({rounds}); an interval within {times(SAME[0])}\u2013{times(SAME[1])} is 'same speed', one "
+            f"across 1.0 otherwise 'can't tell'"
+        )
     if (load := report.machine.get("load")) is not None:
         figures = describe_load(load) or "no load figures on this OS"
-        out.append(f"the machine was busy while timing ({figures})" if load.get("busy") else
-                   f"the machine was not busy while timing ({figures})")
+        out.append(
+            f"the machine was busy while timing ({figures})"
+            if load.get("busy")
+            else f"the machine was not busy while timing ({figures})"
+        )
     if (base := report.baseline_run()) is not None and base.metric_band is not None:
-        out.append(f"noise band of {metric_name(report.task)}: the larger of {base.precision}'s difference from "
-                   f"its run from the next seed (where there is one) and two standard errors of the held-out mean")
+        out.append(
+            f"noise band of {metric_name(report.task)}: the larger of {base.precision}'s difference from "
+            f"its run from the next seed (where there is one) and two standard errors of the held-out mean"
+        )
     if report.interrupted:
         out.append("interrupted (Ctrl-C): runs marked 'interrupted' did not finish")
     return out
@@ -259,8 +297,19 @@ def notes(report: Report) -> list[str]:
 
 def columns(task: Task | None) -> list[str]:
     metric = metric_name(task)
-    return ["precision", "status", "ms/step", "samples/s", "speed-up", "peak memory", "memory ratio",
-            "final loss", metric, f"\u0394 {metric}", "skipped steps"]
+    return [
+        "precision",
+        "status",
+        "ms/step",
+        "samples/s",
+        "speed-up",
+        "peak memory",
+        "memory ratio",
+        "final loss",
+        metric,
+        f"\u0394 {metric}",
+        "skipped steps",
+    ]
 
 
 NUMERIC_FROM = 2  # columns from here on hold numbers and are right-aligned
@@ -268,17 +317,29 @@ NUMERIC_FROM = 2  # columns from here on hold numbers and are right-aligned
 
 def rows(report: Report) -> list[list[str]]:
     """The table's cells, shared by the terminal and the HTML page."""
+
     def opt(value: Any, fmt: Any) -> str:
         return NONE if value is None else fmt(value)
 
     baseline, task = report.baseline_run(), report.task
     loss = _column([run.final_train_loss for run in report.runs])
     metric = (lambda x: metric_value(x, task)) if is_accuracy(task) else _column([run.metric for run in report.runs])
-    return [[run.precision, run.status, opt(run.step_time_median_s, lambda s: sig(s * 1e3)),
-             opt(run.samples_per_s, sig), opt(run.speedup_vs_baseline, times), opt(run.peak_memory_bytes, size),
-             opt(run.memory_ratio_vs_baseline, times), opt(run.final_train_loss, loss),
-             opt(run.metric, metric), metric_delta(run, baseline, task) or NONE,
-             str(run.skipped_steps)] for run in report.runs]
+    return [
+        [
+            run.precision,
+            run.status,
+            opt(run.step_time_median_s, lambda s: sig(s * 1e3)),
+            opt(run.samples_per_s, sig),
+            opt(run.speedup_vs_baseline, times),
+            opt(run.peak_memory_bytes, size),
+            opt(run.memory_ratio_vs_baseline, times),
+            opt(run.final_train_loss, loss),
+            opt(run.metric, metric),
+            metric_delta(run, baseline, task) or NONE,
+            str(run.skipped_steps),
+        ]
+        for run in report.runs
+    ]
 
 
 def _column(values: list[float | None]) -> Any:
@@ -289,8 +350,14 @@ def _column(values: list[float | None]) -> Any:
     return lambda x: f"{x:.{decimals}f}" if math.isfinite(x) else str(x)
 
 
-_STATUS_STYLE = {"ok": "green", "diverged": "bold red", "failed": "red", "skipped": "dim",
-                 "interrupted": "magenta", "probe": "yellow"}
+_STATUS_STYLE = {
+    "ok": "green",
+    "diverged": "bold red",
+    "failed": "red",
+    "skipped": "dim",
+    "interrupted": "magenta",
+    "probe": "yellow",
+}
 
 
 def _renderables(report: Report) -> Group:
@@ -303,9 +370,15 @@ def _renderables(report: Report) -> Group:
         *([_banner(rec)] if rec else []),
         # Two-line headers ("peak" / "memory") so that the table fits a 120-column terminal; the
         # baseline row is bold and named in the caption.
-        table(columns(report.task), cells, title=title(report), caption="; ".join(notes(report)),
-              numeric_from=NUMERIC_FROM, two_line_headers=True,
-              row_styles=["bold" if r.precision == report.baseline else None for r in report.runs]),
+        table(
+            columns(report.task),
+            cells,
+            title=title(report),
+            caption="; ".join(notes(report)),
+            numeric_from=NUMERIC_FROM,
+            two_line_headers=True,
+            row_styles=["bold" if r.precision == report.baseline else None for r in report.runs],
+        ),
         Text("Verdict:", style="bold"),
     ]
     for run, line in zip(report.runs, verdicts(report)):
@@ -317,7 +390,7 @@ def _renderables(report: Report) -> Group:
 
 
 def _banner(rec: str) -> Text:
-    """"Use" in green before a choice; a comparison that cannot tell, in yellow."""
+    """ "Use" in green before a choice; a comparison that cannot tell, in yellow."""
     if rec.startswith("Use "):
         return Text.assemble(("Use ", "bold green"), (rec[4:], "bold"))
     return Text(rec, style="bold yellow")

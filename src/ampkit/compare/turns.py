@@ -67,6 +67,7 @@ def throttled(send: Callable[[int], None], last_step: int | None = None) -> Call
 
 def _child(spec: RunSpec, conn: Any, gated: bool) -> None:
     """Entry point of a run's process: stream progress (and pauses, when gated), then send the record or the error."""
+
     def gate(done: int, times: list[float]) -> int | None:
         conn.send(("paused", done, times))
         kind, target = conn.recv()
@@ -137,7 +138,9 @@ class Worker:
         self.proc.join(timeout=10)
 
 
-def run_isolated(spec: Any, on_progress: Callable[[int], None], target: Callable[[Any, Any, bool], None] = _child) -> Any:
+def run_isolated(
+    spec: Any, on_progress: Callable[[int], None], target: Callable[[Any, Any, bool], None] = _child
+) -> Any:
     """`run_one(spec)` in a spawned process (or another `target(spec, conn, gated)` sending the same messages)."""
     worker = Worker(spec, gated=False, target=target)
     try:
@@ -151,8 +154,18 @@ def run_torchrun(spec: RunSpec, on_progress: Callable[[int], None]) -> Run:
     with tempfile.TemporaryDirectory(prefix="ampkit-compare-") as tmp:
         spec_file, out_file, progress_file = Path(tmp, "spec.pkl"), Path(tmp, "run.pkl"), Path(tmp, "progress")
         spec_file.write_bytes(pickle.dumps(spec))  # our own files, read back by our own code
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.nproc}",
-               "-m", "ampkit.compare", str(spec_file), str(out_file), str(progress_file)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={spec.nproc}",
+            "-m",
+            "ampkit.compare",
+            str(spec_file),
+            str(out_file),
+            str(progress_file),
+        ]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             while proc.poll() is None:
@@ -214,8 +227,9 @@ def unrunnable(name: str, dev: torch.device) -> str | None:
     return None
 
 
-def interleaved(specs: dict[str, RunSpec], report: Report, dev: torch.device, progress: RunProgress,
-                fit: bool) -> dict[str, Run]:
+def interleaved(
+    specs: dict[str, RunSpec], report: Report, dev: torch.device, progress: RunProgress, fit: bool
+) -> dict[str, Run]:
     """Every run (by name) in its own gated process at once, taking turns: warm-up steps, the plan line, `ROUNDS`."""
     runs: dict[str, Run] = {}
     workers: dict[str, Worker] = {}
@@ -256,16 +270,21 @@ def interleaved(specs: dict[str, RunSpec], report: Report, dev: torch.device, pr
                     report.task.steps = steps
                 left = {n: max(0, total[n] - w.done) * step_s[n] for n, w in workers.items()}
         what = ", ".join(f"{n} ({'probe, ' * (n not in full)}{total[n]} steps)" for n in workers)
-        report.plan = (f"{what}{cut}: {ROUNDS} rounds taking turns, about {seconds(sum(left.values()) + extra)} "
-                       "(from the fastest of the timed warm-up steps)")
+        report.plan = (
+            f"{what}{cut}: {ROUNDS} rounds taking turns, about {seconds(sum(left.values()) + extra)} "
+            "(from the fastest of the timed warm-up steps)"
+        )
         progress.say(report.plan)
         for r in range(1, ROUNDS + 1):
-            each(lambda n, w, r=r: w.advance(warm[n] + math.ceil(r * (total[n] - warm[n]) / ROUNDS),
-                                             progress.update))
+            each(lambda n, w, r=r: w.advance(warm[n] + math.ceil(r * (total[n] - warm[n]) / ROUNDS), progress.update))
 
         def finish(name: str, worker: Worker) -> None:
-            runs[name] = dataclasses.replace(worker.finish(progress.update), precision=name, rounds_interleaved=True,
-                round_step_times_s=[statistics.median(c) if c else None for c in worker.chunks[1:]])
+            runs[name] = dataclasses.replace(
+                worker.finish(progress.update),
+                precision=name,
+                rounds_interleaved=True,
+                round_step_times_s=[statistics.median(c) if c else None for c in worker.chunks[1:]],
+            )
             progress.update(runs[name].steps)
 
         each(finish)
@@ -293,8 +312,13 @@ class RunProgress:
         self.label = label
         if self.show:
             if self.bar is None:
-                self.bar = Progress(TextColumn("{task.description:<32}"), BarColumn(), MofNCompleteColumn(),
-                                    TimeElapsedColumn(), transient=False)
+                self.bar = Progress(
+                    TextColumn("{task.description:<32}"),
+                    BarColumn(),
+                    MofNCompleteColumn(),
+                    TimeElapsedColumn(),
+                    transient=False,
+                )
                 self.bar.start()
                 self.tasks = {}
             if label not in self.tasks:

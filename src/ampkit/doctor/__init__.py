@@ -9,18 +9,47 @@ Numerics: `census`, `localizer`, `lost_updates`, the session (`numerics`), its v
 """
 
 from ampkit.doctor.advisor import GPUS, GPUSpec, estimate, find_gpu
-from ampkit.doctor.report import format_text, render_html_section, render_report
 from ampkit.doctor.numerics import NumericsSession
 from ampkit.doctor.numerics_findings import summarize
 from ampkit.doctor.numerics_report import NUMERICS_SCHEMA, validate_numerics
-from ampkit.doctor.run import (diagnose_script, diagnose_task, numerics, numerics_script, numerics_task,
-                               numerics_train_fn, profile, script_traceback)
+from ampkit.doctor.report import format_text, render_html_section, render_report
+from ampkit.doctor.run import (
+    diagnose_script,
+    diagnose_task,
+    numerics,
+    numerics_script,
+    numerics_task,
+    numerics_train_fn,
+    profile,
+    script_traceback,
+)
 from ampkit.doctor.schema import DOCTOR_SCHEMA, validate_result
 from ampkit.doctor.session import DoctorSession
 from ampkit.doctor.watch import DoctorError, StopTraining
 
 __all__ = [
-    "DOCTOR_SCHEMA", "DoctorError", "DoctorSession", "GPUS", "GPUSpec", "NUMERICS_SCHEMA", "NumericsSession",
-    "StopTraining", "diagnose_script", "diagnose_task", "estimate", "find_gpu", "format_text", "numerics",
-    "numerics_script", "numerics_task", "numerics_train_fn", "profile", "render_html_section", "render_report",
-    "script_traceback", "summarize", "validate_numerics", "validate_result"]
+    "DOCTOR_SCHEMA",
+    "DoctorError",
+    "DoctorSession",
+    "GPUS",
+    "GPUSpec",
+    "NUMERICS_SCHEMA",
+    "NumericsSession",
+    "StopTraining",
+    "diagnose_script",
+    "diagnose_task",
+    "estimate",
+    "find_gpu",
+    "format_text",
+    "numerics",
+    "numerics_script",
+    "numerics_task",
+    "numerics_train_fn",
+    "profile",
+    "render_html_section",
+    "render_report",
+    "script_traceback",
+    "summarize",
+    "validate_numerics",
+    "validate_result",
+]

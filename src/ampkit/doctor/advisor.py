@@ -30,8 +30,20 @@ GPUSpec = GPUModel
 #: Known GPUs by name (the `--gpu` choices).
 GPUS: dict[str, GPUSpec] = GPU_MODELS
 
-__all__ = ["GPUS", "LAUNCH_US", "MIN_KERNEL_US", "PCIE_GBPS", "Estimate", "GPUSpec", "Workload", "estimate",
-           "find_gpu", "gpu_for_device", "mixed_dtype", "sync_cost"]
+__all__ = [
+    "GPUS",
+    "LAUNCH_US",
+    "MIN_KERNEL_US",
+    "PCIE_GBPS",
+    "Estimate",
+    "GPUSpec",
+    "Workload",
+    "estimate",
+    "find_gpu",
+    "gpu_for_device",
+    "mixed_dtype",
+    "sync_cost",
+]
 
 
 def _key(name: str) -> str:
@@ -104,8 +116,14 @@ def estimate(work: Workload, gpu: GPUSpec, dtype: str = "fp32") -> Estimate:
     host = work.host_outside_s + work.ops.per_step * (work.dispatch_us + gpu.launch_us) * 1e-6
     overlap = min(1.0, work.syncs_per_step)  # a sync per step serialises host and device
     step = max(host, device) + overlap * min(host, device)
-    return Estimate(gpu=gpu.name, dtype=dtype, step_s=step, host_s=host, device_s=device,
-                    bound="host" if host >= device else "device")
+    return Estimate(
+        gpu=gpu.name,
+        dtype=dtype,
+        step_s=step,
+        host_s=host,
+        device_s=device,
+        bound="host" if host >= device else "device",
+    )
 
 
 def sync_cost(work: Workload, gpu: GPUSpec, dtype: str = "fp32") -> float:

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ampkit.version import ampkit_version
 from ampkit.doctor import advisor, findings
 from ampkit.doctor.ops import OpStats, analyse
 from ampkit.doctor.schema import PHASES
 from ampkit.hardware import capability, describe
 from ampkit.precision import short_dtype_name
 from ampkit.present import article, seconds, times
+from ampkit.version import ampkit_version
 
 if TYPE_CHECKING:
     from ampkit.doctor.session import DoctorSession
@@ -159,8 +159,9 @@ class Analysis:
             half = self.device.type == "cuda" or self.compute_dtype == "fp16"  # fp16 where it matters
             names = ["fp32", "bf16", "fp16"] if half else ["fp32", "bf16"]
             for name in names:
-                by_threads = self._try(f"{name} matmul peak", matmul_peaks, self.device, _DTYPES[name],
-                                       seconds=BENCH_SECONDS / len(names))
+                by_threads = self._try(
+                    f"{name} matmul peak", matmul_peaks, self.device, _DTYPES[name], seconds=BENCH_SECONDS / len(names)
+                )
                 if by_threads is not None:
                     self.peaks[name] = max(by_threads.values())
                 if name == "fp32":
@@ -168,14 +169,21 @@ class Analysis:
             self.bandwidth = self._try("memory bandwidth", copy_bandwidth, self.device)
         peak = self.peaks.get(self.compute_dtype)
         # Seconds per step the kernels' arithmetic and memory traffic need at this device's measured speed.
-        self.work_s = (sum(max(k.flops / peak, k.bytes / self.bandwidth) for k in ops.kernels) / ops.steps
-                       if peak and self.bandwidth else None)
-        self.stall_s = findings.stall_time(self.kernel_s, self.work_s, ops.per_step, self.thread_peaks,
-                                           on_cpu=self.device.type == "cpu")
+        self.work_s = (
+            sum(max(k.flops / peak, k.bytes / self.bandwidth) for k in ops.kernels) / ops.steps
+            if peak and self.bandwidth
+            else None
+        )
+        self.stall_s = findings.stall_time(
+            self.kernel_s, self.work_s, ops.per_step, self.thread_peaks, on_cpu=self.device.type == "cpu"
+        )
         self.work = advisor.Workload(
             host_outside_s=max(0.0, self.host_s - self.kernel_s),
-            dispatch_us=min(ops.floor_us * self.scale, advisor.LAUNCH_US), ops=ops,
-            batch_bytes=self.batch_bytes, syncs_per_step=self.syncs_per_step)
+            dispatch_us=min(ops.floor_us * self.scale, advisor.LAUNCH_US),
+            ops=ops,
+            batch_bytes=self.batch_bytes,
+            syncs_per_step=self.syncs_per_step,
+        )
 
     def _try(self, what: str, measure: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
@@ -193,57 +201,104 @@ class Analysis:
         if not acc.loaders:
             self.notes.append("no prepared DataLoader: time spent loading batches is counted in 'other'")
         result: dict[str, Any] = {
-            "schema_version": 1, "ampkit_version": ampkit_version(), "torch": torch.__version__,
+            "schema_version": 1,
+            "ampkit_version": ampkit_version(),
+            "torch": torch.__version__,
             "subject": s.subject,
-            "device": {"device": str(self.device), "name": describe(self.device)["device_name"],
-                       "threads": torch.get_num_threads(), "precision": acc.policy.name,
-                       "precision_reason": acc.policy.reason, "bf16_fast": capability(self.device).bf16_fast},
-            "steps": {"warmup": s.warmup, "profiled": len(s.rows["profiled"]), "timed": len(s.rows["timed"]),
-                      "requested": s.steps, "complete": self.measured >= s.steps},
-            "step": {"time_s": self.step_s, "host_s": self.host_s, "samples": self.samples,
-                     "samples_per_s": self.samples / self.step_s if self.samples and self.step_s > 0 else None},
+            "device": {
+                "device": str(self.device),
+                "name": describe(self.device)["device_name"],
+                "threads": torch.get_num_threads(),
+                "precision": acc.policy.name,
+                "precision_reason": acc.policy.reason,
+                "bf16_fast": capability(self.device).bf16_fast,
+            },
+            "steps": {
+                "warmup": s.warmup,
+                "profiled": len(s.rows["profiled"]),
+                "timed": len(s.rows["timed"]),
+                "requested": s.steps,
+                "complete": self.measured >= s.steps,
+            },
+            "step": {
+                "time_s": self.step_s,
+                "host_s": self.host_s,
+                "samples": self.samples,
+                "samples_per_s": self.samples / self.step_s if self.samples and self.step_s > 0 else None,
+            },
             "phases": [{"name": p, "seconds": self.phases[p], "share": share[p]} for p in (*PHASES, "other")],
-            "ops": self._ops(), "syncs": self._syncs(), "utilisation": self._utilisation(),
-            "bound": self._bound(share), "advisor": self._advisor(), "findings": [], "notes": self.notes}
+            "ops": self._ops(),
+            "syncs": self._syncs(),
+            "utilisation": self._utilisation(),
+            "bound": self._bound(share),
+            "advisor": self._advisor(),
+            "findings": [],
+            "notes": self.notes,
+        }
         result["findings"] = findings.diagnose(result, self)
         return result
 
     def _ops(self) -> dict[str, Any]:
         ops = self.ops
         per_step_cuda = ops.cuda_kernels / ops.steps if ops.cuda_kernels is not None else None
-        mean_cuda = (ops.cuda_kernel_us / ops.cuda_kernels
-                     if ops.cuda_kernels and ops.cuda_kernel_us is not None else None)
+        mean_cuda = (
+            ops.cuda_kernel_us / ops.cuda_kernels if ops.cuda_kernels and ops.cuda_kernel_us is not None else None
+        )
         return {
-            "per_step": ops.per_step, "mean_us": ops.mean_us * self.scale, "floor_us": ops.floor_us * self.scale,
-            "seconds_per_step": self.kernel_s, "work_s_per_step": self.work_s, "kernel_share": self.kernel_share,
-            "flops_per_step": ops.flops_per_step, "bytes_per_step": ops.bytes_per_step,
-            "matmul_share": ops.matmul_share, "profiler_scale": self.scale,
-            "cuda_kernels_per_step": per_step_cuda, "cuda_kernel_mean_us": mean_cuda,
-            "top": [dict(row, median_us=row["median_us"] * self.scale, us_per_step=row["us_per_step"] * self.scale)
-                    for row in ops.top()]}
+            "per_step": ops.per_step,
+            "mean_us": ops.mean_us * self.scale,
+            "floor_us": ops.floor_us * self.scale,
+            "seconds_per_step": self.kernel_s,
+            "work_s_per_step": self.work_s,
+            "kernel_share": self.kernel_share,
+            "flops_per_step": ops.flops_per_step,
+            "bytes_per_step": ops.bytes_per_step,
+            "matmul_share": ops.matmul_share,
+            "profiler_scale": self.scale,
+            "cuda_kernels_per_step": per_step_cuda,
+            "cuda_kernel_mean_us": mean_cuda,
+            "top": [
+                dict(row, median_us=row["median_us"] * self.scale, us_per_step=row["us_per_step"] * self.scale)
+                for row in ops.top()
+            ],
+        }
 
     def _syncs(self) -> dict[str, Any]:
         sites = sorted(self.sync_sites.items(), key=lambda kv: -kv[1])
         debugged = self.device.type == "cuda" and self.s.syncs.cuda_debug is None
         return {
             # reads of device tensors by their method, plus (CUDA) every other op the sync debugger caught
-            "per_step": self.syncs_per_step, "method": "cuda-sync-debug" if debugged else "tensor-reads",
+            "per_step": self.syncs_per_step,
+            "method": "cuda-sync-debug" if debugged else "tensor-reads",
             "real": self.device.type != "cpu",
             "watched_steps": self.synced_steps,
-            "sites": [{**dataclasses.asdict(site), "per_step": n / self.synced_steps, "reads": n,
-                       "steps_seen": self.site_steps[site], "every_step": site in self.every_step}
-                      for site, n in sites],
-            "cuda_debug": self.s.syncs.cuda_debug}
+            "sites": [
+                {
+                    **dataclasses.asdict(site),
+                    "per_step": n / self.synced_steps,
+                    "reads": n,
+                    "steps_seen": self.site_steps[site],
+                    "every_step": site in self.every_step,
+                }
+                for site, n in sites
+            ],
+            "cuda_debug": self.s.syncs.cuda_debug,
+        }
 
     def _utilisation(self) -> dict[str, Any]:
         dtype = self.compute_dtype
         achieved = self.ops.flops_per_step / self.compute_s
         peak = self.peaks.get(dtype)
         return {
-            "achieved_flops_per_s": achieved, "peak_flops_per_s": peak,
+            "achieved_flops_per_s": achieved,
+            "peak_flops_per_s": peak,
             "fraction": min(1.0, achieved / peak) if peak else None,
-            "peak_source": (f"fastest {dtype} {SIZE.get(self.device.type, 1024)}² matmul measured on {self.device}"
-                            if peak else "unknown (no matmul benchmark)")}
+            "peak_source": (
+                f"fastest {dtype} {SIZE.get(self.device.type, 1024)}² matmul measured on {self.device}"
+                if peak
+                else "unknown (no matmul benchmark)"
+            ),
+        }
 
     def _bound(self, share: dict[str, float]) -> dict[str, Any]:
         """data, overhead or compute, with the measured reason (`OVERHEAD_BOUND_SHARE`, `findings.OP_FIXED_US`)."""
@@ -255,53 +310,91 @@ class Analysis:
         if self.stall_s > 0 and self.work_s is not None:
             # Threads waiting for cores make every clock-based share unreliable: judge by the work.
             kind = "overhead" if self.work_s < fixed else "compute"
-            return {"kind": kind, "reason": (
-                f"judged by the work, as this machine is busy (threads waiting for cores): the step's arithmetic "
-                f"and memory traffic need ~{seconds(self.work_s)} at this device's best measured speed, "
-                f"{'less' if kind == 'overhead' else 'more'} than the ~{seconds(fixed)} its {n:.0f} ops cost just "
-                f"to run ({findings.OP_FIXED_US:g} µs each)")}
+            return {
+                "kind": kind,
+                "reason": (
+                    f"judged by the work, as this machine is busy (threads waiting for cores): the step's arithmetic "
+                    f"and memory traffic need ~{seconds(self.work_s)} at this device's best measured speed, "
+                    f"{'less' if kind == 'overhead' else 'more'} than the ~{seconds(fixed)} its {n:.0f} ops cost just "
+                    f"to run ({findings.OP_FIXED_US:g} µs each)"
+                ),
+            }
         if self.kernel_share < OVERHEAD_BOUND_SHARE:
-            return {"kind": "overhead", "reason": (
-                f"{what} fill only {self.kernel_share:.0%} of the compute time ({n:.0f} per step at "
-                f"{seconds(mean * 1e-6)}): the rest is Python, autograd and per-op dispatch")}
+            return {
+                "kind": "overhead",
+                "reason": (
+                    f"{what} fill only {self.kernel_share:.0%} of the compute time ({n:.0f} per step at "
+                    f"{seconds(mean * 1e-6)}): the rest is Python, autograd and per-op dispatch"
+                ),
+            }
         if self.work_s is not None and self.work_s < fixed:
-            return {"kind": "overhead", "reason": (
-                f"the step's arithmetic and memory traffic need ~{seconds(self.work_s)} at this device's measured "
-                f"speed, less than the ~{seconds(fixed)} its {n:.0f} ops cost just to run "
-                f"({findings.OP_FIXED_US:g} µs each); {what} measured {seconds(mean * 1e-6)} each")}
-        return {"kind": "compute", "reason": (
-            f"{what} fill {self.kernel_share:.0%} of the compute time ({n:.0f} per step at {seconds(mean * 1e-6)})")}
+            return {
+                "kind": "overhead",
+                "reason": (
+                    f"the step's arithmetic and memory traffic need ~{seconds(self.work_s)} at this device's measured "
+                    f"speed, less than the ~{seconds(fixed)} its {n:.0f} ops cost just to run "
+                    f"({findings.OP_FIXED_US:g} µs each); {what} measured {seconds(mean * 1e-6)} each"
+                ),
+            }
+        return {
+            "kind": "compute",
+            "reason": (
+                f"{what} fill {self.kernel_share:.0%} of the compute time ({n:.0f} per step at {seconds(mean * 1e-6)})"
+            ),
+        }
 
     def _advisor(self) -> dict[str, Any]:
         here = self.step_s
-        estimates = [advisor.estimate(self.work, gpu, dtype) for gpu in advisor.GPUS.values()
-                     for dtype in ("fp32", advisor.mixed_dtype(gpu))]
-        rows = [{**dataclasses.asdict(e), "speedup": here / e.step_s if e.step_s > 0 else math.inf}
-                for e in estimates]
+        estimates = [
+            advisor.estimate(self.work, gpu, dtype)
+            for gpu in advisor.GPUS.values()
+            for dtype in ("fp32", advisor.mixed_dtype(gpu))
+        ]
+        rows = [{**dataclasses.asdict(e), "speedup": here / e.step_s if e.step_s > 0 else math.inf} for e in estimates]
         ref = self.s.gpu
         best = min((r for r in rows if r["gpu"] == ref.name), key=lambda r: r["step_s"])
         here_name = "this GPU" if self.device.type == "cuda" else "this CPU"
         # Judge against what this CPU does once its threads stop waiting for cores, not against the stall.
         steady = max(1e-9, here - self.stall_s)
         ratio = steady / best["step_s"] if best["step_s"] > 0 else math.inf
-        judged = f"should be ~{times(ratio)} faster" if ratio >= 1.2 else (
-            "would be no faster" if ratio > 1 / 1.2 else "would be slower")
-        verdict = (f"{article(ref.name)} {ref.name} {judged}: ~{seconds(best['step_s'])} per step "
-                   f"({best['dtype']}, {best['bound']}-bound) vs {seconds(here)} measured on {here_name}")
+        judged = (
+            f"should be ~{times(ratio)} faster"
+            if ratio >= 1.2
+            else ("would be no faster" if ratio > 1 / 1.2 else "would be slower")
+        )
+        verdict = (
+            f"{article(ref.name)} {ref.name} {judged}: ~{seconds(best['step_s'])} per step "
+            f"({best['dtype']}, {best['bound']}-bound) vs {seconds(here)} measured on {here_name}"
+        )
         if self.stall_s > 0:
-            verdict += (f" (~{seconds(steady)} once its threads stop waiting for cores; this machine is busy, so "
-                        f"the host times behind every estimate are too: rerun on an idle machine to trust this)")
+            verdict += (
+                f" (~{seconds(steady)} once its threads stop waiting for cores; this machine is busy, so "
+                f"the host times behind every estimate are too: rerun on an idle machine to trust this)"
+            )
         if best["bound"] == "host" and self.phases["data"] > best["host_s"] / 2:
             verdict += " — the data loader keeps the device waiting"
         elif best["bound"] == "host":
             verdict += f" — {self.ops.per_step:.0f} kernel launches and the Python around them keep the device waiting"
         return {
             "here": {"device": here_name, "name": describe(self.device)["device_name"], "step_s": here},
-            "reference_gpu": ref.name, "estimates": rows, "verdict": verdict,
+            "reference_gpu": ref.name,
+            "estimates": rows,
+            "verdict": verdict,
             "assumptions": (
                 f"host time outside kernels carries over; each kernel costs dispatch + {advisor.LAUNCH_US:g} µs launch "
                 f"on the host, and on the device max(FLOPs/peak, bytes/bandwidth, {advisor.MIN_KERNEL_US:g} µs) at "
-                f"datasheet peaks (a lower bound); a sync per step adds host and device instead of overlapping them"),
-            "gpus": [{"name": g.name, "fp32_tflops": g.fp32_tflops, "bf16_tflops": g.bf16_tflops,
-                      "fp16_tflops": g.fp16_tflops, "memory_gbps": g.memory_gbps, "launch_us": g.launch_us,
-                      "source": g.source} for g in advisor.GPUS.values()]}
+                f"datasheet peaks (a lower bound); a sync per step adds host and device instead of overlapping them"
+            ),
+            "gpus": [
+                {
+                    "name": g.name,
+                    "fp32_tflops": g.fp32_tflops,
+                    "bf16_tflops": g.bf16_tflops,
+                    "fp16_tflops": g.fp16_tflops,
+                    "memory_gbps": g.memory_gbps,
+                    "launch_us": g.launch_us,
+                    "source": g.source,
+                }
+                for g in advisor.GPUS.values()
+            ],
+        }

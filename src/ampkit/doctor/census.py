@@ -52,15 +52,18 @@ def measure(t: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.T
     nonzero = a > 0  # False for NaN
     zero = torch.zeros((), device=a.device)
     finite_max = torch.where(torch.isfinite(a), a, zero).amax() if a.numel() else zero
-    counts = torch.stack([
-        over.sum(),
-        (nonzero & (a < FP16_MIN_NORMAL)).sum(),
-        (nonzero & (a < FP16_MIN_SUBNORMAL)).sum(),
-        (a > BF16_MAX).sum() if scale is None else ((a > BF16_MAX) & torch.isfinite(a)).sum(),
-        (nonzero & (a < BF16_MIN_NORMAL)).sum(),
-        torch.isnan(x).sum(),
-        (nonzero & (a < finite_max * E4M3_FLUSH)).sum(),
-        (nonzero & (a < finite_max * E5M2_FLUSH)).sum()])
+    counts = torch.stack(
+        [
+            over.sum(),
+            (nonzero & (a < FP16_MIN_NORMAL)).sum(),
+            (nonzero & (a < FP16_MIN_SUBNORMAL)).sum(),
+            (a > BF16_MAX).sum() if scale is None else ((a > BF16_MAX) & torch.isfinite(a)).sum(),
+            (nonzero & (a < BF16_MIN_NORMAL)).sum(),
+            torch.isnan(x).sum(),
+            (nonzero & (a < finite_max * E4M3_FLUSH)).sum(),
+            (nonzero & (a < finite_max * E5M2_FLUSH)).sum(),
+        ]
+    )
     return counts, finite_max
 
 
@@ -107,8 +110,12 @@ class RangeCensus:
         self._device, self._scale = device, scale
         self.enabled = True  # off while the localizer replays a batch
         self.modules: dict[str, ModuleStats] = {}
-        named = [(name if len(models) == 1 else f"model{i}:{name}", module) for i, model in enumerate(models)
-                 for name, module in model.named_modules() if name or not list(module.children())]
+        named = [
+            (name if len(models) == 1 else f"model{i}:{name}", module)
+            for i, model in enumerate(models)
+            for name, module in model.named_modules()
+            if name or not list(module.children())
+        ]
         self._handles = [m.register_forward_hook(self._forward_hook(n), with_kwargs=True) for n, m in named]
 
     def remove(self) -> None:
@@ -136,6 +143,7 @@ class RangeCensus:
             if bad_out is not None:
                 created = ((bad_out > 0) if bad_in is None else (bad_out > 0) & (bad_in == 0)).to(torch.int64)
                 stats.created = created if stats.created is None else stats.created + created
+
         return hook
 
     def _grad_hook(self, stats: ModuleStats) -> Any:
@@ -146,6 +154,7 @@ class RangeCensus:
             scale = self._scale() if self._scale is not None else None
             if scale is not None:
                 stats.tallies["grad_unscaled"].add(grad, scale)  # the true gradient: seen / this step's scale
+
         return hook
 
     def result(self, scaled: bool) -> dict[str, Any]:
@@ -155,14 +164,23 @@ class RangeCensus:
         zero = torch.zeros((), dtype=torch.int64, device=self._device)
         flat: list[torch.Tensor] = []
         for s in stats:
-            flat += [torch.cat([t.counts.to(self._device, wide), t.absmax.to(self._device, wide).reshape(1)])
-                     for t in s.tallies.values() if t.counts is not None]
+            flat += [
+                torch.cat([t.counts.to(self._device, wide), t.absmax.to(self._device, wide).reshape(1)])
+                for t in s.tallies.values()
+                if t.counts is not None
+            ]
             flat.append((zero if s.created is None else s.created).to(wide).reshape(1))
         values = iter(torch.cat(flat).tolist() if flat else [])  # sync: once, after the watched steps
         modules = []
         for s in stats:
-            entry: dict[str, Any] = {"name": s.name, "type": s.type, "calls": s.calls, "dtype": s.dtype,
-                                     "shape": s.shape, **dict.fromkeys(KINDS)}
+            entry: dict[str, Any] = {
+                "name": s.name,
+                "type": s.type,
+                "calls": s.calls,
+                "dtype": s.dtype,
+                "shape": s.shape,
+                **dict.fromkeys(KINDS),
+            }
             for kind, t in s.tallies.items():
                 if t.counts is not None:
                     *counts, absmax = (next(values) for _ in range(len(COUNTS) + 1))
@@ -174,8 +192,11 @@ class RangeCensus:
             modules.append(entry)
         at_risk = _rank(modules)
         # keep in fp32 what exceeds fp16's range (underflow alone is not: loss scaling is its fix)
-        return {"modules": modules, "at_risk": at_risk,
-                "keep_fp32": [m["name"] for m in at_risk if m["overflow"] and ":" not in m["name"]]}
+        return {
+            "modules": modules,
+            "at_risk": at_risk,
+            "keep_fp32": [m["name"] for m in at_risk if m["overflow"] and ":" not in m["name"]],
+        }
 
 
 def _share(entry: dict[str, Any], kind: str, count: str) -> float:
@@ -184,8 +205,13 @@ def _share(entry: dict[str, Any], kind: str, count: str) -> float:
 
 def _severity(m: dict[str, Any]) -> tuple[float, ...]:
     """(creates an overflow, output over, input over, true gradient over, true gradient under fp16)."""
-    return (m["created_nonfinite"] > 0, _share(m, "output", "over_fp16"), _share(m, "input", "over_fp16"),
-            _share(m, "grad_unscaled", "over_fp16"), _share(m, "grad_unscaled", "under_fp16"))
+    return (
+        m["created_nonfinite"] > 0,
+        _share(m, "output", "over_fp16"),
+        _share(m, "input", "over_fp16"),
+        _share(m, "grad_unscaled", "over_fp16"),
+        _share(m, "grad_unscaled", "under_fp16"),
+    )
 
 
 def _reasons(m: dict[str, Any]) -> list[str]:
@@ -193,16 +219,16 @@ def _reasons(m: dict[str, Any]) -> list[str]:
     reasons = []
     if created or (out_over and not in_over):
         out = m["output"]["abs_max"] if m["output"] else 0.0
-        reasons.append(f"its output overflows fp16 ({out_over:.1%} of values > 65504 or inf; "
-                       f"largest finite {out:.4g})")
+        reasons.append(f"its output overflows fp16 ({out_over:.1%} of values > 65504 or inf; largest finite {out:.4g})")
     if in_over:
         reasons.append(f"it reads values that overflow fp16 ({in_over:.1%} of its input)")
     if grad_over:
         reasons.append(f"its true gradient overflows fp16 ({grad_over:.1%})")
     if under >= UNDERFLOW_RISK_SHARE:
         scaled = f" ({_share(m, 'grad', 'under_fp16'):.1%} with it)" if m["grad"] != m["grad_unscaled"] else ""
-        reasons.append(f"{under:.0%} of its gradient is below fp16's smallest normal (2**-14) without loss scaling"
-                       + scaled)
+        reasons.append(
+            f"{under:.0%} of its gradient is below fp16's smallest normal (2**-14) without loss scaling" + scaled
+        )
     return reasons
 
 
@@ -212,9 +238,17 @@ def _rank(modules: list[dict[str, Any]]) -> list[dict[str, Any]]:
     names = [m["name"] for m, _ in risky]
     risky = [(m, r) for m, r in risky if not any(n.startswith(m["name"] + ".") for n in names)]
     ranked = sorted(risky, key=lambda item: _severity(item[0]), reverse=True)  # stable: ties keep their order
-    return [{"name": m["name"], "type": m["type"], "reasons": reasons, "overflow": any(_severity(m)[:4]),
-             "activation_abs_max": _finite(m["output"] and m["output"]["abs_max"]),
-             "grad_abs_max": _finite(m["grad_unscaled"] and m["grad_unscaled"]["abs_max"])} for m, reasons in ranked]
+    return [
+        {
+            "name": m["name"],
+            "type": m["type"],
+            "reasons": reasons,
+            "overflow": any(_severity(m)[:4]),
+            "activation_abs_max": _finite(m["output"] and m["output"]["abs_max"]),
+            "grad_abs_max": _finite(m["grad_unscaled"] and m["grad_unscaled"]["abs_max"]),
+        }
+        for m, reasons in ranked
+    ]
 
 
 def _finite(x: float | None) -> float | None:

@@ -44,9 +44,15 @@ class Finding:
 
     def as_dict(self, step_s: float) -> dict[str, Any]:
         saved = min(self.saved_s, step_s)  # an estimate never saves more than the whole step
-        return {"id": self.id, "title": self.title, "evidence": self.evidence, "fix": self.fix,
-                "saved_s": saved, "saved_share": saved / step_s if step_s > 0 else 0.0,
-                "saved_on_gpu_s": self.saved_on_gpu_s}
+        return {
+            "id": self.id,
+            "title": self.title,
+            "evidence": self.evidence,
+            "fix": self.fix,
+            "saved_s": saved,
+            "saved_share": saved / step_s if step_s > 0 else 0.0,
+            "saved_on_gpu_s": self.saved_on_gpu_s,
+        }
 
 
 def diagnose(result: dict[str, Any], ctx: Analysis) -> list[dict[str, Any]]:
@@ -70,22 +76,31 @@ def data_wait(result: dict[str, Any], ctx: Analysis) -> Finding | None:
     pinned = bool(ctx.loaders) and all(p for _, p in ctx.loaders)
     suggest = max(2, min(8, (os.cpu_count() or 2)))
     if workers == 0:
-        fix = (f"load batches in background processes: DataLoader(..., num_workers={suggest}, "
-               f"persistent_workers=True) — the workers run __getitem__ while the step trains")
+        fix = (
+            f"load batches in background processes: DataLoader(..., num_workers={suggest}, "
+            f"persistent_workers=True) — the workers run __getitem__ while the step trains"
+        )
         k = suggest
     else:
-        fix = (f"raise num_workers above {workers} (or prefetch_factor), or make __getitem__ cheaper: cache "
-               f"decoded samples, batch the work (a BatchSampler), move augmentation to the device")
+        fix = (
+            f"raise num_workers above {workers} (or prefetch_factor), or make __getitem__ cheaper: cache "
+            f"decoded samples, batch the work (a BatchSampler), move augmentation to the device"
+        )
         k = 2 * workers
     if not _on_cpu(result) and not pinned:
         fix += "; pin_memory=True lets the host→device copy overlap compute"
     # k workers hide loading as long as each batch is ready before the step needs it.
     saved = data["seconds"] - max(0.0, data["seconds"] / k - ctx.compute_s)
     return Finding(
-        id="data-wait", title=f"{data['share']:.0%} of the step waiting for data",
-        evidence=(f"the DataLoader's next() took {seconds(data['seconds'])} of a {seconds(result['step']['host_s'])} "
-                  f"step (num_workers={workers}, pin_memory={pinned}); the model waits for every batch"),
-        fix=fix, saved_s=max(0.0, saved))
+        id="data-wait",
+        title=f"{data['share']:.0%} of the step waiting for data",
+        evidence=(
+            f"the DataLoader's next() took {seconds(data['seconds'])} of a {seconds(result['step']['host_s'])} "
+            f"step (num_workers={workers}, pin_memory={pinned}); the model waits for every batch"
+        ),
+        fix=fix,
+        saved_s=max(0.0, saved),
+    )
 
 
 # --- threads ------------------------------------------------------------------------------------
@@ -98,8 +113,9 @@ STALLED_RATIO = 10.0
 THREADS_SLOWER = 1.5
 
 
-def stall_time(kernel_s: float, work_s: float | None, ops_per_step: float, thread_peaks: dict[int, float], *,
-               on_cpu: bool) -> float:
+def stall_time(
+    kernel_s: float, work_s: float | None, ops_per_step: float, thread_peaks: dict[int, float], *, on_cpu: bool
+) -> float:
     """Seconds per step a CPU's kernel ops spend with threads waiting for cores (0 where nothing says so):
     kernel ops `STALLED_RATIO` times slower than their work and dispatch need, or one thread running a
     matmul `THREADS_SLOWER` times faster than all of them."""
@@ -128,23 +144,36 @@ def busy_threads(result: dict[str, Any], ctx: Analysis) -> Finding | None:
         load = f"{cores} cores"
     evidence = [f"kernel ops take {seconds(ctx.kernel_s)} per step"]
     if ctx.work_s is not None:
-        evidence.append(f"their FLOPs and bytes need ~{seconds(ctx.work_s)} at this CPU's best measured speed and "
-                        f"their dispatch ~{seconds(ops['per_step'] * OP_FIXED_US * 1e-6)}")
+        evidence.append(
+            f"their FLOPs and bytes need ~{seconds(ctx.work_s)} at this CPU's best measured speed and "
+            f"their dispatch ~{seconds(ops['per_step'] * OP_FIXED_US * 1e-6)}"
+        )
     if len(ctx.thread_peaks) > 1:
-        evidence.append("fp32 matmul " + " vs ".join(
-            f"{flops(v)} on {n} thread{'s' if n > 1 else ''}" for n, v in sorted(ctx.thread_peaks.items(), reverse=True)))
+        evidence.append(
+            "fp32 matmul "
+            + " vs ".join(
+                f"{flops(v)} on {n} thread{'s' if n > 1 else ''}"
+                for n, v in sorted(ctx.thread_peaks.items(), reverse=True)
+            )
+        )
     evidence.append(f"torch uses {threads} threads, {load}")
     free = max(1, min(threads - 1, cores - 1))
     expected = ctx.kernel_s - ctx.stall_s
     return Finding(
         id="busy-threads",
-        title=(f"ops run ~{times(ctx.kernel_s / expected)} slower than they can here: threads waiting for cores"
-               if expected > 0 else "ops spend their time with threads waiting for cores"),
+        title=(
+            f"ops run ~{times(ctx.kernel_s / expected)} slower than they can here: threads waiting for cores"
+            if expected > 0
+            else "ops spend their time with threads waiting for cores"
+        ),
         evidence="; ".join(evidence),
-        fix=(f"torch.set_num_threads({free}) (or OMP_NUM_THREADS={free}) so parallel ops never wait for a "
-             f"descheduled thread, or run on an idle machine; then run the doctor again — the other findings "
-             f"measure this busy state"),
-        saved_s=ctx.stall_s)
+        fix=(
+            f"torch.set_num_threads({free}) (or OMP_NUM_THREADS={free}) so parallel ops never wait for a "
+            f"descheduled thread, or run on an idle machine; then run the doctor again — the other findings "
+            f"measure this busy state"
+        ),
+        saved_s=ctx.stall_s,
+    )
 
 
 # --- overhead -----------------------------------------------------------------------------------
@@ -156,17 +185,25 @@ def overhead_bound(result: dict[str, Any], ctx: Analysis) -> Finding | None:
     overhead = max(0.0, ctx.compute_s - max(ctx.work_s or 0.0, min(ctx.kernel_s, ctx.compute_s)))
     best_gpu = min((e for e in adv["estimates"] if e["gpu"] == ctx.gpu.name), key=lambda e: e["step_s"])
     no_gpu = best_gpu["speedup"] < 1.2 and _on_cpu(result)
-    fix = ("raise the batch size (the same ops then do more work each), or cut the per-op overhead: "
-           "torch.compile(model) fuses ops into fewer kernels; on a GPU, CUDA graphs replay a step with one launch")
+    fix = (
+        "raise the batch size (the same ops then do more work each), or cut the per-op overhead: "
+        "torch.compile(model) fuses ops into fewer kernels; on a GPU, CUDA graphs replay a step with one launch"
+    )
     if no_gpu:
-        fix += f" — a GPU will not beat this CPU here (device advisor: {article(ctx.gpu.name)} {ctx.gpu.name} " \
-               f"~{seconds(best_gpu['step_s'])} per step)"
+        fix += (
+            f" — a GPU will not beat this CPU here (device advisor: {article(ctx.gpu.name)} {ctx.gpu.name} "
+            f"~{seconds(best_gpu['step_s'])} per step)"
+        )
     return Finding(
         id="overhead-bound",
         title=f"overhead-bound: {count(ops['per_step'])} kernels/step at {seconds(ops['mean_us'] * 1e-6)}",
-        evidence=result["bound"]["reason"] + (
-            f"; {seconds(overhead)} of the {seconds(ctx.compute_s)} compute time is outside kernels" if overhead else ""),
-        fix=fix, saved_s=OVERHEAD_REMOVED * overhead)
+        evidence=result["bound"]["reason"]
+        + (
+            f"; {seconds(overhead)} of the {seconds(ctx.compute_s)} compute time is outside kernels" if overhead else ""
+        ),
+        fix=fix,
+        saved_s=OVERHEAD_REMOVED * overhead,
+    )
 
 
 def small_batch(result: dict[str, Any], ctx: Analysis) -> Finding | None:
@@ -177,12 +214,18 @@ def small_batch(result: dict[str, Any], ctx: Analysis) -> Finding | None:
     per = f"{count(samples)} samples per step, " if samples else ""
     overhead = max(0.0, ctx.compute_s - ctx.kernel_s)
     return Finding(
-        id="small-batch", title=f"the batch fills {percent(util['fraction'])} of the device",
-        evidence=(f"{per}{flops(util['achieved_flops_per_s'])} achieved vs {flops(util['peak_flops_per_s'])} "
-                  f"measured matmul peak here ({util['peak_source']})"),
-        fix=("raise the batch size (and the learning rate with it) until the step time starts to grow with it: "
-             "per-step overhead is then spread over more samples (the saving is per sample)"),
-        saved_s=OVERHEAD_REMOVED * overhead)
+        id="small-batch",
+        title=f"the batch fills {percent(util['fraction'])} of the device",
+        evidence=(
+            f"{per}{flops(util['achieved_flops_per_s'])} achieved vs {flops(util['peak_flops_per_s'])} "
+            f"measured matmul peak here ({util['peak_source']})"
+        ),
+        fix=(
+            "raise the batch size (and the learning rate with it) until the step time starts to grow with it: "
+            "per-step overhead is then spread over more samples (the saving is per sample)"
+        ),
+        saved_s=OVERHEAD_REMOVED * overhead,
+    )
 
 
 # --- precision ----------------------------------------------------------------------------------
@@ -199,42 +242,62 @@ def precision(result: dict[str, Any], ctx: Analysis) -> Finding | None:
     where_ = "this CPU" if _on_cpu(result) else "this GPU"
     gpu_fp32 = advisor.estimate(ctx.work, ctx.gpu, "fp32")
     gpu_mixed = advisor.estimate(ctx.work, ctx.gpu, advisor.mixed_dtype(ctx.gpu))
-    on_gpu = (f"on {article(ctx.gpu.name)} {ctx.gpu.name}, {advisor.mixed_dtype(ctx.gpu)}-mixed would take the step from "
-              f"~{seconds(gpu_fp32.step_s)} to ~{seconds(gpu_mixed.step_s)} (est.)")
+    on_gpu = (
+        f"on {article(ctx.gpu.name)} {ctx.gpu.name}, {advisor.mixed_dtype(ctx.gpu)}-mixed would take the step from "
+        f"~{seconds(gpu_fp32.step_s)} to ~{seconds(gpu_mixed.step_s)} (est.)"
+    )
     r = _ratio(ctx, "bf16")
     if dev["precision"] == "fp32":
         if dev["bf16_fast"] and r and r > 1:
             speedup = 1 / ((1 - share) + share / r)
             return Finding(
-                id="precision", title=f"matmul/conv share {share:.0%} → bf16-mixed should give ~{speedup:.2g}× here",
+                id="precision",
+                title=f"matmul/conv share {share:.0%} → bf16-mixed should give ~{speedup:.2g}× here",
                 evidence=f"bf16 matmuls measured {r:.2g}× fp32 on {where_}; matmul/conv/attention kernels take "
-                         f"{seconds(matmul_s)} of the {seconds(step)} step",
+                f"{seconds(matmul_s)} of the {seconds(step)} step",
                 fix="Accelerator(precision='bf16-mixed'), or 'auto' which picks it on this hardware",
-                saved_s=step * (1 - 1 / speedup))
+                saved_s=step * (1 - 1 / speedup),
+            )
         slower = f"~{1 / r:.0f}× slower than fp32" if r and r < 1 else "slower than fp32 (no fast bf16 unit)"
         # a ratio above 1 on a device without bf16 units is a busy machine, not a fact
-        measured = "" if r is None else (
-            f"; bf16 matmuls measured {r:.2g}× fp32 here" if r < 1 else
-            f"; the matmul benchmark was inconclusive here (bf16 {r:.2g}× fp32: a busy machine?)")
+        measured = (
+            ""
+            if r is None
+            else (
+                f"; bf16 matmuls measured {r:.2g}× fp32 here"
+                if r < 1
+                else f"; the matmul benchmark was inconclusive here (bf16 {r:.2g}× fp32: a busy machine?)"
+            )
+        )
         return Finding(
-            id="precision", title=f"matmul/conv share {share:.0%}, but bf16 is {slower} on {where_}: stay on fp32",
+            id="precision",
+            title=f"matmul/conv share {share:.0%}, but bf16 is {slower} on {where_}: stay on fp32",
             evidence=f"{where_} has no fast bf16 ({dev['name']}){measured}; {on_gpu}",
-            fix=("keep precision='auto' (fp32 here); bf16-mixed pays on a GPU with bf16 (compute capability 8.0+) "
-                 "or a CPU with AMX/AVX512-BF16"),
-            saved_s=0.0, saved_on_gpu_s=max(0.0, gpu_fp32.step_s - gpu_mixed.step_s))
+            fix=(
+                "keep precision='auto' (fp32 here); bf16-mixed pays on a GPU with bf16 (compute capability 8.0+) "
+                "or a CPU with AMX/AVX512-BF16"
+            ),
+            saved_s=0.0,
+            saved_on_gpu_s=max(0.0, gpu_fp32.step_s - gpu_mixed.step_s),
+        )
     dtype = "bf16" if "bf16" in dev["precision"] else "fp16"
     r_low = _ratio(ctx, dtype)
     if (dtype == "bf16" and dev["bf16_fast"] is False) or (r_low is not None and r_low < 1):
         saved = matmul_s * (1 - r_low) if r_low is not None and r_low < 1 else 0.0
         return Finding(
             id="precision",
-            title=f"{dev['precision']} runs matmuls ~{1 / r_low:.0f}× slower than fp32 on {where_}" if r_low
-                  else f"{dev['precision']} has no fast unit on {where_}",
-            evidence=(f"{dtype} matmuls measured {r_low:.2g}× fp32 here; matmul/conv/attention kernels take "
-                      f"{seconds(matmul_s)} of the {seconds(step)} step" if r_low else
-                      f"{where_} has no fast {dtype} ({dev['name']})"),
+            title=f"{dev['precision']} runs matmuls ~{1 / r_low:.0f}× slower than fp32 on {where_}"
+            if r_low
+            else f"{dev['precision']} has no fast unit on {where_}",
+            evidence=(
+                f"{dtype} matmuls measured {r_low:.2g}× fp32 here; matmul/conv/attention kernels take "
+                f"{seconds(matmul_s)} of the {seconds(step)} step"
+                if r_low
+                else f"{where_} has no fast {dtype} ({dev['name']})"
+            ),
             fix="Accelerator(precision='auto') picks fp32 here; keep the low precision for a device that runs it fast",
-            saved_s=saved)
+            saved_s=saved,
+        )
     return None
 
 
@@ -242,29 +305,42 @@ def precision(result: dict[str, Any], ctx: Analysis) -> Finding | None:
 def _sync_fix(site: dict[str, Any]) -> str:
     call, via = site["call"], site["via"] or ""
     if "optim.py" in via:
-        return ("pass fused=True to the optimizer (torch.optim.Adam/AdamW/SGD): ampkit then skips overflowing fp16 "
-                "steps on the device, without reading the overflow flag")
+        return (
+            "pass fused=True to the optimizer (torch.optim.Adam/AdamW/SGD): ampkit then skips overflowing fp16 "
+            "steps on the device, without reading the overflow flag"
+        )
     if "metrics.py" in via:
         return "acc.metrics() syncs once by design: call it every N steps, not every step"
     if call in ("item", "__float__", "__format__", "__repr__"):
-        return ("acc.track('loss', loss) every step (adds on the device, no sync) and print(acc.metrics()) every "
-                "N steps: one sync per N steps")
+        return (
+            "acc.track('loss', loss) every step (adds on the device, no sync) and print(acc.metrics()) every "
+            "N steps: one sync per N steps"
+        )
     if call == "__bool__":
-        return ("a Python `if` on a tensor: decide on the device instead (torch.where, masking), or check "
-                "every N steps")
+        return "a Python `if` on a tensor: decide on the device instead (torch.where, masking), or check every N steps"
     if call == "cuda-sync":
-        return ("a torch op that must wait for the device (nonzero, boolean-mask indexing, a CPU copy): "
-                "move it out of the step, or make its result's size fixed")
-    return ("keep the values on the device and read them every N steps (acc.track for running means), or copy "
-            "with .to('cpu', non_blocking=True) into pinned memory and read them a step later")
+        return (
+            "a torch op that must wait for the device (nonzero, boolean-mask indexing, a CPU copy): "
+            "move it out of the step, or make its result's size fixed"
+        )
+    return (
+        "keep the values on the device and read them every N steps (acc.track for running means), or copy "
+        "with .to('cpu', non_blocking=True) into pinned memory and read them a step later"
+    )
 
 
-_CALL_NAMES = {"__float__": "float()", "__int__": "int()", "__bool__": "bool() / if", "__repr__": "print/str",
-               "__format__": "an f-string/format", "cuda-sync": "a synchronizing CUDA op"}
+_CALL_NAMES = {
+    "__float__": "float()",
+    "__int__": "int()",
+    "__bool__": "bool() / if",
+    "__repr__": "print/str",
+    "__format__": "an f-string/format",
+    "cuda-sync": "a synchronizing CUDA op",
+}
 
 
 def occasional_rate(site: dict[str, Any], watched: int) -> str:
-    """"40 reads in 1 of 5 watched steps": a site that does not read in every step, at its own rate."""
+    """ "40 reads in 1 of 5 watched steps": a site that does not read in every step, at its own rate."""
     reads = "1 read" if site["reads"] == 1 else f"{site['reads']} reads"
     return f"{reads} in {site['steps_seen']} of {watched} watched steps"
 
@@ -281,41 +357,71 @@ def syncs(result: dict[str, Any], ctx: Analysis) -> list[Finding]:
     out = []
     if occasional:
         first = occasional[0]
-        out.append(Finding(
-            id="sync",
-            title=(f"{occasional_rate(first, section['watched_steps'])} at {where(first['file'], first['line'])} "
-                   f"(`{first['code']}`)" + (f", and {len(occasional) - 1} other line(s) like it" if occasional[1:] else "")),
-            evidence=("code that runs every few steps, not in every training step (evaluation or logging): "
-                      + ", ".join(f"{where(s['file'], s['line'])} {occasional_rate(s, section['watched_steps'])}"
-                                  for s in occasional[:4])),
-            fix=("nothing per step; each time it runs it waits for the device once per read: gather the values "
-                 "on the device and read them once (torch.stack(values), then one tolist call)"), saved_s=0.0, saved_on_gpu_s=0.0))
+        out.append(
+            Finding(
+                id="sync",
+                title=(
+                    f"{occasional_rate(first, section['watched_steps'])} at {where(first['file'], first['line'])} "
+                    f"(`{first['code']}`)"
+                    + (f", and {len(occasional) - 1} other line(s) like it" if occasional[1:] else "")
+                ),
+                evidence=(
+                    "code that runs every few steps, not in every training step (evaluation or logging): "
+                    + ", ".join(
+                        f"{where(s['file'], s['line'])} {occasional_rate(s, section['watched_steps'])}"
+                        for s in occasional[:4]
+                    )
+                ),
+                fix=(
+                    "nothing per step; each time it runs it waits for the device once per read: gather the values "
+                    "on the device and read them once (torch.stack(values), then one tolist call)"
+                ),
+                saved_s=0.0,
+                saved_on_gpu_s=0.0,
+            )
+        )
     if not sites or total <= 0:
         return out
     for site in sites[:3]:
         n = site["per_step"]
         share = n / total
-        every = "1 sync per step" if abs(n - 1) < 1e-9 else (
-            f"{count(n)} syncs per step" if n >= 1 else f"1 sync every {1 / n:.0f} steps")
+        every = (
+            "1 sync per step"
+            if abs(n - 1) < 1e-9
+            else (f"{count(n)} syncs per step" if n >= 1 else f"1 sync every {1 / n:.0f} steps")
+        )
         call = _CALL_NAMES.get(site["call"], f".{site['call']}()")
         via = f" via {site['via']}" if site["via"] else ""
         if section["real"]:
             cost = "each makes the host wait until the device has finished everything queued"
         else:
-            cost = (f"free on this CPU; on {article(ctx.gpu.name)} {ctx.gpu.name} each makes the host wait until "
-                    f"the device has finished everything queued: est. {seconds(cost_gpu * share)} per step, host "
-                    f"and device no longer overlap")
-        out.append(Finding(
-            id="sync", title=f"{every} at {where(site['file'], site['line'])} (`{site['code']}`)",
-            evidence=f"{call}{via} reads a tensor's value on the host; {cost}",
-            fix=_sync_fix(site), saved_s=cost_here * share, saved_on_gpu_s=cost_gpu * share))
+            cost = (
+                f"free on this CPU; on {article(ctx.gpu.name)} {ctx.gpu.name} each makes the host wait until "
+                f"the device has finished everything queued: est. {seconds(cost_gpu * share)} per step, host "
+                f"and device no longer overlap"
+            )
+        out.append(
+            Finding(
+                id="sync",
+                title=f"{every} at {where(site['file'], site['line'])} (`{site['code']}`)",
+                evidence=f"{call}{via} reads a tensor's value on the host; {cost}",
+                fix=_sync_fix(site),
+                saved_s=cost_here * share,
+                saved_on_gpu_s=cost_gpu * share,
+            )
+        )
     rest = sites[3:]
     if rest:
         n = sum(s["per_step"] for s in rest)
         share = n / total
-        out.append(Finding(
-            id="sync", title=f"{count(n)} more syncs per step at {len(rest)} other lines",
-            evidence=", ".join(f"{where(s['file'], s['line'])} (`{s['code']}`)" for s in rest[:5]),
-            fix="the same as above: read values every N steps, not every step",
-            saved_s=cost_here * share, saved_on_gpu_s=cost_gpu * share))
+        out.append(
+            Finding(
+                id="sync",
+                title=f"{count(n)} more syncs per step at {len(rest)} other lines",
+                evidence=", ".join(f"{where(s['file'], s['line'])} (`{s['code']}`)" for s in rest[:5]),
+                fix="the same as above: read values every N steps, not every step",
+                saved_s=cost_here * share,
+                saved_on_gpu_s=cost_gpu * share,
+            )
+        )
     return out

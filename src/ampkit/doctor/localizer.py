@@ -109,8 +109,12 @@ def _stats(t: torch.Tensor) -> tuple[list[int], str, torch.Tensor, torch.Tensor]
     return list(t.shape), dtype_name(t.dtype), counts, absmax
 
 
-def replay(capture: Capture, names: dict[nn.Module, str], device: torch.device,
-           weights: list[tuple[nn.Parameter, torch.Tensor]] | None = None) -> dict[str, Any]:
+def replay(
+    capture: Capture,
+    names: dict[nn.Module, str],
+    device: torch.device,
+    weights: list[tuple[nn.Parameter, torch.Tensor]] | None = None,
+) -> dict[str, Any]:
     """Rerun `capture`'s forward and backward with hooks (`names`: module -> name), on `weights` (parameter,
     value before the step) if given; return {"forward", "backward", "note"}: where it first went inf/NaN."""
     model = capture.model
@@ -120,6 +124,7 @@ def replay(capture: Capture, names: dict[nn.Module, str], device: torch.device,
     def on_grad(name: str, mtype: str, what: str) -> Any:
         def hook(grad: torch.Tensor) -> None:
             events.append(_Event("backward", name, mtype, what, *_stats(grad)))
+
         return hook
 
     def on_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
@@ -159,8 +164,9 @@ def replay(capture: Capture, names: dict[nn.Module, str], device: torch.device,
             pairs = [(o, g) for o, g in zip(outs, capture.output_grads) if g is not None]
             params = [p for p in model.parameters() if p.requires_grad]
             if pairs and params:
-                torch.autograd.grad([o for o, _ in pairs], params, grad_outputs=[g for _, g in pairs],
-                                    allow_unused=True)
+                torch.autograd.grad(
+                    [o for o, _ in pairs], params, grad_outputs=[g for _, g in pairs], allow_unused=True
+                )
             elif not pairs:
                 note = "no gradient reached the model's output in that step: only the forward was replayed"
         finally:
@@ -178,7 +184,7 @@ def _first_nonfinite(events: list[_Event], note: str | None) -> dict[str, Any]:
     counts = torch.stack([e.counts for e in events]).tolist()  # sync: after the replay, never inside a step
     known = [e.before for e in events if e.before is not None]
     maxes = torch.stack([e.absmax for e in events] + known).tolist()  # sync: see above
-    befores = iter(maxes[len(events):])
+    befores = iter(maxes[len(events) :])
     before = [next(befores) if e.before is not None else None for e in events]
     forward = backward = None
     last_finite_grad: float | None = None
@@ -194,12 +200,23 @@ def _first_nonfinite(events: list[_Event], note: str | None) -> dict[str, Any]:
     if forward is not None and backward is not None:
         backward = None  # everything after a non-finite forward is non-finite: the forward is the cause
     if forward is None and backward is None and note is None:
-        note = ("the replay stayed finite: the overflow was not reproduced (a nondeterministic kernel, or it came "
-                "from summing gradients across accumulation steps)")
+        note = (
+            "the replay stayed finite: the overflow was not reproduced (a nondeterministic kernel, or it came "
+            "from summing gradients across accumulation steps)"
+        )
     return {"forward": forward, "backward": backward, "note": note}
 
 
 def _culprit(e: _Event, counts: list[int], before: float | None) -> dict[str, Any]:
-    return {"module": e.module, "type": e.type, "what": e.what, "shape": e.shape, "dtype": e.dtype,
-            "max_finite_before": before, "nonfinite": int(counts[0]), "nan": int(counts[1]), "inf": int(counts[2]),
-            "elements": math.prod(e.shape)}
+    return {
+        "module": e.module,
+        "type": e.type,
+        "what": e.what,
+        "shape": e.shape,
+        "dtype": e.dtype,
+        "max_finite_before": before,
+        "nonfinite": int(counts[0]),
+        "nan": int(counts[1]),
+        "inf": int(counts[2]),
+        "elements": math.prod(e.shape),
+    }

@@ -41,8 +41,10 @@ class LostUpdateDetector:
         self.optimizer, weights = optimizer, optimizer.weights
         self.effective = weights.kind if weights is not None else "param"
         # optimizer param -> (model param, effective weight getter)
-        stand_in = {id(stand): (param, functools.partial(weights.fp32_value, i))
-                    for i, (param, stand) in enumerate(weights.pairs if weights is not None else [])}
+        stand_in = {
+            id(stand): (param, functools.partial(weights.fp32_value, i))
+            for i, (param, stand) in enumerate(weights.pairs if weights is not None else [])
+        }
         # (group index, model param, getter) for every parameter the optimizer steps
         self._params: list[tuple[int, nn.Parameter, Any]] = []
         for index, group in enumerate(optimizer.param_groups):
@@ -74,7 +76,11 @@ class LostUpdateDetector:
         with torch.no_grad():
             for (index, param, get), before in zip(self._params, snapshot):
                 grad = param.grad
-                if grad is None or not param.is_floating_point() or (isinstance(lrs[index], (int, float)) and lrs[index] == 0):
+                if (
+                    grad is None
+                    or not param.is_floating_point()
+                    or (isinstance(lrs[index], (int, float)) and lrs[index] == 0)
+                ):
                     continue  # no update was meant (a learning rate of 0: a warm-up that starts at 0)
                 update = get().float() - before
                 wanted = grad != 0
@@ -98,7 +104,14 @@ class LostUpdateDetector:
             sizes[index] += param.numel()
         for index in range(self._groups):
             wanted, lost, small = next(values) if self._counts[index] is not None else (0, 0, 0)
-            groups.append({"index": index, "elements": sizes[index], "storage_dtype": ",".join(sorted(dtypes[index])),
-                           "wanted": int(wanted), "lost_share": lost / wanted if wanted else None,
-                           "below_half_ulp_share": small / wanted if wanted else None})
+            groups.append(
+                {
+                    "index": index,
+                    "elements": sizes[index],
+                    "storage_dtype": ",".join(sorted(dtypes[index])),
+                    "wanted": int(wanted),
+                    "lost_share": lost / wanted if wanted else None,
+                    "below_half_ulp_share": small / wanted if wanted else None,
+                }
+            )
         return {"steps": self.steps, "effective": self.effective, "groups": groups}

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from ampkit.version import ampkit_version
 from ampkit.accelerator import Accelerator
 from ampkit.doctor.census import RangeCensus
 from ampkit.doctor.localizer import BatchKeeper, replay
@@ -28,6 +27,7 @@ from ampkit.errors import LossScaleCollapse
 from ampkit.optim import AmpOptimizer
 from ampkit.outcomes import Outcome
 from ampkit.precision import dtype_name
+from ampkit.version import ampkit_version
 
 
 class NumericsSession(Watch):
@@ -35,17 +35,29 @@ class NumericsSession(Watch):
 
     name = "ampkit doctor --numerics"
 
-    def __init__(self, acc: Accelerator, *, steps: int = 20, warmup: int = 0, stop: bool = False,
-                 subject: Result | None = None, on_done: Callable[[Result], None] | None = None) -> None:
+    def __init__(
+        self,
+        acc: Accelerator,
+        *,
+        steps: int = 20,
+        warmup: int = 0,
+        stop: bool = False,
+        subject: Result | None = None,
+        on_done: Callable[[Result], None] | None = None,
+    ) -> None:
         super().__init__(acc, steps=steps, warmup=warmup, stop=stop, subject=subject, on_done=on_done)
         check_counts(steps, warmup, "the optimizer steps to watch")
         if acc.compile_options is not None or acc.compile_stats.models:
-            raise DoctorError("the numerics doctor hooks every module, which a compiled forward would trace into its "
-                              "graph (recompiling it, with other kernels): diagnose with Accelerator(compile=False, "
-                              "cuda_graphs=False)")
+            raise DoctorError(
+                "the numerics doctor hooks every module, which a compiled forward would trace into its "
+                "graph (recompiling it, with other kernels): diagnose with Accelerator(compile=False, "
+                "cuda_graphs=False)"
+            )
         if acc.strategy == "fsdp":
-            raise DoctorError("the numerics doctor does not watch strategy='fsdp' (sharded parameters have no "
-                              "per-module values on one rank); run it without FSDP on a smaller model")
+            raise DoctorError(
+                "the numerics doctor does not watch strategy='fsdp' (sharded parameters have no "
+                "per-module values on one rank); run it without FSDP on a smaller model"
+            )
         self.watched_steps = 0
         self.outcomes: list[Outcome] = []  # the first optimizer's, from the watched steps
         self._census: RangeCensus | None = None
@@ -63,8 +75,12 @@ class NumericsSession(Watch):
     def _maybe_open(self, *_: Any, mid_step: bool = False) -> None:
         """Hooks on once the model and optimizer are prepared and the warm-up has passed: the watched
         window starts at the next forward (`mid_step`: at the next step's)."""
-        if self._census is not None or self.result is not None or self.seen_steps < self.warmup or not (
-                self.acc.models and self.acc.optimizers):
+        if (
+            self._census is not None
+            or self.result is not None
+            or self.seen_steps < self.warmup
+            or not (self.acc.models and self.acc.optimizers)
+        ):
             return
         self._partial = mid_step
         models = list(self.acc.models)
@@ -106,7 +122,13 @@ class NumericsSession(Watch):
         under accumulation, flag a loss that is the model's own divided by k (ampkit divides it again)."""
         model_loss, self._model_loss = self._model_loss, None
         k = acc.cycle.steps
-        if model_loss is not None and k > 1 and acc.cycle.divide_loss and loss is not model_loss and self.result is None:
+        if (
+            model_loss is not None
+            and k > 1
+            and acc.cycle.divide_loss
+            and loss is not model_loss
+            and self.result is None
+        ):
             self._divided.append(torch.isclose(loss.detach().float() * k, model_loss.detach().float()))
         self._maybe_open(mid_step=True)
         keeper = self._keeper
@@ -144,8 +166,9 @@ class NumericsSession(Watch):
         if not self._replayed and (skipped or nonfinite_loss):
             self._replayed = True
             what = "was skipped (overflow)" if skipped else "had an inf/NaN loss"
-            self._localized = self._replay(f"step {self.watched_steps} of the watched steps {what}",
-                                           applied=not skipped)
+            self._localized = self._replay(
+                f"step {self.watched_steps} of the watched steps {what}", applied=not skipped
+            )
         if self.watched_steps >= self.steps:
             self.done()
 
@@ -181,8 +204,11 @@ class NumericsSession(Watch):
                 try:
                     found = replay(capture, names, self.acc.device, weights)
                 except Exception as exc:  # a diagnosis must not end the training it watches
-                    found = {"forward": None, "backward": None,
-                             "note": f"the replay failed ({type(exc).__name__}: {exc}); training was not affected"}
+                    found = {
+                        "forward": None,
+                        "backward": None,
+                        "note": f"the replay failed ({type(exc).__name__}: {exc}); training was not affected",
+                    }
                 found.update({"trigger": trigger, "micro_batch": i})
                 if found["forward"] or found["backward"]:
                     break
@@ -210,33 +236,55 @@ class NumericsSession(Watch):
 
     def build(self) -> Result:
         if self._census is None or self.watched_steps == 0:
-            raise DoctorError(f"no step was watched: the loop ran {self.seen_steps} optimizer step(s) and the numerics "
-                              f"doctor lets the first {self.warmup} pass; run more steps or lower warmup")
+            raise DoctorError(
+                f"no step was watched: the loop ran {self.seen_steps} optimizer step(s) and the numerics "
+                f"doctor lets the first {self.warmup} pass; run more steps or lower warmup"
+            )
         acc = self.acc
         census = self._census.result(scaled=acc.scaler is not None)
         lost = self._lost.result() if self._lost is not None else None
         health = loss_scale_health(self.outcomes, acc, self._localized, census) if acc.scaler is not None else None
         result: Result = {
-            "schema_version": 1, "kind": "numerics", "ampkit_version": ampkit_version(), "torch": torch.__version__,
+            "schema_version": 1,
+            "kind": "numerics",
+            "ampkit_version": ampkit_version(),
+            "torch": torch.__version__,
             "subject": self.subject,
-            "device": {"device": str(acc.device), "precision": acc.policy.name,
-                       "param_dtype": dtype_name(acc.policy.param_dtype),
-                       "compute_dtype": dtype_name(acc.policy.compute_dtype)},
-            "steps": {"requested": self.steps, "warmup": self.warmup, "watched": self.watched_steps,
-                      "complete": self.watched_steps >= self.steps},
-            "census": census, "localizer": self._localized,
+            "device": {
+                "device": str(acc.device),
+                "precision": acc.policy.name,
+                "param_dtype": dtype_name(acc.policy.param_dtype),
+                "compute_dtype": dtype_name(acc.policy.compute_dtype),
+            },
+            "steps": {
+                "requested": self.steps,
+                "warmup": self.warmup,
+                "watched": self.watched_steps,
+                "complete": self.watched_steps >= self.steps,
+            },
+            "census": census,
+            "localizer": self._localized,
             "lost_updates": with_recommendation(lost, acc) if lost is not None else None,
-            "loss_scale": health, "findings": [], "notes": []}
+            "loss_scale": health,
+            "findings": [],
+            "notes": [],
+        }
         result["findings"] = findings(result)
         divided = int(torch.stack(self._divided).sum()) if self._divided else 0  # sync: once, after the watch
         if divided and divided == len(self._divided):
             k = acc.cycle.steps
-            result["findings"].insert(0, {
-                "id": "double-division", "title": f"the loss is divided by {k} twice: every gradient is {k}x too small",
-                "evidence": f"in all {divided} watched micro-steps acc.backward got the model's own loss / {k}, and "
-                            f"grad_accum_steps={k} divides it by {k} again",
-                "fix": "remove the loop's own `loss = loss / gradient_accumulation_steps` line (or pass divide_loss=False)"})
+            result["findings"].insert(
+                0,
+                {
+                    "id": "double-division",
+                    "title": f"the loss is divided by {k} twice: every gradient is {k}x too small",
+                    "evidence": f"in all {divided} watched micro-steps acc.backward got the model's own loss / {k}, and "
+                    f"grad_accum_steps={k} divides it by {k} again",
+                    "fix": "remove the loop's own `loss = loss / gradient_accumulation_steps` line (or pass divide_loss=False)",
+                },
+            )
         if acc.strategy == "ddp":
-            result["notes"].append("under DDP the doctor watches this rank's model; the replay runs the unwrapped "
-                                   "module")
+            result["notes"].append(
+                "under DDP the doctor watches this rank's model; the replay runs the unwrapped module"
+            )
         return result

@@ -14,20 +14,35 @@ import math
 import re
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 #: A kernel op whose name matches is matrix-multiply work: what Tensor Cores / AMX speed up.
-MATMUL_OPS = re.compile(r"(^|::)_?(addmm|mm|bmm|baddbmm|addbmm|addmv|mv|dot|vdot|matmul|linear|int_mm|scaled_mm)"
-                        r"(_|$)|conv|attention")
+MATMUL_OPS = re.compile(
+    r"(^|::)_?(addmm|mm|bmm|baddbmm|addbmm|addmv|mv|dot|vdot|matmul|linear|int_mm|scaled_mm)"
+    r"(_|$)|conv|attention"
+)
 
 _ELEMENT_BYTES = {
-    "float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "long": 8, "int": 4,
-    "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1, "c10::complex<float>": 8,
-    "c10::complex<double>": 16, "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1}
+    "float": 4,
+    "double": 8,
+    "c10::Half": 2,
+    "c10::BFloat16": 2,
+    "long int": 8,
+    "long": 8,
+    "int": 4,
+    "short int": 2,
+    "signed char": 1,
+    "unsigned char": 1,
+    "bool": 1,
+    "c10::complex<float>": 8,
+    "c10::complex<double>": 16,
+    "c10::Float8_e4m3fn": 1,
+    "c10::Float8_e5m2": 1,
+}
 
 _DATA_RANGE = "enumerate(DataLoader)"
 _DATA_OPS = {"aten::pin_memory", "aten::_pin_memory", "aten::is_pinned"}
@@ -46,7 +61,8 @@ def is_kernel(name: str, overload: str = "") -> bool:
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     try:
         if has(full, "CompositeImplicitAutograd") and not any(
-                has(full, key) for key in ("CPU", "CUDA", "CompositeExplicitAutograd")):
+            has(full, key) for key in ("CPU", "CUDA", "CompositeExplicitAutograd")
+        ):
             return False  # a decomposition into other ops: those are the kernels
     except RuntimeError:
         return False
@@ -55,9 +71,12 @@ def is_kernel(name: str, overload: str = "") -> bool:
 
 def _input_bytes(event: Any) -> list[int]:
     """The bytes of each input the profiler recorded for `event` (0 for one that is not a tensor)."""
-    return [math.prod(shape) * _ELEMENT_BYTES.get(str(dtype), 4)
-            if isinstance(shape, list) and shape and all(isinstance(s, int) for s in shape) else 0
-            for shape, dtype in zip(event.input_shapes or (), getattr(event, "input_dtypes", None) or ())]
+    return [
+        math.prod(shape) * _ELEMENT_BYTES.get(str(dtype), 4)
+        if isinstance(shape, list) and shape and all(isinstance(s, int) for s in shape)
+        else 0
+        for shape, dtype in zip(event.input_shapes or (), getattr(event, "input_dtypes", None) or ())
+    ]
 
 
 @dataclass(frozen=True)
@@ -138,8 +157,16 @@ class OpStats:
         for name, ks in self._by_name().items():
             median = statistics.median(k.us for k in ks)
             per_step = len(ks) / self.steps
-            rows.append({"name": name, "per_step": per_step, "us_per_step": per_step * median, "median_us": median,
-                         "share": per_step * median / total, "matmul": ks[0].matmul})
+            rows.append(
+                {
+                    "name": name,
+                    "per_step": per_step,
+                    "us_per_step": per_step * median,
+                    "median_us": median,
+                    "share": per_step * median / total,
+                    "matmul": ks[0].matmul,
+                }
+            )
         return sorted(rows, key=lambda r: r["us_per_step"], reverse=True)[:n]
 
 
@@ -193,9 +220,9 @@ def analyse(events: list[Any], steps: int) -> OpStats:
             continue
         inputs = _input_bytes(e)
         # the inputs and an output; a TensorList op (foreach) records no shapes: what its inner ops touched
-        moved = (sum(inputs) + max(inputs) if any(inputs)
-                 else sum(sum(_input_bytes(d)) for d in _descendants(e)))
-        kernels.append(KernelOp(e.name, float(e.cpu_time_total), flops.get(id(e), 0), moved,
-                                bool(MATMUL_OPS.search(e.name))))
+        moved = sum(inputs) + max(inputs) if any(inputs) else sum(sum(_input_bytes(d)) for d in _descendants(e))
+        kernels.append(
+            KernelOp(e.name, float(e.cpu_time_total), flops.get(id(e), 0), moved, bool(MATMUL_OPS.search(e.name)))
+        )
     cuda_us = float(sum(e.time_range.elapsed_us() for e in cuda))  # each kernel's own span on the device
     return OpStats(steps, tuple(kernels), total_flops, len(cuda) if cuda else None, cuda_us if cuda else None)

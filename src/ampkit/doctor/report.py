@@ -29,7 +29,7 @@ def subject_line(subject: Result) -> str:
     """The script and its arguments on one line, the arguments cut to `ARGV_WIDTH` characters."""
     args = " ".join(shlex.quote(a) for a in subject["argv"]).replace("\n", " ")
     if len(args) > ARGV_WIDTH:
-        args = args[:ARGV_WIDTH - 1].rstrip() + "…"
+        args = args[: ARGV_WIDTH - 1].rstrip() + "…"
     return subject["name"] + (" " + args if args else "")
 
 
@@ -41,8 +41,10 @@ def _title(r: Result) -> str:
 
 def _measured(r: Result) -> str:
     s = r["steps"]
-    line = (f"{s['profiled'] + s['timed']} steps measured after {s['warmup']} warm-up "
-            f"({s['profiled']} profiled, {s['timed']} timed)")
+    line = (
+        f"{s['profiled'] + s['timed']} steps measured after {s['warmup']} warm-up "
+        f"({s['profiled']} profiled, {s['timed']} timed)"
+    )
     return line if s["complete"] else line + f" — the loop ended before the {s['requested']} asked for"
 
 
@@ -62,25 +64,45 @@ def _bound_line(r: Result) -> str:
 
 def _phase_rows(r: Result, html: bool = False) -> list[list[str]]:
     widest = max((p["share"] for p in r["phases"]), default=0.0) or 1.0
-    return [[p["name"], seconds(p["seconds"]), f"{p['share']:.0%}",
-             f'<span class="bar" style="width:{12 * p["share"] / widest:.2f}rem"></span>' if html
-             else "█" * round(_BAR * p["share"] / widest)] for p in r["phases"]]
+    return [
+        [
+            p["name"],
+            seconds(p["seconds"]),
+            f"{p['share']:.0%}",
+            f'<span class="bar" style="width:{12 * p["share"] / widest:.2f}rem"></span>'
+            if html
+            else "█" * round(_BAR * p["share"] / widest),
+        ]
+        for p in r["phases"]
+    ]
 
 
 def _ops_line(r: Result) -> str:
     o = r["ops"]
-    line = (f"{count(o['per_step'])} kernel ops/step, mean {seconds(o['mean_us'] * 1e-6)}, {seconds(o['seconds_per_step'])}"
-            f"/step ({o['kernel_share']:.0%} of compute), {flop(o['flops_per_step'])}/step, "
-            f"matmul/conv/attention {o['matmul_share']:.0%} of kernel time")
+    line = (
+        f"{count(o['per_step'])} kernel ops/step, mean {seconds(o['mean_us'] * 1e-6)}, {seconds(o['seconds_per_step'])}"
+        f"/step ({o['kernel_share']:.0%} of compute), {flop(o['flops_per_step'])}/step, "
+        f"matmul/conv/attention {o['matmul_share']:.0%} of kernel time"
+    )
     if o["cuda_kernels_per_step"] is not None:
-        line += (f"; CUDA: {count(o['cuda_kernels_per_step'])} kernels/step, mean "
-                 f"{seconds((o['cuda_kernel_mean_us'] or 0) * 1e-6)} on the device")
+        line += (
+            f"; CUDA: {count(o['cuda_kernels_per_step'])} kernels/step, mean "
+            f"{seconds((o['cuda_kernel_mean_us'] or 0) * 1e-6)} on the device"
+        )
     return line
 
 
 def _op_rows(r: Result) -> list[list[str]]:
-    return [[t["name"], count(t["per_step"]), seconds(t["us_per_step"] * 1e-6), seconds(t["median_us"] * 1e-6),
-             f"{t['share']:.0%}"] for t in r["ops"]["top"]]
+    return [
+        [
+            t["name"],
+            count(t["per_step"]),
+            seconds(t["us_per_step"] * 1e-6),
+            seconds(t["median_us"] * 1e-6),
+            f"{t['share']:.0%}",
+        ]
+        for t in r["ops"]["top"]
+    ]
 
 
 def _sync_line(r: Result) -> str:
@@ -89,16 +111,28 @@ def _sync_line(r: Result) -> str:
         return "syncs: none in the measured steps"
     kind = "on the device" if s["real"] else "free on this CPU, each would make a GPU's host wait"
     occasional = sum(x["reads"] for x in s["sites"] if not x["every_step"])
-    extra = (f"; {count(occasional)} more in code that ran in only some of the {s['watched_steps']} watched steps "
-             f"(evaluation, logging)") if occasional else ""
+    extra = (
+        (
+            f"; {count(occasional)} more in code that ran in only some of the {s['watched_steps']} watched steps "
+            f"(evaluation, logging)"
+        )
+        if occasional
+        else ""
+    )
     return f"syncs: {count(s['per_step'])} per training step ({kind}){extra}"
 
 
 def _sync_rows(r: Result) -> list[list[str]]:
     watched = r["syncs"]["watched_steps"]
-    return [[where(s["file"], s["line"]), s["code"], s["call"] + (f" via {s['via']}" if s["via"] else ""),
-             count(s["per_step"]) if s["every_step"] else
-             f"{s['reads']} in {s['steps_seen']}/{watched} steps"] for s in r["syncs"]["sites"][:8]]
+    return [
+        [
+            where(s["file"], s["line"]),
+            s["code"],
+            s["call"] + (f" via {s['via']}" if s["via"] else ""),
+            count(s["per_step"]) if s["every_step"] else f"{s['reads']} in {s['steps_seen']}/{watched} steps",
+        ]
+        for s in r["syncs"]["sites"][:8]
+    ]
 
 
 def _advisor_rows(r: Result) -> list[list[str]]:
@@ -111,9 +145,17 @@ def _advisor_rows(r: Result) -> list[list[str]]:
     for gpu, (fp32, *mixed) in by_gpu.items():
         half = mixed[0] if mixed else None
         best = min([fp32, *mixed], key=lambda e: e["step_s"])
-        rows.append([gpu + (" *" if gpu == a["reference_gpu"] else ""), seconds(fp32["step_s"]),
-                     f"{seconds(half['step_s'])} ({half['dtype']})" if half else "", seconds(best["host_s"]),
-                     seconds(best["device_s"]), best["bound"], times(best["speedup"])])
+        rows.append(
+            [
+                gpu + (" *" if gpu == a["reference_gpu"] else ""),
+                seconds(fp32["step_s"]),
+                f"{seconds(half['step_s'])} ({half['dtype']})" if half else "",
+                seconds(best["host_s"]),
+                seconds(best["device_s"]),
+                best["bound"],
+                times(best["speedup"]),
+            ]
+        )
     return rows
 
 
@@ -148,22 +190,36 @@ def _renderables(r: Result) -> list[Any]:
     """The report top to bottom: what the terminal shows and `format_text` writes."""
     bound_style = "bold yellow" if r["bound"]["kind"] != "compute" else "bold green"
     lines: list[Any] = [
-        Text(_title(r), style="bold"), Text(_measured(r), style="dim"), Text(_step_line(r)),
+        Text(_title(r), style="bold"),
+        Text(_measured(r), style="dim"),
+        Text(_step_line(r)),
         Text(_bound_line(r), style=bound_style),
         _table("where the step goes (host time):", _PHASES, _phase_rows(r)),
-        Text(_ops_line(r)), _table("top kernel ops:", _OPS, _op_rows(r)), Text(_sync_line(r), style="bold")]
+        Text(_ops_line(r)),
+        _table("top kernel ops:", _OPS, _op_rows(r)),
+        Text(_sync_line(r), style="bold"),
+    ]
     if r["syncs"]["sites"]:
         lines.append(_table("", _SYNCS, _sync_rows(r)))
-    lines += [Text("device advisor (* = reference GPU; host, device and bound of the faster precision): "
-                   + r["advisor"]["verdict"], style="bold"),
-              _table("", _ADVISOR, _advisor_rows(r)),
-              Text("assumptions: " + r["advisor"]["assumptions"], style="dim"),
-              Text("\nfindings, ranked by estimated time saved:", style="bold")]
+    lines += [
+        Text(
+            "device advisor (* = reference GPU; host, device and bound of the faster precision): "
+            + r["advisor"]["verdict"],
+            style="bold",
+        ),
+        _table("", _ADVISOR, _advisor_rows(r)),
+        Text("assumptions: " + r["advisor"]["assumptions"], style="dim"),
+        Text("\nfindings, ranked by estimated time saved:", style="bold"),
+    ]
     if not r["findings"]:
         lines.append(Text("  none: nothing in the measured steps stands out"))
     for i, f in enumerate(r["findings"], 1):
-        lines += [Text(f"{i}. {f['title']}", style="bold cyan"), Text(f"   evidence: {f['evidence']}"),
-                  Text(f"   fix: {f['fix']}", style="green"), Text(f"   {_saving(f, r)}", style="dim")]
+        lines += [
+            Text(f"{i}. {f['title']}", style="bold cyan"),
+            Text(f"   evidence: {f['evidence']}"),
+            Text(f"   fix: {f['fix']}", style="green"),
+            Text(f"   {_saving(f, r)}", style="dim"),
+        ]
     return lines + [Text(f"note: {note}", style="dim") for note in r["notes"]]
 
 
@@ -194,26 +250,35 @@ _CSS = """
 """
 
 
-def _html_table(spec: tuple[list[str], tuple[int, ...]], rows: list[list[str]],
-                raw: tuple[int, ...] = ()) -> str:
+def _html_table(spec: tuple[list[str], tuple[int, ...]], rows: list[list[str]], raw: tuple[int, ...] = ()) -> str:
     header, numeric = spec
     head = "".join(f"<th>{escape(h)}</th>" for h in header)
     body = "".join(
-        "<tr>" + "".join(
+        "<tr>"
+        + "".join(
             f"<td{' class=n' if i in numeric else ''}>{c if i in raw else escape(c)}</td>" for i, c in enumerate(row)
-        ) + "</tr>" for row in rows)
+        )
+        + "</tr>"
+        for row in rows
+    )
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def render_html_section(r: Result) -> str:
     """The report as one self-contained `<section>` (scoped style, no scripts, no links), every value
     escaped: a file name or source line of the user's cannot inject markup."""
-    sync_rows = [[f"<code>{escape(cell)}</code>" if i < 2 else escape(cell) for i, cell in enumerate(row)]
-                 for row in _sync_rows(r)]
-    findings = "".join(
-        f"<li><strong>{escape(f['title'])}</strong><br><span class=muted>evidence:</span> {escape(f['evidence'])}"
-        f"<br><span class=muted>fix:</span> {escape(f['fix'])}<br><span class=muted>{escape(_saving(f, r))}</span></li>"
-        for f in r["findings"]) or "<li>none: nothing in the measured steps stands out</li>"
+    sync_rows = [
+        [f"<code>{escape(cell)}</code>" if i < 2 else escape(cell) for i, cell in enumerate(row)]
+        for row in _sync_rows(r)
+    ]
+    findings = (
+        "".join(
+            f"<li><strong>{escape(f['title'])}</strong><br><span class=muted>evidence:</span> {escape(f['evidence'])}"
+            f"<br><span class=muted>fix:</span> {escape(f['fix'])}<br><span class=muted>{escape(_saving(f, r))}</span></li>"
+            for f in r["findings"]
+        )
+        or "<li>none: nothing in the measured steps stands out</li>"
+    )
     parts = [
         f'<section class="ampkit-doctor"><style>{_CSS}</style>',
         f"<h2>{escape(_title(r))}</h2>",
@@ -233,7 +298,9 @@ def render_html_section(r: Result) -> str:
         f"<p>{escape(r['advisor']['verdict'])}</p>",
         _html_table(_ADVISOR, _advisor_rows(r)),
         f"<p class=muted>{escape(r['advisor']['assumptions'])}. Peaks: "
-        + "; ".join(f"{escape(g['name'])}: {escape(g['source'])}" for g in r["advisor"]["gpus"]) + "</p>",
+        + "; ".join(f"{escape(g['name'])}: {escape(g['source'])}" for g in r["advisor"]["gpus"])
+        + "</p>",
         *(f"<p class=muted>note: {escape(n)}</p>" for n in r["notes"]),
-        "</section>"]
+        "</section>",
+    ]
     return "\n".join(p for p in parts if p)

@@ -31,32 +31,55 @@ from ampkit.tasks import get_task
 
 
 # --- on a loop you already have ---------------------------------------------------------------
-def profile(acc: Accelerator, steps: int = 20, *, warmup: int = 5, gpu: str = "A100", report: bool = True,
-            on_done: Callable[[Result], None] | None = None) -> DoctorSession:
+def profile(
+    acc: Accelerator,
+    steps: int = 20,
+    *,
+    warmup: int = 5,
+    gpu: str = "A100",
+    report: bool = True,
+    on_done: Callable[[Result], None] | None = None,
+) -> DoctorSession:
     """Diagnose the next `steps` optimizer steps of `acc` (after `warmup`) while training goes on; then
     print the report (`report`) and leave `session.result` (`session.finish()` if the loop ends first)."""
-    return DoctorSession(acc, steps=steps, warmup=warmup, gpu=gpu, on_done=_then(render_report if report else None,
-                                                                                   on_done))
+    return DoctorSession(
+        acc, steps=steps, warmup=warmup, gpu=gpu, on_done=_then(render_report if report else None, on_done)
+    )
 
 
-def numerics(acc: Accelerator, steps: int = 20, *, warmup: int = 0, report: bool = True,
-             on_done: Callable[[Result], None] | None = None) -> NumericsSession:
+def numerics(
+    acc: Accelerator,
+    steps: int = 20,
+    *,
+    warmup: int = 0,
+    report: bool = True,
+    on_done: Callable[[Result], None] | None = None,
+) -> NumericsSession:
     """Watch the next `steps` optimizer steps of `acc` for numerical trouble while training goes on; as
     `profile`, and usable as a context manager (`with numerics(acc, 5) as s:`)."""
-    return NumericsSession(acc, steps=steps, warmup=warmup,
-                           on_done=_then((lambda r: print(format_text(r))) if report else None, on_done))
+    return NumericsSession(
+        acc, steps=steps, warmup=warmup, on_done=_then((lambda r: print(format_text(r))) if report else None, on_done)
+    )
 
 
 def _then(*calls: Callable[[Result], Any] | None) -> Callable[[Result], None]:
     def done(result: Result) -> None:
         for call in filter(None, calls):
             call(result)
+
     return done
 
 
 # --- on a user's script ---------------------------------------------------------------------------
-def diagnose_script(script: str | Path, args: Sequence[str] = (), *, steps: int = 20, warmup: int = 5,
-                    gpu: str = "A100", bench: bool = True) -> Result:
+def diagnose_script(
+    script: str | Path,
+    args: Sequence[str] = (),
+    *,
+    steps: int = 20,
+    warmup: int = 5,
+    gpu: str = "A100",
+    bench: bool = True,
+) -> Result:
     """Run `script` with `args` until `warmup + steps` optimizer steps, and diagnose them (`DOCTOR_SCHEMA`).
 
     FileNotFoundError for a missing script, `DoctorError` when it creates no Accelerator or ends
@@ -65,15 +88,22 @@ def diagnose_script(script: str | Path, args: Sequence[str] = (), *, steps: int 
     check_counts(steps, warmup)  # before running anything
     advisor.find_gpu(gpu)
     subject = _subject("script", str(script), args)
-    session = run_script(script, args, lambda acc: DoctorSession(acc, steps=steps, warmup=warmup, gpu=gpu, stop=True,
-                                                                 subject=subject, bench=bench))
+    session = run_script(
+        script,
+        args,
+        lambda acc: DoctorSession(acc, steps=steps, warmup=warmup, gpu=gpu, stop=True, subject=subject, bench=bench),
+    )
     if session is None:
-        raise DoctorError(f"{script} finished without creating an ampkit.Accelerator: the doctor watches the "
-                          f"first Accelerator a script creates (see the README's four-line conversion)")
+        raise DoctorError(
+            f"{script} finished without creating an ampkit.Accelerator: the doctor watches the "
+            f"first Accelerator a script creates (see the README's four-line conversion)"
+        )
     if session.result is None and session.seen_steps == 0:
         session.close()
-        raise DoctorError(f"{script} created an Accelerator but ran no optimizer step through a prepared "
-                          f"optimizer: the doctor counts steps at optimizer.step() of acc.prepare()'s optimizer")
+        raise DoctorError(
+            f"{script} created an Accelerator but ran no optimizer step through a prepared "
+            f"optimizer: the doctor counts steps at optimizer.step() of acc.prepare()'s optimizer"
+        )
     return _finish(session)
 
 
@@ -82,12 +112,15 @@ def numerics_script(script: str | Path, args: Sequence[str] = (), *, steps: int 
     check_script(script)
     check_counts(steps, warmup, "the optimizer steps to watch")
     subject = _subject("script", str(script), args)
-    session = run_script(script, args, lambda acc: NumericsSession(acc, steps=steps, warmup=warmup, stop=True,
-                                                                   subject=subject))
+    session = run_script(
+        script, args, lambda acc: NumericsSession(acc, steps=steps, warmup=warmup, stop=True, subject=subject)
+    )
     if session is None or not (session.acc.models and session.acc.optimizers):
         _close(session)
-        raise DoctorError(f"{script} created no ampkit.Accelerator with a prepared model and optimizer: the numerics "
-                          f"doctor watches the first Accelerator a script creates (acc.prepare(model, optimizer))")
+        raise DoctorError(
+            f"{script} created no ampkit.Accelerator with a prepared model and optimizer: the numerics "
+            f"doctor watches the first Accelerator a script creates (acc.prepare(model, optimizer))"
+        )
     return _finish(session)
 
 
@@ -160,58 +193,105 @@ def _finish(session: Watch) -> Result:
 
 
 # --- on a built-in task ---------------------------------------------------------------------------
-def diagnose_task(task: str = "iris-mlp", *, steps: int = 20, warmup: int = 5, gpu: str = "A100",
-                  precision: str = "auto", device: str = "auto", batch_size: int | None = None, seed: int = 0,
-                  bench: bool = True) -> Result:
+def diagnose_task(
+    task: str = "iris-mlp",
+    *,
+    steps: int = 20,
+    warmup: int = 5,
+    gpu: str = "A100",
+    precision: str = "auto",
+    device: str = "auto",
+    batch_size: int | None = None,
+    seed: int = 0,
+    bench: bool = True,
+) -> Result:
     """Train the built-in `task` for `warmup + steps` steps under the doctor; return the result."""
     check_counts(steps, warmup)
     advisor.find_gpu(gpu)
     subject = _subject("task", task)
-    return _train_task(task, lambda acc: DoctorSession(acc, steps=steps, warmup=warmup, gpu=gpu, stop=True,
-                                                       subject=subject, bench=bench),
-                       precision=precision, device=device, batch_size=batch_size, seed=seed)
+    return _train_task(
+        task,
+        lambda acc: DoctorSession(acc, steps=steps, warmup=warmup, gpu=gpu, stop=True, subject=subject, bench=bench),
+        precision=precision,
+        device=device,
+        batch_size=batch_size,
+        seed=seed,
+    )
 
 
-def numerics_task(task: str = "iris-mlp", *, steps: int = 20, warmup: int = 0, precision: str = "auto",
-                  device: str = "auto", batch_size: int | None = None, seed: int = 0,
-                  keep_fp32: Sequence[str] = ()) -> Result:
+def numerics_task(
+    task: str = "iris-mlp",
+    *,
+    steps: int = 20,
+    warmup: int = 0,
+    precision: str = "auto",
+    device: str = "auto",
+    batch_size: int | None = None,
+    seed: int = 0,
+    keep_fp32: Sequence[str] = (),
+) -> Result:
     """Train the built-in `task` for `warmup + steps` steps under the numerics doctor; return the result."""
     check_counts(steps, warmup, "the optimizer steps to watch")
     subject = _subject("task", task)
-    return _train_task(task, lambda acc: NumericsSession(acc, steps=steps, warmup=warmup, stop=True, subject=subject),
-                       precision=precision, device=device, batch_size=batch_size, seed=seed, keep_fp32=keep_fp32)
+    return _train_task(
+        task,
+        lambda acc: NumericsSession(acc, steps=steps, warmup=warmup, stop=True, subject=subject),
+        precision=precision,
+        device=device,
+        batch_size=batch_size,
+        seed=seed,
+        keep_fp32=keep_fp32,
+    )
 
 
-def numerics_train_fn(train_fn: Callable[[Accelerator], Any], *, steps: int = 20, precision: str = "auto",
-                      device: str | torch.device = "auto", accelerator_kwargs: dict[str, Any] | None = None) -> Result:
+def numerics_train_fn(
+    train_fn: Callable[[Accelerator], Any],
+    *,
+    steps: int = 20,
+    precision: str = "auto",
+    device: str | torch.device = "auto",
+    accelerator_kwargs: dict[str, Any] | None = None,
+) -> Result:
     """Run `train_fn(acc)` (a loop as `ampkit.compare` takes it) under the numerics doctor for `steps` steps.
 
     The hooks go on once `train_fn` has prepared a model and an optimizer; a loop that ends before
     the last watched step gives a partial result.
     """
     check_counts(steps, 0, "the optimizer steps to watch")
-    acc = Accelerator(precision=precision, device=device, **{"grad_accum_steps": 1, "compile": False, **(accelerator_kwargs or {})})
+    acc = Accelerator(
+        precision=precision, device=device, **{"grad_accum_steps": 1, "compile": False, **(accelerator_kwargs or {})}
+    )
     subject = _subject("loop", getattr(train_fn, "__name__", "train_fn"))
     session = NumericsSession(acc, steps=steps, stop=True, subject=subject)
     _train(lambda: train_fn(acc), [session])
     if not (acc.models and acc.optimizers):
         session.close()
-        raise DoctorError(f"{subject['name']} prepared no model and optimizer (acc.prepare(model, optimizer)): "
-                          f"the numerics doctor had nothing to watch")
+        raise DoctorError(
+            f"{subject['name']} prepared no model and optimizer (acc.prepare(model, optimizer)): "
+            f"the numerics doctor had nothing to watch"
+        )
     return _finish(session)
 
 
-def _train_task(task: str, start: Callable[[Accelerator], Watch], *, precision: str = "auto", device: str = "auto",
-                batch_size: int | None = None, seed: int = 0, keep_fp32: Sequence[str] = ()) -> Result:
+def _train_task(
+    task: str,
+    start: Callable[[Accelerator], Watch],
+    *,
+    precision: str = "auto",
+    device: str = "auto",
+    batch_size: int | None = None,
+    seed: int = 0,
+    keep_fp32: Sequence[str] = (),
+) -> Result:
     """Train the built-in `task` under the session `start(acc)` makes once it is prepared."""
     spec = get_task(task)
     data = spec.make_data(seed, batch_size or spec.default_batch_size)
     torch.manual_seed(seed)
-    acc = Accelerator(precision=precision, device=device, keep_fp32=list(keep_fp32), grad_accum_steps=1,
-                      compile=False)
+    acc = Accelerator(precision=precision, device=device, keep_fp32=list(keep_fp32), grad_accum_steps=1, compile=False)
     model = spec.make_model(seed)
-    model, optimizer, loader = acc.prepare(model, spec.make_optimizer(model.parameters(), spec.default_lr),
-                                           data.train_loader)
+    model, optimizer, loader = acc.prepare(
+        model, spec.make_optimizer(model.parameters(), spec.default_lr), data.train_loader
+    )
     session = start(acc)
     _train(lambda: collections.deque(spec.training(acc, model, optimizer, loader), maxlen=0), [session])
     return session.finish()

@@ -100,8 +100,10 @@ class PhaseClock(Listener):
         return out
 
     def hook(self, stack: contextlib.ExitStack) -> None:
-        for handle in (nn.modules.module.register_module_forward_pre_hook(self._forward_pre),
-                       nn.modules.module.register_module_forward_hook(self._forward_post, always_call=True)):
+        for handle in (
+            nn.modules.module.register_module_forward_pre_hook(self._forward_pre),
+            nn.modules.module.register_module_forward_hook(self._forward_post, always_call=True),
+        ):
             stack.callback(handle.remove)
 
     def add(self, phase: str, seconds: float) -> None:
@@ -174,9 +176,18 @@ class DoctorSession(Watch):
     `MAX_PROFILED_STEPS`, profiled). `gpu`: the GPU findings quote (`advisor.GPUS`); `bench`: measure
     this device's matmul peak and bandwidth (else the figures that need them are "unknown")."""
 
-    def __init__(self, acc: Accelerator, *, steps: int = 20, warmup: int = 5, gpu: str = "A100",
-                 stop: bool = False, subject: Result | None = None,
-                 on_done: Callable[[Result], None] | None = None, bench: bool = True) -> None:
+    def __init__(
+        self,
+        acc: Accelerator,
+        *,
+        steps: int = 20,
+        warmup: int = 5,
+        gpu: str = "A100",
+        stop: bool = False,
+        subject: Result | None = None,
+        on_done: Callable[[Result], None] | None = None,
+        bench: bool = True,
+    ) -> None:
         super().__init__(acc, steps=steps, warmup=warmup, stop=stop, subject=subject, on_done=on_done)
         check_counts(steps, warmup)
         self.gpu = advisor.find_gpu(gpu)
@@ -208,8 +219,9 @@ class DoctorSession(Watch):
             seconds, samples, batch_bytes = self.clock.take()
             if self._window == "profiled":
                 self.syncs.step += 1  # the reads from here on belong to the next step
-            self.rows[self._window].append({"host_s": now - self._step_start, "phases": seconds,
-                                             "samples": samples, "batch_bytes": batch_bytes})
+            self.rows[self._window].append(
+                {"host_s": now - self._step_start, "phases": seconds, "samples": samples, "batch_bytes": batch_bytes}
+            )
             if self.acc.device.type == "cuda" and self._window == "timed":
                 self.cuda_marks.append(_cuda_mark())
         if self._window == "warmup" and self.seen_steps >= self.warmup:
@@ -236,8 +248,7 @@ class DoctorSession(Watch):
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             with warnings.catch_warnings(), quiet_kineto():
                 warnings.simplefilter("ignore")  # kineto's start-up chatter is not the user's business
-                self._profiler = torch.profiler.profile(activities=activities, record_shapes=True,
-                                                        with_flops=True)
+                self._profiler = torch.profiler.profile(activities=activities, record_shapes=True, with_flops=True)
                 self._profiler.start()
             self.syncs.active = True
         elif window == "timed" and self.acc.device.type == "cuda":
@@ -271,6 +282,8 @@ class DoctorSession(Watch):
 
     def build(self) -> Result:
         if not self.rows["profiled"]:
-            raise DoctorError(f"no step was measured: the loop ran {self.seen_steps} optimizer step(s) and the doctor "
-                              f"skips the first {self.warmup} as warm-up; run more steps or lower warmup")
+            raise DoctorError(
+                f"no step was measured: the loop ran {self.seen_steps} optimizer step(s) and the doctor "
+                f"skips the first {self.warmup} as warm-up; run more steps or lower warmup"
+            )
         return Analysis(self).result()

@@ -30,11 +30,35 @@ from torch.overrides import TorchFunctionMode
 #: `torch.Tensor` methods that read a tensor's value on the host. `__repr__`/`__format__` cover
 #: `print(t)`, `str(t)` and f-strings.
 SYNC_METHODS: tuple[str, ...] = (
-    "item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy", "__repr__", "__format__")
+    "item",
+    "__float__",
+    "__int__",
+    "__bool__",
+    "tolist",
+    "cpu",
+    "numpy",
+    "__repr__",
+    "__format__",
+)
 _READS = {getattr(torch.Tensor, name): name for name in SYNC_METHODS}
 #: Factories whose result lives where `device=` says: on the host when it is not given.
-_FACTORIES = frozenset(getattr(torch, name) for name in (
-    "zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", "linspace", "rand", "randn", "randint", "eye"))
+_FACTORIES = frozenset(
+    getattr(torch, name)
+    for name in (
+        "zeros",
+        "ones",
+        "empty",
+        "full",
+        "tensor",
+        "as_tensor",
+        "arange",
+        "linspace",
+        "rand",
+        "randn",
+        "randint",
+        "eye",
+    )
+)
 _MOVES = frozenset((torch.Tensor.to, torch.Tensor.cuda))  # an explicit move: the result is the script's device's
 
 _CUDA_SYNC_MESSAGE = "called a synchronizing CUDA operation"
@@ -47,7 +71,8 @@ _DISPATCH = (os.path.join(_TORCH_DIR, "overrides.py"), os.path.join(_TORCH_DIR, 
 _LIBRARY_DIRS = tuple(
     os.path.realpath(p) + os.sep
     for key in ("stdlib", "platstdlib", "purelib", "platlib")
-    if (p := sysconfig.get_paths().get(key)))
+    if (p := sysconfig.get_paths().get(key))
+)
 
 
 @dataclass(frozen=True)
@@ -62,8 +87,10 @@ class SyncSite:
 
 
 def _is_library(filename: str) -> bool:
-    return (filename.startswith(("<", _TORCH_DIR, _AMPKIT_DIR))  # "<": <frozen runpy>, <string>
-            or os.path.realpath(filename).startswith(_LIBRARY_DIRS))
+    return (
+        filename.startswith(("<", _TORCH_DIR, _AMPKIT_DIR))  # "<": <frozen runpy>, <string>
+        or os.path.realpath(filename).startswith(_LIBRARY_DIRS)
+    )
 
 
 def _outside(frame: FrameType | None, dirs: tuple[str, ...]) -> FrameType | None:
@@ -80,7 +107,7 @@ def locate(frame: FrameType | None, call: str, skip: tuple[str, ...] = (DOCTOR_D
     if frame is None or frame.f_code.co_filename.startswith(_TORCH_DIR):
         return None
     name = frame.f_code.co_filename
-    via = f"ampkit/{name[len(_AMPKIT_DIR):]}:{frame.f_lineno}" if name.startswith(_AMPKIT_DIR) else None
+    via = f"ampkit/{name[len(_AMPKIT_DIR) :]}:{frame.f_lineno}" if name.startswith(_AMPKIT_DIR) else None
     user = frame
     while user is not None and _is_library(user.f_code.co_filename):
         user = user.f_back
@@ -94,8 +121,11 @@ def locate(frame: FrameType | None, call: str, skip: tuple[str, ...] = (DOCTOR_D
 
 def _caller(frame: FrameType | None, name: str) -> FrameType | None:
     """The frame that called tensor function `name`, past torch's Python dispatch of it."""
-    while frame is not None and frame.f_code.co_filename in _DISPATCH and (
-            frame.f_code.co_name in ("handle_torch_function", name)):
+    while (
+        frame is not None
+        and frame.f_code.co_filename in _DISPATCH
+        and (frame.f_code.co_name in ("handle_torch_function", name))
+    ):
         frame = frame.f_back
     return frame
 
@@ -141,8 +171,13 @@ class SyncWatcher:
     (inside the data loader); frames under `skip` are the owner's, never a site.
     """
 
-    def __init__(self, device: torch.device, ignore: Callable[[], bool] = lambda: False,
-                 skip: tuple[str, ...] = (DOCTOR_DIR,), host_born: bool = False) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        ignore: Callable[[], bool] = lambda: False,
+        skip: tuple[str, ...] = (DOCTOR_DIR,),
+        host_born: bool = False,
+    ) -> None:
         self.device = device
         self.active = False
         self.sites: Counter[SyncSite] = Counter()
@@ -157,7 +192,6 @@ class SyncWatcher:
         self.log: list[warnings.WarningMessage] | None = None  # warnings recorded while the debugger is on
         self._mode: _Mode | None = None
         self._stack = contextlib.ExitStack()  # the CUDA sync debugger's settings, undone by `uninstall`
-
 
     def install(self) -> None:
         if self._mode is not None:
@@ -229,8 +263,7 @@ class SyncWatcher:
         self.log = self._stack.enter_context(warnings.catch_warnings(record=True))
         warnings.filterwarnings("always", message=f".*{_CUDA_SYNC_MESSAGE}.*")
 
-    def cuda_syncs(self, log: list[warnings.WarningMessage], start: int, frame: FrameType | None,
-                   quiet: bool) -> None:
+    def cuda_syncs(self, log: list[warnings.WarningMessage], start: int, frame: FrameType | None, quiet: bool) -> None:
         """Count the sync warnings `log[start:]` at `frame`'s site; `quiet`: already counted (or muted)."""
         kept = [w for w in log[start:] if _CUDA_SYNC_MESSAGE not in str(w.message)]
         if not quiet and len(kept) < len(log) - start:

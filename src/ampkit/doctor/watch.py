@@ -52,8 +52,16 @@ class Watch(Listener):
     #: Its name in messages; one session of each name watches a process at a time.
     name = "ampkit doctor"
 
-    def __init__(self, acc: Accelerator, *, steps: int, warmup: int, stop: bool = False,
-                 subject: Result | None = None, on_done: Callable[[Result], None] | None = None) -> None:
+    def __init__(
+        self,
+        acc: Accelerator,
+        *,
+        steps: int,
+        warmup: int,
+        stop: bool = False,
+        subject: Result | None = None,
+        on_done: Callable[[Result], None] | None = None,
+    ) -> None:
         if not isinstance(acc, Accelerator):
             raise TypeError(f"{self.name} watches an ampkit.Accelerator; got {type(acc).__name__}")
         self.acc, self.steps, self.warmup, self.stop = acc, steps, warmup, stop
@@ -103,9 +111,11 @@ class Watch(Listener):
         self.backwards += 1
         if self.acc.optimizers or self.backwards != NO_OPTIMIZER_AFTER * self.acc.cycle.steps:
             return
-        message = (f"{self.name}: {self.backwards} backward passes ran and no optimizer was prepared: the doctor "
-                   f"counts steps at optimizer.step() of the optimizer acc.prepare() returns, so it would watch "
-                   f"nothing; prepare the optimizer: model, optimizer = acc.prepare(model, optimizer)")
+        message = (
+            f"{self.name}: {self.backwards} backward passes ran and no optimizer was prepared: the doctor "
+            f"counts steps at optimizer.step() of the optimizer acc.prepare() returns, so it would watch "
+            f"nothing; prepare the optimizer: model, optimizer = acc.prepare(model, optimizer)"
+        )
         if self.stop:  # the doctor runs the script: end it now rather than after its whole training
             self.close()
             raise DoctorError(message)
@@ -125,8 +135,11 @@ class Watch(Listener):
             if self.stop:
                 raise
             # Watching a live run: a failed diagnosis must not end the training (the hooks are off).
-            warnings.warn(f"{self.name}: the diagnosis failed ({type(exc).__name__}: {exc}); training goes on",
-                          RuntimeWarning, stacklevel=4)
+            warnings.warn(
+                f"{self.name}: the diagnosis failed ({type(exc).__name__}: {exc}); training goes on",
+                RuntimeWarning,
+                stacklevel=4,
+            )
             return
         if self.on_done is not None:
             self.on_done(result)

@@ -9,9 +9,24 @@
 measures latency, file size, peak memory and the held-out metric (`ampkit export --task NAME`).
 """
 
-from ampkit.exporter import PRECISIONS, SUPPORTED, ExportError, Exported, export, fp32_copy, load
 from ampkit.export.measure import auto_choice, measure
 from ampkit.export.report import SCHEMA, InferenceReport, InferenceRow, format_text, render_html_section, write
+from ampkit.exporter import PRECISIONS, SUPPORTED, Exported, ExportError, export, fp32_copy, load
 
-__all__ = ["PRECISIONS", "SCHEMA", "SUPPORTED", "ExportError", "Exported", "InferenceReport", "InferenceRow",
-           "auto_choice", "export", "format_text", "fp32_copy", "load", "measure", "render_html_section", "write"]
+__all__ = [
+    "PRECISIONS",
+    "SCHEMA",
+    "SUPPORTED",
+    "ExportError",
+    "Exported",
+    "InferenceReport",
+    "InferenceRow",
+    "auto_choice",
+    "export",
+    "format_text",
+    "fp32_copy",
+    "load",
+    "measure",
+    "render_html_section",
+    "write",
+]

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from ampkit.accelerator import Accelerator
-from ampkit.exporter import PRECISIONS, RUNTIME, SUFFIX, Exported, export, load
 from ampkit.export.report import InferenceReport, InferenceRow, check_out, verdict, write
+from ampkit.exporter import PRECISIONS, RUNTIME, SUFFIX, Exported, export, load
 from ampkit.hardware import capability, describe, proc_field
 from ampkit.tasks import get_task
 
@@ -49,7 +49,10 @@ def auto_choice(device: torch.device | str = "cpu") -> tuple[str, str]:
     support = capability(device)
     if device.type != "cpu":
         if support.bf16_fast:
-            return "bf16", f"{support.device} runs bf16 in hardware ({support.source}): no overflow risk, half the bytes"
+            return (
+                "bf16",
+                f"{support.device} runs bf16 in hardware ({support.source}): no overflow risk, half the bytes",
+            )
         if support.fp16_fast:
             return "fp16", f"{support.device} runs fp16 in hardware ({support.source})"
         return "fp32", f"{support.device} has no fast bf16 or fp16 ({support.source})"
@@ -60,8 +63,9 @@ def auto_choice(device: torch.device | str = "cpu") -> tuple[str, str]:
         return "int8", f"CPU has {' and '.join(have)}: int8 dot-product instructions for int8 linear layers"
     if support.bf16_fast:
         return "bf16", f"{support.device}: bf16 matmul instructions, but no VNNI/AMX int8 ones"
-    return "fp32", ("CPU has neither VNNI/AMX int8 instructions nor avx512_bf16/amx_bf16: "
-                    "int8 and bf16 gain little or lose here")
+    return "fp32", (
+        "CPU has neither VNNI/AMX int8 instructions nor avx512_bf16/amx_bf16: int8 and bf16 gain little or lose here"
+    )
 
 
 def _median_times(calls: dict, rounds: int) -> dict:
@@ -78,9 +82,11 @@ def _median_times(calls: dict, rounds: int) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-MEMORY_METHOD = ("peak RSS of a fresh process (Linux VmHWM) while it loads the file and runs one throughput batch, "
-                 "minus its RSS just before (after a warm-up with the same runtime's fp32 export on 2 rows, so that "
-                 "the runtime's own lazy imports are not counted)")
+MEMORY_METHOD = (
+    "peak RSS of a fresh process (Linux VmHWM) while it loads the file and runs one throughput batch, "
+    "minus its RSS just before (after a warm-up with the same runtime's fp32 export on 2 rows, so that "
+    "the runtime's own lazy imports are not counted)"
+)
 
 
 def peak_child(path: str, shape: str, dtype: str, warm: str) -> None:
@@ -100,8 +106,13 @@ def _peak_rss(path: Path, batch: torch.Tensor, warm: Path) -> int | None:
     code = "import sys; from ampkit.export.measure import peak_child; peak_child(*sys.argv[1:])"
     shape = ",".join(map(str, batch.shape))
     try:
-        done = subprocess.run([sys.executable, "-c", code, str(path), shape, str(batch.dtype).split(".")[1], str(warm)],
-                              capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(path), shape, str(batch.dtype).split(".")[1], str(warm)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     lines = done.stdout.split()
@@ -113,9 +124,18 @@ def _predictions(run: Callable[[torch.Tensor], torch.Tensor], inputs: torch.Tens
     return torch.cat([run(x).argmax(-1).flatten() for x in inputs.split(256)])
 
 
-def measure(task: str = "digits-cnn", precisions: Sequence[str] = PRECISIONS,
-            backends: Sequence[str] = ("torch", "onnx"), out: str | Path | None = None, *, steps: int | None = None,
-            seed: int = 0, rounds: int = 7, throughput_batch: int | None = None, threads: int | None = None) -> InferenceReport:
+def measure(
+    task: str = "digits-cnn",
+    precisions: Sequence[str] = PRECISIONS,
+    backends: Sequence[str] = ("torch", "onnx"),
+    out: str | Path | None = None,
+    *,
+    steps: int | None = None,
+    seed: int = 0,
+    rounds: int = 7,
+    throughput_batch: int | None = None,
+    threads: int | None = None,
+) -> InferenceReport:
     """Train `task` in fp32 (`steps`, default the task's), export it in each of `precisions` with each of
     `backends` and measure every export against the same runtime's fp32 export and the fp32 PyTorch model.
 
@@ -135,8 +155,16 @@ def measure(task: str = "digits-cnn", precisions: Sequence[str] = PRECISIONS,
         torch.set_num_threads(previous)
 
 
-def _measure(task: str, precisions: Sequence[str], backends: Sequence[str], out: str | Path | None, steps: int | None,
-             seed: int, rounds: int, throughput_batch: int | None) -> InferenceReport:
+def _measure(
+    task: str,
+    precisions: Sequence[str],
+    backends: Sequence[str],
+    out: str | Path | None,
+    steps: int | None,
+    seed: int,
+    rounds: int,
+    throughput_batch: int | None,
+) -> InferenceReport:
     if not precisions or any(p not in PRECISIONS for p in precisions):
         raise ValueError(f"precisions={list(precisions)!r}: expected some of {', '.join(PRECISIONS)}")
     if not backends or any(b not in RUNTIME for b in backends):
@@ -165,10 +193,18 @@ def _measure(task: str, precisions: Sequence[str], backends: Sequence[str], out:
     rows: dict[tuple[str, str], InferenceRow] = {}
     for backend in backends:
         for precision in order:
-            rows[backend, precision] = row = InferenceRow(precision=precision, backend=backend, runtime=RUNTIME[backend])
+            rows[backend, precision] = row = InferenceRow(
+                precision=precision, backend=backend, runtime=RUNTIME[backend]
+            )
             try:
-                exported = export(model, inputs[:batch_n], precision, backend,
-                                  folder / f"{task}-{precision}{SUFFIX[backend]}", acc=acc)
+                exported = export(
+                    model,
+                    inputs[:batch_n],
+                    precision,
+                    backend,
+                    folder / f"{task}-{precision}{SUFFIX[backend]}",
+                    acc=acc,
+                )
             except (ValueError, ImportError) as err:
                 row.error = re.sub(r"\s+", " ", str(err))
                 continue
@@ -179,28 +215,50 @@ def _measure(task: str, precisions: Sequence[str], backends: Sequence[str], out:
             row.metric_change = ratio * 100
             row.agreement = (_predictions(exported.run, inputs) == eager).float().mean().item()  # sync: a report figure
     one, many = inputs[:1], inputs[:batch_n]
-    calls = {(*k, b): ((lambda e=e, x=x: e.run(x)), n) for k, e in exports.items() for b, x, n in (("1", one, 10), ("n", many, 1))}
+    calls = {
+        (*k, b): ((lambda e=e, x=x: e.run(x)), n)
+        for k, e in exports.items()
+        for b, x, n in (("1", one, 10), ("n", many, 1))
+    }
     medians = _median_times(calls, rounds)
     for (backend, precision), row in rows.items():
         if (backend, precision) not in exports:
             continue
         row.latency_b1_s, row.latency_batch_s = medians[backend, precision, "1"], medians[backend, precision, "n"]
-        row.peak_rss_bytes = _peak_rss(exports[backend, precision].path, many, exports.get((backend, "fp32"), exports[backend, precision]).path)
+        row.peak_rss_bytes = _peak_rss(
+            exports[backend, precision].path, many, exports.get((backend, "fp32"), exports[backend, precision]).path
+        )
         base = rows[backend, "fp32"]
         if base.latency_b1_s is not None and precision != "fp32":
             row.speedup_b1 = base.latency_b1_s / row.latency_b1_s
             row.speedup_batch = base.latency_batch_s / row.latency_batch_s
             row.smaller = base.size_bytes / row.size_bytes
-    tolerable = [r for r in rows.values() if r.latency_batch_s is not None and math.isfinite(r.metric_change)
-                 and (-r.metric_change if the_task.higher_is_better else r.metric_change) <= TOLERANCE]
+    tolerable = [
+        r
+        for r in rows.values()
+        if r.latency_batch_s is not None
+        and math.isfinite(r.metric_change)
+        and (-r.metric_change if the_task.higher_is_better else r.metric_change) <= TOLERANCE
+    ]
     best = min(tolerable, key=lambda r: r.latency_batch_s, default=None)
     auto, reason = auto_choice("cpu")
     report = InferenceReport(
-        task=task, metric=the_task.metric, higher_is_better=the_task.higher_is_better, device="cpu",
-        device_name=describe(torch.device("cpu"))["device_name"], threads=torch.get_num_threads(), steps=steps,
-        throughput_batch=batch_n, rounds=rounds, memory_method=MEMORY_METHOD, fp32_metric=fp32_metric,
-        auto_precision=auto, auto_reason=reason,
-        measured_best=f"{best.precision} ({best.runtime})" if best else None, rows=list(rows.values()))
+        task=task,
+        metric=the_task.metric,
+        higher_is_better=the_task.higher_is_better,
+        device="cpu",
+        device_name=describe(torch.device("cpu"))["device_name"],
+        threads=torch.get_num_threads(),
+        steps=steps,
+        throughput_batch=batch_n,
+        rounds=rounds,
+        memory_method=MEMORY_METHOD,
+        fp32_metric=fp32_metric,
+        auto_precision=auto,
+        auto_reason=reason,
+        measured_best=f"{best.precision} ({best.runtime})" if best else None,
+        rows=list(rows.values()),
+    )
     for row in report.rows:
         row.verdict = verdict(report, row)
     if out is not None:

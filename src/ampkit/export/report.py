@@ -25,16 +25,24 @@ class InferenceRow:
     runtime: str = field("what serves it: torch.export or onnxruntime")
     verdict: str = field("one line for people", default="")
     latency_b1_s: float | None = field("median seconds per batch of 1 over interleaved rounds", default=None, minimum=0)
-    latency_batch_s: float | None = field("median seconds per throughput batch over interleaved rounds", default=None, minimum=0)
+    latency_batch_s: float | None = field(
+        "median seconds per throughput batch over interleaved rounds", default=None, minimum=0
+    )
     size_bytes: int | None = field("the exported file's size", default=None, minimum=0)
-    peak_rss_bytes: int | None = field("peak resident-memory growth while loading the file and running one "
-                                       "throughput batch (see memory_method)", default=None)
+    peak_rss_bytes: int | None = field(
+        "peak resident-memory growth while loading the file and running one throughput batch (see memory_method)",
+        default=None,
+    )
     metric: float | None = field("the task's held-out metric, computed from the export's outputs", default=None)
-    metric_change: float | None = field("change from the fp32 PyTorch model: percentage points for accuracy, "
-                                        "percent for perplexity", default=None)
-    agreement: float | None = field("share of held-out predictions (argmax) equal to the fp32 PyTorch model's", default=None,
-                                    minimum=0, maximum=1)
-    speedup_b1: float | None = field("the same runtime's fp32 latency at batch 1 divided by this one's", default=None, minimum=0)
+    metric_change: float | None = field(
+        "change from the fp32 PyTorch model: percentage points for accuracy, percent for perplexity", default=None
+    )
+    agreement: float | None = field(
+        "share of held-out predictions (argmax) equal to the fp32 PyTorch model's", default=None, minimum=0, maximum=1
+    )
+    speedup_b1: float | None = field(
+        "the same runtime's fp32 latency at batch 1 divided by this one's", default=None, minimum=0
+    )
     speedup_batch: float | None = field("the same, at the throughput batch", default=None, minimum=0)
     smaller: float | None = field("the same runtime's fp32 file size divided by this one's", default=None, minimum=0)
     error: str | None = field("why this export was not made or measured (None: it was)", default=None)
@@ -57,8 +65,10 @@ class InferenceReport:
     fp32_metric: float = field("the fp32 PyTorch model's held-out metric (the reference)")
     auto_precision: Precision = field("the precision the hardware table suggests serving in on this device")
     auto_reason: str = field("why, from the capability table")
-    measured_best: str | None = field("the fastest export at the throughput batch within 1 pp accuracy "
-                                      "(or 1% perplexity) of fp32, as 'precision (runtime)'")
+    measured_best: str | None = field(
+        "the fastest export at the throughput batch within 1 pp accuracy "
+        "(or 1% perplexity) of fp32, as 'precision (runtime)'"
+    )
     rows: list[InferenceRow] = field("one per precision and backend")
 
 
@@ -80,59 +90,96 @@ def speed_text(ratio: float | None, where: str) -> str:
 
 
 def verdict(report: InferenceReport, row: InferenceRow) -> str:
-    """"int8 (onnxruntime): 2.1× faster at batch 1, ..., 3.9× smaller, accuracy −0.2 pp"."""
+    """ "int8 (onnxruntime): 2.1× faster at batch 1, ..., 3.9× smaller, accuracy −0.2 pp"."""
     head = f"{row.precision} ({row.runtime})"
     if row.error:
         return f"{head}: not measured: {row.error}"
     if row.precision == "fp32":
         return f"{head}: the reference for {row.runtime}'s other precisions; {change_text(report, row.metric_change)}"
-    size = (f"{present.times(row.smaller)} smaller" if row.smaller and row.smaller >= 1
-            else f"{present.times(1 / row.smaller)} larger" if row.smaller else "size " + present.NONE)
-    return (f"{head}: {speed_text(row.speedup_b1, 'batch 1')}, "
-            f"{speed_text(row.speedup_batch, f'batch {report.throughput_batch}')}, {size}, "
-            f"{change_text(report, row.metric_change)}")
+    size = (
+        f"{present.times(row.smaller)} smaller"
+        if row.smaller and row.smaller >= 1
+        else f"{present.times(1 / row.smaller)} larger"
+        if row.smaller
+        else "size " + present.NONE
+    )
+    return (
+        f"{head}: {speed_text(row.speedup_b1, 'batch 1')}, "
+        f"{speed_text(row.speedup_batch, f'batch {report.throughput_batch}')}, {size}, "
+        f"{change_text(report, row.metric_change)}"
+    )
 
 
 def _cells(report: InferenceReport, row: InferenceRow) -> list[str]:
     def opt(value: float | None, fmt) -> str:  # noqa: ANN001
         return present.NONE if value is None else fmt(value)
-    return [row.precision, row.runtime, opt(row.latency_b1_s, present.seconds), opt(row.latency_batch_s, present.seconds),
-            opt(row.size_bytes, present.size), opt(row.peak_rss_bytes, present.size),
-            opt(row.metric, present.sig), opt(row.metric_change, lambda c: present.signed(c, 1)),
-            opt(row.agreement, present.percent)]
+
+    return [
+        row.precision,
+        row.runtime,
+        opt(row.latency_b1_s, present.seconds),
+        opt(row.latency_batch_s, present.seconds),
+        opt(row.size_bytes, present.size),
+        opt(row.peak_rss_bytes, present.size),
+        opt(row.metric, present.sig),
+        opt(row.metric_change, lambda c: present.signed(c, 1)),
+        opt(row.agreement, present.percent),
+    ]
 
 
 def _columns(report: InferenceReport) -> list[str]:
     unit = "pp" if report.metric == "accuracy" else "%"
-    return ["precision", "runtime", "batch 1", f"batch {report.throughput_batch}", "file", "peak RSS",
-            report.metric, f"Δ {unit}", "agree"]
+    return [
+        "precision",
+        "runtime",
+        "batch 1",
+        f"batch {report.throughput_batch}",
+        "file",
+        "peak RSS",
+        report.metric,
+        f"Δ {unit}",
+        "agree",
+    ]
 
 
 def _footer(report: InferenceReport) -> list[str]:
-    return [f"auto choice on {report.device_name}: {report.auto_precision} ({report.auto_reason})",
-            f"measured fastest at batch {report.throughput_batch} within tolerance: {report.measured_best or present.NONE}",
-            f"latency: median of {report.rounds} interleaved rounds, {report.threads} threads; "
-            f"peak memory: {report.memory_method}"]
+    return [
+        f"auto choice on {report.device_name}: {report.auto_precision} ({report.auto_reason})",
+        f"measured fastest at batch {report.throughput_batch} within tolerance: {report.measured_best or present.NONE}",
+        f"latency: median of {report.rounds} interleaved rounds, {report.threads} threads; "
+        f"peak memory: {report.memory_method}",
+    ]
 
 
 def format_text(report: InferenceReport) -> str:
     """The table, a verdict per export and the auto choice, as plain text."""
-    table = present.table(_columns(report), [_cells(report, r) for r in report.rows], numeric_from=2,
-                          title=f"Inference: {report.task} after {report.steps} fp32 steps "
-                                f"(fp32 PyTorch {report.metric} {present.sig(report.fp32_metric)})", heading=True)
+    table = present.table(
+        _columns(report),
+        [_cells(report, r) for r in report.rows],
+        numeric_from=2,
+        title=f"Inference: {report.task} after {report.steps} fp32 steps "
+        f"(fp32 PyTorch {report.metric} {present.sig(report.fp32_metric)})",
+        heading=True,
+    )
     return present.as_text(table) + "\n".join([*(r.verdict for r in report.rows), "", *_footer(report)]) + "\n"
 
 
 def render_html_section(report: InferenceReport) -> str:
     """The report as an HTML section for a page built with `present.page` (compare's report)."""
     esc = present.escape
-    head = "".join(f'<th{" class=num" if i >= 2 else ""}>{esc(c)}</th>' for i, c in enumerate(_columns(report)))
-    body = "".join("<tr>" + "".join(f'<td{" class=num" if i >= 2 else ""}>{esc(c)}</td>'
-                                    for i, c in enumerate(_cells(report, r))) + "</tr>" for r in report.rows)
+    head = "".join(f"<th{' class=num' if i >= 2 else ''}>{esc(c)}</th>" for i, c in enumerate(_columns(report)))
+    body = "".join(
+        "<tr>"
+        + "".join(f"<td{' class=num' if i >= 2 else ''}>{esc(c)}</td>" for i, c in enumerate(_cells(report, r)))
+        + "</tr>"
+        for r in report.rows
+    )
     items = "".join(f"<li>{esc(line)}</li>" for line in (r.verdict for r in report.rows))
     notes = "".join(f"<p class=sub>{esc(line)}</p>" for line in _footer(report))
-    return (f"<section id=inference><h2>Inference: {esc(report.task)} exported in reduced precision</h2>"
-            f"<div class=scroll><table><tr>{head}</tr>{body}</table></div><ul>{items}</ul>{notes}</section>")
+    return (
+        f"<section id=inference><h2>Inference: {esc(report.task)} exported in reduced precision</h2>"
+        f"<div class=scroll><table><tr>{head}</tr>{body}</table></div><ul>{items}</ul>{notes}</section>"
+    )
 
 
 def check_out(folder: Path | str | None) -> None:

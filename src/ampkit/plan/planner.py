@@ -21,16 +21,26 @@ from torch import nn
 
 from ampkit.distributed import FSDP_PRESETS, fsdp_units
 from ampkit.hardware import capability, resolve_device
-from ampkit.present import size as size_of
 from ampkit.plan.step import FAKE_FAILURES, Measured, batch_size_of, measure
 from ampkit.plan.tracker import COMPONENTS
 from ampkit.precision import PRESETS, fp8_problem, resolve_precision
+from ampkit.present import size as size_of
 from ampkit.schema import field, schema_of, validate
 from ampkit.tasks import get_task
 
 SCHEMA_VERSION = 1
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 _MAX_SEARCH = 1 << 16  # the largest batch size the search tries
 
 
@@ -50,10 +60,13 @@ class PlanRow:
     autocast_cache: int = field("bytes of autocast's low-precision copies of fp32 weights at the peak", minimum=0)
     temporaries: int = field("every other live byte at the peak", minimum=0)
     fits: bool = field("whether the peak fits in the memory planned for")
-    max_batch_size: int = field("the largest batch size whose peak fits (0: none; not searched: the planned batch "
-                                "if it fits, else 0)", minimum=0)
-    method: Literal["fake", "real-scaled"] = field("fake: two steps on fake tensors; real-scaled: real steps at "
-                                                   "batch 1 and 2 on this CPU, scaled to the batch")
+    max_batch_size: int = field(
+        "the largest batch size whose peak fits (0: none; not searched: the planned batch if it fits, else 0)",
+        minimum=0,
+    )
+    method: Literal["fake", "real-scaled"] = field(
+        "fake: two steps on fake tensors; real-scaled: real steps at batch 1 and 2 on this CPU, scaled to the batch"
+    )
     note: str = field("why the row was measured rather than predicted, or that the search hit its limit")
 
     def components(self) -> dict[str, int]:
@@ -81,13 +94,15 @@ PLAN_SCHEMA = schema_of(Plan)
 
 
 def parse_memory(text: str | int) -> int:
-    """"24GiB", "80GB", "512MiB" (or a number of bytes) -> bytes; ValueError saying the format otherwise."""
+    """ "24GiB", "80GB", "512MiB" (or a number of bytes) -> bytes; ValueError saying the format otherwise."""
     if isinstance(text, int) and not isinstance(text, bool) and text > 0:
         return text
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if match is None or match.group(2).lower() not in _UNITS or float(match.group(1)) <= 0:
-        raise ValueError(f"memory {text!r} is not a size: expected a number and a unit, e.g. \"24GiB\", \"80GB\", "
-                         f"\"512MiB\" (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+        raise ValueError(
+            f'memory {text!r} is not a size: expected a number and a unit, e.g. "24GiB", "80GB", '
+            f'"512MiB" (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)'
+        )
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
@@ -98,10 +113,19 @@ def device_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def plan(model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Any], optimizer_fn: Callable[[Any], torch.optim.Optimizer],
-         precisions: Sequence[str] | None = None, device: str | torch.device | None = None,
-         memory: str | int | None = None, *, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-         search: bool = True, strategy: str = "none", nproc: int = 1) -> Plan:
+def plan(
+    model_fn: Callable[[], nn.Module],
+    batch_fn: Callable[[], Any],
+    optimizer_fn: Callable[[Any], torch.optim.Optimizer],
+    precisions: Sequence[str] | None = None,
+    device: str | torch.device | None = None,
+    memory: str | int | None = None,
+    *,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    search: bool = True,
+    strategy: str = "none",
+    nproc: int = 1,
+) -> Plan:
     """Predict each preset's peak training memory without allocating it, and the largest batch that fits.
 
     `model_fn()` builds the model (it is built on the meta device), `batch_fn()` returns one batch
@@ -111,17 +135,26 @@ def plan(model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Any], optimiz
     default: the device's total memory) decides `fits` and `max_batch_size` (`search=False`: no search).
     `strategy="fsdp"` with `nproc=N`: each row is one rank's share under FSDP2 (`fsdp_share`).
     """
-    if strategy not in ("none", "fsdp") or not isinstance(nproc, int) or nproc < 1 or (strategy == "none" and nproc > 1):
-        raise ValueError(f"strategy={strategy!r}, nproc={nproc!r}: expected strategy 'none' (one process) or 'fsdp' "
-                         f"with nproc an integer >= 1 (the ranks the model is sharded across)")
+    if (
+        strategy not in ("none", "fsdp")
+        or not isinstance(nproc, int)
+        or nproc < 1
+        or (strategy == "none" and nproc > 1)
+    ):
+        raise ValueError(
+            f"strategy={strategy!r}, nproc={nproc!r}: expected strategy 'none' (one process) or 'fsdp' "
+            f"with nproc an integer >= 1 (the ranks the model is sharded across)"
+        )
     dev = resolve_device(device or "auto")
     budget = parse_memory(memory) if memory is not None else device_memory(dev)
     allowed = FSDP_PRESETS if strategy == "fsdp" else tuple(PRESETS)
     names = list(precisions) if precisions is not None else [n for n in allowed if _runs(n, dev)]
     for name in names:
         if name not in allowed:
-            raise ValueError(f"precisions: {name!r} is not a preset{' FSDP shards' * (strategy == 'fsdp')}; choose "
-                             f"from {', '.join(allowed)}")
+            raise ValueError(
+                f"precisions: {name!r} is not a preset{' FSDP shards' * (strategy == 'fsdp')}; choose "
+                f"from {', '.join(allowed)}"
+            )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # slow here is fine: nothing is timed
             resolve_precision(name, dev)  # PrecisionError, before anything runs, for one the device cannot run
@@ -138,23 +171,61 @@ def plan(model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Any], optimiz
         first = peak_at.measured(size)
         limit = _largest_batch(peak_at, size, first.peak, budget) if search else (size if first.peak <= budget else 0)
         note = peak_at.note + (f"; the search stopped at batch {_MAX_SEARCH}" if limit >= _MAX_SEARCH else "")
-        rows.append(PlanRow(precision=name, batch_size=size, peak_bytes=first.peak, peak_phase=first.phase,
-                            **first.components, fits=first.peak <= budget, max_batch_size=limit,
-                            method="real-scaled" if peak_at.fallback else "fake", note=note.strip("; ")))
-    result = Plan(schema_version=SCHEMA_VERSION, device=str(dev), memory_bytes=budget, parameter_count=count,
-                  rows=rows, recommendation=recommend(rows, dev, budget, count, search), strategy=strategy, nproc=nproc)
+        rows.append(
+            PlanRow(
+                precision=name,
+                batch_size=size,
+                peak_bytes=first.peak,
+                peak_phase=first.phase,
+                **first.components,
+                fits=first.peak <= budget,
+                max_batch_size=limit,
+                method="real-scaled" if peak_at.fallback else "fake",
+                note=note.strip("; "),
+            )
+        )
+    result = Plan(
+        schema_version=SCHEMA_VERSION,
+        device=str(dev),
+        memory_bytes=budget,
+        parameter_count=count,
+        rows=rows,
+        recommendation=recommend(rows, dev, budget, count, search),
+        strategy=strategy,
+        nproc=nproc,
+    )
     validate(result.as_dict(), PLAN_SCHEMA)
     return result
 
 
-def plan_task(name: str, precisions: Sequence[str] | None = None, *, size: str | None = None, seed: int = 0,
-              batch_size: int | None = None, device: str | torch.device | None = None, memory: str | int | None = None,
-              search: bool = True, strategy: str = "none", nproc: int = 1) -> Plan:
+def plan_task(
+    name: str,
+    precisions: Sequence[str] | None = None,
+    *,
+    size: str | None = None,
+    seed: int = 0,
+    batch_size: int | None = None,
+    device: str | torch.device | None = None,
+    memory: str | int | None = None,
+    search: bool = True,
+    strategy: str = "none",
+    nproc: int = 1,
+) -> Plan:
     """`plan` for a built-in task (`ampkit.tasks`) at its default batch size and learning rate."""
     task = get_task(name, size)
     batch = next(iter(task.make_data(seed, batch_size or task.default_batch_size).train_loader))
-    return plan(lambda: task.make_model(seed), lambda: batch, lambda params: task.make_optimizer(params, task.default_lr),
-                precisions, device, memory, loss_fn=task.loss_fn, search=search, strategy=strategy, nproc=nproc)
+    return plan(
+        lambda: task.make_model(seed),
+        lambda: batch,
+        lambda params: task.make_optimizer(params, task.default_lr),
+        precisions,
+        device,
+        memory,
+        loss_fn=task.loss_fn,
+        search=search,
+        strategy=strategy,
+        nproc=nproc,
+    )
 
 
 def _runs(name: str, device: torch.device) -> bool:
@@ -167,8 +238,16 @@ class _Peaks:
     """One preset's peak at any batch size: fake steps, or (where the forward cannot run on fake
     tensors) real steps at batch sizes 1 and 2 extrapolated linearly, per component."""
 
-    def __init__(self, model_fn: Callable[[], nn.Module], batch: Any, optimizer_fn: Callable[[Any], Any], name: str,
-                 device: torch.device, loss_fn: Any, shard: Callable[[Measured], Measured] | None = None) -> None:
+    def __init__(
+        self,
+        model_fn: Callable[[], nn.Module],
+        batch: Any,
+        optimizer_fn: Callable[[Any], Any],
+        name: str,
+        device: torch.device,
+        loss_fn: Any,
+        shard: Callable[[Measured], Measured] | None = None,
+    ) -> None:
         self.run = functools.partial(measure, model_fn, batch, optimizer_fn, name, loss_fn=loss_fn)
         self.device, self.shard, self.fallback, self.note = device, shard, None, ""
         self.cache: dict[int, Measured] = {}
@@ -187,15 +266,19 @@ class _Peaks:
             return self.run(self.device, fake=True, batch_size=size)
         except FAKE_FAILURES as exc:
             op = getattr(exc, "func", None) or exc
-            self.note = (f"the step cannot run on fake tensors ({op}: a data-dependent shape, a tensor read as a Python "
-                         f"number in the forward or an op without a fake kernel); measured instead: real steps at batch 1 and 2 on the CPU, "
-                         f"scaled to the batch")
+            self.note = (
+                f"the step cannot run on fake tensors ({op}: a data-dependent shape, a tensor read as a Python "
+                f"number in the forward or an op without a fake kernel); measured instead: real steps at batch 1 and 2 on the CPU, "
+                f"scaled to the batch"
+            )
             self.fallback = [self.run(torch.device("cpu"), fake=False, batch_size=b) for b in (1, 2)]
             return self._scaled(size)
 
     def _scaled(self, size: int) -> Measured:
         one, two = self.fallback  # type: ignore[misc]
-        parts = {k: max(0, one.components[k] + (size - 1) * (two.components[k] - one.components[k])) for k in COMPONENTS}
+        parts = {
+            k: max(0, one.components[k] + (size - 1) * (two.components[k] - one.components[k])) for k in COMPONENTS
+        }
         return Measured(max(0, one.peak + (size - 1) * (two.peak - one.peak)), parts, two.phase)
 
 
@@ -255,20 +338,27 @@ def recommend(rows: list[PlanRow], device: torch.device, budget: int, count: int
     fitting = [r for r in rows if r.fits]
     if fitting:
         best = fitting[0]
-        return (f"{best.precision}: the fastest preset here that fits at batch {size} (peak {size_of(best.peak_bytes)} "
-                f"of {size_of(budget)}; up to batch {best.max_batch_size})")
+        return (
+            f"{best.precision}: the fastest preset here that fits at batch {size} (peak {size_of(best.peak_bytes)} "
+            f"of {size_of(budget)}; up to batch {best.max_batch_size})"
+        )
     at_rest = min(r.parameters + r.optimizer_state + r.ampkit_buffers + r.gradients for r in rows)
     if not searched and at_rest <= budget:  # a smaller batch may fit: that is what the search finds
-        return (f"nothing fits at batch {size} in {size_of(budget)}; the batch sizes that would were not searched "
-                f"(search=False, --no-search): plan again with the search")
+        return (
+            f"nothing fits at batch {size} in {size_of(budget)}; the batch sizes that would were not searched "
+            f"(search=False, --no-search): plan again with the search"
+        )
     smaller = max(rows, key=lambda r: (r.max_batch_size, -ranked.index(r.precision)))
     if smaller.max_batch_size > 0:
         steps = math.ceil(size / smaller.max_batch_size)
-        return (f"nothing fits at batch {size}: use {smaller.precision} at batch {smaller.max_batch_size} with "
-                f"grad_accum_steps={steps} (effective batch {smaller.max_batch_size * steps}); activation checkpointing "
-                f"would cut the activations ({size_of(smaller.activations)} at batch {size})")
+        return (
+            f"nothing fits at batch {size}: use {smaller.precision} at batch {smaller.max_batch_size} with "
+            f"grad_accum_steps={steps} (effective batch {smaller.max_batch_size * steps}); activation checkpointing "
+            f"would cut the activations ({size_of(smaller.activations)} at batch {size})"
+        )
     gpus = max(2, math.ceil(at_rest / (0.8 * budget)))
-    return (f"nothing fits even at batch 1: the {count / 1e9:.2f} B parameters with their gradients and optimizer state "
-            f"need {size_of(at_rest)} in the smallest preset planned (bf16-true keeps 8 B/param at rest with AdamW); shard "
-            f"them with strategy='fsdp' across at least {gpus} devices of {size_of(budget)}")
-
+    return (
+        f"nothing fits even at batch 1: the {count / 1e9:.2f} B parameters with their gradients and optimizer state "
+        f"need {size_of(at_rest)} in the smallest preset planned (bf16-true keeps 8 B/param at rest with AdamW); shard "
+        f"them with strategy='fsdp' across at least {gpus} devices of {size_of(budget)}"
+    )

@@ -113,19 +113,28 @@ def capture(script: str | Path, args: list[str]) -> tuple[Any, Any, Any, Any, st
         hook.remove()
     acc = catch.acc
     if acc is None or not acc.models or not acc.optimizers:
-        raise ScriptPlanError(f"{script} ended without preparing a model and an optimizer with an ampkit.Accelerator "
-                              f"before its first acc.backward: convert it with the README's four lines")
+        raise ScriptPlanError(
+            f"{script} ended without preparing a model and an optimizer with an ampkit.Accelerator "
+            f"before its first acc.backward: convert it with the README's four lines"
+        )
     loader = catch.loader_batch
     if isinstance(loader, (tuple, list)) and len(loader) == 2:
         batch, note = tuple(loader), "batch: the script's first from its prepared loader"
     elif isinstance(loader, dict):
         batch, note = (loader, None), "batch: the script's first from its prepared loader (keyword inputs)"
     elif catch.forward_batch is not None:
-        batch, note = (catch.forward_batch, None), ("batch: the model's first forward inputs (no targets seen: the loss is the model's own scalar output, "
-                                                "else the mean of its output)")
+        batch, note = (
+            (catch.forward_batch, None),
+            (
+                "batch: the model's first forward inputs (no targets seen: the loss is the model's own scalar output, "
+                "else the mean of its output)"
+            ),
+        )
     else:
-        raise ScriptPlanError(f"{script}: no batch seen before the first acc.backward (neither a prepared loader's nor "
-                              f"a forward of the prepared model)")
+        raise ScriptPlanError(
+            f"{script}: no batch seen before the first acc.backward (neither a prepared loader's nor "
+            f"a forward of the prepared model)"
+        )
     inner = acc.optimizers[0].optimizer
     kind = type(inner)
     accepted = inspect.signature(kind).parameters  # defaults may hold keys the constructor does not take

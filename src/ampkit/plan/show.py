@@ -8,13 +8,19 @@ from typing import IO
 
 from ampkit import present
 from ampkit.files import atomic_write
-from ampkit.schema import Invalid, validate
 from ampkit.plan.planner import PLAN_SCHEMA, Plan
 from ampkit.plan.tracker import COMPONENTS
+from ampkit.schema import Invalid, validate
 
-_LABELS = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim state",
-           "ampkit_buffers": "masters / buffers", "activations": "activations", "autocast_cache": "autocast casts",
-           "temporaries": "temporaries"}
+_LABELS = {
+    "parameters": "params",
+    "gradients": "grads",
+    "optimizer_state": "optim state",
+    "ampkit_buffers": "masters / buffers",
+    "activations": "activations",
+    "autocast_cache": "autocast casts",
+    "temporaries": "temporaries",
+}
 _COLORS = ("#4d4d4d", "#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#d62728", "#bcbd22")
 
 
@@ -24,14 +30,33 @@ def _count(n: int) -> str:
 
 def render_plan(result: Plan, file: IO[str] | None = None) -> None:
     """Print the plan: one row per preset, its peak, the components at the peak, fit and the largest batch."""
-    rows = [[r.precision, present.size(r.peak_bytes), *(present.size(getattr(r, c)) for c in COMPONENTS),
-             r.peak_phase, "yes" if r.fits else "no", str(r.max_batch_size), r.method] for r in result.rows]
-    title = (f"Peak training memory at batch {result.rows[0].batch_size if result.rows else '?'}, "
-             f"{_count(result.parameter_count)} parameters, {result.device}, against {present.size(result.memory_bytes)}"
-             + (f" — per rank, sharded by FSDP2 across {result.nproc}" if result.strategy == "fsdp" else ""))
+    rows = [
+        [
+            r.precision,
+            present.size(r.peak_bytes),
+            *(present.size(getattr(r, c)) for c in COMPONENTS),
+            r.peak_phase,
+            "yes" if r.fits else "no",
+            str(r.max_batch_size),
+            r.method,
+        ]
+        for r in result.rows
+    ]
+    title = (
+        f"Peak training memory at batch {result.rows[0].batch_size if result.rows else '?'}, "
+        f"{_count(result.parameter_count)} parameters, {result.device}, against {present.size(result.memory_bytes)}"
+        + (f" — per rank, sharded by FSDP2 across {result.nproc}" if result.strategy == "fsdp" else "")
+    )
     out = present.console(file)
-    out.print(present.table(["preset", "peak", *(_LABELS[c] for c in COMPONENTS), "peak in", "fits", "max batch",
-                             "method"], rows, title=title, heading=True, two_line_headers=True))
+    out.print(
+        present.table(
+            ["preset", "peak", *(_LABELS[c] for c in COMPONENTS), "peak in", "fits", "max batch", "method"],
+            rows,
+            title=title,
+            heading=True,
+            two_line_headers=True,
+        )
+    )
     for r in result.rows:
         if r.note:
             out.print(present.indented(f"{r.precision}: {r.note}", 2, "yellow"))

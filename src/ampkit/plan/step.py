@@ -16,16 +16,24 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode,
-                                           UnsupportedOperatorException)
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ampkit.accelerator import Accelerator
 from ampkit.plan.tracker import LiveBytes
 
 #: What a forward that fake tensors cannot run raises (data-dependent shapes, .item(), ops without a fake kernel).
-FAKE_FAILURES = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException,
-                 NotImplementedError)
+FAKE_FAILURES = (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    UnsupportedOperatorException,
+    NotImplementedError,
+)
 
 
 @dataclass(frozen=True)
@@ -42,8 +50,10 @@ def batch_size_of(batch: Any) -> int:
     """The batch size: the first dimension of the batch's first tensor with one."""
     sizes = [t.shape[0] for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > 0]
     if not sizes:
-        raise ValueError("batch_fn() returned no tensor with a batch dimension: expected (inputs, targets) of tensors "
-                         "(or dicts/tuples of them) whose first dimension is the batch")
+        raise ValueError(
+            "batch_fn() returned no tensor with a batch dimension: expected (inputs, targets) of tensors "
+            "(or dicts/tuples of them) whose first dimension is the batch"
+        )
     return int(sizes[0])
 
 
@@ -54,6 +64,7 @@ def resized(batch: Any, size: int) -> Any:
 
     def one(t: Any) -> Any:
         return t[rows.to(t.device)] if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == old else t
+
     return tree_map(one, batch)
 
 
@@ -69,8 +80,10 @@ def default_loss(output: Any, targets: Any) -> torch.Tensor:
     if isinstance(output, (tuple, list)):
         output = output[0]
     if not isinstance(targets, torch.Tensor):
-        raise ValueError("the model's output is not a scalar loss and batch_fn() gave no target tensor: pass "
-                         "loss_fn=(output, targets) -> loss, or return (inputs, targets)")
+        raise ValueError(
+            "the model's output is not a scalar loss and batch_fn() gave no target tensor: pass "
+            "loss_fn=(output, targets) -> loss, or return (inputs, targets)"
+        )
     if targets.is_floating_point():
         return F.mse_loss(output.float(), targets.float())
     return F.cross_entropy(output.float().reshape(-1, output.shape[-1]), targets.reshape(-1))
@@ -84,9 +97,19 @@ def call(model: nn.Module, inputs: Any) -> Any:
     return model(inputs)
 
 
-def measure(model_fn: Callable[[], nn.Module], batch: Any, optimizer_fn: Callable[[Any], torch.optim.Optimizer],
-            precision: str, device: torch.device, *, fake: bool, batch_size: int,
-            loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, steps: int = 2, last_only: bool = False) -> Measured:
+def measure(
+    model_fn: Callable[[], nn.Module],
+    batch: Any,
+    optimizer_fn: Callable[[Any], torch.optim.Optimizer],
+    precision: str,
+    device: torch.device,
+    *,
+    fake: bool,
+    batch_size: int,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    steps: int = 2,
+    last_only: bool = False,
+) -> Measured:
     """Peak live bytes over `steps` training steps of `precision` at `batch_size` (fake or real tensors);
     `last_only`: the last step's peak alone (a steady-state step, when `steps` > 2)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
@@ -104,8 +127,9 @@ def measure(model_fn: Callable[[], nn.Module], batch: Any, optimizer_fn: Callabl
                 other.register_parameter(other_name, getattr(module, name))
         opt = acc.prepare(optimizer_fn(model.parameters()))
         convert = mode.from_tensor if isinstance(mode, FakeTensorMode) else (lambda t: t)
-        inputs, targets = resized(tree_map(lambda t: convert(t).to(device) if isinstance(t, torch.Tensor) else t, batch),
-                                  batch_size)
+        inputs, targets = resized(
+            tree_map(lambda t: convert(t).to(device) if isinstance(t, torch.Tensor) else t, batch), batch_size
+        )
         tracker = LiveBytes(device.type, lambda: _owners(model, opt, (inputs, targets)), fake)
         tracker.params = {id(p.untyped_storage()) for p in model.parameters()}
         with tracker:

@@ -20,8 +20,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 #: What a byte at the peak belongs to, in the order a storage with two roles is counted under.
-COMPONENTS: tuple[str, ...] = ("parameters", "gradients", "ampkit_buffers", "optimizer_state", "autocast_cache",
-                               "activations", "temporaries")
+COMPONENTS: tuple[str, ...] = (
+    "parameters",
+    "gradients",
+    "ampkit_buffers",
+    "optimizer_state",
+    "autocast_cache",
+    "activations",
+    "temporaries",
+)
 
 Owners = Callable[[], Iterable[tuple[str, Iterable[torch.Tensor]]]]
 _CAST = {torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout}
@@ -64,7 +71,12 @@ class LiveBytes(TorchDispatchMode):
         if name.split(".")[0].endswith("_") or ".out" in name:  # an in-place or out= op writes its arguments
             seen += tree_leaves(args)
         self.see(seen)
-        if self.phase == "forward" and func in _CAST and isinstance(out, torch.Tensor) and storage_key(args[0]) in self.params:
+        if (
+            self.phase == "forward"
+            and func in _CAST
+            and isinstance(out, torch.Tensor)
+            and storage_key(args[0]) in self.params
+        ):
             self.casts.add(storage_key(out))
         return out
 

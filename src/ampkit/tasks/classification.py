@@ -35,24 +35,37 @@ DIGITS_CHANNELS, DIGITS_HIDDEN = (64, 128), 256
 PIXEL_MAX = 16.0  # load_digits pixels are integers in [0, 16]
 
 
-def sklearn_data(task: str, load: str, test_fraction: float, seed: int, batch_size: int,
-                 inputs: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> TaskData:
+def sklearn_data(
+    task: str,
+    load: str,
+    test_fraction: float,
+    seed: int,
+    batch_size: int,
+    inputs: Callable[[np.ndarray, np.ndarray], np.ndarray],
+) -> TaskData:
     """`sklearn.datasets.<load>()` split stratified and deterministically, each split's features as
     `inputs(x, x_train)` in fp32, the training split in a seeded, shuffled, drop-last loader."""
     try:
         import sklearn.datasets as datasets
         import sklearn.model_selection as model_selection
     except ImportError as err:
-        raise ImportError(f"task {task!r} needs scikit-learn for its bundled dataset; "
-                          "install it with: pip install 'ampkit[tasks]'") from err
+        raise ImportError(
+            f"task {task!r} needs scikit-learn for its bundled dataset; install it with: pip install 'ampkit[tasks]'"
+        ) from err
     bunch = getattr(datasets, load)()
     x_train, x_test, y_train, y_test = model_selection.train_test_split(
-        bunch.data, bunch.target, test_size=test_fraction, stratify=bunch.target, random_state=SPLIT_SEED)
+        bunch.data, bunch.target, test_size=test_fraction, stratify=bunch.target, random_state=SPLIT_SEED
+    )
     x_train, x_test = (torch.tensor(inputs(x, x_train), dtype=torch.float32) for x in (x_train, x_test))
     y_train, y_test = (torch.tensor(y, dtype=torch.int64) for y in (y_train, y_test))
     check_batch_size(task, batch_size, len(x_train))
-    loader = DataLoader(TensorDataset(x_train, y_train), batch_size=batch_size, shuffle=True,
-                        generator=seeded_generator(seed), drop_last=True)
+    loader = DataLoader(
+        TensorDataset(x_train, y_train),
+        batch_size=batch_size,
+        shuffle=True,
+        generator=seeded_generator(seed),
+        drop_last=True,
+    )
     info = {"train_examples": len(x_train), "eval_examples": len(x_test), "source": f"sklearn.datasets.{load}"}
     return TaskData(train_loader=loader, eval_inputs=x_test, eval_targets=y_test, info=info)
 
@@ -84,21 +97,34 @@ def evaluate_accuracy(model: nn.Module, data: TaskData, device: torch.device | s
         model.train(was_training)
 
 
-def classification_task(name: str, load: str, inputs: Callable[[np.ndarray, np.ndarray], np.ndarray],
-                        **fields: object) -> Task:
+def classification_task(
+    name: str, load: str, inputs: Callable[[np.ndarray, np.ndarray], np.ndarray], **fields: object
+) -> Task:
     """A `Task` on `sklearn.datasets.<load>` (features as `inputs(x, x_train)`), scored by accuracy,
     trained with `adamw` on `cross_entropy`."""
     make_data = functools.partial(sklearn_data, name, load, TEST_FRACTION, inputs=inputs)
-    return Task(name=name, metric="accuracy", higher_is_better=True, make_data=make_data,
-                make_optimizer=adamw, loss_fn=cross_entropy, evaluate=evaluate_accuracy,
-                **fields)  # type: ignore[arg-type]
+    return Task(
+        name=name,
+        metric="accuracy",
+        higher_is_better=True,
+        make_data=make_data,
+        make_optimizer=adamw,
+        loss_fn=cross_entropy,
+        evaluate=evaluate_accuracy,
+        **fields,
+    )  # type: ignore[arg-type]
 
 
 def iris_model(seed: int) -> nn.Module:
     """4 -> 32 -> 32 -> 3 MLP; no dropout, so training draws nothing from global RNG."""
     with seeded(seed):
-        return nn.Sequential(nn.Linear(4, IRIS_HIDDEN), nn.ReLU(), nn.Linear(IRIS_HIDDEN, IRIS_HIDDEN),
-                             nn.ReLU(), nn.Linear(IRIS_HIDDEN, 3))
+        return nn.Sequential(
+            nn.Linear(4, IRIS_HIDDEN),
+            nn.ReLU(),
+            nn.Linear(IRIS_HIDDEN, IRIS_HIDDEN),
+            nn.ReLU(),
+            nn.Linear(IRIS_HIDDEN, 3),
+        )
 
 
 def standardised(x: np.ndarray, x_train: np.ndarray) -> np.ndarray:
@@ -110,10 +136,17 @@ def digits_model(seed: int) -> nn.Module:
     """Two 3x3 conv layers, one 2x2 pool (8x8 -> 4x4), a dense head; (N,1,8,8) -> (N,10) logits."""
     c1, c2 = DIGITS_CHANNELS
     with seeded(seed):
-        return nn.Sequential(nn.Conv2d(1, c1, kernel_size=3, padding=1), nn.ReLU(),
-                             nn.Conv2d(c1, c2, kernel_size=3, padding=1), nn.ReLU(),
-                             nn.MaxPool2d(2), nn.Flatten(),
-                             nn.Linear(c2 * 4 * 4, DIGITS_HIDDEN), nn.ReLU(), nn.Linear(DIGITS_HIDDEN, 10))
+        return nn.Sequential(
+            nn.Conv2d(1, c1, kernel_size=3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(c1, c2, kernel_size=3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(c2 * 4 * 4, DIGITS_HIDDEN),
+            nn.ReLU(),
+            nn.Linear(DIGITS_HIDDEN, 10),
+        )
 
 
 def images(x: np.ndarray, x_train: np.ndarray) -> np.ndarray:
@@ -122,10 +155,22 @@ def images(x: np.ndarray, x_train: np.ndarray) -> np.ndarray:
 
 
 IRIS = classification_task(
-    "iris-mlp", "load_iris", standardised, make_model=iris_model, default_steps=300, default_batch_size=16,
+    "iris-mlp",
+    "load_iris",
+    standardised,
+    make_model=iris_model,
+    default_steps=300,
+    default_batch_size=16,
     default_lr=1e-2,
-    description="4-32-32-3 MLP on iris (150 rows): overhead-bound, nothing for half precision to speed up")
+    description="4-32-32-3 MLP on iris (150 rows): overhead-bound, nothing for half precision to speed up",
+)
 DIGITS = classification_task(
-    "digits-cnn", "load_digits", images, make_model=digits_model, default_steps=500, default_batch_size=64,
+    "digits-cnn",
+    "load_digits",
+    images,
+    make_model=digits_model,
+    default_steps=500,
+    default_batch_size=64,
     default_lr=2e-3,
-    description="small CNN on 8x8 digits (1,797 images): convolutions at a size a CPU can train")
+    description="small CNN on 8x8 digits (1,797 images): convolutions at a size a CPU can train",
+)

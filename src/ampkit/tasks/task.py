@@ -64,11 +64,14 @@ class Task:
 
     def __post_init__(self) -> None:
         if self.metric not in _METRIC_DIRECTION:
-            raise ValueError(f"task {self.name!r}: unknown metric {self.metric!r}; "
-                             f"choose one of: {', '.join(sorted(_METRIC_DIRECTION))}")
+            raise ValueError(
+                f"task {self.name!r}: unknown metric {self.metric!r}; "
+                f"choose one of: {', '.join(sorted(_METRIC_DIRECTION))}"
+            )
         if self.higher_is_better != _METRIC_DIRECTION[self.metric]:
-            raise ValueError(f"task {self.name!r}: higher_is_better={self.higher_is_better} "
-                             f"contradicts metric {self.metric!r}")
+            raise ValueError(
+                f"task {self.name!r}: higher_is_better={self.higher_is_better} contradicts metric {self.metric!r}"
+            )
         for key in ("default_steps", "default_batch_size"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
@@ -76,8 +79,9 @@ class Task:
         if not self.default_lr > 0:
             raise ValueError(f"task {self.name!r}: default_lr must be > 0, got {self.default_lr!r}")
 
-    def training(self, acc: Accelerator, model: nn.Module, optimizer: AmpOptimizer,
-                 loader: Iterable[tuple[Tensor, Tensor]]) -> Iterator[None]:
+    def training(
+        self, acc: Accelerator, model: nn.Module, optimizer: AmpOptimizer, loader: Iterable[tuple[Tensor, Tensor]]
+    ) -> Iterator[None]:
         """The task's plain loop with ampkit's four-line conversion (`model`, `optimizer` and `loader` as
         `acc.prepare` returned them): one item per optimizer step, epoch after epoch, for as long as the
         caller iterates (or until a listener raises from inside the step)."""
@@ -106,8 +110,10 @@ def seeded_generator(seed: int) -> torch.Generator:
 def check_batch_size(task: str, batch_size: int, n_train: int) -> None:
     """Refuse a batch size that would give no full batch (drop_last would yield nothing)."""
     if not isinstance(batch_size, int) or not 1 <= batch_size <= n_train:
-        raise ValueError(f"task {task!r}: batch_size={batch_size!r} must be an int in [1, {n_train}] "
-                         f"(the training split has {n_train} examples)")
+        raise ValueError(
+            f"task {task!r}: batch_size={batch_size!r} must be an int in [1, {n_train}] "
+            f"(the training split has {n_train} examples)"
+        )
 
 
 def input_dtype(model: nn.Module) -> torch.dtype | None:

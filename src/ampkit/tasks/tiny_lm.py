@@ -33,8 +33,16 @@ BLOCK = 64
 EVAL_FRACTION = 0.1
 EVAL_BATCH_SIZE = 64
 
-STDLIB_FILES = ("argparse.py", "collections/__init__.py", "dataclasses.py", "enum.py", "functools.py",
-                "inspect.py", "textwrap.py", "typing.py")
+STDLIB_FILES = (
+    "argparse.py",
+    "collections/__init__.py",
+    "dataclasses.py",
+    "enum.py",
+    "functools.py",
+    "inspect.py",
+    "textwrap.py",
+    "typing.py",
+)
 """Modules that are plain files on every CPython >= 3.10, in a fixed order. Their text
 changes between Python versions, so perplexities compare only on one interpreter."""
 
@@ -44,9 +52,11 @@ def load_corpus() -> tuple[bytes, list[str]]:
     root = Path(sysconfig.get_paths()["stdlib"])
     found = [name for name in STDLIB_FILES if (root / name).is_file()]
     if not found:
-        raise FileNotFoundError(f"task {NAME!r} trains on Python's standard-library source, but none of "
-                                f"{', '.join(STDLIB_FILES)} exists under {str(root)!r} "
-                                f"(sysconfig stdlib path of {sys.executable})")
+        raise FileNotFoundError(
+            f"task {NAME!r} trains on Python's standard-library source, but none of "
+            f"{', '.join(STDLIB_FILES)} exists under {str(root)!r} "
+            f"(sysconfig stdlib path of {sys.executable})"
+        )
     text = b"\n\n".join((root / name).read_bytes() for name in found)
     return text, found
 
@@ -71,8 +81,13 @@ def make_data(seed: int, batch_size: int) -> TaskData:
     sampler = RandomSampler(dataset, replacement=True, num_samples=windows_per_epoch, generator=seeded_generator(seed))
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
     eval_x, eval_y = windows(held_out, BLOCK)  # fixed and non-overlapping
-    info = {"source": "python stdlib " + sys.version.split()[0], "files": ", ".join(files),
-            "train_bytes": len(train), "eval_bytes": len(held_out), "eval_windows": len(eval_x)}
+    info = {
+        "source": "python stdlib " + sys.version.split()[0],
+        "files": ", ".join(files),
+        "train_bytes": len(train),
+        "eval_bytes": len(held_out),
+        "eval_windows": len(eval_x),
+    }
     return TaskData(train_loader=loader, eval_inputs=eval_x, eval_targets=eval_y, info=info)
 
 
@@ -194,9 +209,12 @@ def evaluate(model: nn.Module, data: TaskData, device: torch.device | str) -> di
     was_training = model.training
     model.eval()
     try:
-        per_window = torch.cat([  # mean loss of each held-out window, kept on the device
-            F.cross_entropy(model(x.to(device)).float().transpose(1, 2), y.to(device), reduction="none").mean(1)
-            for x, y in zip(data.eval_inputs.split(EVAL_BATCH_SIZE), data.eval_targets.split(EVAL_BATCH_SIZE))])
+        per_window = torch.cat(
+            [  # mean loss of each held-out window, kept on the device
+                F.cross_entropy(model(x.to(device)).float().transpose(1, 2), y.to(device), reduction="none").mean(1)
+                for x, y in zip(data.eval_inputs.split(EVAL_BATCH_SIZE), data.eval_targets.split(EVAL_BATCH_SIZE))
+            ]
+        )
         std, mean = torch.std_mean(per_window.double())
         eval_loss, sd = mean.item(), std.item()  # sync: the evaluation's reads, after training
         band = math.exp(eval_loss) * (math.exp(2 * sd / math.sqrt(len(per_window))) - 1)
@@ -206,10 +224,19 @@ def evaluate(model: nn.Module, data: TaskData, device: torch.device | str) -> di
 
 
 TASK = Task(
-    name=NAME, description="byte-level transformer LM on Python stdlib source (small: 3 layers, d_model 96)",
-    metric="perplexity", higher_is_better=False, default_steps=500, default_batch_size=32, default_lr=2e-3,
-    make_model=make_model, make_data=make_data, make_optimizer=make_optimizer, loss_fn=loss_fn,
-    evaluate=evaluate)
+    name=NAME,
+    description="byte-level transformer LM on Python stdlib source (small: 3 layers, d_model 96)",
+    metric="perplexity",
+    higher_is_better=False,
+    default_steps=500,
+    default_batch_size=32,
+    default_lr=2e-3,
+    make_model=make_model,
+    make_data=make_data,
+    make_optimizer=make_optimizer,
+    loss_fn=loss_fn,
+    evaluate=evaluate,
+)
 
 
 def sized(size: str) -> Task:
@@ -218,6 +245,10 @@ def sized(size: str) -> Task:
         raise ValueError(f"size={size!r}: expected one of {', '.join(SIZES)}")
     s = SIZES[size]
     return dataclasses.replace(
-        TASK, description=f"byte-level {s.n_layers}-layer transformer LM (d_model {s.d_model}) on Python stdlib source",
-        default_steps=s.steps, default_batch_size=s.batch_size, default_lr=s.lr,
-        make_model=functools.partial(make_model, size=size))
+        TASK,
+        description=f"byte-level {s.n_layers}-layer transformer LM (d_model {s.d_model}) on Python stdlib source",
+        default_steps=s.steps,
+        default_batch_size=s.batch_size,
+        default_lr=s.lr,
+        make_model=functools.partial(make_model, size=size),
+    )
