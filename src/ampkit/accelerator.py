@@ -40,6 +40,7 @@ from ampkit.events import Events, Listener, created
 from ampkit.exporter import export
 from ampkit.fp8 import MIN_WEIGHT, fp8_training
 from ampkit.hardware import capability, resolve_device
+from ampkit.items import ItemWeights
 from ampkit.launch import check_metric, launch_settings, max_steps_reached
 from ampkit.metrics import MetricTracker
 from ampkit.module import KeepSpec
@@ -169,6 +170,8 @@ class Accelerator:
             )
         self.scaler = (scaler or LossScaler()).to(self.device) if self.policy.loss_scaling else None
         self.cycle = AccumulationCycle(grad_accum_steps, self.scaler, divide_loss)
+        # acc.backward(loss_sum, num_items=n): ampkit's DDP/FSDP average gradients over the ranks, a count sums them
+        self.items = ItemWeights(self.device, self.world_size if self.strategy != "none" else 1)
         self.events = Events()  # listeners: ampkit.events.Listener
         self.compile_options = compile_setup(self.device, compile, cuda_graphs)  # torch.compile kwargs, or None
         self.cuda_graphs = cuda_graphs and self.compile_options is not None
@@ -197,21 +200,37 @@ class Accelerator:
         already in their training dtype. One object in, one object out; several in, a tuple out."""
         return self._prepared.prepare(*objs)
 
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+    def backward(self, loss: torch.Tensor, *, num_items: int | torch.Tensor | None = None, **kwargs: Any) -> None:
         """`loss.backward()` with loss scaling and gradient accumulation (the loop's one changed line).
+
+        With `grad_accum_steps=k` the loss is divided by k (a mean over the cycle's micro-batches). For batches of
+        different sizes (padded or packed sequences) pass the *summed* loss and the items it sums over,
+        `acc.backward(loss_sum, num_items=n_tokens)`: the optimizer then divides the accumulated gradient by the
+        items of the whole cycle, across ranks, on the device (`ampkit.items`). Each backward is one micro-batch,
+        or all of them inside one `with acc.accumulate():` block (a micro-batch with several losses).
         A backward that raises (a loss without grad, say) does not count as a micro-step."""
         if not isinstance(loss, torch.Tensor):
             raise TypeError(
-                f"acc.backward(loss) expects the loss tensor the model's output produced; got a {type(loss).__name__} ({loss!r})"
+                f"acc.backward(loss) expects the loss tensor the model's output produced; "
+                f"got a {type(loss).__name__} ({loss!r})"
             )
-        self._prepared.check_backward()
+        self._prepared.check_backward(num_items is not None)
         if self.events.listeners:
             self.events.emit(Listener.on_backward_start, self, loss)
-        loss = self.cycle.micro_loss(loss)
+        items = None
+        if num_items is None:
+            loss = self.cycle.micro_loss(loss)
+        else:
+            if not self._prepared.optimizers:
+                raise StepOrderError(
+                    "acc.backward(loss, num_items=...) divides the accumulated gradient by the cycle's items in the "
+                    "prepared optimizer's step, and no optimizer was prepared: acc.prepare(model, optimizer)"
+                )
+            items = self.items.count(num_items)
+            loss = self.items.divide(loss, items)
         unscaled = None  # with a scaler, kept by the optimizers to explain a loss-scale collapse
         if self.scaler is not None:
             unscaled = loss.detach()
-            self.cycle.flush_scale_update()
             loss = self.scaler.scale(loss)
         stats = self.compile_stats
         if stats.first_forward_s is None or stats.first_backward_s is not None:
@@ -222,20 +241,40 @@ class Accelerator:
             stats.first_backward_s = time.perf_counter() - start
         self.cycle.advance()
         for opt in self._prepared.optimizers:
-            opt.on_backward(unscaled)
+            opt.on_backward(unscaled, items)
         if self.compile_trial.timing:  # the compile trial's timed step ends here (see CompileTrial)
             self.compile_trial.backward_ended()
         if self.events.listeners:
             self.events.emit(Listener.on_backward_end, self)
+
+    def accumulate(self) -> contextlib.AbstractContextManager[None]:
+        """One micro-batch, however many `acc.backward` calls it makes (several losses or models):
+        ```python
+        with acc.accumulate():
+            acc.backward(loss0, retain_graph=True)
+            acc.backward(loss1)
+            opt0.step(); opt1.step()
+        ```
+        Without it each `acc.backward` is one micro-batch of `grad_accum_steps`."""
+        return self.cycle.micro_batch()
 
     @property
     def sync_gradients(self) -> bool:
         """Whether the latest backward completed an accumulation cycle (the optimizer will step)."""
         return self.cycle.at_end
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        parameters: Any = None,
+    ) -> torch.Tensor | None:
         """Clip the unscaled gradients of the prepared optimizers (or models, with none); return the total
         norm (on the device), summed in model-parameter order as `clip_grad_norm_(model.parameters())`.
+        `optimizer=opt` unscales and clips only that optimizer's gradients (`scaler.unscale_(opt)` and a clip of
+        its parameters); `parameters=model.parameters()` only those parameters (and unscales their optimizers).
         On an overflowing step it is inf/NaN and the step is skipped; on a micro-step that does not end
         an accumulation cycle it does nothing and returns None, so the loop needs no `if` around it."""
         call = "acc.clip_grad_norm_"
@@ -250,7 +289,21 @@ class Accelerator:
         norm_type = check.number(
             call, "norm_type", norm_type, "a number > 0 such as 2.0, or inf", lambda v: v > 0, finite=False
         )
-        return self._prepared.clip_grad_norm_(max_norm, norm_type)
+        if optimizer is not None and parameters is not None:
+            raise ValueError(f"{call}(optimizer=..., parameters=...): pass one of them (or neither: everything)")
+        if optimizer is not None:
+            return self._prepared.clip_grad_norm_(max_norm, norm_type, optimizer=self._prepared.find(optimizer))
+        if parameters is not None:
+            if isinstance(parameters, torch.Tensor):
+                parameters = [parameters]
+            parameters = check.entries(
+                call,
+                "parameters",
+                parameters,
+                lambda p: isinstance(p, torch.Tensor),
+                "tensors such as model.parameters() or a list of parameters",
+            )
+        return self._prepared.clip_grad_norm_(max_norm, norm_type, parameters=parameters)
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """The policy's autocast, for computation outside the prepared model (e.g. a loss)."""
@@ -289,7 +342,9 @@ class Accelerator:
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"epochs({n!r}): expected an integer >= 0")
         start = self._epoch
-        if self._prepared.loaders and all(l.epoch_done and l.epoch == start for l in self._prepared.loaders):
+        if self._prepared.loaders and all(
+            loader.epoch_done and loader.epoch == start for loader in self._prepared.loaders
+        ):
             start += 1  # the checkpoint was taken after the saved epoch's last batch
         for epoch in range(start, n):
             if max_steps_reached(self):  # AMPKIT_MAX_STEPS: the launcher's limit is spent
@@ -330,6 +385,7 @@ class Accelerator:
             "epoch": self._epoch,
             "cycle": self.cycle.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "items": self.items.state_dict(),
         }
 
     def check_state_dict(self, state: dict[str, Any]) -> list[str]:
@@ -342,13 +398,15 @@ class Accelerator:
         if self.scaler is not None and state["scaler"] is not None:
             self.scaler.load_state_dict(state["scaler"])
             self.scaler.to(self.device)
+        self.items.load_state_dict(state.get("items", {}))
         self._epoch = int(state["epoch"])
         self.run_id = str(state["run_id"])  # the loaded run goes on: its checkpoint folder is this run's
 
     def _require_prepared(self, what: str) -> None:
         if not (self._prepared.models or self._prepared.optimizers):
             raise StepOrderError(
-                f"acc.{what}() needs the prepared objects to restore into: call acc.prepare(model, optimizer, ...) first"
+                f"acc.{what}() needs the prepared objects to restore into: "
+                f"call acc.prepare(model, optimizer, ...) first"
             )
 
     def track(self, name: str, value: torch.Tensor | float) -> None:

@@ -1,15 +1,22 @@
-"""Where the loop is inside one gradient-accumulation cycle, and the loss-scale updates it owes:
-the overflow flags of optimizer steps whose scale update runs on the device at the next backward (so
-several optimizers on one scale agree), or when a checkpoint or `acc.state.scale` needs the scale.
+"""Where the loop is inside one gradient-accumulation cycle, and the loss-scale update it owes.
+
+A micro-batch is one `acc.backward`, or every backward inside one `with acc.accumulate():` block (a micro-batch
+with several losses: two models, `retain_graph=True`). Several optimizers sharing the scaler owe one scale update
+per iteration, as `scaler.step(opt0); scaler.step(opt1); scaler.update()`: it runs on the device once every
+prepared optimizer has stepped since the last one (or one steps a second time first), so the scale the next
+backward uses is always the scaler's current one (`get_scale()` is never stale).
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from ampkit.errors import StepOrderError
 from ampkit.scaler import LossScaler
 
 
@@ -24,11 +31,29 @@ class AccumulationCycle:
         self.divide_loss = divide_loss is not False
         self._tell = divide_loss is None and steps > 1  # say once that the loss is divided
         self.position = 0
-        self._owed: list[torch.Tensor] = []  # found_inf flags of steps whose scale update is owed
+        self._owed: dict[int, torch.Tensor] = {}  # optimizer index -> found_inf of its step since the last update
+        self._in_block = False  # inside acc.accumulate()
+        self._counted = False  # that block's first backward has advanced the position
+        self.blocks_used = False  # the loop marks its micro-batches with acc.accumulate()
 
     def advance(self) -> None:
-        """One more backward ran."""
+        """One more backward ran: a new micro-batch, unless an earlier backward of this block counted it."""
+        if self._in_block:
+            if self._counted:
+                return
+            self._counted = True
         self.position = self.position % self.steps + 1
+
+    @contextlib.contextmanager
+    def micro_batch(self) -> Iterator[None]:
+        """Every backward inside the block is one micro-batch (`acc.accumulate()`)."""
+        if self._in_block:
+            raise StepOrderError("acc.accumulate() blocks do not nest: one block is one micro-batch")
+        self._in_block, self._counted, self.blocks_used = True, False, True
+        try:
+            yield
+        finally:
+            self._in_block = self._counted = False
 
     @property
     def started(self) -> bool:
@@ -48,6 +73,8 @@ class AccumulationCycle:
     @property
     def next_is_last(self) -> bool:
         """The next backward will complete the cycle (DDP all-reduces in that one only)."""
+        if self._counted:  # a later backward of a block whose micro-batch is already counted
+            return self.at_end
         return self.position % self.steps + 1 == self.steps
 
     def micro_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -59,29 +86,35 @@ class AccumulationCycle:
         if self._tell:
             self._tell = False
             warnings.warn(
-                f"grad_accum_steps={self.steps}: acc.backward(loss) divides each micro-batch's loss by {self.steps}, so "
-                f"the accumulated gradient is the mean over the cycle. If the loop divides its loss by its accumulation "
-                f"steps too (loss = loss / gradient_accumulation_steps), remove that line: divided twice, every gradient "
-                f"is {self.steps}x too small. Accelerator(divide_loss=True) says this is intended (no notice); "
-                f"divide_loss=False keeps the loop's own division",
+                f"grad_accum_steps={self.steps}: acc.backward(loss) divides each micro-batch's loss by {self.steps}, "
+                f"so the accumulated gradient is the mean over the cycle. If the loop divides its loss by its "
+                f"accumulation steps too (loss = loss / gradient_accumulation_steps), remove that line: divided twice, "
+                f"every gradient is {self.steps}x too small. Accelerator(divide_loss=True) says this is intended "
+                f"(no notice); divide_loss=False keeps the loop's own division",
                 stacklevel=3,
             )
         return loss / self.steps
 
-    def owe_scale_update(self, found_inf: torch.Tensor) -> None:
-        """An optimizer step with this overflow flag ran; the scale update follows later."""
-        self._owed.append(found_inf)
+    def owe_scale_update(self, index: int, found_inf: torch.Tensor, sharing: int) -> None:
+        """Optimizer `index` (of `sharing` prepared ones) stepped with this overflow flag: update the scale once
+        each has (torch's `scaler.update()` after the last `scaler.step`), or first if this one stepped before."""
+        if index in self._owed:
+            self.flush_scale_update()
+        self._owed[index] = found_inf
+        if len(self._owed) >= sharing:
+            self.flush_scale_update()
 
     def flush_scale_update(self) -> None:
-        """Apply the owed scale update now (on the device: no sync)."""
+        """Apply the owed scale update now (on the device: no sync): one backoff if any step overflowed."""
         if self._owed and self.scaler is not None:
-            self.scaler.update(sum(self._owed[1:], self._owed[0]))
+            flags = list(self._owed.values())
+            self.scaler.update(sum(flags[1:], flags[0]))
         self._owed.clear()
 
     def state_dict(self) -> dict[str, Any]:
-        """The position (owed updates are flushed first: the scaler's state then holds them)."""
-        self.flush_scale_update()
-        return {"steps": self.steps, "position": self.position}
+        """The position and the overflow flags of steps whose scale update is still owed."""
+        owed = {i: float(flag) for i, flag in self._owed.items()}  # sync: a checkpoint reads once, outside the step
+        return {"steps": self.steps, "position": self.position, "owed": owed}
 
     def check_state_dict(self, state: dict[str, Any]) -> str | None:
         """Why `state` cannot be loaded into this cycle, or None."""
@@ -97,3 +130,7 @@ class AccumulationCycle:
             raise ValueError(problem)
         self.position = int(state["position"]) if state["steps"] == self.steps else 0
         self._owed.clear()
+        if self.scaler is not None:
+            device = self.scaler.scale_tensor.device
+            for index, flag in state.get("owed", {}).items():
+                self._owed[int(index)] = torch.full((), float(flag), dtype=torch.float32, device=device)

@@ -78,12 +78,18 @@ class AmpOptimizer(torch.optim.Optimizer):
     it ignores that entry.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, acc: Accelerator, weights: LowPrecisionWeights | None) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, acc: Accelerator, weights: LowPrecisionWeights | None, index: int = 0
+    ) -> None:
         # No super().__init__: param_groups and state are the wrapped optimizer's own objects.
         self.optimizer = optimizer
         self.weights = weights  # master copies / Kahan buffers (None for presets that keep fp32 weights)
         self._acc = acc
+        self._index = index  # its place among the prepared optimizers (they share one loss-scale update)
         self._stage = READY
+        self._items: torch.Tensor | None = None  # items of this cycle's backwards (acc.backward(num_items=))
+        self._backwards = 0  # backwards since the gradients were last zeroed or stepped
+        self._told_blocks = False
         self._found_inf: torch.Tensor | None = None
         self._last_loss: torch.Tensor | None = None  # the latest loss before scaling (explains a collapse)
         # fused Adam/AdamW/SGD take found_inf and skip on the device; others need one host read.
@@ -141,6 +147,9 @@ class AmpOptimizer(torch.optim.Optimizer):
             "stage": self._stage.value,
             "overflows_at_min": self._overflows_at_min,
             "weights": self.weights.state_dict() if self.weights is not None else None,
+            # sync: a checkpoint reads once; the items of a cycle saved mid-way, with its gradients
+            "items": None if self._items is None else float(self._items),
+            "backwards": self._backwards,
         }
         return state
 
@@ -163,7 +172,8 @@ class AmpOptimizer(torch.optim.Optimizer):
             for i, (a, b) in enumerate(zip(saved_groups, groups)):
                 if len(a["params"]) != len(b["params"]):
                     problems.append(
-                        f"parameter group {i} has {len(a['params'])} parameters in the checkpoint, {len(b['params'])} here"
+                        f"parameter group {i} has {len(a['params'])} parameters in the checkpoint, "
+                        f"{len(b['params'])} here"
                     )
         if same_class and not problems:
             problems += self._check_state_keys(state, mine)
@@ -193,6 +203,9 @@ class AmpOptimizer(torch.optim.Optimizer):
             return
         self.attempted_steps, self.applied_steps, self.skipped_steps = amp["attempted"], amp["applied"], amp["skipped"]
         self._overflows_at_min = amp["overflows_at_min"]
+        items, device = amp.get("items"), self._acc.device
+        self._items = None if items is None else torch.full((), items, dtype=torch.float32, device=device)
+        self._backwards = int(amp.get("backwards", 0))
         self._stage = Stage(amp["stage"])
         if self._outcomes is not None:
             self._outcomes.clear()
@@ -236,6 +249,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                 for p in self._model_params:
                     p.grad = None
             self._stage = READY
+            self._items, self._backwards = None, 0
         if events.listeners:
             events.emit(Listener.on_zero_grad_end, self)
 
@@ -243,7 +257,8 @@ class AmpOptimizer(torch.optim.Optimizer):
         """Apply the update on accumulation boundaries; skip it on the device if gradients overflowed."""
         if closure is not None:
             raise StepOrderError(
-                "optimizer.step(closure) is not supported by ampkit: compute the loss in the loop and call acc.backward(loss)"
+                "optimizer.step(closure) is not supported by ampkit: compute the loss in the loop and call "
+                "acc.backward(loss)"
             )
         if self._stage is READY or self._stage is STEPPED:
             raise StepOrderError(
@@ -254,6 +269,15 @@ class AmpOptimizer(torch.optim.Optimizer):
         if events.listeners:
             events.emit(Listener.on_step_start, self)
         if not self._acc.cycle.at_end:
+            if self._backwards > 1 and not self._told_blocks and not self._acc.cycle.blocks_used:
+                self._told_blocks = True
+                warnings.warn(
+                    f"optimizer.step() after {self._backwards} acc.backward calls that count as {self._backwards} of "
+                    f"the grad_accum_steps={self._acc.cycle.steps} micro-batches: if one micro-batch has several "
+                    f"losses (or models), wrap it in `with acc.accumulate():` so that it counts once; otherwise the "
+                    f"optimizer steps {self._backwards}x too often",
+                    stacklevel=2,
+                )
             if events.listeners:
                 events.emit(Listener.on_step_end, self, False)
             return None  # a non-boundary micro-step: gradients keep accumulating
@@ -269,8 +293,14 @@ class AmpOptimizer(torch.optim.Optimizer):
     def _update(self) -> Any:
         acc, weights = self._acc, self.weights
         # fp32 weights and no loss scaling: the user's step as it is (nothing to unscale: step() checked the stage)
-        result = self.optimizer.step() if weights is None and acc.scaler is None else self._lowp_or_scaled_update()
+        if weights is None and acc.scaler is None:
+            if self._items is not None:
+                self.unscale_()  # divides the gradients by the cycle's items
+            result = self.optimizer.step()
+        else:
+            result = self._lowp_or_scaled_update()
         self._stage = STEPPED
+        self._items, self._backwards = None, 0
         self.attempted_steps += 1
         if acc.cuda_graphs:
             # The step is over: the next forward may reuse the graphs' output memory (CUDA graph trees).
@@ -282,7 +312,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         # bf16-true reads the model's gradients itself (unless clipping brought them in already); the
         # -master presets' gradients come in whole (one foreach copy), their masters stepped in one call
         compensated = isinstance(weights, CompensatedWeights)
-        if not compensated or self._stage is not BACKWARD:
+        if not compensated or self._stage is not BACKWARD or self._items is not None:
             self.unscale_()
         result = None
         if scaler is None:
@@ -299,9 +329,9 @@ class AmpOptimizer(torch.optim.Optimizer):
                     del self.optimizer.found_inf, self.optimizer.grad_scale  # type: ignore[attr-defined]
             elif not found_inf.item():  # sync: this optimizer cannot skip on the device (use fused=True)
                 result = self.optimizer.step()
-            self._acc.cycle.owe_scale_update(found_inf)
             assert self._outcomes is not None
-            self._outcomes.record(found_inf, scaler.scale_tensor)
+            self._outcomes.record(found_inf, scaler.scale_tensor)  # the scale this step used
+            self._acc.cycle.owe_scale_update(self._index, found_inf, len(self._acc.optimizers))
         if isinstance(weights, MasterWeights):
             weights.weights_out()
             weights.release()
@@ -320,27 +350,42 @@ class AmpOptimizer(torch.optim.Optimizer):
             )
         grads = self.weights.grads_in() if self.weights is not None else None
         scaler = self._acc.scaler
+        factor = self._acc.items.factor(self._items) if self._items is not None else None
+        if grads is None and (scaler is not None or factor is not None):
+            grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         if scaler is not None:
-            if grads is None:
-                grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
             self._found_inf = torch.zeros((), dtype=torch.float32, device=scaler.scale_tensor.device)
-            scaler.unscale_(grads, self._found_inf)
+            scaler.unscale_(grads, self._found_inf, factor)
             if self._acc.distributed.enabled:
                 agree_on_overflow(self._found_inf)  # every rank skips the same steps, decided on the device
+        elif factor is not None and grads:
+            torch._foreach_mul_(grads, factor)
         self._stage = UNSCALED
 
-    def check_backward(self) -> None:
-        """Raise if a backward now would break this optimizer's step (called before the backward runs)."""
+    def check_backward(self, counted: bool = False) -> None:
+        """Raise if a backward now would break this optimizer's step (called before the backward runs);
+        `counted`: it has `num_items=`."""
+        if self._backwards and counted != (self._items is not None):
+            raise StepOrderError(
+                f"acc.backward(loss{', num_items=...' if counted else ''}) after {self._backwards} backward(s) "
+                f"{'without' if counted else 'with'} num_items= since the last optimizer step: one cycle's gradients "
+                f"are either divided by its items (every backward with num_items=, summed losses) or by "
+                f"grad_accum_steps (none with it, mean losses)"
+            )
         if self._stage is UNSCALED:
             raise StepOrderError(
                 "acc.backward(loss) ran after the gradients were unscaled (acc.clip_grad_norm_) in the same "
                 "optimizer step: clip once, after the last backward and right before optimizer.step()"
             )
 
-    def on_backward(self, loss: torch.Tensor | None = None) -> None:
-        """A backward completed: the gradients are ready for this step (`loss`: it, detached, unscaled)."""
+    def on_backward(self, loss: torch.Tensor | None = None, items: torch.Tensor | None = None) -> None:
+        """A backward completed: the gradients are ready for this step (`loss`: it, detached, unscaled;
+        `items`: the items its summed loss adds up, with `num_items=`)."""
         self._stage = BACKWARD
         self._last_loss = loss
+        self._backwards += 1
+        if items is not None:
+            self._items = items if self._items is None else self._items + items
 
     # --- outcomes -----------------------------------------------------------------------------
     def watch_outcomes(self, callback: Callable[[int, bool], None]) -> None:

@@ -106,10 +106,15 @@ class LossScaler:
         """`loss * scale`, computed on the device."""
         return loss * self.scale_tensor.to(device=loss.device, non_blocking=True)
 
-    def unscale_(self, grads: Iterable[torch.Tensor], found_inf: torch.Tensor) -> None:
-        """Divide `grads` by the scale in place and set `found_inf` (a 0-dim fp32 tensor on the scale's
-        device) to 1 if any is inf/NaN; never cleared, so one flag can collect several calls. Not sparse."""
+    def unscale_(
+        self, grads: Iterable[torch.Tensor], found_inf: torch.Tensor, factor: torch.Tensor | None = None
+    ) -> None:
+        """Divide `grads` by the scale in place (and multiply them by `factor`, a 0-dim tensor, in the same
+        kernel) and set `found_inf` (a 0-dim fp32 tensor on the scale's device) to 1 if any is inf/NaN; never
+        cleared, so one flag can collect several calls. Not sparse."""
         inv_scale = self.scale_tensor.double().reciprocal().float()  # as GradScaler: exact for powers of 2
+        if factor is not None:
+            inv_scale = inv_scale * factor.to(inv_scale.device)
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         for g in grads:
             groups[(g.device, g.dtype)].append(g)
@@ -173,7 +178,10 @@ class LossScaler:
 
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"
-        return f"LossScaler({kind}, init_scale={self.init_scale}, growth_interval={self.growth_interval}, hysteresis={self.hysteresis})"
+        return (
+            f"LossScaler({kind}, init_scale={self.init_scale}, growth_interval={self.growth_interval}, "
+            f"hysteresis={self.hysteresis})"
+        )
 
 
 _SMALLEST_NORMAL = 2.0**-126

@@ -38,8 +38,7 @@ class TrainingState:
         """The current loss scale, or None for presets without loss scaling."""
         if self._acc.scaler is None:
             return None
-        self._acc.cycle.flush_scale_update()
-        return self._acc.scaler.get_scale()
+        return self._acc.scaler.get_scale()  # the scale the next backward uses (see ampkit.cycle)
 
     def __repr__(self) -> str:
         return (
