@@ -89,6 +89,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         self._stage = READY
         self._items: torch.Tensor | None = None  # items of this cycle's backwards (acc.backward(num_items=))
         self._backwards = 0  # backwards since the gradients were last zeroed or stepped
+        self._since_step = 0  # backwards since the last step() call (boundary or not)
         self._told_blocks = False
         self._found_inf: torch.Tensor | None = None
         self._last_loss: torch.Tensor | None = None  # the latest loss before scaling (explains a collapse)
@@ -268,14 +269,15 @@ class AmpOptimizer(torch.optim.Optimizer):
         events = self._acc.events
         if events.listeners:
             events.emit(Listener.on_step_start, self)
+        uncounted, self._since_step = self._since_step, 0
         if not self._acc.cycle.at_end:
-            if self._backwards > 1 and not self._told_blocks and not self._acc.cycle.blocks_used:
+            if uncounted > 1 and not self._told_blocks and not self._acc.cycle.blocks_used:
                 self._told_blocks = True
                 warnings.warn(
-                    f"optimizer.step() after {self._backwards} acc.backward calls that count as {self._backwards} of "
-                    f"the grad_accum_steps={self._acc.cycle.steps} micro-batches: if one micro-batch has several "
-                    f"losses (or models), wrap it in `with acc.accumulate():` so that it counts once; otherwise the "
-                    f"optimizer steps {self._backwards}x too often",
+                    f"optimizer.step() after {uncounted} acc.backward calls that count as {uncounted} of the "
+                    f"grad_accum_steps={self._acc.cycle.steps} micro-batches: if one micro-batch has several losses "
+                    f"(or models), wrap it in `with acc.accumulate():` so that it counts once; otherwise the "
+                    f"optimizer steps {uncounted}x too often",
                     stacklevel=2,
                 )
             if events.listeners:
@@ -384,6 +386,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         self._stage = BACKWARD
         self._last_loss = loss
         self._backwards += 1
+        self._since_step += 1
         if items is not None:
             self._items = items if self._items is None else self._items + items
 
