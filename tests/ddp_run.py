@@ -205,6 +205,26 @@ def sharded(out: Path, stop_after: int | None, precision: str = "fp16-mixed") ->
     return {"weights": full(m), "steps": acc.state.applied_steps, "resumed": str(resumed), "scale": acc.state.scale}
 
 
+def items(out: Path) -> dict:
+    """Variable-length accumulation across ranks: rank r takes its share of each cycle's micro-batches."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "amp_page"))
+    import variable_length as vl
+
+    acc = ampkit.Accelerator(precision="fp32", device="cpu", grad_accum_steps=vl.ACCUMULATE, divide_loss=True)
+    m = vl.TinyLM()
+    m, opt = acc.prepare(m, torch.optim.SGD(m.parameters(), lr=0.5))
+    world, rank = acc.world_size, acc.rank
+    batches = vl.micro_batches(vl.ACCUMULATE * world * vl.CYCLES)
+    for c in range(vl.CYCLES):
+        first = (c * world + rank) * vl.ACCUMULATE
+        for tokens, labels in batches[first : first + vl.ACCUMULATE]:
+            loss = F.cross_entropy(m(tokens).flatten(0, 1), labels.flatten(), ignore_index=vl.IGNORE, reduction="sum")
+            acc.backward(loss, num_items=(labels != vl.IGNORE).sum())
+            opt.step()
+            opt.zero_grad()
+    return {"weights": [p.detach() for p in acc.unwrap(m).parameters()]}
+
+
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
     runs = {
@@ -212,6 +232,7 @@ def main() -> None:
         "equiv-bf16": lambda: equivalence(out, "bf16-mixed"),
         "overflow": lambda: overflow(out),
         "accum": lambda: accumulation(out),
+        "items": lambda: items(out),
         "script-ddp": lambda: script_ddp(out),
         "files": lambda: files(out),
         "resumable": lambda: resumable(out),

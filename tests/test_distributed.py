@@ -103,6 +103,19 @@ def test_accumulation_all_reduces_once_per_optimizer_step(tmp_path):
     assert r0["metrics"] == r1["metrics"] == [{"rank": 0.5}]  # metrics() averages over ranks
 
 
+def test_variable_length_accumulation_across_ranks_equals_the_big_batch(tmp_path):
+    """acc.backward(loss_sum, num_items=n) on 2 ranks: the items of both ranks' micro-batches divide the gradient,
+    so the update is the one big batch's (all 8 micro-batches of a cycle), not an average of per-rank means."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "amp_page"))
+    import variable_length as vl
+
+    torchrun("items", tmp_path)
+    r0, r1 = ranks(tmp_path)
+    assert_bitwise_equal(r0["weights"], r1["weights"])
+    for got, want in zip(r0["weights"], vl.big_batch(per_step=2 * vl.ACCUMULATE)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_only_rank_0_writes_files_and_prints(tmp_path):
     proc = torchrun("files", tmp_path)
     r0, r1 = ranks(tmp_path)

@@ -34,11 +34,11 @@ class TinyLM(nn.Module):
         return self.head(torch.tanh(self.mix(self.embed(tokens))))
 
 
-def micro_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def micro_batches(n: int = ACCUMULATE * CYCLES) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(tokens, labels) padded to the longest sequence of each micro-batch; lengths vary from 2 to 40."""
     g = torch.Generator().manual_seed(0)
     out = []
-    for _ in range(ACCUMULATE * CYCLES):
+    for _ in range(n):
         rows = int(torch.randint(1, 5, (), generator=g))
         lengths = torch.randint(2, 41, (rows,), generator=g)
         width = int(lengths.max())
@@ -71,13 +71,14 @@ def converted(precision: str = "fp32", exact: bool = True) -> list[torch.Tensor]
     return list(acc.fp32_state_dict(model).values())  # the fp32 truth of bf16 weights (master or compensated)
 
 
-def big_batch() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The reference: one step per cycle on all its micro-batches' tokens, the mean over every item."""
+def big_batch(per_step: int = ACCUMULATE, steps: int = CYCLES) -> list[torch.Tensor]:
+    """The reference: one step per cycle on all its micro-batches' tokens (`per_step` of them, of every rank),
+    the mean over every item."""
     model = TinyLM()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    batches = micro_batches()
-    for c in range(CYCLES):
-        cycle = batches[c * ACCUMULATE : (c + 1) * ACCUMULATE]
+    batches = micro_batches(per_step * steps)
+    for c in range(steps):
+        cycle = batches[c * per_step : (c + 1) * per_step]
         total = sum(_summed_loss(model, tok, lab) for tok, lab in cycle)
         items = sum(int((lab != IGNORE).sum()) for _, lab in cycle)
         (total / items).backward()
