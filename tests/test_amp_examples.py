@@ -186,3 +186,35 @@ def test_num_items_is_checked_before_anything_runs():
     acc.backward(loss, num_items=3, retain_graph=True)
     with pytest.raises(ampkit.StepOrderError, match=r"either divided by its items"):
         acc.backward(loss)  # mixing the two forms in one cycle
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16-mixed"])
+def test_a_checkpoint_mid_cycle_with_num_items_resumes_bitwise(tmp_path, precision):
+    """Saved after 2 of 4 micro-batches (their gradients and item count pending), loaded into a fresh process's
+    objects, the run ends where the uninterrupted one does."""
+    vl = _pattern("variable_length")
+    batches = vl.micro_batches()
+
+    def run(stop_at: int | None, load: bool = False) -> list[torch.Tensor]:
+        model = vl.TinyLM()
+        acc = ampkit.Accelerator(precision=precision, device="cpu", grad_accum_steps=vl.ACCUMULATE, divide_loss=True)
+        model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        start = 0
+        if load:
+            acc.load(tmp_path / "mid.pt")
+            start = 6
+        for i, (tokens, labels) in enumerate(batches[start:], start):
+            loss = torch.nn.functional.cross_entropy(
+                model(tokens).flatten(0, 1), labels.flatten(), ignore_index=vl.IGNORE, reduction="sum"
+            )
+            acc.backward(loss, num_items=(labels != vl.IGNORE).sum())
+            opt.step()
+            opt.zero_grad()
+            if i + 1 == stop_at:
+                acc.save(tmp_path / "mid.pt")
+                return []
+        return [p.detach().clone() for p in model.parameters()]
+
+    whole = run(None)
+    run(6)
+    assert_bitwise_equal(run(None, load=True), whole)
