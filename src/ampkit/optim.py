@@ -126,6 +126,11 @@ class AmpOptimizer(torch.optim.Optimizer):
         return self.optimizer.defaults
 
     @property
+    def item_weighted(self) -> bool:
+        """This cycle's gradients are divided by its items (`acc.backward(loss_sum, num_items=n)`)."""
+        return self._items is not None
+
+    @property
     def stage(self) -> Stage:
         """Where this optimizer is inside the current step."""
         return self._stage

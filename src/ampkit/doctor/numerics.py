@@ -18,6 +18,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from ampkit.accelerator import Accelerator
+from ampkit.doctor.accumulation import AccumulationCheck
 from ampkit.doctor.census import RangeCensus
 from ampkit.doctor.localizer import BatchKeeper, replay
 from ampkit.doctor.lost_updates import LostUpdateDetector
@@ -69,6 +70,7 @@ class NumericsSession(Watch):
         self._loss_bad: torch.Tensor | None = None  # the step's losses so far: any inf/NaN? (no loss scaling)
         self._model_loss: torch.Tensor | None = None  # a loss the model returned itself (nanoGPT, Hugging Face)
         self._divided: list[torch.Tensor] = []  # per micro-step: acc.backward got the model's loss / k (device flags)
+        self._accumulation = AccumulationCheck(acc)
         self.attach()
 
     # --- the hooks on and off -------------------------------------------------------------------
@@ -95,6 +97,7 @@ class NumericsSession(Watch):
         for model in models:  # the weights before each step: taken at the step's first forward
             self.hooks.callback(model.register_forward_pre_hook(self._snapshot).remove)
             self.hooks.callback(model.register_forward_hook(self._returned_loss).remove)
+            self.hooks.callback(model.register_forward_pre_hook(self._accumulation.forward).remove)
 
     started = on_batch_wait_start = on_zero_grad_start = _maybe_open  # moments to hook on, between steps
 
@@ -135,6 +138,23 @@ class NumericsSession(Watch):
         if keeper is not None and keeper.keep_weights and keeper.enabled and self.result is None:
             bad = torch.isfinite(loss.detach()).all().logical_not()
             self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
+
+    def _watching(self) -> bool:
+        return self._census is not None and self.result is None
+
+    def on_batch_wait_end(self, loader: Any, batch: Any) -> None:
+        if self._watching():
+            self._accumulation.batch(batch)
+
+    def on_backward_end(self, acc: Accelerator) -> None:
+        super().on_backward_end(acc)
+        if self._watching():
+            self._accumulation.backward_ended()
+
+    def on_step_end(self, optimizer: AmpOptimizer, stepped: bool) -> None:
+        if self._watching() and self.is_first(optimizer):
+            self._accumulation.step_called(stepped)
+        super().on_step_end(optimizer, stepped)
 
     def step_ended(self) -> None:
         """End of an optimizer step: count it, replay it if it was skipped, finish after the last one."""
@@ -278,11 +298,15 @@ class NumericsSession(Watch):
                 {
                     "id": "double-division",
                     "title": f"the loss is divided by {k} twice: every gradient is {k}x too small",
-                    "evidence": f"in all {divided} watched micro-steps acc.backward got the model's own loss / {k}, and "
-                    f"grad_accum_steps={k} divides it by {k} again",
-                    "fix": "remove the loop's own `loss = loss / gradient_accumulation_steps` line (or pass divide_loss=False)",
+                    "evidence": f"in all {divided} watched micro-steps acc.backward got the model's own loss / {k}, "
+                    f"and grad_accum_steps={k} divides it by {k} again",
+                    "fix": "remove the loop's own `loss = loss / gradient_accumulation_steps` line "
+                    "(or pass divide_loss=False)",
                 },
             )
+        found, notes = self._accumulation.findings()
+        result["findings"][:0] = found
+        result["notes"] += notes
         if acc.strategy == "ddp":
             result["notes"].append(
                 "under DDP the doctor watches this rank's model; the replay runs the unwrapped module"

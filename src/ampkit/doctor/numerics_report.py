@@ -108,9 +108,12 @@ NUMERICS_SCHEMA: dict[str, Any] = {
                                 "created_nonfinite": INT,
                             },
                             grad="Gradients reaching the module's output, as seen (loss-scaled under fp16 presets).",
-                            grad_unscaled="The same divided by that step's loss scale: the true gradients (an inf of the scaled "
-                            "gradient is not counted as an overflow here: its true size is unknown).",
-                            created_nonfinite="Forwards whose output overflowed or went NaN while its inputs were clean.",
+                            grad_unscaled="The same divided by that step's loss scale: the true gradients "
+                            "(an inf of the scaled gradient is not counted as an overflow here: "
+                            "its true size is unknown).",
+                            created_nonfinite=(
+                                "Forwards whose output overflowed or went NaN while its inputs were clean."
+                            ),
                         ),
                     },
                     "at_risk": {
@@ -161,14 +164,18 @@ NUMERICS_SCHEMA: dict[str, Any] = {
                                     "lost_share": _SHARE_OR_NULL,
                                     "below_half_ulp_share": _SHARE_OR_NULL,
                                 },
-                                wanted="Element updates the optimizer wanted (nonzero gradient), over the applied steps.",
+                                wanted=(
+                                    "Element updates the optimizer wanted (nonzero gradient), over the applied steps."
+                                ),
                                 lost_share="Share of those the effective weight did not take at all.",
                                 below_half_ulp_share="Share below half an ulp of the weight in its storage dtype.",
                             ),
                         },
                         "recommendation": {"type": ["string", "null"]},
                     },
-                    effective="What counts as the weight: the parameter, its fp32 master, or bf16 + Kahan compensation.",
+                    effective=(
+                        "What counts as the weight: the parameter, its fp32 master, or bf16 + Kahan compensation."
+                    ),
                 )
             ),
             "loss_scale": _nullable(
@@ -199,6 +206,8 @@ NUMERICS_SCHEMA: dict[str, Any] = {
                                 "lost-updates",
                                 "loss-scale",
                                 "double-division",
+                                "several-backwards",
+                                "mean-accumulation",
                                 "fp8-range",
                             ]
                         },
