@@ -25,17 +25,11 @@ from torch import nn
 from ampkit import checkpoint
 from ampkit import validate as check
 from ampkit.compiler import CompileStats, CompileTrial, compile_setup
+from ampkit.config import AcceleratorConfig
 from ampkit.cycle import AccumulationCycle
 from ampkit.data import DeviceLoader
-from ampkit.distributed import (
-    FSDP_PRESETS,
-    DistributedContext,
-    barrier,
-    check_backend,
-    gather_objects,
-    sum_across_ranks,
-)
-from ampkit.errors import PrecisionError, StepOrderError
+from ampkit.distributed import DistributedContext, barrier, choose_strategy, gather_objects, sum_across_ranks
+from ampkit.errors import StepOrderError
 from ampkit.events import Events, Listener, created
 from ampkit.exporter import export
 from ampkit.fp8 import MIN_WEIGHT, fp8_training
@@ -47,7 +41,7 @@ from ampkit.module import KeepSpec
 from ampkit.optim import AmpOptimizer
 from ampkit.precision import Precision, resolve_precision
 from ampkit.prepare import Prepared
-from ampkit.scaler import LossScaler
+from ampkit.scaler import LossScaler, scaler_for
 from ampkit.scheduler import AmpScheduler
 from ampkit.training_state import TrainingState
 
@@ -56,44 +50,8 @@ class Accelerator:
     """Mixed-precision training on the right device, with gradient accumulation. Launch-time settings
     (`ampkit.launch`: AMPKIT_* variables) fill what is not passed.
 
-    Args:
-        precision: "auto" (the launcher's AMPKIT_PRECISION if set, else chosen from the hardware;
-            `acc.policy.reason` says why), a preset name ("fp32", "bf16-mixed", "fp16-mixed",
-            "fp16-master", "bf16-master", "bf16-true", "fp8-mixed") or an `ampkit.Precision`.
-        grad_accum_steps: micro-batches per optimizer step (None: AMPKIT_GRAD_ACCUM_STEPS, else 1); the loss
-            is divided by it (see divide_loss), the prepared optimizer and scheduler act on every k-th call.
-        divide_loss: whether acc.backward divides the loss by grad_accum_steps. None (default) divides
-            and says so once; True divides silently; False leaves the division to the loop.
-        device: "auto" (cuda, then mps, then cpu), or e.g. "cpu", "cuda:1".
-        scaler: a custom `LossScaler` for the fp16 presets (default: dynamic, 2**16, growth every 2000).
-        keep_fp32: module types or name patterns (fnmatch, e.g. "head", "blocks.*.attn") that run and
-            are stored in fp32. Norm layers are kept in fp32 by the -master presets anyway.
-        step_scheduler_with_optimizer: True (default) for schedulers stepped once per optimizer step: they
-            advance only on applied steps. False passes every scheduler.step() through (per-epoch ones).
-        strategy: under torchrun (WORLD_SIZE > 1), "auto" or "ddp" wraps models in DistributedDataParallel
-            and shards DataLoaders; "fsdp" shards the model with FSDP2 (`fully_shard`) instead; "none"
-            leaves both to you. Ignored in a single process.
-        backend: the process group's backend (default: nccl on CUDA, gloo on CPU).
-        compile: torch.compile each prepared model's forward, precision policy inside (True, or a dict of
-            torch.compile arguments such as {"mode": "max-autotune"}; None: AMPKIT_COMPILE, else False); eager
-            with a warning where it fails. `acc.compile_stats` keeps the first step's compile time apart.
-            Then the next training steps alternate eager and compiled (3 each) and the faster by median runs
-            the rest of the run (`acc.compile_stats.chosen`/`reason`; a warning if eager); the dict key
-            "trial": False keeps it compiled without timing (cuda_graphs=True runs no trial either).
-        channels_last: store 4-D weights and batches in channels-last layout (NHWC), which the
-            convolution kernels of GPUs (tensor cores) and of oneDNN on CPUs run fastest.
-        cuda_graphs: replay each step's forward and backward kernels as CUDA graphs (torch.compile's
-            "reduce-overhead" mode), for small launch-bound models. CUDA only; static input shapes.
-        free_step_buffers: free between steps the full-size buffers of the updates (the `-master` presets'
-            fp32 gradients; bf16-true's flat bf16 gradients, and its fp32 ones after `clip_grad_norm_`).
-            None: free them, except the
-            `-master` presets' on a CPU, where memory freed goes back to the OS and is faulted in again at
-            the next step (6-14% of their step, benchmarks/step_buffers.py); on a GPU freeing costs nothing.
-        cast_outputs: cast a prepared model's bf16/fp16 outputs to fp32, so that a loss computed outside
-            the model runs in fp32. False: as the model made them (for a model that computes its loss).
-        fp8_recipe, fp8_emulate, fp8_min_weight: for precision="fp8-mixed" only (see `ampkit.fp8`):
-            torchao's scaling, "tensorwise" (default) or "rowwise"; True runs torchao's emulation on
-            any device (tests; no speed-up); the smallest in·out features of a Linear run in fp8.
+    The keywords (and `scaler=`, a custom `LossScaler` for the fp16 presets) are documented on
+    `ampkit.AcceleratorConfig`, which holds them checked and frozen as `acc.config`.
     """
 
     def __init__(
@@ -120,71 +78,49 @@ class Accelerator:
         # What the script did not pass comes from the launcher (AMPKIT_* variables, `ampkit.launch`).
         given = {"precision": precision, "grad_accum_steps": grad_accum_steps, "compile": compile}
         chosen = launch_settings(given)
-        precision, grad_accum_steps, compile = (chosen[name] for name in given)
         self.max_steps = chosen["max_steps"]
-        if not isinstance(grad_accum_steps, int) or isinstance(grad_accum_steps, bool) or grad_accum_steps < 1:
-            raise ValueError(f"grad_accum_steps={grad_accum_steps!r}: expected an integer >= 1")
-        for name, flag in (
-            ("fp8_emulate", fp8_emulate),
-            ("channels_last", channels_last),
-            ("cuda_graphs", cuda_graphs),
-            ("free_step_buffers", free_step_buffers),
-            ("cast_outputs", cast_outputs),
-        ):
-            if not isinstance(flag, bool) and not (name == "free_step_buffers" and flag is None):
-                by_device = " (or None: chosen by device and preset)" if name == "free_step_buffers" else ""
-                raise TypeError(f"{name}={flag!r}: expected True or False{by_device}")
         if scaler is not None and not isinstance(scaler, LossScaler):
             raise TypeError(f"scaler={scaler!r}: expected an ampkit.LossScaler")
-        keep_fp32 = check.entries(
-            "",
-            "keep_fp32",
-            [keep_fp32] if isinstance(keep_fp32, (str, type)) else keep_fp32,
-            lambda s: isinstance(s, str) or (isinstance(s, type) and issubclass(s, nn.Module)),
-            "a list of nn.Module subclasses or module-name patterns, e.g. ['head', nn.LayerNorm]",
+        self.config = config = AcceleratorConfig(
+            **{name: chosen[name] for name in given},
+            device=device,
+            keep_fp32=keep_fp32,
+            step_scheduler_with_optimizer=step_scheduler_with_optimizer,
+            strategy=strategy,
+            backend=backend,
+            channels_last=channels_last,
+            cuda_graphs=cuda_graphs,
+            free_step_buffers=free_step_buffers,
+            cast_outputs=cast_outputs,
+            divide_loss=divide_loss,
+            fp8_recipe=fp8_recipe,
+            fp8_emulate=fp8_emulate,
+            fp8_min_weight=fp8_min_weight,
         )
-        check.flag("", "step_scheduler_with_optimizer", step_scheduler_with_optimizer)
-        check_backend(backend)
-        if strategy not in ("auto", "ddp", "fsdp", "none"):
-            raise ValueError(f"strategy={strategy!r}: expected 'auto', 'ddp', 'fsdp' or 'none'")
         self.distributed = DistributedContext.from_env()
         if self.distributed.enabled and str(device) in ("auto", "cuda") and torch.cuda.is_available():
             device = torch.device("cuda", self.distributed.local_rank % torch.cuda.device_count())  # per rank
         self.device = resolve_device(device)
-        self.policy = resolve_precision(precision, self.device, fp8_emulate=fp8_emulate)
+        self.policy = resolve_precision(config.precision, self.device, fp8_emulate=fp8_emulate)
         self.fp8 = fp8_training(self.policy, fp8_recipe, fp8_emulate, fp8_min_weight)  # None unless fp8-mixed
         self.distributed.init(self.device, backend)
-        self.strategy = "none"
-        if self.distributed.enabled and strategy != "none":
-            self.strategy = "fsdp" if strategy == "fsdp" else "ddp"
-        if self.strategy == "fsdp" and (self.policy.name not in FSDP_PRESETS or keep_fp32):
-            raise PrecisionError(
-                f"strategy='fsdp' runs the presets {', '.join(FSDP_PRESETS)} (FSDP's sharded fp32 parameters are the "
-                f"master weights) without keep_fp32; got precision={self.policy.name!r}"
-                + (f", keep_fp32={list(keep_fp32)!r}" if keep_fp32 else "")
-            )
-        if scaler is not None and not self.policy.loss_scaling:
-            raise PrecisionError(
-                f"scaler= was given but precision {self.policy.name!r} does not scale the loss; loss scaling "
-                f"is for fp16: use precision='fp16-mixed' or 'fp16-master', or drop scaler="
-            )
-        self.scaler = (scaler or LossScaler()).to(self.device) if self.policy.loss_scaling else None
-        self.cycle = AccumulationCycle(grad_accum_steps, self.scaler, divide_loss)
+        self.strategy = choose_strategy(self.distributed, strategy, self.policy.name, config.keep_fp32)
+        self.scaler = scaler_for(self.policy, scaler, self.device)  # None unless the preset scales the loss
+        self.cycle = AccumulationCycle(config.grad_accum_steps, self.scaler, divide_loss)
         # acc.backward(loss_sum, num_items=n): ampkit's DDP/FSDP average gradients over the ranks, a count sums them
         self.items = ItemWeights(self.device, self.world_size if self.strategy != "none" else 1)
         self.events = Events()  # listeners: ampkit.events.Listener
-        self.compile_options = compile_setup(self.device, compile, cuda_graphs)  # torch.compile kwargs, or None
+        self.compile_options = compile_setup(self.device, config.compile, cuda_graphs)  # torch.compile kwargs
         self.cuda_graphs = cuda_graphs and self.compile_options is not None
         self.compile_stats = CompileStats()
-        self.compile_trial = CompileTrial(
-            self.compile_stats, self.device, compile, self.cuda_graphs
-        )  # eager or compiled?
+        # eager or compiled?
+        self.compile_trial = CompileTrial(self.compile_stats, self.device, config.compile, self.cuda_graphs)
         if free_step_buffers is None:  # measured: benchmarks/RESULTS.md, "free_step_buffers"
             free_step_buffers = not (self.device.type == "cpu" and self.policy.master_weights)
         self.channels_last, self.free_step_buffers = channels_last, free_step_buffers
         self.cast_outputs = cast_outputs
-        self.grad_accum_steps = grad_accum_steps
-        self.keep_fp32 = list(keep_fp32)
+        self.grad_accum_steps = config.grad_accum_steps
+        self.keep_fp32 = list(config.keep_fp32)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.state = TrainingState(self)
         self._prepared = Prepared(self)
@@ -221,12 +157,7 @@ class Accelerator:
         if num_items is None:
             loss = self.cycle.micro_loss(loss)
         else:
-            if not self._prepared.optimizers:
-                raise StepOrderError(
-                    "acc.backward(loss, num_items=...) divides the accumulated gradient by the cycle's items in the "
-                    "prepared optimizer's step, and no optimizer was prepared: acc.prepare(model, optimizer)"
-                )
-            items = self.items.count(num_items)
+            items = self.items.count(num_items, prepared=bool(self._prepared.optimizers))
             loss = self.items.divide(loss, items)
         unscaled = None  # with a scaler, kept by the optimizers to explain a loss-scale collapse
         if self.scaler is not None:
@@ -277,33 +208,7 @@ class Accelerator:
         its parameters); `parameters=model.parameters()` only those parameters (and unscales their optimizers).
         On an overflowing step it is inf/NaN and the step is skipped; on a micro-step that does not end
         an accumulation cycle it does nothing and returns None, so the loop needs no `if` around it."""
-        call = "acc.clip_grad_norm_"
-        max_norm = check.number(
-            call,
-            "max_norm",
-            max_norm,
-            "a number > 0 (inf: measure the norm without clipping)",
-            lambda v: v > 0,
-            finite=False,
-        )
-        norm_type = check.number(
-            call, "norm_type", norm_type, "a number > 0 such as 2.0, or inf", lambda v: v > 0, finite=False
-        )
-        if optimizer is not None and parameters is not None:
-            raise ValueError(f"{call}(optimizer=..., parameters=...): pass one of them (or neither: everything)")
-        if optimizer is not None:
-            return self._prepared.clip_grad_norm_(max_norm, norm_type, optimizer=self._prepared.find(optimizer))
-        if parameters is not None:
-            if isinstance(parameters, torch.Tensor):
-                parameters = [parameters]
-            parameters = check.entries(
-                call,
-                "parameters",
-                parameters,
-                lambda p: isinstance(p, torch.Tensor),
-                "tensors such as model.parameters() or a list of parameters",
-            )
-        return self._prepared.clip_grad_norm_(max_norm, norm_type, parameters=parameters)
+        return self._prepared.clip(max_norm, norm_type, optimizer, parameters)
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """The policy's autocast, for computation outside the prepared model (e.g. a loss)."""

@@ -31,6 +31,7 @@ class AccumulationCycle:
         self.divide_loss = divide_loss is not False
         self._tell = divide_loss is None and steps > 1  # say once that the loss is divided
         self.position = 0
+        self.sharing = 0  # prepared optimizers stepping on this scale (each owes one update per iteration)
         self._owed: dict[int, torch.Tensor] = {}  # optimizer index -> found_inf of its step since the last update
         self._in_block = False  # inside acc.accumulate()
         self._counted = False  # that block's first backward has advanced the position
@@ -95,13 +96,13 @@ class AccumulationCycle:
             )
         return loss / self.steps
 
-    def owe_scale_update(self, index: int, found_inf: torch.Tensor, sharing: int) -> None:
-        """Optimizer `index` (of `sharing` prepared ones) stepped with this overflow flag: update the scale once
-        each has (torch's `scaler.update()` after the last `scaler.step`), or first if this one stepped before."""
+    def owe_scale_update(self, index: int, found_inf: torch.Tensor) -> None:
+        """Optimizer `index` (of the `sharing` prepared ones) stepped with this overflow flag: update the scale
+        once each has (torch's `scaler.update()` after the last `scaler.step`), or first if this one had."""
         if index in self._owed:
             self.flush_scale_update()
         self._owed[index] = found_inf
-        if len(self._owed) >= sharing:
+        if len(self._owed) >= self.sharing:
             self.flush_scale_update()
 
     def flush_scale_update(self) -> None:

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from ampkit import validate as check
-from ampkit.errors import StepOrderError
+from ampkit.errors import PrecisionError, StepOrderError
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,19 @@ class DistributedContext:
         store = dist.PrefixStore(f"ampkit/attempt-{attempt}", store)
         dist.init_process_group(backend=backend, store=store, rank=self.rank, world_size=self.world_size)
         atexit.register(_destroy)
+
+
+def choose_strategy(ctx: DistributedContext, strategy: str, precision: str, keep_fp32: Any) -> str:
+    """What `Accelerator(strategy=...)` means here: "none" in one process, else "ddp" or "fsdp"."""
+    if not ctx.enabled or strategy == "none":
+        return "none"
+    if strategy == "fsdp" and (precision not in FSDP_PRESETS or keep_fp32):
+        raise PrecisionError(
+            f"strategy='fsdp' runs the presets {', '.join(FSDP_PRESETS)} (FSDP's sharded fp32 parameters are the "
+            f"master weights) without keep_fp32; got precision={precision!r}"
+            + (f", keep_fp32={list(keep_fp32)!r}" if keep_fp32 else "")
+        )
+    return "fsdp" if strategy == "fsdp" else "ddp"
 
 
 def check_backend(backend: Any) -> None:

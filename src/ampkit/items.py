@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ampkit.distributed import sum_across_ranks
+from ampkit.errors import StepOrderError
 
 
 class ItemWeights:
@@ -29,9 +30,15 @@ class ItemWeights:
         self.world_size = world_size  # > 1 only where ampkit's DDP/FSDP averages the gradients over ranks
         self.divisor: torch.Tensor | None = None
 
-    def count(self, num_items: Any) -> torch.Tensor:
+    def count(self, num_items: Any, prepared: bool) -> torch.Tensor:
         """`num_items` as a 0-dim fp32 tensor on the device, without a host read (a Python number is filled in
-        by a kernel, not copied: a copy from pageable host memory would wait for the device)."""
+        by a kernel, not copied: a copy from pageable host memory would wait for the device); `prepared`: an
+        optimizer was prepared (it divides the gradients)."""
+        if not prepared:
+            raise StepOrderError(
+                "acc.backward(loss, num_items=...) divides the accumulated gradient by the cycle's items in the "
+                "prepared optimizer's step, and no optimizer was prepared: acc.prepare(model, optimizer)"
+            )
         if isinstance(num_items, torch.Tensor):
             if num_items.numel() != 1 or num_items.is_complex() or num_items.dtype == torch.bool:
                 raise ValueError(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,38 +20,9 @@ from ampkit.distributed import agree_on_overflow
 from ampkit.errors import LossScaleCollapse, StepOrderError
 from ampkit.events import Listener
 from ampkit.lowp_weights import CompensatedWeights, LowPrecisionWeights, MasterWeights
+from ampkit.optim_state import state_problems
 from ampkit.outcomes import StepOutcomes
-
-if TYPE_CHECKING:
-    from ampkit.accelerator import Accelerator
-
-
-#: torch's optimizers with a fused kernel that takes found_inf and grad_scale as tensors (skips on the device).
-FUSED_SKIP = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
-
-
-def fuse_for_device_skips(optimizer: torch.optim.Optimizer, device: torch.device, scaled: bool) -> bool:
-    """On CUDA, under loss scaling, step torch's Adam/AdamW/SGD/Adagrad through their fused kernels where the user
-    chose no implementation: an overflowing step is then skipped on the GPU, without the host read of found_inf
-    that the foreach and for-loop implementations need. True if it did (the user's choice is never overridden)."""
-    groups = optimizer.param_groups
-    if device.type != "cuda" or not scaled or type(optimizer) not in FUSED_SKIP or optimizer.state:
-        return False
-    chosen = any(g.get(k) is not None for g in groups for k in ("foreach", "fused"))
-    if chosen or any(g.get(k) for g in groups for k in ("differentiable", "capturable")):
-        return False
-    if not all(p.is_floating_point() and p.device.type == "cuda" for g in groups for p in g["params"]):
-        return False
-    for g in groups:
-        g["fused"] = True
-    optimizer.defaults["fused"] = True
-    warnings.warn(
-        f"{type(optimizer).__name__} on CUDA with loss scaling: ampkit steps it through torch's fused kernel "
-        f"(fused=True), which skips an overflowing step on the GPU without a host sync; pass foreach=True or "
-        f"fused=False to keep another implementation (then ampkit reads found_inf once per step)",
-        stacklevel=4,
-    )
-    return True
+from ampkit.step_context import StepContext
 
 
 class Stage(enum.Enum):
@@ -79,12 +50,12 @@ class AmpOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, acc: Accelerator, weights: LowPrecisionWeights | None, index: int = 0
+        self, optimizer: torch.optim.Optimizer, ctx: StepContext, weights: LowPrecisionWeights | None, index: int = 0
     ) -> None:
         # No super().__init__: param_groups and state are the wrapped optimizer's own objects.
         self.optimizer = optimizer
         self.weights = weights  # master copies / Kahan buffers (None for presets that keep fp32 weights)
-        self._acc = acc
+        self._ctx = ctx
         self._index = index  # its place among the prepared optimizers (they share one loss-scale update)
         self._stage = READY
         self._items: torch.Tensor | None = None  # items of this cycle's backwards (acc.backward(num_items=))
@@ -98,7 +69,7 @@ class AmpOptimizer(torch.optim.Optimizer):
             g.get("fused") for g in optimizer.param_groups
         )
         self._plain_zero_grad = type(optimizer).zero_grad is torch.optim.Optimizer.zero_grad  # not overridden
-        self._outcomes = StepOutcomes(acc.device) if acc.scaler is not None else None
+        self._outcomes = StepOutcomes(ctx.device) if ctx.scaler is not None else None
         self._model_params = [p for p, _ in weights.pairs] if weights is not None else []
         self.attempted_steps = 0  # optimizer steps run or skipped (host count, exact)
         self.applied_steps = 0  # reconciled outcomes (exact after reconcile(block=True))
@@ -161,43 +132,7 @@ class AmpOptimizer(torch.optim.Optimizer):
 
     def check_state_dict(self, state: dict[str, Any]) -> list[str]:
         """Every reason `state` cannot be loaded into this optimizer (empty: it fits). Changes nothing."""
-        problems = []
-        mine = self.optimizer.state_dict()
-        amp = state.get("ampkit") if isinstance(state, dict) else None
-        if not isinstance(state, dict) or "param_groups" not in state or "state" not in state:
-            return ["it is not an optimizer state_dict"]
-        same_class = amp is None or amp.get("optimizer") == type(self.optimizer).__name__
-        if not same_class:
-            problems.append(
-                f"it was saved from a {amp.get('optimizer')} optimizer, this one is a {type(self.optimizer).__name__}"
-            )
-        saved_groups, groups = state["param_groups"], mine["param_groups"]
-        if len(saved_groups) != len(groups):
-            problems.append(f"it has {len(saved_groups)} parameter group(s), this optimizer has {len(groups)}")
-        else:
-            for i, (a, b) in enumerate(zip(saved_groups, groups)):
-                if len(a["params"]) != len(b["params"]):
-                    problems.append(
-                        f"parameter group {i} has {len(a['params'])} parameters in the checkpoint, "
-                        f"{len(b['params'])} here"
-                    )
-        if same_class and not problems:
-            problems += self._check_state_keys(state, mine)
-        if amp is not None and self.weights is not None and amp.get("weights") is not None:
-            problem = self.weights.check_state_dict(amp["weights"])
-            if problem:
-                problems.append(problem)
-        return problems
-
-    def _check_state_keys(self, state: dict[str, Any], mine: dict[str, Any]) -> list[str]:
-        """Per-parameter state of the same keys as this optimizer makes (e.g. Adam's 'step', 'exp_avg')."""
-        if not mine["state"]:
-            return []
-        expected = set(next(iter(mine["state"].values())))
-        for index, values in state["state"].items():
-            if set(values) != expected:
-                return [f"parameter {index} has state {sorted(values)}, this optimizer keeps {sorted(expected)}"]
-        return []
+        return state_problems(self.optimizer, self.weights, state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state_dict from `state_dict()` (or a plain torch optimizer's: then counters stay as they are)."""
@@ -209,7 +144,7 @@ class AmpOptimizer(torch.optim.Optimizer):
             return
         self.attempted_steps, self.applied_steps, self.skipped_steps = amp["attempted"], amp["applied"], amp["skipped"]
         self._overflows_at_min = amp["overflows_at_min"]
-        items, device = amp.get("items"), self._acc.device
+        items, device = amp.get("items"), self._ctx.device
         self._items = None if items is None else torch.full((), items, dtype=torch.float32, device=device)
         self._backwards = int(amp.get("backwards", 0))
         self._stage = Stage(amp["stage"])
@@ -226,7 +161,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         if self.weights is not None:
             raise StepOrderError(
                 "add_param_group() on an optimizer prepared with a low-precision-weight preset "
-                f"({self._acc.policy.name!r}) is not supported: add the group before acc.prepare()"
+                f"({self._ctx.precision!r}) is not supported: add the group before acc.prepare()"
             )
         self.optimizer.add_param_group(param_group)
 
@@ -236,15 +171,15 @@ class AmpOptimizer(torch.optim.Optimizer):
         return getattr(self.optimizer, name)
 
     def __repr__(self) -> str:
-        return f"AmpOptimizer({self.optimizer.__class__.__name__}, precision={self._acc.policy.name!r})"
+        return f"AmpOptimizer({self.optimizer.__class__.__name__}, precision={self._ctx.precision!r})"
 
     # --- the step -----------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero gradients, but only at the start of an accumulation cycle."""
-        events = self._acc.events
+        events = self._ctx.events
         if events.listeners:
             events.emit(Listener.on_zero_grad_start, self)
-        if self._acc.cycle.at_start:
+        if self._ctx.cycle.at_start:
             if not (set_to_none and self._plain_zero_grad) or torch._C._autograd._profiler_enabled():
                 self.optimizer.zero_grad(set_to_none=set_to_none)
             else:  # torch's own zero_grad(set_to_none=True) minus its profiler label (~6 µs a call, profiler on or off)
@@ -271,16 +206,16 @@ class AmpOptimizer(torch.optim.Optimizer):
                 "optimizer.step() was called but acc.backward(loss) has not run since the last "
                 "optimizer step: replace loss.backward() with acc.backward(loss)"
             )
-        events = self._acc.events
+        events = self._ctx.events
         if events.listeners:
             events.emit(Listener.on_step_start, self)
         uncounted, self._since_step = self._since_step, 0
-        if not self._acc.cycle.at_end:
-            if uncounted > 1 and not self._told_blocks and not self._acc.cycle.blocks_used:
+        if not self._ctx.cycle.at_end:
+            if uncounted > 1 and not self._told_blocks and not self._ctx.cycle.blocks_used:
                 self._told_blocks = True
                 warnings.warn(
                     f"optimizer.step() after {uncounted} acc.backward calls that count as {uncounted} of the "
-                    f"grad_accum_steps={self._acc.cycle.steps} micro-batches: if one micro-batch has several losses "
+                    f"grad_accum_steps={self._ctx.cycle.steps} micro-batches: if one micro-batch has several losses "
                     f"(or models), wrap it in `with acc.accumulate():` so that it counts once; otherwise the "
                     f"optimizer steps {uncounted}x too often",
                     stacklevel=2,
@@ -298,9 +233,9 @@ class AmpOptimizer(torch.optim.Optimizer):
         return result
 
     def _update(self) -> Any:
-        acc, weights = self._acc, self.weights
+        ctx, weights = self._ctx, self.weights
         # fp32 weights and no loss scaling: the user's step as it is (nothing to unscale: step() checked the stage)
-        if weights is None and acc.scaler is None:
+        if weights is None and ctx.scaler is None:
             if self._items is not None:
                 self.unscale_()  # divides the gradients by the cycle's items
             result = self.optimizer.step()
@@ -309,13 +244,13 @@ class AmpOptimizer(torch.optim.Optimizer):
         self._stage = STEPPED
         self._items, self._backwards = None, 0
         self.attempted_steps += 1
-        if acc.cuda_graphs:
+        if ctx.cuda_graphs:
             # The step is over: the next forward may reuse the graphs' output memory (CUDA graph trees).
             torch.compiler.cudagraph_mark_step_begin()
         return result
 
     def _lowp_or_scaled_update(self) -> Any:
-        weights, scaler = self.weights, self._acc.scaler
+        weights, scaler = self.weights, self._ctx.scaler
         # bf16-true reads the model's gradients itself (unless clipping brought them in already); the
         # -master presets' gradients come in whole (one foreach copy), their masters stepped in one call
         compensated = isinstance(weights, CompensatedWeights)
@@ -338,7 +273,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                 result = self.optimizer.step()
             assert self._outcomes is not None
             self._outcomes.record(found_inf, scaler.scale_tensor)  # the scale this step used
-            self._acc.cycle.owe_scale_update(self._index, found_inf, len(self._acc.optimizers))
+            self._ctx.cycle.owe_scale_update(self._index, found_inf)
         if isinstance(weights, MasterWeights):
             weights.weights_out()
             weights.release()
@@ -356,14 +291,14 @@ class AmpOptimizer(torch.optim.Optimizer):
                 f"gradients cannot be unscaled in stage {self._stage.value!r}: call acc.backward(loss) first"
             )
         grads = self.weights.grads_in() if self.weights is not None else None
-        scaler = self._acc.scaler
-        factor = self._acc.items.factor(self._items) if self._items is not None else None
+        scaler = self._ctx.scaler
+        factor = self._ctx.items.factor(self._items) if self._items is not None else None
         if grads is None and (scaler is not None or factor is not None):
             grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         if scaler is not None:
             self._found_inf = torch.zeros((), dtype=torch.float32, device=scaler.scale_tensor.device)
             scaler.unscale_(grads, self._found_inf, factor)
-            if self._acc.distributed.enabled:
+            if self._ctx.distributed:
                 agree_on_overflow(self._found_inf)  # every rank skips the same steps, decided on the device
         elif factor is not None and grads:
             torch._foreach_mul_(grads, factor)
@@ -404,9 +339,9 @@ class AmpOptimizer(torch.optim.Optimizer):
         """Count the step outcomes that have landed on the host (all of them if `block`)."""
         if self._outcomes is None:
             return
-        scaler = self._acc.scaler
+        scaler = self._ctx.scaler
         assert scaler is not None
-        events = self._acc.events
+        events = self._ctx.events
         for outcome in self._outcomes.poll(block=block):
             index = self.applied_steps + self.skipped_steps + 1
             for watcher in self._outcome_watchers:
@@ -446,7 +381,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                 f"(keep it in fp32 with keep_fp32=[...]; `ampkit doctor --numerics` names it)"
             )
         good = f"{self._last_good_scale:g}" if self._last_good_scale is not None else "none (no step was ever applied)"
-        bf16 = "bf16-mixed (this device runs bf16)" if self._acc.bf16_runs else "fp32 or a device with bf16"
+        bf16 = "bf16-mixed (this device runs bf16)" if self._ctx.bf16_runs else "fp32 or a device with bf16"
         return (
             f"loss scale collapsed: {counts}; last applied step used scale {good}). fp16 cannot represent this "
             f"model's activations or gradients: try precision={bf16}, keep the overflowing layers in fp32 with "

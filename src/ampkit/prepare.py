@@ -13,16 +13,19 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from ampkit.clip import Clipper
 from ampkit.compiler import CompiledForward
 from ampkit.data import DeviceLoader
 from ampkit.distributed import shard_loader, wrap_ddp, wrap_fsdp
 from ampkit.errors import PrecisionError, StepOrderError
+from ampkit.fused_skip import fuse_for_device_skips
 from ampkit.launch import max_steps_reached
 from ampkit.lowp_weights import CompensatedWeights, LowPrecisionWeights, MasterWeights
 from ampkit.module import prepare_module
-from ampkit.optim import AmpOptimizer, fuse_for_device_skips
+from ampkit.optim import AmpOptimizer
 from ampkit.precision import dtype_name
 from ampkit.scheduler import AmpScheduler
+from ampkit.step_context import StepContext
 
 if TYPE_CHECKING:
     from ampkit.accelerator import Accelerator
@@ -54,7 +57,7 @@ class Prepared:
         self.schedulers: list[AmpScheduler] = []
         self.loaders: list[DeviceLoader] = []
         self.fsdp_params: dict[int, nn.Parameter] = {}
-        self._clip_cache: dict[tuple[Any, ...], list[nn.Parameter]] = {}
+        self.clip = Clipper(self.models, self.optimizers, acc.cycle)  # acc.clip_grad_norm_
 
     def prepare(self, *objs: Any) -> Any:
         kinds = [self._kind(obj, i) for i, obj in enumerate(objs)]
@@ -171,79 +174,6 @@ class Prepared:
             f"'fp32'"
         )
 
-    def find(self, optimizer: Any) -> AmpOptimizer:
-        """The prepared optimizer `optimizer` is (or wraps); ValueError if it was not prepared here."""
-        for opt in self.optimizers:
-            if optimizer is opt or optimizer is opt.optimizer:
-                return opt
-        raise ValueError(
-            f"acc.clip_grad_norm_(optimizer={type(optimizer).__name__}): expected an optimizer this Accelerator "
-            f"prepared (the object acc.prepare returned); prepare it first: model, opt = acc.prepare(model, opt)"
-        )
-
-    def clip_grad_norm_(
-        self,
-        max_norm: float,
-        norm_type: float,
-        optimizer: AmpOptimizer | None = None,
-        parameters: list[torch.Tensor] | None = None,
-    ) -> torch.Tensor | None:
-        """`Accelerator.clip_grad_norm_`: unscale, then clip in the prepared models' parameter order (or in the
-        order of `parameters`); only `optimizer`'s gradients, or only those of `parameters`, where given."""
-        cycle = self.acc.cycle
-        if not cycle.started:
-            raise StepOrderError("acc.clip_grad_norm_() was called before acc.backward(loss)")
-        if not cycle.at_end:
-            return None
-        if parameters is not None:
-            optimizers, params = self._owners(parameters)
-        else:
-            optimizers = [optimizer] if optimizer is not None else self.optimizers
-            params = self._clip_order(optimizers)
-        for opt in optimizers:
-            opt.unscale_()
-        params = [p for p in params if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=True)
-
-    def _owners(self, parameters: list[torch.Tensor]) -> tuple[list[AmpOptimizer], list[torch.Tensor]]:
-        """The optimizers stepping `parameters`, and what holds their unscaled gradients (a low-precision
-        weight's fp32 stand-in), in the order given."""
-        if not self.optimizers:
-            return [], parameters
-        stands = {id(p): stand for opt in self.optimizers if opt.weights is not None for p, stand in opt.weights.pairs}
-        owner = {id(p): opt for opt in self.optimizers for g in opt.param_groups for p in g["params"]}
-        params = [stands.get(id(p), p) for p in parameters]
-        if missing := sum(1 for p in params if id(p) not in owner and p.requires_grad):
-            raise ValueError(
-                f"acc.clip_grad_norm_(parameters=...): {missing} of the {len(params)} parameters are stepped by no "
-                f"prepared optimizer, so their gradients are never unscaled; pass parameters of prepared models "
-                f"(model.parameters()), or optimizer=opt"
-            )
-        optimizers = list({id(o): o for o in (owner[id(p)] for p in params if id(p) in owner)}.values())
-        return optimizers, params
-
-    def _clip_order(self, optimizers: list[AmpOptimizer]) -> list[nn.Parameter]:
-        """What `clip_grad_norm_` sums over, in `model.parameters()` order as a hand-written clip (another
-        order rounds differently); built again only when the prepared parameters change."""
-        key = (
-            len(self.models),
-            tuple(id(opt) for opt in optimizers),
-            tuple(len(g["params"]) for opt in optimizers for g in opt.param_groups),
-        )
-        if key not in self._clip_cache:
-            ids = dict.fromkeys(id(p) for model in self.models for p in model.parameters())  # first places
-            order = {key: i for i, key in enumerate(ids)}
-            if not optimizers:  # fp32 / bf16-mixed: the gradients are the models' own, unscaled
-                params = [p for model in self.models for p in model.parameters()]
-            else:
-                stands = {
-                    id(stand): p for opt in optimizers if opt.weights is not None for p, stand in opt.weights.pairs
-                }
-                params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
-                params.sort(key=lambda p: order.get(id(stands.get(id(p), p)), len(order)))
-            self._clip_cache[key] = list({id(p): p for p in params}.values())
-        return self._clip_cache[key]
-
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AmpOptimizer:
         if self.fsdp_params:  # re-point an optimizer built before sharding at the sharded parameters
             if optimizer.state:
@@ -258,9 +188,24 @@ class Prepared:
         if optimizer.state:
             optimizer.load_state_dict(optimizer.state_dict())
         fuse_for_device_skips(optimizer, self.acc.device, self.acc.scaler is not None)
-        wrapped = AmpOptimizer(optimizer, self.acc, weights, index=len(self.optimizers))
+        wrapped = AmpOptimizer(optimizer, self._step_context(), weights, index=len(self.optimizers))
+        self.acc.cycle.sharing += 1  # one more optimizer on the shared loss-scale update
         self.optimizers.append(wrapped)
         return wrapped
+
+    def _step_context(self) -> StepContext:
+        acc = self.acc
+        return StepContext(
+            cycle=acc.cycle,
+            scaler=acc.scaler,
+            events=acc.events,
+            items=acc.items,
+            device=acc.device,
+            precision=acc.policy.name,
+            distributed=acc.distributed.enabled,
+            cuda_graphs=acc.cuda_graphs,
+            bf16_runs=acc.bf16_runs,
+        )
 
     def _low_precision_weights(self, optimizer: torch.optim.Optimizer) -> LowPrecisionWeights:
         """Point `optimizer` at fp32 parameters standing in for the model's low-precision ones."""

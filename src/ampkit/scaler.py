@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ampkit import validate as check
+from ampkit.errors import PrecisionError
 
 
 class LossScaler:
@@ -182,6 +183,16 @@ class LossScaler:
             f"LossScaler({kind}, init_scale={self.init_scale}, growth_interval={self.growth_interval}, "
             f"hysteresis={self.hysteresis})"
         )
+
+
+def scaler_for(policy: Any, scaler: LossScaler | None, device: torch.device) -> LossScaler | None:
+    """The loss scaler of a preset (`scaler`, else the default one) on `device`; None where it does not scale."""
+    if scaler is not None and not policy.loss_scaling:
+        raise PrecisionError(
+            f"scaler= was given but precision {policy.name!r} does not scale the loss; loss scaling "
+            f"is for fp16: use precision='fp16-mixed' or 'fp16-master', or drop scaler="
+        )
+    return (scaler or LossScaler()).to(device) if policy.loss_scaling else None
 
 
 _SMALLEST_NORMAL = 2.0**-126

@@ -125,6 +125,7 @@ def collect(acc: Accelerator, weights: bool = True) -> dict[str, Any]:
         "torch_version": torch.__version__,
         "precision": acc.policy.as_dict(),
         "world_size": acc.world_size,
+        "config": acc.config.as_dict(),  # the settings the run was made with (ampkit.AcceleratorConfig)
     }
     return {
         "meta": json.dumps(meta, sort_keys=True),
@@ -137,7 +138,7 @@ def collect(acc: Accelerator, weights: bool = True) -> dict[str, Any]:
         "grads": [_cpu([p.grad for p in m.parameters()]) for m in acc.models] if pending and weights else [],
         "schedulers": _cpu([s.state_dict() for s in acc.schedulers]),
         # Random state and data position differ per rank: keep every rank's (rank order).
-        "ranks": gather_objects(_cpu({"rng": rng_state(), "loaders": [l.state_dict() for l in acc.loaders]})),
+        "ranks": gather_objects(_cpu({"rng": rng_state(), "loaders": [loader.state_dict() for loader in acc.loaders]})),
     }
 
 
@@ -221,8 +222,8 @@ def apply(acc: Accelerator, payload: dict[str, Any], path: Path, load_shards: An
     ranks = payload["ranks"]
     if len(ranks) != acc.world_size:
         warnings.warn(
-            f"checkpoint {path} was saved by {len(ranks)} rank(s) and is resumed by {acc.world_size}: weights, optimizer "
-            f"and schedule continue exactly, but the data order and random streams of the new ranks differ",
+            f"checkpoint {path} was saved by {len(ranks)} rank(s) and is resumed by {acc.world_size}: weights, "
+            "optimizer and schedule continue exactly, but the data order and random streams of the new ranks differ",
             stacklevel=4,
         )
     mine = ranks[acc.rank % len(ranks)]

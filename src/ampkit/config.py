@@ -1,0 +1,124 @@
+"""`AcceleratorConfig`: an Accelerator's settings, checked once, frozen, and recorded with every checkpoint.
+
+`Accelerator(...)` takes the same keywords and builds one (after the launcher's AMPKIT_* variables filled what
+the script did not pass); `acc.config` is it, and `acc.config.as_dict()` the JSON record checkpoints keep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampkit import validate as check
+from ampkit.distributed import check_backend
+from ampkit.fp8 import MIN_WEIGHT
+from ampkit.precision import Precision
+
+STRATEGIES = ("auto", "ddp", "fsdp", "none")
+_FLAGS = ("fp8_emulate", "channels_last", "cuda_graphs", "cast_outputs", "step_scheduler_with_optimizer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AcceleratorConfig:
+    """The settings of one `Accelerator`, keyword-only, checked in `__post_init__`.
+
+    Args:
+        precision: "auto" (the launcher's AMPKIT_PRECISION if set, else chosen from the hardware;
+            `acc.policy.reason` says why), a preset name ("fp32", "bf16-mixed", "fp16-mixed",
+            "fp16-master", "bf16-master", "bf16-true", "fp8-mixed") or an `ampkit.Precision`.
+        grad_accum_steps: micro-batches per optimizer step (None: AMPKIT_GRAD_ACCUM_STEPS, else 1); the loss
+            is divided by it (see divide_loss), the prepared optimizer and scheduler act on every k-th call.
+            A micro-batch is one `acc.backward`, or all of them inside one `with acc.accumulate():`.
+        divide_loss: whether acc.backward divides the loss by grad_accum_steps. None (default) divides
+            and says so once; True divides silently; False leaves the division to the loop.
+        device: "auto" (cuda, then mps, then cpu), or e.g. "cpu", "cuda:1".
+        keep_fp32: module types or name patterns (fnmatch, e.g. "head", "blocks.*.attn") that run and
+            are stored in fp32. Norm layers are kept in fp32 by the -master presets anyway.
+        step_scheduler_with_optimizer: True (default) for schedulers stepped once per optimizer step: they
+            advance only on applied steps. False passes every scheduler.step() through (per-epoch ones).
+        strategy: under torchrun (WORLD_SIZE > 1), "auto" or "ddp" wraps models in DistributedDataParallel
+            and shards DataLoaders; "fsdp" shards the model with FSDP2 (`fully_shard`) instead; "none"
+            leaves both to you. Ignored in a single process.
+        backend: the process group's backend (default: nccl on CUDA, gloo on CPU).
+        compile: torch.compile each prepared model's forward, precision policy inside (True, or a dict of
+            torch.compile arguments such as {"mode": "max-autotune"}; None: AMPKIT_COMPILE, else False); eager
+            with a warning where it fails. `acc.compile_stats` keeps the first step's compile time apart.
+            Then the next training steps alternate eager and compiled (3 each) and the faster by median runs
+            the rest of the run (`acc.compile_stats.chosen`/`reason`; a warning if eager); the dict key
+            "trial": False keeps it compiled without timing (cuda_graphs=True runs no trial either).
+        channels_last: store 4-D weights and batches in channels-last layout (NHWC), which the
+            convolution kernels of GPUs (tensor cores) and of oneDNN on CPUs run fastest.
+        cuda_graphs: replay each step's forward and backward kernels as CUDA graphs (torch.compile's
+            "reduce-overhead" mode), for small launch-bound models. CUDA only; static input shapes.
+        free_step_buffers: free between steps the full-size buffers of the updates (the `-master` presets'
+            fp32 gradients; bf16-true's flat bf16 gradients, and its fp32 ones after `clip_grad_norm_`).
+            None: free them, except the `-master` presets' on a CPU, where memory freed goes back to the OS
+            and is faulted in again at the next step (benchmarks/RESULTS.md); on a GPU freeing costs nothing.
+        cast_outputs: cast a prepared model's bf16/fp16 outputs to fp32, so that a loss computed outside
+            the model runs in fp32. False: as the model made them (for a model that computes its loss).
+        fp8_recipe, fp8_emulate, fp8_min_weight: for precision="fp8-mixed" only (see `ampkit.fp8`):
+            torchao's scaling, "tensorwise" (default) or "rowwise"; True runs torchao's emulation on
+            any device (tests; no speed-up); the smallest in·out features of a Linear run in fp8.
+    """
+
+    precision: str | Precision = "auto"
+    grad_accum_steps: int = 1
+    device: str | torch.device = "auto"
+    keep_fp32: tuple[str | type[nn.Module], ...] = ()
+    step_scheduler_with_optimizer: bool = True
+    strategy: str = "auto"
+    backend: str | None = None
+    compile: bool | Mapping[str, Any] | None = None
+    channels_last: bool = False
+    cuda_graphs: bool = False
+    free_step_buffers: bool | None = None
+    cast_outputs: bool = True
+    divide_loss: bool | None = None
+    fp8_recipe: str | None = None
+    fp8_emulate: bool = False
+    fp8_min_weight: int = MIN_WEIGHT
+
+    def __post_init__(self) -> None:
+        steps = self.grad_accum_steps
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"grad_accum_steps={steps!r}: expected an integer >= 1")
+        for name in _FLAGS:
+            check.flag("", name, getattr(self, name))
+        check.flag("", "free_step_buffers", self.free_step_buffers, "chosen by device and preset")
+        check.flag("", "divide_loss", self.divide_loss, "divide and say so once")
+        keep = self.keep_fp32
+        keep = check.entries(
+            "",
+            "keep_fp32",
+            [keep] if isinstance(keep, (str, type)) else keep,
+            lambda s: isinstance(s, str) or (isinstance(s, type) and issubclass(s, nn.Module)),
+            "a list of nn.Module subclasses or module-name patterns, e.g. ['head', nn.LayerNorm]",
+        )
+        object.__setattr__(self, "keep_fp32", tuple(keep))
+        check_backend(self.backend)
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy={self.strategy!r}: expected 'auto', 'ddp', 'fsdp' or 'none'")
+
+    def as_dict(self) -> dict[str, Any]:
+        """The settings as JSON-able values (a Precision by its name, a module type by its qualified name)."""
+        out: dict[str, Any] = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, Precision):
+                value = value.name
+            elif isinstance(value, torch.device):
+                value = str(value)
+            elif field.name == "keep_fp32":
+                value = [v if isinstance(v, str) else f"{v.__module__}.{v.__qualname__}" for v in value]
+            elif isinstance(value, Mapping):
+                value = {
+                    str(k): v if isinstance(v, (bool, int, float, str, type(None))) else repr(v)
+                    for k, v in value.items()
+                }
+            out[field.name] = value
+        return out
