@@ -9,6 +9,7 @@ __version__ = ampkit_version()  # the installed package's metadata; modules call
 
 from ampkit.accelerator import Accelerator
 from ampkit.compare import compare
+from ampkit.config import AcceleratorConfig
 from ampkit.errors import AmpkitError, CheckpointError, LossScaleCollapse, PrecisionError, StepOrderError
 from ampkit.export import Exported, export
 from ampkit.plan import plan
@@ -18,6 +19,7 @@ from ampkit.training_state import TrainingState
 
 __all__ = [
     "Accelerator",
+    "AcceleratorConfig",
     "AmpkitError",
     "CheckpointError",
     "LossScaleCollapse",
