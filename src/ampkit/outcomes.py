@@ -9,6 +9,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
+from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 _RING = 64  # outcomes in flight before recording one waits for the oldest (the host 64 steps ahead)
@@ -27,9 +28,14 @@ class StepOutcomes:
 
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
+        # Prepared on fake tensors (`ampkit plan`; the CUDA path traced on a CPU-only torch, tests/test_fake_cuda.py)
+        # no outcome is real: record() copies into a fake ring, and no pinned memory or CUDA event (real CUDA calls).
+        fake = active_fake_mode() is not None
+        self._events = self._cuda and not fake
         with unset_fake_temporarily():  # host memory, real even while `ampkit.plan` steps fake tensors
-            self._host = torch.zeros((_RING, 2), dtype=torch.float32, pin_memory=self._cuda)
+            self._host = torch.zeros((_RING, 2), dtype=torch.float32, pin_memory=self._events)
         self._view = self._host.numpy()  # reads of landed slots: plain memory, no tensor op
+        self._slots = torch.zeros((_RING, 2), dtype=torch.float32) if fake else self._host  # what record() copies into
         self._pending: deque[tuple[int, torch.cuda.Event | None]] = deque()
         self._next = 0
         self._landed: list[Outcome] = []  # read out of slots that had to be reused before a poll
@@ -44,8 +50,8 @@ class StepOutcomes:
         slot = self._next
         self._next = (self._next + 1) % _RING
         pair = torch.stack((found_inf.float(), scale.float()))
-        self._host[slot].copy_(pair, non_blocking=self._cuda)
-        event = torch.cuda.Event() if self._cuda else None
+        self._slots[slot].copy_(pair, non_blocking=self._cuda)
+        event = torch.cuda.Event() if self._events else None
         if event is not None:
             event.record()
         self._pending.append((slot, event))
