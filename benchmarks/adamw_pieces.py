@@ -55,7 +55,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     args = parser.parse_args()
     print(
-        f"AdamW.step() over {args.elements / 1e6:.1f}M fp32 elements ({machine()}); ms, median of {args.rounds - 1} rounds"
+        f"AdamW.step() over {args.elements / 1e6:.1f}M fp32 elements ({machine()}); "
+        f"ms, median of {args.rounds - 1} rounds"
     )
     for piece in (int(p) for p in args.pieces.split(",")):
         runs = layouts(args.elements, piece)

@@ -30,7 +30,8 @@ def table(report: dict) -> list[str]:
     rows = [
         f"#### `{report['command']}` — {task['name']}, {task['steps']} steps, batch {task['batch_size']}",
         "",
-        f"| precision | status | ms/step | speed-up | peak memory (MiB) | memory ratio | final loss | {metric} | Δ {metric} |",
+        "| precision | status | ms/step | speed-up | peak memory (MiB) | memory ratio | final loss "
+        f"| {metric} | Δ {metric} |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["runs"]:
@@ -47,8 +48,10 @@ def table(report: dict) -> list[str]:
             delta_s = "—"
         value = f(r["metric"] * 100 if metric == "accuracy" and r["metric"] is not None else r["metric"], ".2f")
         rows.append(
-            f"| {r['precision']} | {r['status']} | {f(r['step_time_median_s'] and r['step_time_median_s'] * 1e3, '.2f')} | "
-            f"{f(r['speedup_vs_baseline'], '.2f')}× | {f(r['peak_memory_bytes'] and r['peak_memory_bytes'] / 2**20, '.1f')} | "
+            f"| {r['precision']} | {r['status']} | "
+            f"{f(r['step_time_median_s'] and r['step_time_median_s'] * 1e3, '.2f')} | "
+            f"{f(r['speedup_vs_baseline'], '.2f')}× | "
+            f"{f(r['peak_memory_bytes'] and r['peak_memory_bytes'] / 2**20, '.1f')} | "
             f"{f(r['memory_ratio_vs_baseline'], '.2f')} | {f(r['final_train_loss'], '.4f')} | {value} | {delta_s} |"
         )
     notes = [f"- {r['precision']}: {r['reason']}" for r in report["runs"] if r.get("reason")]

@@ -105,7 +105,8 @@ def main() -> None:
         worker(int(args.worker[0]), args.worker[1], args.worker[2])
         return
     rows = [
-        "| processes | accumulation | median optimizer step (ms) | vs 1 process | scaling efficiency | bucket all-reduces per optimizer step (buckets) |",
+        "| processes | accumulation | median optimizer step (ms) | vs 1 process | scaling efficiency "
+        "| bucket all-reduces per optimizer step (buckets) |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
     base: dict[int, float] = {}
@@ -117,14 +118,16 @@ def main() -> None:
             per_step = f"{'/'.join(map(str, counts))} ({r['buckets']})" if nproc > 1 else "—"
             speedup = base[accum] / r["median_s"]
             rows.append(
-                f"| {nproc} | {accum} | {r['median_s'] * 1e3:.1f} | {speedup:.2f}× | {speedup / nproc:.0%} | {per_step} |"
+                f"| {nproc} | {accum} | {r['median_s'] * 1e3:.1f} | {speedup:.2f}× | {speedup / nproc:.0%} "
+                f"| {per_step} |"
             )
             print(rows[-1], flush=True)
     lines = [
         START,
         "## Data parallel: 2 ranks under torchrun vs 1 process (`benchmarks/ddp.py`)",
         "",
-        f"- date: {datetime.date.today()}; command: `python {' '.join(sys.argv)}`; {'nccl on CUDA' if args.device == 'cuda' else 'gloo on CPU'}; fp32; "
+        f"- date: {datetime.date.today()}; command: `python {' '.join(sys.argv)}`; "
+        f"{'nccl on CUDA' if args.device == 'cuda' else 'gloo on CPU'}; fp32; "
         f"MLP {WIDTH}→{4 * WIDTH}→{WIDTH}, global batch {GLOBAL_BATCH} per optimizer step in every row; "
         f"{STEPS} steps, first {WARMUP} dropped; OMP threads split between the ranks (2 cores).",
         "",

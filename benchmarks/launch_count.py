@@ -145,7 +145,7 @@ def count_hand_written(preset: str, d: int, clip: bool, layers: int = 100) -> Co
         (loss if scaler is None else scaler.scale(loss)).backward()
         with counter if counter is not None else contextlib.nullcontext():
             if master:
-                for p, m in zip(params, masters):
+                for m in masters:
                     m.grad = torch.empty_like(m)
                 torch._foreach_copy_([m.grad for m in masters], [p.grad for p in params])
             if scaler is not None and clip:

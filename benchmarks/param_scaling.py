@@ -187,18 +187,20 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "## Low-precision update cost vs parameter count",
         "",
-        f"`OMP_NUM_THREADS=1 python benchmarks/param_scaling.py --layers {args.layers}{' ' + flags if flags else ''} --write` — "
+        f"`OMP_NUM_THREADS=1 python benchmarks/param_scaling.py --layers {args.layers}"
+        f"{' ' + flags if flags else ''} --write` — "
         f"{datetime.date.today()}; {_timing.machine()}; load average {' '.join(load)} at the end.",
         "",
         f"Models of N `Linear({WIDTH}, {WIDTH})` layers (2 tensors each), batch 8, AdamW(foreach=True); {what}, "
-        f"{'thread CPU time' if args.clock == 'cpu' else 'wall clock'}; {args.rounds} interleaved rounds of {args.steps} "
-        f"steps, {args.warmup} warm-up rounds dropped; medians, and the extra µs per tensor as the median of the rounds' differences.",
+        f"{'thread CPU time' if args.clock == 'cpu' else 'wall clock'}; {args.rounds} interleaved rounds of "
+        f"{args.steps} steps, {args.warmup} warm-up rounds dropped; medians, and the extra µs per tensor as the "
+        "median of the rounds' differences.",
         "",
         "| tensors | bf16 weights, plain AdamW | per-parameter Kahan | ampkit bf16-true | ampkit bf16-master "
         "| extra µs/tensor: reference / bf16-true / bf16-master |",
         "|---|---|---|---|---|---|",
     ]
-    for layers, tensors, med, extra in rows:
+    for _, tensors, med, extra in rows:
         vals = " | ".join(f"{med[n] * 1e3:.2f} ms" for n in VARIANTS)
         ex = " / ".join(f"{extra[n]:+.1f}" for n in VARIANTS if n in extra)
         lines.append(f"| {tensors} | {vals} | {ex} |")

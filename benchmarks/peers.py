@@ -564,7 +564,9 @@ def run_model(model: Model, variants: list[Variant], device: torch.device, args:
             seen = loop.dtypes_seen
             seen.clear()
             with StepPeak(device) as peak:
-                loop.step(batches[1], after_update=lambda: held.update(training_state(loop, batches)))
+                loop.step(
+                    batches[1], after_update=lambda held=held, loop=loop: held.update(training_state(loop, batches))
+                )
             loop.stop_recording()
             row.step_peak_mib, row.memory = peak.mib, held
             extra = {
@@ -603,16 +605,19 @@ def run_model(model: Model, variants: list[Variant], device: torch.device, args:
     rounds = args.rounds or model.rounds
     steps = args.steps or model.steps
     warmup = model.warmup if args.warmup is None else args.warmup
-    if any(l.variant.compiled for l in loops.values()):
+    if any(loop.variant.compiled for loop in loops.values()):
         warmup = max(warmup, 1)  # compiled models recompile without the dtype hooks in the first round
-    times = interleaved({n: stepper(l) for n, l in loops.items()}, rounds, steps, warmup, lambda: _sync(device), failed)
+    times = interleaved(
+        {n: stepper(loop) for n, loop in loops.items()}, rounds, steps, warmup, lambda: _sync(device), failed
+    )
     for name, loop in loops.items():  # after the timed rounds: by then ampkit's compile trial has chosen
         stats = getattr(getattr(loop, "acc", None), "compile_stats", None)
         if stats is not None and loop.variant.compiled:
             rows[name].notes.append(
                 f"acc.compile_stats: first forward {_fmt(stats.first_forward_s, '.2f', ' s')}, first backward "
                 f"{_fmt(stats.first_backward_s, '.2f', ' s')}, fallback: {stats.fallback or 'none'}, chosen: "
-                f"{getattr(stats, 'chosen', None) or 'not measured'} ({getattr(stats, 'reason', None) or 'no trial ran'})"
+                f"{getattr(stats, 'chosen', None) or 'not measured'} "
+                f"({getattr(stats, 'reason', None) or 'no trial ran'})"
             )
     base = times.get("hand-written fp32")
     for name, ts in times.items():
@@ -689,9 +694,11 @@ def table(title: str, rows: list[Row]) -> list[str]:
             else (f"{r.dtype_seen} ✓" if r.dtype_ok else f"**{r.dtype_seen} ✗** (claims {r.dtype_claimed})")
         )
         out.append(
-            f"| {r.variant} | {_fmt(r.ms, '.3f')} | {_fmt(None if r.spread is None else r.spread * 50, '.1f', '%', '±')} "
+            f"| {r.variant} | {_fmt(r.ms, '.3f')} "
+            f"| {_fmt(None if r.spread is None else r.spread * 50, '.1f', '%', '±')} "
             f"| {_fmt(r.vs_fp32, '.3f', '×')} | {_fmt(r.vs_matching, '.3f', '×')} | {_fmt(r.first_step_s, '.2f')} "
-            f"| {_fmt(None if r.step_peak_mib is None else max(0.0, r.step_peak_mib), '.2f')} | {_fmt(mem.get('total_bytes_per_param'), '.1f')} "
+            f"| {_fmt(None if r.step_peak_mib is None else max(0.0, r.step_peak_mib), '.2f')} "
+            f"| {_fmt(mem.get('total_bytes_per_param'), '.1f')} "
             f"| {_fmt(mem.get('optimizer_state_bytes_per_param'), '.1f')} | {check} |"
         )
     notes = [f"- {r.variant}: {n}" for r in rows if r.status == "ok" for n in r.notes]
@@ -761,7 +768,8 @@ def targets(results: dict[str, list[Row]], header: dict[str, Any]) -> list[str]:
                 note = (
                     ""
                     if same
-                    else f" (not comparable: {peer} computes in {rows[peer].dtype_seen}, {ours} in {rows[ours].dtype_seen})"
+                    else f" (not comparable: {peer} computes in {rows[peer].dtype_seen}, "
+                    f"{ours} in {rows[ours].dtype_seen})"
                 )
                 if same and ours == "ampkit bf16-true" and peer == "fabric bf16-true":
                     note = (
@@ -770,7 +778,8 @@ def targets(results: dict[str, list[Row]], header: dict[str, Any]) -> list[str]:
                         "92% of them at lr 1e-4 in tests/test_numerics.py's measurement)"
                     )
                 out.append(
-                    f"- {m}: {ours} / {peer} = {r:.3f}× — {_judge(r, 1.0, _ci(rows, ours, peer)) if same else 'n/a'}{note}"
+                    f"- {m}: {ours} / {peer} = {r:.3f}× — "
+                    f"{_judge(r, 1.0, _ci(rows, ours, peer)) if same else 'n/a'}{note}"
                 )
     if "transformer" in by:
         rows = by["transformer"]
@@ -794,7 +803,8 @@ def targets(results: dict[str, list[Row]], header: dict[str, Any]) -> list[str]:
             out.append(
                 f"- best ampkit mode on the transformer, {best.variant}{why}, ≥ 1.1× faster than the autocast loop: "
                 f"{_fmt(None if not va else 1 / va, '.2f', '×')} — {autocast_verdict}; "
-                f"≥ 1.9× faster than fp32: {_fmt(None if not vf else 1 / vf, '.2f', '×')} — {verdict(None if not vf else 1 / vf >= 1.9)}"
+                f"≥ 1.9× faster than fp32: {_fmt(None if not vf else 1 / vf, '.2f', '×')} — "
+                f"{verdict(None if not vf else 1 / vf >= 1.9)}"
             )
     if (
         "iris" in by
@@ -814,7 +824,8 @@ def targets(results: dict[str, list[Row]], header: dict[str, Any]) -> list[str]:
             out.append(
                 f"- {m}: {name} holds weights + optimizer-side state {tot - g:.1f} B/param "
                 f"(weights {mem['weights_bytes_per_param']:.1f}; {parts}), {tot:.1f} with gradients "
-                f"(fp32 AdamW: {_fp32_total(rows)}); ≤ 8 B/param for weights + state (per-tensor step counters aside): {verdict(tot - g <= 8.0 + 0.05)}"
+                f"(fp32 AdamW: {_fp32_total(rows)}); ≤ 8 B/param for weights + state "
+                f"(per-tensor step counters aside): {verdict(tot - g <= 8.0 + 0.05)}"
             )
     return out
 
@@ -824,7 +835,10 @@ def _fp32_total(rows: dict[str, Row]) -> str:
     if not (r and r.memory):
         return "—"
     m = r.memory
-    return f"{m['total_bytes_per_param'] - m['grads_bytes_per_param']:.1f} without gradients, {m['total_bytes_per_param']:.1f} with"
+    return (
+        f"{m['total_bytes_per_param'] - m['grads_bytes_per_param']:.1f} without gradients, "
+        f"{m['total_bytes_per_param']:.1f} with"
+    )
 
 
 def versions() -> dict[str, str]:
@@ -988,7 +1002,8 @@ def section(header: dict[str, Any], titles: dict[str, str], results: dict[str, l
         *([f"- {header['note']}"] if header.get("note") else []),
         *(
             [
-                f"- load average (1 min) at start and end: {load[0][0]:.1f}, {load[1][0]:.1f} on {os.cpu_count()} cores: "
+                f"- load average (1 min) at start and end: {load[0][0]:.1f}, {load[1][0]:.1f} "
+                f"on {os.cpu_count()} cores: "
                 "other work shared the machine, hence the spreads"
             ]
             if all(load)

@@ -56,7 +56,8 @@ res = ampkit.plan(
     search=False,
 )
 print(
-    f"params {res.parameter_count / 1e9:.2f}B, {time.time() - t:.1f} s, max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
+    f"params {res.parameter_count / 1e9:.2f}B, {time.time() - t:.1f} s, "
+    f"max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
 )
 for r in res.rows:
     print(r.precision, f"{r.peak_bytes / 2**30:.1f} GiB", r.method, r.note)

@@ -23,9 +23,9 @@ for name in sys.argv[1:] or ["tiny-lm", "digits-cnn", "iris-mlp"]:
     batch = next(iter(task.make_data(0, task.default_batch_size).train_loader))
     for preset in PRESETS:
         args = (
-            lambda: task.make_model(0),
+            lambda task=task: task.make_model(0),
             batch,
-            lambda p: task.make_optimizer(p, task.default_lr),
+            lambda p, task=task: task.make_optimizer(p, task.default_lr),
             preset,
             torch.device("cpu"),
         )

@@ -253,7 +253,8 @@ def main() -> None:
         "per preset and column, median (range) of the peak: the allocator's reuse of freed memory moves it by tens "
         "of MiB. Cold: no warm-up, so the kernels' first-use memory (once per process) counts in the step.",
         "",
-        "| preset | peak step memory (MiB) | vs fp32 | cold (MiB) | cold vs fp32 | at rest (B/param) | with gradients (B/param) |",
+        "| preset | peak step memory (MiB) | vs fp32 | cold (MiB) | cold vs fp32 | at rest (B/param) "
+        "| with gradients (B/param) |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for preset, r in rows.items():

@@ -123,9 +123,11 @@ def get_lr(it: int, c: Config) -> float:
 
 
 def train(
-    precision: str, c: Config = Config(), out_dir: Path | None = None, log: bool = False
+    precision: str, c: Config | None = None, out_dir: Path | None = None, log: bool = False
 ) -> dict[str, list[float]]:
     """The converted loop; returns the per-iteration losses and the evaluations (the test reads them)."""
+    if c is None:
+        c = Config()
     torch.manual_seed(c.seed)
     data = make_data(c)
     model = GPT(c)
@@ -167,7 +169,7 @@ def train(
         # A whole-model save loads like the plain module's, without ampkit (torch.load(weights_only=False)).
         torch.save(acc.unwrap(model), out_dir / "model.pt")
         acc.save_checkpoint(out_dir / "checkpoints")  # was: torch.save({'model': ..., 'optimizer': ...}, ckpt.pt)
-    record["loss"] = [float(l) for l in record["loss"]]
+    record["loss"] = [float(loss) for loss in record["loss"]]
     return record
 
 

@@ -29,7 +29,9 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "ampkit"
 
 PRIVATE_BUDGET = 10
-MAX_FILE_LINES = 575  # formatted code; 400 is the target: cli, hardware, info, compare/runner+summary, doctor/findings to split
+MAX_FILE_LINES = (
+    575  # formatted code; 400 is the target: cli, hardware, info, compare/runner+summary, doctor/findings to split
+)
 # Module attributes a user's script legitimately needs set (the doctor runs it as `__main__`).
 ALLOWED_MODULE_ASSIGNMENTS = {("sys", "argv"), ("sys", "path")}
 
@@ -358,45 +360,49 @@ def import_edges() -> list[Edge]:
     particular `ampkit/__init__.py` re-exporting the public API is a leaf, and a cycle goes
     through it only when a module imports `ampkit` itself or a name from it.
     """
+    return [edge for name, module in MODULES.items() for edge in _module_edges(name, module)]
+
+
+def _module_edges(name: str, module: Module) -> list[Edge]:
+    """The ampkit -> ampkit imports of one module (see import_edges)."""
     edges = []
-    for name, module in MODULES.items():
-        parents = _parents(module.tree)
-        ancestors = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
-        if module.is_package:
-            ancestors.add(name)
+    parents = _parents(module.tree)
+    ancestors = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+    if module.is_package:
+        ancestors.add(name)
 
-        def add(target: str, node: ast.AST, explicit: bool) -> None:
-            if target.split(".")[0] != PACKAGE or target == name:
-                return
-            if not explicit and target in ancestors:
-                return
-            lazy = any(
-                isinstance(p, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) for p in _ancestors_of(node, parents)
-            )
-            edges.append(Edge(name, target, node.lineno, lazy))
+    def add(target: str, node: ast.AST, explicit: bool) -> None:
+        if target.split(".")[0] != PACKAGE or target == name:
+            return
+        if not explicit and target in ancestors:
+            return
+        lazy = any(
+            isinstance(p, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) for p in _ancestors_of(node, parents)
+        )
+        edges.append(Edge(name, target, node.lineno, lazy))
 
-        def add_with_packages(target: str, node: ast.AST, explicit_last: bool) -> None:
-            parts = target.split(".")
-            for i in range(1, len(parts)):
-                add(".".join(parts[:i]), node, explicit=False)
-            add(target, node, explicit=explicit_last)
+    def add_with_packages(target: str, node: ast.AST, explicit_last: bool) -> None:
+        parts = target.split(".")
+        for i in range(1, len(parts)):
+            add(".".join(parts[:i]), node, explicit=False)
+        add(target, node, explicit=explicit_last)
 
-        for node in ast.walk(module.tree):
-            if isinstance(node, (ast.Import, ast.ImportFrom)) and _under_type_checking(node, parents):
+    for node in ast.walk(module.tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and _under_type_checking(node, parents):
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                # `import ampkit` itself is explicit; `import ampkit.a.b` only runs ampkit.
+                add_with_packages(alias.name, node, explicit_last=True)
+        elif isinstance(node, ast.ImportFrom):
+            source = _resolve_from(module, node)
+            if source.split(".")[0] != PACKAGE:
                 continue
-            if isinstance(node, ast.Import):
-                for alias in node.names:
-                    # `import ampkit` itself is explicit; `import ampkit.a.b` only runs ampkit.
-                    add_with_packages(alias.name, node, explicit_last=True)
-            elif isinstance(node, ast.ImportFrom):
-                source = _resolve_from(module, node)
-                if source.split(".")[0] != PACKAGE:
-                    continue
-                submodules = [a.name for a in node.names if f"{source}.{a.name}" in MODULES]
-                names = [a.name for a in node.names if f"{source}.{a.name}" not in MODULES]
-                add_with_packages(source, node, explicit_last=bool(names))
-                for sub in submodules:
-                    add(f"{source}.{sub}", node, explicit=True)
+            submodules = [a.name for a in node.names if f"{source}.{a.name}" in MODULES]
+            names = [a.name for a in node.names if f"{source}.{a.name}" not in MODULES]
+            add_with_packages(source, node, explicit_last=bool(names))
+            for sub in submodules:
+                add(f"{source}.{sub}", node, explicit=True)
     return edges
 
 

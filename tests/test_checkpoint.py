@@ -58,7 +58,7 @@ def _saver(conn, folder: str) -> None:
         acc.backward(model(x).square().mean())
         opt.step()
         opt.zero_grad()
-        path = acc.save_checkpoint(folder, keep=3)
+        acc.save_checkpoint(folder, keep=3)
         conn.send(acc.state.applied_steps)
 
 
@@ -242,7 +242,8 @@ def test_corrupt_truncated_and_pickled_files(tmp_path):
     torch.save({"format": "ampkit-checkpoint", "code": Payload()}, tmp_path / "evil.pt")
     with pytest.raises(
         ampkit.CheckpointError,
-        match=r"evil.pt holds pickled objects other than tensors and plain data \(it could run code\); ampkit refuses to load it",
+        match=r"evil.pt holds pickled objects other than tensors and plain data \(it could run code\); "
+        r"ampkit refuses to load it",
     ):
         acc.load(tmp_path / "evil.pt")
 
@@ -298,7 +299,8 @@ def test_loading_into_a_different_model_lists_every_mismatch(tmp_path):
     acc2.prepare(other, torch.optim.AdamW(other.parameters()))
     with pytest.raises(
         ampkit.CheckpointError,
-        match=r"does not fit this model — missing keys: 3.weight, 3.bias \| shape mismatches: 0.weight \(8, 4\) in the checkpoint vs \(6, 4\) in the model",
+        match=r"does not fit this model — missing keys: 3.weight, 3.bias \| "
+        r"shape mismatches: 0.weight \(8, 4\) in the checkpoint vs \(6, 4\) in the model",
     ):
         acc2.load(path)
 

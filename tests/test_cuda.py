@@ -107,7 +107,7 @@ def _trajectory(precision: str = "bf16-mixed", **kwargs) -> list[float]:
     if kwargs:  # compiled: it must not have fallen back to eager (the comparison would prove nothing)
         assert acc.compile_stats.fallback is None, acc.compile_stats.fallback
         assert acc.compile_stats.first_forward_s is not None
-    return [float(l) for l in losses]
+    return [float(loss) for loss in losses]
 
 
 def test_cuda_graphs_train_like_the_eager_step():

@@ -14,7 +14,8 @@ from conftest import make_loader, make_model
 def test_unknown_preset_lists_the_valid_ones():
     with pytest.raises(
         ampkit.PrecisionError,
-        match=r"unknown precision 'fp8'; choose one of: fp32, bf16-mixed, fp16-mixed, fp16-master, bf16-master, bf16-true, fp8-mixed, auto",
+        match=r"unknown precision 'fp8'; choose one of: "
+        r"fp32, bf16-mixed, fp16-mixed, fp16-master, bf16-master, bf16-true, fp8-mixed, auto",
     ):
         ampkit.Accelerator(precision="fp8", device="cpu")
 
@@ -31,7 +32,8 @@ def test_preset_the_device_cannot_run_names_device_support_and_nearest(monkeypat
     monkeypatch.setattr("ampkit.precision.capability", lambda device: no_bf16)
     with pytest.raises(
         ampkit.PrecisionError,
-        match=r"'bf16-true' needs bf16, which Tesla V100 \(compute capability 7.0\) cannot run .*supports: fp32, fp16-mixed, fp16-master. Nearest that works: 'fp16-mixed'",
+        match=r"'bf16-true' needs bf16, which Tesla V100 \(compute capability 7.0\) cannot run "
+        r".*supports: fp32, fp16-mixed, fp16-master. Nearest that works: 'fp16-mixed'",
     ):
         ampkit.Accelerator(precision="bf16-true", device="cpu")
 
@@ -43,7 +45,8 @@ def test_fp16_on_a_cpu_without_fp16_instructions_warns(monkeypatch):
     )
     with pytest.warns(
         UserWarning,
-        match=r"'fp16-mixed' on CPU \(avx512_bf16\): this CPU has no fp16 instructions, so it runs far slower than fp32",
+        match=r"'fp16-mixed' on CPU \(avx512_bf16\): "
+        r"this CPU has no fp16 instructions, so it runs far slower than fp32",
     ):
         ampkit.Accelerator(precision="fp16-mixed", device="cpu")
 
@@ -52,7 +55,8 @@ def test_prepare_of_an_unsupported_object():
     acc = ampkit.Accelerator(precision="fp32", device="cpu")
     with pytest.raises(
         TypeError,
-        match=r"prepare\(\) argument 1 is a builtins.dict; expected an nn.Module, a torch.optim.Optimizer, a torch.utils.data.DataLoader or a torch LR scheduler",
+        match=r"prepare\(\) argument 1 is a builtins.dict; expected an nn.Module, a torch.optim.Optimizer, "
+        r"a torch.utils.data.DataLoader or a torch LR scheduler",
     ):
         acc.prepare(make_model(), {"lr": 0.1})
 
@@ -73,7 +77,8 @@ def test_loss_backward_instead_of_acc_backward_is_caught():
     F.cross_entropy(model(x), y).backward()
     with pytest.raises(
         ampkit.StepOrderError,
-        match=r"optimizer.step\(\) was called but acc.backward\(loss\) has not run since the last optimizer step: replace loss.backward\(\) with acc.backward\(loss\)",
+        match=r"optimizer.step\(\) was called but acc.backward\(loss\) has not run since the last optimizer step: "
+        r"replace loss.backward\(\) with acc.backward\(loss\)",
     ):
         opt.step()
 

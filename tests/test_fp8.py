@@ -264,7 +264,8 @@ def test_fp8_on_a_cpu_without_emulation_says_why_and_what_works():
     [
         (
             (8, 0),
-            "NVIDIA compute capability 8.0 (Ampere): no fp8 Tensor Cores (first in Ada Lovelace, 8.9); fp8 matmuls need",
+            "NVIDIA compute capability 8.0 (Ampere): no fp8 Tensor Cores (first in Ada Lovelace, 8.9); "
+            "fp8 matmuls need",
         ),
         ((8, 7), "NVIDIA compute capability 8.7 (Ampere, Jetson Orin): no fp8 Tensor Cores"),
         ((8, 9), None),

@@ -122,7 +122,10 @@ def test_plan_rows_batch_search_and_schema():
     assert abs(row.peak_bytes - real.peak) <= 0.05 * real.peak
     best = row.max_batch_size
     assert best > 8
-    at = lambda b: measure(model_fn, batch, optimizer_fn, "fp32", CPU, fake=True, batch_size=b, loss_fn=loss_fn).peak
+
+    def at(b: int) -> int:
+        return measure(model_fn, batch, optimizer_fn, "fp32", CPU, fake=True, batch_size=b, loss_fn=loss_fn).peak
+
     assert at(best) <= memory < at(best + 1)
     validate(json.loads(json.dumps(result.as_dict())), PLAN_SCHEMA)
     assert result.recommendation.startswith("fp32")
@@ -321,7 +324,8 @@ def test_a_script_without_a_prepared_loader_is_planned_from_its_models_first_for
     script.write_text(
         "import torch\nfrom torch import nn\nimport ampkit\n"
         "class LM(nn.Module):\n"
-        "    def __init__(self):\n        super().__init__(); self.emb = nn.Embedding(64, 48); self.head = nn.Linear(48, 64)\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.emb = nn.Embedding(64, 48); self.head = nn.Linear(48, 64)\n"
         "    def forward(self, idx, targets):\n        logits = self.head(self.emb(idx))\n"
         "        return logits, nn.functional.cross_entropy(logits.view(-1, 64), targets.view(-1))\n"
         "acc = ampkit.Accelerator(cast_outputs=False)\n"

@@ -90,7 +90,7 @@ def test_a_manual_update_without_an_optimizer_equals_the_hand_written_loop(preci
     ref = TinyLM()
     expected = manual_loop(
         ref,
-        lambda l: l.backward(),
+        lambda loss: loss.backward(),
         lambda m: nn.utils.clip_grad_norm_(m.parameters(), 0.25),
         autocast=precision == "bf16-mixed",
     )
@@ -152,7 +152,7 @@ def test_the_accumulation_division_is_announced_once():
 def test_an_explicit_division_choice_is_silent_and_divide_loss_false_keeps_the_scripts_own(divide_loss):
     ref = TinyLM()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    accumulation_loop(ref, ref_opt, lambda l: l.backward(), k=4, divide=True)
+    accumulation_loop(ref, ref_opt, lambda loss: loss.backward(), k=4, divide=True)
     acc = ampkit.Accelerator(precision="fp32", device="cpu", grad_accum_steps=4, divide_loss=divide_loss)
     model = TinyLM()
     model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -277,7 +277,7 @@ def test_clipping_a_grouped_optimizer_equals_the_hand_written_clip_bitwise(preci
     expected = clip_loop(
         ref,
         ref_opt,
-        lambda l: l.backward(),
+        lambda loss: loss.backward(),
         lambda: norms.append(nn.utils.clip_grad_norm_(ref.parameters(), 0.05)),
         autocast=precision == "bf16-mixed",
     )

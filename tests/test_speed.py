@@ -132,7 +132,7 @@ def test_noise_on_a_busy_machine_cannot_tell_and_names_the_load():
 
 def test_never_fp32_on_speed_from_an_inconclusive_comparison():
     rng = np.random.default_rng(7)
-    for trial in range(40):
+    for _ in range(40):
         base = list(rng.uniform(1.0, 6.0, size=4))
         run = list(b * rng.uniform(0.3, 3.0) for b in base)
         for load in (BUSY, IDLE, None):

@@ -30,7 +30,7 @@ def losses_of(
     acc = ampkit.Accelerator(precision, device="cpu", **kwargs)
     model, opt, loader = acc.prepare(model, opt, make_loader(batch_size=batch_size))
     losses = []
-    for step, (x, y) in zip(range(steps), loader):
+    for _, (x, y) in zip(range(steps), loader):
         loss = F.cross_entropy(model(x), y)
         acc.backward(loss)
         opt.step()
@@ -88,7 +88,7 @@ def test_every_model_compiled_in_one_process_gets_its_own_graph():
         graphs.append(gm)
         return gm.forward
 
-    for i in range(11):
+    for _ in range(11):
         model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
         acc = ampkit.Accelerator("fp32", device="cpu", compile={"backend": counting_backend})
         model = acc.prepare(model)

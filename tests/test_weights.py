@@ -139,7 +139,7 @@ def test_bf16_true_adamw_step_streams_18_bytes_per_parameter_of_memory_kept_betw
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
     acc = ampkit.Accelerator(precision="bf16-true", device="cpu")
     model, opt = acc.prepare(model, opt)
-    for step in range(3):
+    for _ in range(3):
         acc.backward(model(torch.randn(8, 64)).square().mean())
         kept = [
             *model.parameters(),

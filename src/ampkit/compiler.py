@@ -249,7 +249,7 @@ def _describe(exc: BaseException) -> str:
     """`Type: first line` of an exception and of its root cause (the compiler wraps the real error)."""
 
     def line(e: BaseException) -> str:
-        text = next((l.strip() for l in str(e).splitlines() if l.strip()), "")
+        text = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
         return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
 
     root, seen = exc, {id(exc)}

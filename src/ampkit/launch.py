@@ -83,8 +83,8 @@ def launch_settings(given: dict[str, Any], environ: Mapping[str, str] | None = N
             notes.append(f"{key}={env[key]!r} from {var}")
         elif key in env and env[key] != value:
             notes.append(
-                f"{key}={getattr(value, 'name', value)!r} from the script ({var}={environ[var]} ignored: arguments passed to "
-                f"Accelerator win)"
+                f"{key}={getattr(value, 'name', value)!r} from the script ({var}={environ[var]} ignored: "
+                "arguments passed to Accelerator win)"
             )
         chosen[key] = value if passed else env.get(key, DEFAULTS[key] if value is None else value)
     if notes and environ.get("RANK", "0") == "0":

@@ -90,7 +90,8 @@ def kept_fp32_roots(model: nn.Module, keep_fp32: KeepSpec) -> list[nn.Module]:
     for spec in keep_fp32:
         if not (isinstance(spec, str) or (isinstance(spec, type) and issubclass(spec, nn.Module))):
             raise ValueError(
-                f"keep_fp32 entry {spec!r}: expected an nn.Module subclass or a module-name pattern like 'head' or 'blocks.*.attn'"
+                f"keep_fp32 entry {spec!r}: expected an nn.Module subclass or a module-name pattern "
+                "like 'head' or 'blocks.*.attn'"
             )
     roots: list[nn.Module] = []
     covered: set[int] = set()

@@ -40,10 +40,16 @@ class ExactState:
             return f"it holds {got!r} low-precision-weight state, this optimizer keeps {kind!r}"
         values = state.get("values")
         if not isinstance(values, list) or len(values) != len(like):
-            return f"it holds {len(values) if isinstance(values, list) else '?'} {kind} tensors, this optimizer has {len(like)}"
+            return (
+                f"it holds {len(values) if isinstance(values, list) else '?'} {kind} tensors, "
+                f"this optimizer has {len(like)}"
+            )
         for i, (v, t) in enumerate(zip(values, like)):
             if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(t.shape) or v.dtype != t.dtype:
-                return f"{kind} tensor {i} is {getattr(v, 'dtype', '?')} {tuple(getattr(v, 'shape', ()))}, expected {t.dtype} {tuple(t.shape)}"
+                return (
+                    f"{kind} tensor {i} is {getattr(v, 'dtype', '?')} {tuple(getattr(v, 'shape', ()))}, "
+                    f"expected {t.dtype} {tuple(t.shape)}"
+                )
         return None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -25,7 +25,7 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 acc = ampkit.Accelerator(precision="fp32")
 model, optimizer, loader = acc.prepare(model, optimizer, loader)
 losses = []
-for epoch in range(args.epochs):
+for _ in range(args.epochs):
     for xb, yb in loader:
         loss = nn.functional.cross_entropy(model(xb), yb)
         acc.backward(loss)

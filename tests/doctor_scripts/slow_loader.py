@@ -34,7 +34,7 @@ model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 acc = ampkit.Accelerator(precision="fp32")
 model, optimizer, loader = acc.prepare(model, optimizer, loader)
-for epoch in range(100):
+for _ in range(100):
     for xb, yb in loader:
         acc.backward(nn.functional.cross_entropy(model(xb), yb))
         optimizer.step()

@@ -34,7 +34,7 @@ model.add_module("fc2", nn.Linear(16, 4))
 acc = ampkit.Accelerator("fp16-mixed", device="cpu")
 model, optimizer = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
 g = torch.Generator().manual_seed(0)
-for step in range(args.steps):
+for _ in range(args.steps):
     x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
     acc.backward(F.cross_entropy(model(x), y))
     optimizer.step()

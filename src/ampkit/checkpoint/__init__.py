@@ -68,5 +68,6 @@ def save_checkpoint(acc: Accelerator, directory: str | Path, keep: int = 3) -> P
 
 
 def resume(acc: Accelerator, directory: str | Path) -> Path | None:
-    """Load the newest loadable checkpoint in `directory` (a checkpoint file is loaded as it is); None on a fresh start."""
+    """Load the newest loadable checkpoint in `directory` (a checkpoint file is loaded as it is); None on a fresh
+    start."""
     return folder.resume(acc, Path(directory), load)

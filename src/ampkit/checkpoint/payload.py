@@ -77,7 +77,8 @@ def read(path: Path) -> dict[str, Any]:
         if "Unsupported global" in text or "Weights only load failed" in text and "GLOBAL" in text:
             raise CheckpointError(
                 f"checkpoint {path} holds pickled objects other than tensors and plain data (it could run code); "
-                f"ampkit refuses to load it. Only load such a file with torch.load(weights_only=False) if you trust its source"
+                "ampkit refuses to load it. Only load such a file with torch.load(weights_only=False) "
+                "if you trust its source"
             ) from None
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt: {first_line(exc)}") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:

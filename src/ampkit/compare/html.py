@@ -160,7 +160,8 @@ def render_html(
         else ""
     )
     body = f"""<h1>{_e(title(report))}</h1>
-<p class="sub">ampkit {_e(report.ampkit_version)} &middot; {_e(report.created)} &middot; {_e(report.machine["device_name"])}</p>
+<p class="sub">ampkit {_e(report.ampkit_version)} &middot; {_e(report.created)} &middot;
+{_e(report.machine["device_name"])}</p>
 <pre><code>$ {_e(report.command)}</code></pre>
 {interrupted}
 {f'<p class="rec{"" if rec.startswith("Use ") else " unsure"}"><b>{_e(rec)}</b></p>' if rec else ""}

@@ -111,9 +111,15 @@ def recommendation(report: Report) -> str | None:
             f"was not measured (rerun with --precisions {base.precision},{best.precision}) \u2014 the metric decided"
         )
     elif fate == "same":
-        why = f"{best.precision} is no faster {where} ({speed_words(best, load)}) and saves no memory \u2014 speed and memory decided"
+        why = (
+            f"{best.precision} is no faster {where} ({speed_words(best, load)}) and saves no memory "
+            "\u2014 speed and memory decided"
+        )
     else:
-        why = f"{best.precision} costs {times(1 / (best.speedup_vs_baseline or 1))} the time {where}{ci} \u2014 speed decided"
+        why = (
+            f"{best.precision} costs {times(1 / (best.speedup_vs_baseline or 1))} the time {where}{ci} "
+            "\u2014 speed decided"
+        )
     return f"Use {base.precision}: {why}"
 
 

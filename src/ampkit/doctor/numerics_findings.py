@@ -115,7 +115,9 @@ def _fp8_range(modules: list[Result]) -> Result:
     grad = worst["grad"] or {}
     return {
         "id": "fp8-range",
-        "title": f"{len(fp8)} layer(s) in fp8; at most {flushed(worst):.1%} of a tensor's values flush to 0 when scaled",
+        "title": (
+            f"{len(fp8)} layer(s) in fp8; at most {flushed(worst):.1%} of a tensor's values flush to 0 when scaled"
+        ),
         "evidence": (
             f"{label(worst['name'])}: input amax {num(worst['input']['abs_max'])} scaled to e4m3's 448 "
             f"({worst['input']['flush_e4m3_share']:.1%} flushed), gradient amax {num(grad.get('abs_max'))} "

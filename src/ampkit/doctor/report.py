@@ -274,7 +274,8 @@ def render_html_section(r: Result) -> str:
     findings = (
         "".join(
             f"<li><strong>{escape(f['title'])}</strong><br><span class=muted>evidence:</span> {escape(f['evidence'])}"
-            f"<br><span class=muted>fix:</span> {escape(f['fix'])}<br><span class=muted>{escape(_saving(f, r))}</span></li>"
+            f"<br><span class=muted>fix:</span> {escape(f['fix'])}"
+            f"<br><span class=muted>{escape(_saving(f, r))}</span></li>"
             for f in r["findings"]
         )
         or "<li>none: nothing in the measured steps stands out</li>"

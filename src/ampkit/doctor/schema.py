@@ -141,7 +141,9 @@ DOCTOR_SCHEMA: dict[str, Any] = {
                         ),
                     },
                 },
-                per_step="Kernel ops per step: the outermost ops that do work on a backend (about one GPU kernel each).",
+                per_step=(
+                    "Kernel ops per step: the outermost ops that do work on a backend (about one GPU kernel each)."
+                ),
                 kernel_share="Share of the compute time (data wait excluded) spent inside kernels.",
                 work_s_per_step="Seconds the kernels' FLOPs and bytes need at this device's measured matmul peak and "
                 "copy bandwidth; null: not measured.",

@@ -193,7 +193,9 @@ def check_out(folder: Path | str | None) -> None:
         elif (Path(folder) / "inference.txt").exists():
             raise ValueError("no inference.json beside it")
     except (ValueError, Invalid) as exc:
-        raise ValueError(f"{folder} holds inference files ampkit did not write ({exc}): choose another out folder")
+        raise ValueError(
+            f"{folder} holds inference files ampkit did not write ({exc}): choose another out folder"
+        ) from exc
 
 
 def write(report: InferenceReport, folder: Path) -> Path:

@@ -268,8 +268,8 @@ class _Peaks:
             op = getattr(exc, "func", None) or exc
             self.note = (
                 f"the step cannot run on fake tensors ({op}: a data-dependent shape, a tensor read as a Python "
-                f"number in the forward or an op without a fake kernel); measured instead: real steps at batch 1 and 2 on the CPU, "
-                f"scaled to the batch"
+                "number in the forward or an op without a fake kernel); measured instead: real steps at batch 1 "
+                "and 2 on the CPU, scaled to the batch"
             )
             self.fallback = [self.run(torch.device("cpu"), fake=False, batch_size=b) for b in (1, 2)]
             return self._scaled(size)
