@@ -4,6 +4,8 @@ gets one line on stderr naming it (exit status 2), never a traceback or a hang i
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,21 @@ class Parser(argparse.ArgumentParser):
         flags = [e.split("=")[0] for e in extras if e.startswith("-")]
         hint = suggest(flags[0], self.flags) if flags else ""
         self.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+
+
+def usage(command: str, problem: object) -> int:
+    """Say what is wrong with the command line (or what it asked for) on stderr; exit status 2."""
+    print(f"ampkit {command}: {problem}", file=sys.stderr)
+    return 2
+
+
+def subcommand(
+    sub: Any, name: str, func: Callable[[argparse.Namespace], int], help: str, description: str
+) -> argparse.ArgumentParser:
+    """The subcommand `name`, run by `func(args)`; its parser is `args.parser`, for errors found after parsing."""
+    parser = sub.add_parser(name, help=help, description=description)
+    parser.set_defaults(func=func, parser=parser)
+    return parser
 
 
 def flag_name(dest: str) -> str:

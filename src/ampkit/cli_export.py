@@ -1,0 +1,58 @@
+"""`ampkit export`: its flags, and the call of `ampkit.export.measure` they make."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ampkit import cli_args as flags
+
+
+def add_parser(sub: Any) -> None:
+    """`ampkit export` and its flags, onto the subcommands `sub`."""
+    exp = flags.subcommand(
+        sub,
+        "export",
+        handle,
+        "train a task in fp32, export it in reduced precision, measure what each precision buys",
+        "Train a built-in task briefly in fp32, export it in each precision (fp32, bf16, fp16, int8) with "
+        "each backend (torch: torch.export .pt2; onnx: onnxruntime), and report latency at batch 1 and "
+        "at a throughput batch (median of interleaved rounds), file size, peak memory and the held-out "
+        "metric against fp32, with a verdict per export and the auto choice for this device.",
+    )
+    exp.add_argument("--task", default="digits-cnn", help="built-in task: digits-cnn (default), tiny-lm, iris-mlp")
+    exp.add_argument("--precisions", default=None, help="comma-separated, from fp32,bf16,fp16,int8 (default: all)")
+    exp.add_argument("--backends", default=None, help="comma-separated, from torch,onnx (default: both)")
+    exp.add_argument(
+        "--out", default="inference", help="folder for inference.json/.txt and exports/ (default: inference)"
+    )
+    exp.add_argument("--steps", type=int, default=None, help="fp32 training steps (default: the task's)")
+    exp.add_argument("--seed", type=int, default=0, help="seed for model init and data order (default: 0)")
+    exp.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (default: 7)")
+    exp.add_argument("--threads", type=int, default=None, help="intra-op threads of both runtimes (default: torch's)")
+
+
+def handle(args: argparse.Namespace) -> int:
+    """`ampkit export [options]`: the task trained in fp32, exported in each precision and measured."""
+    from ampkit.export import PRECISIONS, format_text, measure
+
+    if problem := flags.out_folder("--out", args.out):
+        return flags.usage("export", problem)
+    try:
+        precisions = flags.names("--precisions", args.precisions) or list(PRECISIONS)
+        backends = flags.names("--backends", args.backends) or ["torch", "onnx"]
+        report = measure(
+            args.task,
+            precisions,
+            backends,
+            args.out,
+            steps=args.steps,
+            seed=args.seed,
+            rounds=args.rounds,
+            threads=args.threads,
+        )
+    except ValueError as exc:
+        return flags.usage("export", exc)
+    print(format_text(report), end="")
+    print(f"inference report: {args.out}/inference.json (and inference.txt; the exported files in {args.out}/exports/)")
+    return 0
