@@ -3,7 +3,8 @@
 
 Entry points: `run`; both sessions listen on one base (`watch`). Performance: the session
 (`session`, its phase clock), profiler ops (`ops`), syncs (`sync`), the device advisor
-(`advisor`), analysis and findings (`analysis`, `findings`), report and schema (`report`, `schema`).
+(`advisor`), analysis and findings (`analysis`, `findings`; per sync site `sync_findings`; their
+record `finding`), report and schema (`report`, `schema`).
 Numerics: `census`, `localizer`, `lost_updates`, the session (`numerics`), its verdicts
 (`numerics_findings`) and report (`numerics_report`).
 """
