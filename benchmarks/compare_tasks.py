@@ -1,4 +1,4 @@
-"""`ampkit compare` on the built-in tasks, recorded in benchmarks/RESULTS.md.
+"""`ampkit compare` on the built-in tasks, recorded in benchmarks/notes/compare.md (verdicts: RESULTS.md).
 
     python benchmarks/compare_tasks.py --write
     python benchmarks/compare_tasks.py --tasks digits-cnn --precisions fp32,bf16-mixed,bf16-true --write
@@ -20,7 +20,7 @@ import ampkit
 from ampkit.compare import compare
 from ampkit.hardware import describe, resolve_device
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
+RESULTS = Path(__file__).parent / "notes" / "compare.md"  # the full tables; RESULTS.md keeps the verdicts
 START, END = "<!-- compare:start -->", "<!-- compare:end -->"
 
 

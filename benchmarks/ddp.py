@@ -124,7 +124,7 @@ def main() -> None:
             print(rows[-1], flush=True)
     lines = [
         START,
-        "## Data parallel: 2 ranks under torchrun vs 1 process (`benchmarks/ddp.py`)",
+        "### Data parallel: 2 ranks under torchrun vs 1 process (`benchmarks/ddp.py`)",
         "",
         f"- date: {datetime.date.today()}; command: `python {' '.join(sys.argv)}`; "
         f"{'nccl on CUDA' if args.device == 'cuda' else 'gloo on CPU'}; fp32; "

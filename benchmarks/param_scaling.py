@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         help="time the whole training step, or only optimizer.step() + zero_grad()",
     )
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="wall clock, or the thread's CPU time")
-    parser.add_argument("--write", action="store_true", help="write the table into benchmarks/RESULTS.md")
+    parser.add_argument("--write", action="store_true", help="write the table into benchmarks/notes/param_scaling.md")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message=r".*runs far slower than fp32.*")
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         "optimizers do).",
     ]
     if args.write:
-        path = Path(__file__).resolve().parent / "RESULTS.md"
+        path = Path(__file__).resolve().parent / "notes" / "param_scaling.md"
         _timing.write_section(path, "<!-- param-scaling:start -->", "<!-- param-scaling:end -->", lines)
         print(f"wrote {path}")
     return 0

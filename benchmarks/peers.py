@@ -70,7 +70,7 @@ from _timing import cpu_model, interleaved, machine, median_ci, paired_ratio, sp
 from ampkit.compare.memory import proc_status, reset_peak_rss  # the same /proc readings ampkit compare uses
 from ampkit.hardware import capability, cpu_flags, resolve_device
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
+RESULTS = Path(__file__).parent / "notes" / "peers.md"  # the full tables; RESULTS.md keeps the headline figures
 START, END = "<!-- peers:start -->", "<!-- peers:end -->"
 INSTALL_HINT = "not installed: pip install -e '.[bench]'"
 LR = 1e-3
@@ -906,7 +906,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write every figure (and per-round times) here")
     parser.add_argument("--write", action="store_true", help=f"replace the Peers section of {RESULTS.name}")
     parser.add_argument(
-        "--note", default="", help="a line added under the command in RESULTS.md (e.g. why a size was reduced)"
+        "--note", default="", help=f"a line added under the command in {RESULTS.name} (e.g. why a size was reduced)"
     )
     parser.add_argument(
         "--render",

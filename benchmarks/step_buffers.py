@@ -93,7 +93,7 @@ def main() -> None:
             f"{'free' if ampkit.Accelerator(preset, device='cpu').free_step_buffers else 'keep'} |"
         )
     lines = [
-        "## `free_step_buffers`: freeing the full-size step buffers or keeping them (`benchmarks/step_buffers.py`)",
+        "### `free_step_buffers`: freeing the full-size step buffers or keeping them (`benchmarks/step_buffers.py`)",
         "",
         f"`OMP_NUM_THREADS=1 python benchmarks/step_buffers.py --write` — {datetime.date.today()}; {machine()}",
         "",

@@ -245,7 +245,7 @@ def main() -> None:
         )
     fp32, fp32_cold = rows.get("fp32", {}).get("peak_mib"), rows.get("fp32", {}).get("cold_mib")
     lines = [
-        "## Peak memory of a training step, per preset (`benchmarks/step_memory.py`)",
+        "### Peak memory of a training step, per preset (`benchmarks/step_memory.py`)",
         "",
         f"`python benchmarks/step_memory.py --repeat {args.repeat}` — {machine()}",
         "",

@@ -155,25 +155,3 @@ def test_step_memory_child_measures_the_step_with_and_without_the_kernels_warm_u
         figures = json.loads(out.stdout.strip().splitlines()[-1])
         at_rest_mib = figures["rest_bpp"] * figures["params"] / 2**20  # weights, Kahan buffer, bf16 moments: 8 B/param
         assert 7.9 <= figures["rest_bpp"] <= 8.5 and figures["peak_mib"] >= at_rest_mib, (kind, figures)
-
-
-def test_adamw_pieces_times_each_layout_of_the_same_elements() -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(PEERS.with_name("adamw_pieces.py")),
-            "--elements",
-            "4096",
-            "--pieces",
-            "1000",
-            "--rounds",
-            "3",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    ).stdout
-    line = out.strip().splitlines()[-1]  # 4 pieces of 1000 (the 96 left over are dropped)
-    assert "one tensor" in line and "pieces of 1000, one call" in line and "pieces of 1000, a call each" in line, out
-    assert all(float(part.rsplit(" ", 1)[1]) > 0 for part in line.split("; ")), out
