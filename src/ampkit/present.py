@@ -24,6 +24,19 @@ def seconds(x: float) -> str:
     return f"{x * 1e6:.3g} µs"
 
 
+def duration(x: float) -> str:
+    """A wall-clock span people plan around: "4.2 s", "45 s", "2 min 20 s", "27 min", "1 h 05 min"."""
+    if x < 10:
+        return f"{max(0.0, x):.2g} s"
+    whole = round(x)
+    if whole < 60:
+        return f"{whole} s"
+    if whole < 600:
+        return f"{whole // 60} min {whole % 60:02d} s"
+    minutes = round(x / 60)
+    return f"{minutes} min" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
+
+
 def flop(x: float) -> str:
     """An amount of floating-point operations: "116 kFLOP", "7.65 GFLOP"."""
     for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):

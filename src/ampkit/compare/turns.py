@@ -3,7 +3,7 @@
 Each run has a process of its own (clean memory figures, nothing leaks into the next run): spawned, it streams
 its steps and then its `Run`; or N processes under torchrun run `python -m ampkit.compare SPEC OUT PROGRESS`.
 Taking turns (a built-in task, a gated `Worker` per run): each trains a few timed warm-up steps (the plan
-line's estimate; a default comparison fits its steps to `BUDGET_S`), then `ROUNDS` chunks in turn, so that a
+line's estimate; a default comparison fits its steps to `budget.BUDGET_S`), then `ROUNDS` chunks in turn, so that a
 slow moment of a shared machine lands on every run and each speed-up comes from paired rounds, with its interval.
 """
 
@@ -29,21 +29,15 @@ from typing import Any
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ampkit.compare.budget import ROUNDS, Fit, fit_steps, plan_line, steps_left
 from ampkit.compare.measure import PROBE_STEPS, RunSpec, run_one
 from ampkit.compare.records import Report, Run
 from ampkit.errors import PrecisionError
 from ampkit.precision import resolve_precision
-from ampkit.present import console, seconds
-
-#: Rounds an interleaved comparison's timed steps are split into, after the warm-up chunk.
-ROUNDS = 4
+from ampkit.present import console, duration
 
 #: Timed warm-up steps of each full run (a probe: 2) before the plan line; the fastest gives the estimate.
 WARMUP_STEPS = 5
-
-#: Seconds a default comparison's training, evaluation and numerics passes should take (about three
-#: minutes with startup); its full runs' steps are cut to fit, to half the task's at the least.
-BUDGET_S = 140.0
 
 #: A numerics pass (hooks on every module, a census of every tensor) costs about this many plain steps.
 NUMERICS_COST_STEPS = 40
@@ -258,25 +252,21 @@ def interleaved(
         step_s = {n: min(w.chunks[-1] or [0.0]) for n, w in workers.items()}  # the first steps are slow
         full = [n for n, s in specs.items() if not s.probe and n in workers]
         extra = sum(NUMERICS_COST_STEPS * step_s[n] for n, s in specs.items() if s.numerics_steps and n in workers)
-        left = {n: max(0, total[n] - w.done) * step_s[n] for n, w in workers.items()}
-        cut = ""
-        if fit and full and sum(left.values()) + extra > BUDGET_S:
-            room = BUDGET_S - extra - sum(left[n] for n in workers if n not in full)
-            steps = max(total[full[0]] // 2, int(room / max(1e-9, sum(step_s[n] for n in full))))
-            if steps < total[full[0]]:
-                cut = f", cut from {total[full[0]]} to fit ~{seconds(BUDGET_S)}"
-                total.update(dict.fromkeys(full, steps))
-                if report.task is not None:
-                    report.task.steps = steps
-                left = {n: max(0, total[n] - w.done) * step_s[n] for n, w in workers.items()}
-        what = ", ".join(f"{n} ({'probe, ' * (n not in full)}{total[n]} steps)" for n in workers)
-        report.plan = (
-            f"{what}{cut}: {ROUNDS} rounds taking turns, about {seconds(sum(left.values()) + extra)} "
-            "(from the fastest of the timed warm-up steps)"
+        done = {n: w.done for n, w in workers.items()}
+        fitted = (
+            fit_steps(total, done, step_s, full, extra)
+            if fit and full
+            else Fit(total, extra + steps_left(total, done, step_s))
         )
+        if fitted.steps != total and report.task is not None:
+            report.task.steps = fitted.steps[full[0]]
+        total = fitted.steps
+        report.plan = plan_line({n: total[n] for n in workers}, full, fitted)
         progress.say(report.plan)
+        started = time.monotonic()
         for r in range(1, ROUNDS + 1):
             each(lambda n, w, r=r: w.advance(warm[n] + math.ceil(r * (total[n] - warm[n]) / ROUNDS), progress.update))
+            progress.round_done(r, time.monotonic() - started, extra)
 
         def finish(name: str, worker: Worker) -> None:
             runs[name] = dataclasses.replace(
@@ -307,6 +297,14 @@ class RunProgress:
     def say(self, line: str) -> None:
         if self.show:
             (self.bar.console if self.bar is not None else console()).print(line, highlight=False)
+
+    def round_done(self, r: int, elapsed_s: float, after_s: float) -> None:
+        """Off a terminal (a log file, a pipe) no bar moves: one line per round instead, with the time elapsed
+        and left (the rounds to go at the pace of those done, and `after_s` of numerics passes after them)."""
+        if not self.show or console().is_terminal:
+            return
+        left = elapsed_s / r * (ROUNDS - r) + after_s
+        print(f"round {r}/{ROUNDS} done: {duration(elapsed_s)} elapsed, about {duration(left)} left", flush=True)
 
     def start(self, label: str, total: int | None) -> None:
         self.label = label
