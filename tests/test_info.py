@@ -19,8 +19,12 @@ from ampkit.hardware import (
     read_cpu_flags,
 )
 from ampkit.info import INFO_SCHEMA, bench_matmul, collect_info, format_info_text
+from ampkit.info_bench import agreement
+from ampkit.info_text import agreement_words
 from test_hardware import OLD, SAPPHIRE_RAPIDS, ZEN4, fake_rocm
 
+BUSY = {"load_average": 12.3, "cores": 2, "threads": 2, "matmul_slowdown": 3.1, "busy": True}
+QUIET = {"load_average": 0.2, "cores": 2, "threads": 2, "matmul_slowdown": 1.1, "busy": False}
 ARM = "processor\t: 0\nBogoMIPS\t: 243.75\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 bf16 i8mm\n"
 
 
@@ -205,7 +209,55 @@ def test_info_bench_json_validates_and_compares_each_dtype_with_the_table(capsys
         if dtype != "fp32":
             assert r["table"] == info["cpu"]["capabilities"][dtype]["supported"]
             assert r["fast_here"] == (r["ratio_to_fp32"] >= 1.1)
+            assert r["agreement"] == agreement(r["table"], r["ratio_to_fp32"], busy=info["bench"]["load"]["busy"])
+    load = info["bench"]["load"]  # the machine check of `ampkit.load`, the busier look of before and after
+    assert set(load) == {"load_average", "cores", "threads", "matmul_slowdown", "busy"}
+    assert load["cores"] >= 1 and load["matmul_slowdown"] >= 1.0 and isinstance(load["busy"], bool)
     _validate(info)
+
+
+# ----- whether the bench can tell: one rule, driven by synthetic figures --------------------------
+
+
+@pytest.mark.parametrize(
+    "table, ratio, busy, said",
+    [
+        (False, 14000.0, False, "disagrees"),  # clear of the line, on a quiet machine
+        (True, 0.5, False, "disagrees"),
+        (True, 2.5, False, "agrees"),
+        (False, 0.012, False, "agrees"),
+        (True, 1.05, False, "noise"),  # 1.0x-1.21x: a few percent of timing noise crosses the 1.1x line
+        (False, 1.15, False, "noise"),
+        (False, 1.0, False, "noise"),
+        (True, 1.22, False, "agrees"),
+        (True, 0.99, False, "disagrees"),
+        (False, 14000.0, True, "busy"),  # sequential timings on a busy machine: never read either way
+        (True, 2.5, True, "busy"),
+        (None, 2.5, False, None),  # the table does not know: nothing to compare
+        (True, None, True, None),  # not measured
+    ],
+)
+def test_agreement_reads_a_ratio_only_from_a_quiet_machine_and_clear_of_the_line(table, ratio, busy, said):
+    assert agreement(table, ratio, busy=busy) == said
+
+
+def _result(table, ratio):
+    return {"dtype": "bf16", "table": table, "ratio_to_fp32": ratio, "fast_here": ratio >= 1.1}
+
+
+def test_agreement_words_say_disagrees_with_the_ratio_only_when_the_machine_could_tell():
+    assert agreement_words(_result(False, 14000.0), QUIET) == " (DISAGREES: measured 14000× fp32)"
+    assert agreement_words(_result(True, 0.5), None) == " (DISAGREES: measured 0.5× fp32)"  # no check: as before
+    assert agreement_words(_result(False, 0.012), QUIET) == " (agrees)"
+    assert agreement_words(_result(True, 1.05), QUIET) == (
+        " (can't tell: 1.05× fp32 is within the noise of the ≥ 1.1× line)"
+    )
+    assert agreement_words(_result(False, 14000.0), BUSY) == (
+        " (can't tell: the machine was busy — load 12.3 on 2 cores; ops ran ~3.1× slower than this CPU can)"
+    )
+    no_figures = {**BUSY, "load_average": None, "matmul_slowdown": None}
+    assert agreement_words(_result(True, 2.5), no_figures) == " (can't tell: the machine was busy)"
+    assert agreement_words(_result(None, 2.5), QUIET) == ""
 
 
 def test_bench_errors_repeat_what_was_passed():
@@ -242,11 +294,45 @@ def test_plain_text_says_unknown_for_unreadable_flags(monkeypatch):
 
 def test_plain_text_bench_table_says_whether_the_measurement_agrees():
     info = collect_info(device="cpu")
-    info["bench"] = {
+    info["bench"] = _synthetic_bench(QUIET)
+    lines = format_info_text(info).splitlines()
+    # Numbers in ampkit.present's one format: "1×" (not "1.0×"), "600 MFLOP/s" (not "0.6 GFLOP/s").
+    assert any(line.split() == ["fp32", "50", "GFLOP/s", "1×", "1024", "baseline"] for line in lines)
+    assert any(
+        line.split() == ["bf16", "600", "MFLOP/s", "0.012×", "256", "slow", "slow", "(agrees)"] for line in lines
+    )
+    assert any(
+        line.split()
+        == ["fp16", "700", "TFLOP/s", "14000×", "8192", "slow", "fast", "(DISAGREES:", "measured"] + ["14000×", "fp32)"]
+        for line in lines
+    )
+    text = " ".join(format_info_text(info).split())
+    assert "machine: load 0.2 on 2 cores" in text and "The machine was busy" not in text
+    _validate(info)
+
+
+def test_plain_text_bench_from_a_busy_machine_is_marked_and_compares_nothing():
+    info = collect_info(device="cpu")
+    info["bench"] = _synthetic_bench(BUSY)
+    text = " ".join(format_info_text(info).split())  # rich may wrap; the words and their order stay
+    assert "DISAGREES" not in text and "(agrees)" not in text
+    assert text.count("(can't tell: the machine was busy — load 12.3 on 2 cores;") == 2  # bf16 and fp16
+    assert (
+        "The machine was busy while timing (load 12.3 on 2 cores; ops ran ~3.1× slower than this CPU can): "
+        "the ratios are not compared with the table; rerun on an idle machine to check it"
+    ) in text
+    _validate(info)
+
+
+def _synthetic_bench(load: dict) -> dict:
+    """A bench of a CPU without bf16/fp16 units: bf16 as slow as the table says, fp16 absurdly fast."""
+    busy = load["busy"]
+    return {
         "device": "cpu",
         "seconds": 2.0,
         "threads": 2,
         "float32_matmul_precision": "highest",
+        "load": load,
         "results": [
             {
                 "dtype": "fp32",
@@ -257,6 +343,7 @@ def test_plain_text_bench_table_says_whether_the_measurement_agrees():
                 "ratio_to_fp32": 1.0,
                 "table": None,
                 "fast_here": None,
+                "agreement": None,
                 "error": None,
             },
             {
@@ -268,6 +355,7 @@ def test_plain_text_bench_table_says_whether_the_measurement_agrees():
                 "ratio_to_fp32": 0.012,
                 "table": False,
                 "fast_here": False,
+                "agreement": "busy" if busy else "agrees",
                 "error": None,
             },
             {
@@ -279,20 +367,11 @@ def test_plain_text_bench_table_says_whether_the_measurement_agrees():
                 "ratio_to_fp32": 14000,
                 "table": False,
                 "fast_here": True,
+                "agreement": "busy" if busy else "disagrees",
                 "error": None,
             },
         ],
     }
-    lines = format_info_text(info).splitlines()
-    # Numbers in ampkit.present's one format: "1×" (not "1.0×"), "600 MFLOP/s" (not "0.6 GFLOP/s").
-    assert any(line.split() == ["fp32", "50", "GFLOP/s", "1×", "1024", "baseline"] for line in lines)
-    assert any(
-        line.split() == ["bf16", "600", "MFLOP/s", "0.012×", "256", "slow", "slow", "(agrees)"] for line in lines
-    )
-    assert any(
-        line.split() == ["fp16", "700", "TFLOP/s", "14000×", "8192", "slow", "fast", "(DISAGREES)"] for line in lines
-    )
-    _validate(info)
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from ampkit.compare.records import validate_report
 from ampkit.compare.runner import compare_to_baseline
 from ampkit.compare.speed import outcome, paired_speedup
 from ampkit.compare.summary import format_text, recommendation, verdict
-from ampkit.load import check_load, describe_load, judge, worst
+from ampkit.load import check_load, describe_load, judge, own_load, worst
 
 SAMPLE = json.loads((Path(__file__).parent / "fixtures" / "sample_report.json").read_text())
 BUSY = {"load_average": 12.3, "cores": 2, "threads": 2, "matmul_slowdown": 3.1, "busy": True}
@@ -191,3 +191,12 @@ def test_the_load_check_marks_a_busy_machine_and_says_what_it_measured():
     assert worst(judge(0.3, 2, 2, 1.1), judge(4.0, 2, 2, 1.5), None) == judge(4.0, 2, 2, 1.5)
     now = check_load(own=1000.0)  # all of it ours: no other load
     assert now.load_average in (0.0, None) and now.cores >= 1 and now.matmul_slowdown >= 1.0
+
+
+def test_own_load_is_what_a_timing_can_add_to_the_load_average_not_all_its_threads():
+    # a 2-second bench on 2 threads spans at most two 5 s samples of the 60 s average: ~0.31, not 2
+    assert own_load(2, 2.0) == pytest.approx(2 * (1 - math.exp(-10 / 60)))
+    assert own_load(2, 2.0) < 0.5 * 2  # the look after a short bench still sees others' load
+    assert own_load(2, 600.0) == pytest.approx(2.0, abs=1e-3)  # after minutes of training: all of it
+    assert own_load(4, 0.0) == own_load(4, -1.0) > 0  # even an instant may land on a sample
+    assert own_load(2, 30.0) < own_load(2, 60.0) < own_load(4, 60.0)

@@ -1,5 +1,9 @@
 """`ampkit info --bench`: a matmul micro-benchmark per dtype that checks the capability table against
-measured speed on this device (the `bench` of `INFO_SCHEMA`).
+measured speed on this device (the `bench` of `INFO_SCHEMA`), and whether the measurement can tell.
+
+The machine is looked at before and after the timing (`ampkit.load`, the check every timing shares); a
+ratio measured on a busy machine, or too close to the line to tell, neither confirms nor contradicts the
+table (`agreement`).
 """
 
 from __future__ import annotations
@@ -8,12 +12,13 @@ import contextlib
 import math
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.utils import benchmark
 
 from ampkit import hardware
+from ampkit.load import check_load, own_load, worst
 from ampkit.precision import short_dtype_name
 
 BENCH_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
@@ -22,6 +27,13 @@ BENCH_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.fl
 FAST_RATIO = 1.1
 """A dtype is "fast here" when its matmul throughput is at least this many times fp32's: a margin
 above 1, so timing noise between two equally fast dtypes does not read as a speed-up."""
+
+NOISE = 1.1
+"""How far one timing's ratio to fp32 may stray on a quiet machine: a ratio within this factor of
+`FAST_RATIO` either way (1.0× up to 1.21×) is too close to the line to say "fast" or "not fast"."""
+
+#: What a measured ratio says of the table's fact (`agreement`; the `agreement` of each bench result).
+Agreement = Literal["agrees", "disagrees", "busy", "noise"]
 
 # Matrix sizes tried: start small (a slow dtype may take a second for n=512 on a CPU without its
 # instructions) and double while the next size still fits the time box, up to a size that keeps the
@@ -44,11 +56,26 @@ def bench_matmul(
         raise ValueError(f"seconds={seconds!r} must be a positive number of seconds")
     if any(d not in BENCH_DTYPES for d in dtypes):
         raise ValueError(f"dtypes={list(dtypes)!r}: ampkit benchmarks only {', '.join(map(str, BENCH_DTYPES))}")
-    facts = hardware.device_capabilities(dev)
     share = seconds / len(dtypes) if dtypes else 0.0
+    start = time.perf_counter()
+    before = check_load(dev)  # the machine as the bench found it and as it left it: the busier look is kept
     # The Timer synchronises the current device around what it times: make that `dev` (cuda:1 is not the default).
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         results = [_bench_one(dev, dtype, share) for dtype in dtypes]
+    load = worst(before, check_load(dev, own=own_load(torch.get_num_threads(), time.perf_counter() - start)))
+    _compare_with_table(results, hardware.device_capabilities(dev), busy=load.busy)
+    return {
+        "device": str(dev),
+        "seconds": float(seconds),
+        "threads": torch.get_num_threads(),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "load": load.as_dict(),
+        "results": results,
+    }
+
+
+def _compare_with_table(results: list[dict[str, Any]], facts: dict[str, hardware.Fact], *, busy: bool) -> None:
+    """Fill each result's ratio to fp32 and what it says of the table, once fp32 (the baseline) is known."""
     fp32 = next((r["flops_per_s"] for r in results if r["dtype"] == "fp32"), None)
     for r in results:
         if r["dtype"] != "fp32":
@@ -56,13 +83,28 @@ def bench_matmul(
         if fp32 and r["flops_per_s"]:
             r["ratio_to_fp32"] = r["flops_per_s"] / fp32
             r["fast_here"] = None if r["dtype"] == "fp32" else r["ratio_to_fp32"] >= FAST_RATIO
-    return {
-        "device": str(dev),
-        "seconds": float(seconds),
-        "threads": torch.get_num_threads(),
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "results": results,
-    }
+        if r["dtype"] != "fp32":
+            r["agreement"] = agreement(r["table"], r["ratio_to_fp32"], busy=busy)
+
+
+def agreement(table: bool | None, ratio: float | None, *, busy: bool) -> Agreement | None:
+    """What a dtype's measured matmul ratio to fp32 says of the table's fact (True: fast, False: not), by one rule.
+
+    - None: nothing to compare (the table does not know, or the dtype was not measured).
+    - "busy": the machine was busy (`ampkit.load`). The dtypes are timed one after another, so a stall in
+      one of them moves the ratio by as much as the machine slows ops: not read either way (compare's rule for
+      unpaired timings on a busy machine).
+    - "noise": the ratio is within `NOISE` of `FAST_RATIO` (1.0× up to 1.21×): a few percent of timing noise
+      would move it across the line, so it neither confirms nor contradicts.
+    - "agrees" / "disagrees": measured fast (ratio ≥ `FAST_RATIO`) is, or is not, what the table says.
+    """
+    if table is None or ratio is None:
+        return None
+    if busy:
+        return "busy"
+    if FAST_RATIO / NOISE <= ratio < FAST_RATIO * NOISE:
+        return "noise"
+    return "agrees" if (ratio >= FAST_RATIO) == table else "disagrees"
 
 
 def _matmul_timer(n: int, dtype: torch.dtype, device: torch.device) -> benchmark.Timer:
@@ -82,6 +124,7 @@ def _bench_one(device: torch.device, dtype: torch.dtype, budget: float) -> dict[
         "ratio_to_fp32": None,
         "table": None,
         "fast_here": None,
+        "agreement": None,
         "error": None,
     }
     try:

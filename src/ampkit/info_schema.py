@@ -47,8 +47,33 @@ _BENCH_RESULT = _object(
             "type": ["boolean", "null"],
             "description": "Measured: ratio_to_fp32 >= FAST_RATIO (null for fp32 or on error).",
         },
+        "agreement": {
+            "enum": ["agrees", "disagrees", "busy", "noise", None],
+            "description": "What the ratio says of `table` (ampkit.info_bench.agreement): busy: the machine was "
+            "busy, noise: within NOISE of FAST_RATIO; null for fp32, on error, or where the table does not know.",
+        },
         "error": {"type": ["string", "null"], "description": "Why the dtype could not be measured."},
     }
+)
+_LOAD = _object(
+    {
+        "load_average": {
+            "type": ["number", "null"],
+            "minimum": 0,
+            "description": "1-minute load average less what the bench can have added (ampkit.load.own_load); "
+            "null where the OS has none.",
+        },
+        "cores": {"type": "integer", "minimum": 1},
+        "threads": {"type": "integer", "minimum": 1, "description": "torch's threads."},
+        "matmul_slowdown": {
+            "type": ["number", "null"],
+            "minimum": 0,
+            "description": "Mean / fastest of a burst of small fp32 matmuls (idle: ~1-1.3); null on a GPU.",
+        },
+        "busy": {"type": "boolean", "description": "Others held over half the cores, or the burst ran 2x slow."},
+    },
+    description="How busy the machine was while the bench ran (ampkit.load.check_load; the busier of the looks "
+    "before and after): a busy machine's figures are not compared with the table.",
 )
 
 INFO_SCHEMA: dict[str, Any] = {
@@ -117,6 +142,7 @@ INFO_SCHEMA: dict[str, Any] = {
                         "enum": ["highest", "high", "medium"],
                         "description": "Not 'highest': fp32 matmuls may use tf32/bf16.",
                     },
+                    "load": _LOAD,
                     "results": {"type": "array", "items": _BENCH_RESULT},
                 },
                 type=["object", "null"],

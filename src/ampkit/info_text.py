@@ -1,6 +1,6 @@
 """`ampkit info`'s human report: one list of rich blocks built from the `collect_info` dict, printed to
 the terminal (`render_info`) or written as plain text (`format_info_text`). It only presents: every
-figure and verdict comes from the dict.
+figure comes from the dict, and the bench's verdicts from `info_bench.agreement`'s rule on those figures.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from rich.table import Table
 from rich.text import Text
 
 from ampkit import present
-from ampkit.info_bench import FAST_RATIO
+from ampkit.info_bench import FAST_RATIO, NOISE, agreement
 from ampkit.info_schema import Info
+from ampkit.load import describe_load
 
 
 def _cpu_line(info: Info) -> str:
@@ -38,8 +39,24 @@ def _selected_capabilities(info: Info) -> dict[str, dict[str, Any]]:
 _SPEED = {True: "fast", False: "slow", None: "unknown"}
 
 
+def agreement_words(result: dict[str, Any], load: dict[str, Any] | None) -> str:
+    """The note after a dtype's measured speed, by `info_bench.agreement`'s rule (`load`: the bench's machine
+    check): " (agrees)", " (DISAGREES: measured 0.5× fp32)", " (can't tell: the machine was busy — load 12.3
+    on 2 cores)", " (can't tell: 1.05× fp32 is within the noise of the ≥ 1.1× line)", or "" with nothing to
+    compare. A disagreement is only ever said from a quiet machine and a ratio clear of the line."""
+    said = agreement(result["table"], result["ratio_to_fp32"], busy=bool(load and load.get("busy")))
+    ratio = present.times(result["ratio_to_fp32"]) if result["ratio_to_fp32"] else ""
+    if said == "busy":
+        figures = describe_load(load)
+        return f" (can't tell: the machine was busy{f' — {figures}' if figures else ''})"
+    if said == "noise":
+        return f" (can't tell: {ratio} fp32 is within the noise of the ≥ {present.times(FAST_RATIO)} line)"
+    return {"agrees": " (agrees)", "disagrees": f" (DISAGREES: measured {ratio} fp32)"}.get(said or "", "")
+
+
 def _bench_rows(info: Info) -> list[list[str]]:
     rows = []
+    load = info["bench"].get("load")  # absent from reports written before the load check
     for r in info["bench"]["results"]:
         if r["error"]:
             rows.append(
@@ -51,8 +68,7 @@ def _bench_rows(info: Info) -> list[list[str]]:
             table, measured = "", "baseline"
         else:
             table, measured = (_SPEED[r[k]] for k in ("table", "fast_here"))
-            if r["table"] is not None and r["fast_here"] is not None:
-                measured += " (agrees)" if r["table"] == r["fast_here"] else " (DISAGREES)"
+            measured += agreement_words(r, load)
         rows.append([r["dtype"], present.flops(r["flops_per_s"]), ratio, str(r["size"]), table, measured])
     return rows
 
@@ -104,21 +120,38 @@ def _renderables(info: Info) -> list[Any]:
     )
     rec = info["recommended"]
     out.append(Text(f"Recommended on {info['device']}: {rec['preset']} — {rec['reason']}", style="bold"))
-    if (b := info["bench"]) is not None:
-        out.append(
-            _table(
-                f"Matmul benchmark on {b['device']}",
-                ["dtype", "matmul", "× fp32", "n", "table says", "measured"],
-                _bench_rows(info),
-            )
-        )
+    if info["bench"] is not None:
+        out += _bench_blocks(info)
+    return out
+
+
+def _bench_blocks(info: Info) -> list[Any]:
+    """The benchmark's table, how it was measured, and, from a busy machine, a warning of its own: a reader
+    is told before any figure is trusted."""
+    b = info["bench"]
+    load = b.get("load")
+    figures = describe_load(load) or "no load figures on this OS"
+    out: list[Any] = [
+        _table(
+            f"Matmul benchmark on {b['device']}",
+            ["dtype", "matmul", "× fp32", "n", "table says", "measured"],
+            _bench_rows(info),
+        ),
         # A line of its own: as a rich caption it would wrap to the table's width.
+        Text(
+            f"  n×n @ n×n, {present.seconds(b['seconds'])} in all, {b['threads']} threads, "
+            f"float32_matmul_precision={b['float32_matmul_precision']}; "
+            f"fast: ≥ {present.times(FAST_RATIO)} fp32 (within {present.times(NOISE)} of that: can't tell)"
+            + (f"; machine: {figures}" if load is not None and not load["busy"] else ""),
+            style="dim",
+        ),
+    ]
+    if load is not None and load["busy"]:
         out.append(
             Text(
-                f"  n×n @ n×n, {present.seconds(b['seconds'])} in all, {b['threads']} threads, "
-                f"float32_matmul_precision={b['float32_matmul_precision']}; "
-                f"fast: ≥ {present.times(FAST_RATIO)} fp32",
-                style="dim",
+                f"The machine was busy while timing ({figures}): the ratios are not compared with the table; "
+                "rerun on an idle machine to check it",
+                style="bold",
             )
         )
     return out

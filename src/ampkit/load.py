@@ -9,6 +9,7 @@ A timing from a busy machine is marked as such: a reader is told before any figu
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -25,6 +26,10 @@ SLOWDOWN_BUSY = 2.0
 
 #: The burst: this many seconds of n×n fp32 matmuls (a few ms each on a CPU core).
 BURST_S, BURST_N = 0.25, 128
+
+#: How the OS keeps its 1-minute load average: a sample of the runnable threads every 5 s, averaged with a
+#: 60 s time constant (Linux's kernel/sched/loadavg.c).
+LOAD_SAMPLE_S, LOAD_WINDOW_S = 5.0, 60.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +69,15 @@ def load_average() -> float | None:
         return os.getloadavg()[0]
     except (OSError, AttributeError):  # Windows has no getloadavg
         return None
+
+
+def own_load(threads: int, seconds: float) -> float:
+    """The most `threads` threads kept busy for `seconds` can have added to the 1-minute load average: each
+    sample moves it 1 - e^(-5/60) of the way towards them, and `seconds` span at most ceil(seconds / 5) + 1
+    samples. After minutes of training that is nearly all of `threads`; after a 2-second benchmark a sixth of
+    it, so the look after a short timing still sees others' load instead of taking it for ampkit's own."""
+    samples = math.ceil(max(0.0, seconds) / LOAD_SAMPLE_S) + 1
+    return threads * (1.0 - math.exp(-samples * LOAD_SAMPLE_S / LOAD_WINDOW_S))
 
 
 def judge(load: float | None, cores: int, threads: int, slowdown: float | None) -> MachineLoad:
