@@ -1,8 +1,9 @@
 """`ampkit compare`: the same training once per precision, and what each one buys.
 
-- `runner`: `compare()`, the plan, resume and ratios; `script`: the same on a user's script; `turns`: the
-  runs in processes of their own, taking turns; `measure`: one run, measured (`RunSpec`, `run_one`, the
-  `Recorder` of its events), with `memory` (peak memory).
+- `runner`: `compare()`, the plan and the run loop; `state`: finished runs' records for resume; `baseline`:
+  the ratios; `script`: the same on a user's script; `turns`: the runs in processes of their own, taking
+  turns; `measure`: one run, measured (`RunSpec`, `run_one`, the `Recorder` of its events), with `memory`
+  (peak memory).
 - `records`: the report as typed records, `REPORT_SCHEMA` generated from them, `validate_report`.
 - `summary` (verdicts in words, the terminal), `plots`, `html` (the page; `write_report`, the files).
 """

@@ -1,6 +1,6 @@
 """`ampkit compare`: plan the runs (each precision in its own process; a built-in task's runs
-taking turns, `turns.py`), keep finished runs for `--resume`, compute the ratios against the baseline
-and hand the `Report` to the table and the writer.
+taking turns, `turns.py`), keep finished runs for `--resume` (their records: `state.py`), compute the
+ratios against the baseline (`baseline.py`) and hand the `Report` to the table and the writer.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import datetime
 import inspect
 import json
 import pickle
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -19,10 +18,11 @@ import torch
 
 from ampkit.accelerator import Accelerator
 from ampkit.checkpoint.folder import remove_folder
+from ampkit.compare.baseline import compare_to_baseline
 from ampkit.compare.html import REPORT_FILES, write_report
 from ampkit.compare.measure import NUMERICS_STEPS, PROBE_STEPS, RunSpec, TrainFn
-from ampkit.compare.records import Report, Run, Task, json_safe, validate_run
-from ampkit.compare.speed import paired_speedup
+from ampkit.compare.records import Report, Task, json_safe
+from ampkit.compare.state import STATE_DIR, check_writable, finished_runs, forget_runs
 from ampkit.compare.summary import render_table
 from ampkit.compare.turns import RunProgress, blank_run, interleaved, run_planned
 from ampkit.errors import AmpkitError, PrecisionError
@@ -147,11 +147,11 @@ def compare(
     state_dir = None if out is None else Path(out) / STATE_DIR
     owned = None if out is None else OwnedFiles(out)
     if state_dir is not None:
-        _check_writable(state_dir.parent)
+        check_writable(state_dir.parent)
         owned.check([*REPORT_FILES, "plan.png", "report.unvalidated.json", STATE_DIR])  # before any training
         if not resume:
-            _forget_runs(owned)  # a new comparison: forget an old one's runs (only what ampkit wrote)
-    kept = _finished_runs(state_dir, [p for p, _ in plan]) if resume and state_dir is not None else {}
+            forget_runs(owned)  # a new comparison: forget an old one's runs (only what ampkit wrote)
+    kept = finished_runs(state_dir, [p for p, _ in plan]) if resume and state_dir is not None else {}
     report = new_report(command or "ampkit.compare(...)", task_info, dev, plan[0][0])
     base = RunSpec(
         precision="",
@@ -343,84 +343,3 @@ def _planned(
     except (ImportError, ValueError, RuntimeError, AmpkitError) as exc:
         warnings.warn(f"no predicted-memory plot in the report: ampkit plan failed: {exc}", stacklevel=3)
         return {}
-
-
-STATE_DIR = ".compare"  # in `out`: each finished run's record and each running one's checkpoints
-
-
-def _forget_runs(owned: OwnedFiles) -> None:
-    """Delete what an earlier comparison in `owned`'s folder recorded under `STATE_DIR`, and nothing else."""
-    for name in sorted(n for n in owned.names if n.startswith(f"{STATE_DIR}/")):
-        path = owned.folder / name
-        if name.endswith(".ckpt") and owned.owns(name):
-            remove_folder(path)  # the checkpoint folder's own manifest says what is ampkit's in it
-        else:
-            owned.remove(name)
-    owned.remove(STATE_DIR)
-
-
-def _check_writable(out: Path) -> None:
-    """Refuse an output folder that cannot be written, before a comparison's training is spent."""
-    if out.exists() and not out.is_dir():
-        raise ValueError(
-            f"cannot write the report into {str(out)!r}: it is a file; name a folder (it is created if missing)"
-        )
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as exc:
-        raise ValueError(
-            f"cannot write the report into {str(out)!r} ({exc.strerror or exc}); name a folder you can write to"
-        ) from None
-
-
-def _finished_runs(state_dir: Path, names: list[str]) -> dict[str, Run]:
-    """The runs an interrupted comparison finished, read before any training so a bad file stops it first."""
-    kept = {}
-    for name in names:
-        path = state_dir / f"{name}.json"
-        if path.exists():
-            try:
-                kept[name] = validate_run(json.loads(path.read_bytes()))
-            except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors too
-                raise ValueError(
-                    f"cannot resume: {path} is not a finished run's record ({exc}); delete it to run {name} again"
-                ) from None
-    return kept
-
-
-def compare_to_baseline(report: Report) -> Run | None:
-    """Each run's speed-up (with rounds: paired, with its 95% interval), memory ratio and metric delta against the
-    baseline run, which it returns (None, and no baseline, when that run did not finish)."""
-    base = next((r for r in report.runs if r.precision == report.baseline and r.status == "ok"), None)
-    if base is None:
-        report.baseline = None
-        return None
-    noise = (
-        next(
-            (
-                r
-                for r in report.runs
-                if r.precision == f"{base.precision} (seed {(report.task.seed or 0) + 1})"
-                and r.metric is not None
-                and base.metric is not None
-            ),
-            None,
-        )
-        if report.task
-        else None
-    )
-    if noise is not None:  # the band: the larger of the held-out set's spread and fp32's seed-to-seed difference
-        base.metric_band = max(base.metric_band or 0.0, abs((noise.metric or 0.0) - (base.metric or 0.0)))
-    for run in report.runs:
-        if run.step_time_median_s and base.step_time_median_s:
-            run.speedup_vs_baseline = base.step_time_median_s / run.step_time_median_s
-        paired = paired_speedup(base.round_step_times_s or [], run.round_step_times_s or [])
-        if run is not base and paired is not None:  # the paired rounds' figure and its 95% interval
-            run.speedup_vs_baseline, run.speedup_low, run.speedup_high = paired
-        if run.peak_memory_bytes and base.peak_memory_bytes:
-            run.memory_ratio_vs_baseline = run.peak_memory_bytes / base.peak_memory_bytes
-        if run.metric is not None and base.metric is not None:
-            run.metric_delta_vs_baseline = run.metric - base.metric
-    return base

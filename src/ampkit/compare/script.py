@@ -25,11 +25,12 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
+from ampkit.compare.baseline import compare_to_baseline
 from ampkit.compare.html import REPORT_FILES, write_report
 from ampkit.compare.measure import Recorder, seed_everything
 from ampkit.compare.memory import Memory
 from ampkit.compare.records import Policy, Report, Run, Task
-from ampkit.compare.runner import compare_to_baseline, default_precisions, new_report, plan_runs
+from ampkit.compare.runner import default_precisions, new_report, plan_runs
 from ampkit.compare.summary import render_table
 from ampkit.compare.turns import RunFailed, RunProgress, blank_run, run_isolated, throttled, unrunnable
 from ampkit.doctor.run import check_script, script_traceback
