@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ampkit.precision import PRESET_NAMES
+from ampkit.preset_names import PRESET_NAMES
 from ampkit.validate import suggest
 
 # The smallest value of each integer flag (by argparse dest), where a command has it.

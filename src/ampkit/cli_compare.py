@@ -10,7 +10,7 @@ from typing import Any
 
 from ampkit import cli_args as flags
 from ampkit.cli_args import Parser
-from ampkit.precision import PRESET_NAMES
+from ampkit.preset_names import PRESET_NAMES
 
 
 def add_parser(sub: Any) -> None:
@@ -80,13 +80,15 @@ def add_parser(sub: Any) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     """`ampkit compare [options]`: the built-in task trained once per precision, and the report."""
-    from ampkit.compare import compare
-    from ampkit.errors import PrecisionError
-
     if args.script is not None:  # ampkit compare train.py [args...]
         return _compare_script(args)
-
+    try:
+        precisions = flags.names("--precisions", args.precisions)
+    except ValueError as exc:
+        return flags.usage("compare", exc)
+    from ampkit.compare import compare  # torch: only once the command line is known to be good
     from ampkit.compare.runner import STATE_DIR
+    from ampkit.errors import PrecisionError
 
     state = Path(args.out) / STATE_DIR
     if args.resume and not (state.is_dir() and any(state.iterdir())):
@@ -99,7 +101,7 @@ def handle(args: argparse.Namespace) -> int:
     try:
         compare(
             task=args.task,
-            precisions=flags.names("--precisions", args.precisions),
+            precisions=precisions,
             steps=args.steps,
             seed=args.seed,
             batch_size=args.batch_size,
@@ -126,9 +128,6 @@ def handle(args: argparse.Namespace) -> int:
 
 def _compare_script(args: argparse.Namespace) -> int:
     """`ampkit compare train.py ...`: compare's own options may follow the script; `--` ends them."""
-    from ampkit.compare.script import compare_script
-    from ampkit.errors import PrecisionError
-
     given = args.script_args
     split = given.index("--") if "--" in given else len(given)
     tail = Parser(prog="ampkit compare", add_help=False, allow_abbrev=False)
@@ -160,12 +159,19 @@ def _compare_script(args: argparse.Namespace) -> int:
                 f"{flag} is for the built-in tasks; a script chooses its own device, batch size "
                 f"and processes, and its comparison has no numerics pass or export",
             )
+    try:
+        precisions = flags.names("--precisions", args.precisions)
+    except ValueError as exc:
+        return flags.usage("compare", exc)
+    from ampkit.compare.script import compare_script  # torch: only once the command line is known to be good
+    from ampkit.errors import PrecisionError
+
     command = "ampkit " + shlex.join(args.argv)
     try:
         report = compare_script(
             args.script,
             script_args,
-            flags.names("--precisions", args.precisions),
+            precisions,
             steps=args.steps,
             seed=args.seed,
             out=args.out,

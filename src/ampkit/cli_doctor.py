@@ -65,17 +65,6 @@ def add_parser(sub: Any) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     """`ampkit doctor [options] (train.py [args...] | --task NAME)`: the diagnosis, as a report or JSON."""
-    from ampkit.doctor import (
-        DoctorError,
-        diagnose_script,
-        diagnose_task,
-        numerics_script,
-        numerics_task,
-        render_report,
-        script_traceback,
-    )
-    from ampkit.doctor.numerics_report import format_text as format_numerics
-
     if (args.script is None) == (args.task is None):
         return flags.usage(
             "doctor",
@@ -89,6 +78,17 @@ def handle(args: argparse.Namespace) -> int:
         return flags.usage("doctor", problem)
     if args.numerics and args.gpu is not None:
         return flags.usage("doctor", "--gpu is for the performance doctor; --numerics quotes no GPU costs")
+    from ampkit.doctor import (  # torch: only once the command line is known to be good
+        DoctorError,
+        diagnose_script,
+        diagnose_task,
+        numerics_script,
+        numerics_task,
+        render_report,
+        script_traceback,
+    )
+    from ampkit.doctor.numerics_report import format_text as format_numerics
+
     warmup = args.warmup if args.warmup is not None else (0 if args.numerics else 5)
     options = {"steps": args.steps, "warmup": warmup} | ({} if args.numerics else {"gpu": args.gpu or "A100"})
     if args.task is not None:

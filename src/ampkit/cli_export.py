@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from ampkit import cli_args as flags
@@ -34,16 +35,25 @@ def add_parser(sub: Any) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     """`ampkit export [options]`: the task trained in fp32, exported in each precision and measured."""
-    from ampkit.export import PRECISIONS, format_text, measure
-
     if problem := flags.out_folder("--out", args.out):
         return flags.usage("export", problem)
     try:
-        precisions = flags.names("--precisions", args.precisions) or list(PRECISIONS)
+        precisions = flags.names("--precisions", args.precisions)
         backends = flags.names("--backends", args.backends) or ["torch", "onnx"]
+    except ValueError as exc:
+        return flags.usage("export", exc)
+    # The first second's answer: loading torch and training take a while before any export is measured.
+    print(
+        f"ampkit export: training {args.task} in fp32, then exporting "
+        f"{', '.join(precisions) if precisions else 'each precision'} with {', '.join(backends)} and timing each...",
+        file=sys.stderr,
+    )
+    from ampkit.export import PRECISIONS, format_text, measure  # torch: only once the command line is known to be good
+
+    try:
         report = measure(
             args.task,
-            precisions,
+            precisions or list(PRECISIONS),
             backends,
             args.out,
             steps=args.steps,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
@@ -38,14 +39,12 @@ def add_parser(sub: Any) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     """`ampkit info [options]`: the report, as a table or JSON."""
-    import json
-
-    from ampkit.info import collect_info, render_info
-
     if args.bench and not args.bench_seconds > 0:
         return flags.usage("info", f"--bench-seconds {args.bench_seconds:g} must be a positive number of seconds")
     if args.bench and not args.json:
         print(f"measuring matmul throughput on {args.device} (~{args.bench_seconds:g} s)...", file=sys.stderr)
+    from ampkit.info import collect_info, render_info  # torch: only once the command line is known to be good
+
     try:
         info = collect_info(device=args.device, bench=args.bench, bench_seconds=args.bench_seconds)
     except ValueError as exc:

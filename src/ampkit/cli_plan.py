@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from ampkit import cli_args as flags
-from ampkit.precision import PRESET_NAMES
+from ampkit.preset_names import PRESET_NAMES
 
 
 def add_parser(sub: Any) -> None:
@@ -58,15 +58,18 @@ def add_parser(sub: Any) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     """`ampkit plan [options] [train.py [args...]]`: the plan, as a table or JSON (and files with --out)."""
-    from ampkit.errors import PrecisionError
-    from ampkit.plan import check_out, parse_memory, plan, plan_task, render_plan, write_plan
-
     if problem := flags.out_folder("--out", args.out):
         return flags.usage("plan", problem)
+    try:
+        precisions = flags.names("--precisions", args.precisions, presets=True)
+    except ValueError as exc:
+        return flags.usage("plan", exc)
+    from ampkit.errors import PrecisionError  # and torch, below: only once the command line is known to be good
+    from ampkit.plan import check_out, parse_memory, plan, plan_task, render_plan, write_plan
+
     sharding = {"strategy": "none" if args.nproc is None else "fsdp", "nproc": 1 if args.nproc is None else args.nproc}
     try:
         memory = parse_memory(args.memory) if args.memory is not None else None
-        precisions = flags.names("--precisions", args.precisions, presets=True)
         check_out(args.out)
         if args.script is not None:  # the script's first prepared model, optimizer and batch
             from ampkit.plan.script import capture

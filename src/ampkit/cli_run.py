@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from ampkit import cli_args as flags
-from ampkit.precision import PRESET_NAMES
+from ampkit.preset_names import PRESET_NAMES
 
 # torchrun's rendezvous flags, passed on as given (checked by ampkit.cli_args.torchrun before torchrun starts).
 RENDEZVOUS = (
@@ -53,8 +53,6 @@ def add_parser(sub: Any) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     """`ampkit run [options] train.py [args...]`: the script, with AMPKIT_* set, as python or torchrun runs it."""
-    from ampkit.launch import launch
-
     if args.script is None:
         return flags.usage("run", "give a script to run: ampkit run [--precision P] [--nproc N] train.py [args...]")
     if problem := flags.precision("--precision", args.precision) or flags.torchrun(args):
@@ -64,6 +62,8 @@ def handle(args: argparse.Namespace) -> int:
         for name, value in vars(args).items()
         if flags.flag_name(name) in RENDEZVOUS and value is not None
     ]
+    from ampkit.launch import launch  # torch: only once the command line is known to be good
+
     settings = {
         "precision": args.precision,
         "grad_accum_steps": args.grad_accum_steps,
