@@ -5,7 +5,8 @@
   turns; `measure`: one run, measured (`RunSpec`, `run_one`, the `Recorder` of its events), with `memory`
   (peak memory).
 - `records`: the report as typed records, `REPORT_SCHEMA` generated from them, `validate_report`.
-- `summary` (verdicts in words, the terminal), `plots`, `html` (the page; `write_report`, the files).
+- `wording` (verdicts in words), `summary` (the table, the terminal), `plots`, `html` (the page; `write_report`,
+  the files).
 """
 
 from ampkit.compare.html import write_report
@@ -13,7 +14,8 @@ from ampkit.compare.measure import RunSpec, run_one
 from ampkit.compare.plots import PLOT_FILES
 from ampkit.compare.records import MEMORY_KINDS, REPORT_SCHEMA, STATUSES, Report, Run, validate_report
 from ampkit.compare.runner import compare, default_precisions
-from ampkit.compare.summary import format_text, render_table, verdict
+from ampkit.compare.summary import format_text, render_table
+from ampkit.compare.wording import verdict
 
 __all__ = [
     "MEMORY_KINDS",

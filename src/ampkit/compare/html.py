@@ -14,19 +14,8 @@ from typing import Any
 
 from ampkit.compare.plots import CAPTIONS, PLOT_FILES, have_matplotlib, write_plots
 from ampkit.compare.records import Report, Run, Task, json_safe, validate_report
-from ampkit.compare.summary import (
-    NUMERIC_FROM,
-    columns,
-    details,
-    notes,
-    numerics_findings,
-    numerics_line,
-    policy_lines,
-    recommendation,
-    rows,
-    title,
-    verdicts,
-)
+from ampkit.compare.summary import NUMERIC_FROM, columns, notes, rows, title
+from ampkit.compare.wording import details, numerics_findings, numerics_line, policy_lines, recommendation, verdicts
 from ampkit.files import OwnedFiles, atomic_write
 from ampkit.present import NONE, page, size
 from ampkit.present import escape as _e
