@@ -1,6 +1,6 @@
 """Training scripts run under torchrun by test_distributed.py: `torchrun ... ddp_run.py MODE OUT`.
 
-Each rank writes what the test checks to OUT/rank<r>.pt.
+Each rank writes what the test checks to OUT/rank<r>.pt (several comma-separated modes: OUT/MODE/rank<r>.pt).
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -149,14 +150,17 @@ def files(out: Path) -> dict:
         return real(path, write)
 
     ampkit_files.atomic_write = logged
-    acc, m, opt, loader = setup("fp32")
-    for step, (x, y) in enumerate(loader):
-        acc.backward(F.cross_entropy(m(x), y))
-        opt.step()
-        opt.zero_grad()
-        if step % 4 == 3:
-            acc.save_checkpoint(out / "ckpts")
-            acc.print(f"saved at step {acc.state.applied_steps} by rank {acc.rank}")
+    try:
+        acc, m, opt, loader = setup("fp32")
+        for step, (x, y) in enumerate(loader):
+            acc.backward(F.cross_entropy(m(x), y))
+            opt.step()
+            opt.zero_grad()
+            if step % 4 == 3:
+                acc.save_checkpoint(out / "ckpts")
+                acc.print(f"saved at step {acc.state.applied_steps} by rank {acc.rank}")
+    finally:
+        ampkit_files.atomic_write = real
     return {"writes": writes}
 
 
@@ -226,23 +230,34 @@ def items(out: Path) -> dict:
 
 
 def main() -> None:
-    mode, out = sys.argv[1], Path(sys.argv[2])
+    """`ddp_run.py MODE OUT`, or `MODE,MODE,... OUT`: several modes in one launch (one torchrun start-up for
+    them all), each writing OUT/MODE/rank{r}.pt; a mode that fails there records its error for its test."""
+    modes, out = sys.argv[1].split(","), Path(sys.argv[2])
     runs = {
-        "equiv-fp32": lambda: equivalence(out, "fp32"),
-        "equiv-bf16": lambda: equivalence(out, "bf16-mixed"),
-        "overflow": lambda: overflow(out),
-        "accum": lambda: accumulation(out),
-        "items": lambda: items(out),
-        "script-ddp": lambda: script_ddp(out),
-        "files": lambda: files(out),
-        "resumable": lambda: resumable(out),
-        "fsdp-clean": lambda: sharded(out, None),
-        "fsdp-crash": lambda: sharded(out, 13),
-        "fsdp-resume": lambda: sharded(out, None),
+        "equiv-fp32": lambda out: equivalence(out, "fp32"),
+        "equiv-bf16": lambda out: equivalence(out, "bf16-mixed"),
+        "overflow": overflow,
+        "accum": accumulation,
+        "items": items,
+        "script-ddp": script_ddp,
+        "files": files,
+        "resumable": resumable,
+        "fsdp-clean": lambda out: sharded(out, None),
+        "fsdp-crash": lambda out: sharded(out, 13),
+        "fsdp-resume": lambda out: sharded(out, None),
     }
-    result = runs[mode]()
     rank = int(os.environ.get("RANK", "0"))
-    torch.save(result, out / f"rank{rank}.pt")
+    if len(modes) == 1:
+        torch.save(runs[modes[0]](out), out / f"rank{rank}.pt")
+        return
+    for mode in modes:
+        (out / mode).mkdir(parents=True, exist_ok=True)
+        try:
+            result = runs[mode](out / mode)
+        except Exception:  # noqa: BLE001 - the mode's own test reports it; the other modes still run
+            result = {"error": traceback.format_exc()}
+        torch.save(result, out / mode / f"rank{rank}.pt")
+    torch.save({"modes": modes}, out / f"rank{rank}.pt")
 
 
 if __name__ == "__main__":

@@ -51,13 +51,26 @@ def torchrun(mode: str, out: Path, *extra: str, env: dict | None = None) -> subp
 
 
 def ranks(out: Path) -> list[dict]:
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    results = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    for r, result in enumerate(results):
+        assert "error" not in result, f"rank {r}: {result.get('error')}"
+    return results
+
+
+#: The modes that share one torchrun launch (its start-up, two interpreters importing torch and a gloo group,
+#: costs more than most of them): each test reads its mode's results; a failing mode fails only its test.
+SHARED = ("equiv-fp32", "equiv-bf16", "overflow", "accum", "items", "script-ddp", "files", "resumable", "fsdp-clean")
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    out = tmp_path_factory.mktemp("ddp")
+    return out, torchrun(",".join(SHARED), out)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
-def test_two_ranks_of_batch_b_equal_one_process_of_batch_2b(tmp_path, precision):
-    torchrun(f"equiv-{precision.split('-')[0]}", tmp_path)
-    r0, r1 = ranks(tmp_path)
+def test_two_ranks_of_batch_b_equal_one_process_of_batch_2b(shared, precision):
+    r0, r1 = ranks(shared[0] / f"equiv-{precision.split('-')[0]}")
     assert_bitwise_equal(r0["weights"], r1["weights"])  # DDP keeps the replicas identical
 
     acc = ampkit.Accelerator(precision=precision, device="cpu")
@@ -73,9 +86,8 @@ def test_two_ranks_of_batch_b_equal_one_process_of_batch_2b(tmp_path, precision)
         torch.testing.assert_close(a, b.detach(), rtol=0, atol=tol)
 
 
-def test_a_converted_scripts_leftover_ddp_is_refused_and_its_own_no_sync_is_respected(tmp_path):
-    torchrun("script-ddp", tmp_path)
-    for r in ranks(tmp_path):
+def test_a_converted_scripts_leftover_ddp_is_refused_and_its_own_no_sync_is_respected(shared):
+    for r in ranks(shared[0] / "script-ddp"):
         errors = r["errors"]
         assert (
             "the prepared model runs inside another DistributedDataParallel: under torchrun ampkit wraps"
@@ -86,45 +98,42 @@ def test_a_converted_scripts_leftover_ddp_is_refused_and_its_own_no_sync_is_resp
         assert r["allreduces"] == 4  # one per optimizer step: the script's no-sync micro-steps did not sync
 
 
-def test_an_overflow_on_one_rank_is_skipped_by_every_rank(tmp_path):
-    torchrun("overflow", tmp_path)
-    r0, r1 = ranks(tmp_path)
+def test_an_overflow_on_one_rank_is_skipped_by_every_rank(shared):
+    r0, r1 = ranks(shared[0] / "overflow")
     assert r0["skipped"] == r1["skipped"] == 2
     assert r0["scales"] == r1["scales"]
     assert r0["scales"][3] == r0["scales"][2] / 2 and r0["scales"][7] == r0["scales"][6] / 2
     assert_bitwise_equal(r0["weights"], r1["weights"])
 
 
-def test_accumulation_all_reduces_once_per_optimizer_step(tmp_path):
-    torchrun("accum", tmp_path)
-    r0, r1 = ranks(tmp_path)
+def test_accumulation_all_reduces_once_per_optimizer_step(shared):
+    r0, r1 = ranks(shared[0] / "accum")
     assert r0["steps"] == 2  # 10 micro-batches per rank, k=4: two full cycles
     assert r0["allreduces"] == r1["allreduces"] == 2  # one bucket, one all-reduce per optimizer step
     assert r0["metrics"] == r1["metrics"] == [{"rank": 0.5}]  # metrics() averages over ranks
 
 
-def test_variable_length_accumulation_across_ranks_equals_the_big_batch(tmp_path):
+def test_variable_length_accumulation_across_ranks_equals_the_big_batch(shared):
     """acc.backward(loss_sum, num_items=n) on 2 ranks: the items of both ranks' micro-batches divide the gradient,
     so the update is the one big batch's (all 8 micro-batches of a cycle), not an average of per-rank means."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "amp_page"))
     import variable_length as vl
 
-    torchrun("items", tmp_path)
-    r0, r1 = ranks(tmp_path)
+    r0, r1 = ranks(shared[0] / "items")
     assert_bitwise_equal(r0["weights"], r1["weights"])
     for got, want in zip(r0["weights"], vl.big_batch(per_step=2 * vl.ACCUMULATE)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_only_rank_0_writes_files_and_prints(tmp_path):
-    proc = torchrun("files", tmp_path)
-    r0, r1 = ranks(tmp_path)
+def test_only_rank_0_writes_files_and_prints(shared):
+    out, proc = shared[0] / "files", shared[1]
+    r0, r1 = ranks(out)
     assert r1["writes"] == []
     assert (
         len(r0["writes"]) == 6
     )  # 10 batches per rank, a checkpoint every 4 steps: 2 files + 2 manifests + 2 `latest` markers
     assert proc.stdout.count("saved at step") == 2 and "by rank 1" not in proc.stdout
-    assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == [
+    assert sorted(p.name for p in (out / "ckpts").iterdir()) == [
         "ampkit-checkpoints.json",
         "latest",
         "step-00000004.pt",
@@ -132,9 +141,8 @@ def test_only_rank_0_writes_files_and_prints(tmp_path):
     ]
 
 
-def test_a_killed_worker_restarts_resumes_and_finishes_like_an_uninterrupted_run(tmp_path):
-    torchrun("resumable", tmp_path / "clean")
-    clean = ranks(tmp_path / "clean")
+def test_a_killed_worker_restarts_resumes_and_finishes_like_an_uninterrupted_run(shared, tmp_path):
+    clean = ranks(shared[0] / "resumable")
     torchrun("resumable", tmp_path / "killed", "--max-restarts=1", env={"AMPKIT_TEST_KILL": "1"})
     killed = ranks(tmp_path / "killed")
     assert killed[0]["attempt"] == killed[1]["attempt"] == 1  # the job really restarted
@@ -144,11 +152,10 @@ def test_a_killed_worker_restarts_resumes_and_finishes_like_an_uninterrupted_run
     assert_bitwise_equal(killed[1]["weights"], clean[1]["weights"])
 
 
-def test_fsdp2_trains_checkpoints_shards_and_resumes_bitwise(tmp_path):
+def test_fsdp2_trains_checkpoints_shards_and_resumes_bitwise(shared, tmp_path):
     """FSDP2 (fully_shard) on 2 CPU ranks with fp16-mixed and clipping: a sharded (DCP) checkpoint,
     a fresh torchrun resuming it, and the same final weights as an uninterrupted run."""
-    torchrun("fsdp-clean", tmp_path / "clean")
-    clean = ranks(tmp_path / "clean")
+    clean = ranks(shared[0] / "fsdp-clean")
     torchrun("fsdp-crash", tmp_path / "run")
     crashed = ranks(tmp_path / "run")
     assert crashed[0]["steps"] == 13 and (tmp_path / "run" / "ckpts" / "step-00000013" / ".metadata").exists()
