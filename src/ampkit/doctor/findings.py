@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ampkit.doctor import advisor
 from ampkit.doctor.finding import Finding
 from ampkit.doctor.sync_findings import syncs
+from ampkit.load import check_load, describe_load
 from ampkit.present import article, count, flops, percent, seconds, times
 
 if TYPE_CHECKING:  # the rules read its figures: `gpu` (the reference GPU), `device_gpu`, `loaders`, ...
@@ -115,11 +116,9 @@ def busy_threads(result: dict[str, Any], ctx: Analysis) -> Finding | None:
         return None
     ops = result["ops"]
     threads = result["device"]["threads"]
-    cores = os.cpu_count() or 1
-    try:
-        load = f"load average {os.getloadavg()[0]:.1f} on {cores} cores"
-    except OSError:  # not available on this OS
-        load = f"{cores} cores"
+    look = check_load(measure=False)  # the one load rule compare and info --bench use
+    cores = look.cores
+    load = describe_load(look) or f"{cores} cores"
     evidence = [f"kernel ops take {seconds(ctx.kernel_s)} per step"]
     if ctx.work_s is not None:
         evidence.append(
