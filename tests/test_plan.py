@@ -14,6 +14,7 @@ from torch import nn
 import ampkit
 from ampkit.cli import main
 from ampkit.plan import PLAN_SCHEMA, parse_memory
+from ampkit.plan.runtime import allocator_bytes, runtime_bytes
 from ampkit.plan.step import measure
 from ampkit.schema import validate
 from ampkit.tasks import get_task
@@ -113,18 +114,22 @@ def test_bytes_per_parameter_by_component(precision, weights, masters, state, gr
 def test_plan_rows_batch_search_and_schema():
     model_fn, batch, optimizer_fn, loss_fn = _task("digits-cnn", 8)[0:4]
     real = measure(model_fn, batch, optimizer_fn, "fp32", CPU, fake=False, batch_size=8, loss_fn=loss_fn)
-    memory = int(real.peak * 1.5)
+    runtime = runtime_bytes("fp32", CPU)
+    memory = runtime + int(real.peak * 1.5)
     result = ampkit.plan(
         model_fn, lambda: batch, optimizer_fn, precisions=["fp32"], device="cpu", memory=memory, loss_fn=loss_fn
     )
     row = result.rows[0]
     assert row.fits and row.method == "fake" and row.batch_size == 8
     assert abs(row.peak_bytes - real.peak) <= 0.05 * real.peak
+    assert row.runtime == runtime and row.allocator == allocator_bytes(row.peak_bytes, CPU)  # no buffers in fp32
+    assert row.resident_bytes == row.peak_bytes + row.runtime + row.allocator
     best = row.max_batch_size
     assert best > 8
 
-    def at(b: int) -> int:
-        return measure(model_fn, batch, optimizer_fn, "fp32", CPU, fake=True, batch_size=b, loss_fn=loss_fn).peak
+    def at(b: int) -> int:  # what the search fits: the figure a user measures
+        peak = measure(model_fn, batch, optimizer_fn, "fp32", CPU, fake=True, batch_size=b, loss_fn=loss_fn).peak
+        return peak + runtime + allocator_bytes(peak, CPU)
 
     assert at(best) <= memory < at(best + 1)
     validate(json.loads(json.dumps(result.as_dict())), PLAN_SCHEMA)

@@ -127,17 +127,20 @@ def table(
     two_line_headers: bool = False,
     heading: bool = False,
     wrap: bool = False,
+    pad_edge: bool = True,
 ) -> Table:
     """A table as ampkit prints them: numbers right-aligned from column `numeric_from` on, cells not
     wrapped unless `wrap`. Strings go in as `Text`, never as markup, so "[red]" in a user's string prints
     as written; pass a `Text` to style a cell. `two_line_headers` breaks each header at its first space;
-    `heading` sets the title as a bold heading on the left rather than centred over the table."""
+    `heading` sets the title as a bold heading on the left rather than centred over the table; `pad_edge=False`
+    leaves out the space before the first column and after the last (a wide table that must fit 100 columns)."""
     out = Table(
         title=Text(title, style="bold" if heading else "") if title else None,
         title_justify="left" if heading else "center",
         caption=Text(caption) if caption else None,
         box=box.SIMPLE_HEAD,
         collapse_padding=True,
+        pad_edge=pad_edge,
     )
     for i, name in enumerate(columns):
         out.add_column(

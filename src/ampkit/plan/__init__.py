@@ -1,7 +1,10 @@
 """`ampkit.plan`: will it fit, in which precision, at what batch size, predicted before the run.
 
 result = ampkit.plan(model_fn, batch_fn, optimizer_fn, memory="24GiB")
-for row in result.rows: print(row.precision, row.peak_bytes, row.fits, row.max_batch_size)
+for row in result.rows: print(row.precision, row.resident_bytes, row.fits, row.max_batch_size)
+
+`resident_bytes` is what a user measures (`ampkit.plan.resident.steady_peak`): the live tensors at their peak
+(`peak_bytes`, by component) + `runtime` + `allocator` (`ampkit.plan.runtime`).
 """
 
 from ampkit.plan.planner import PLAN_SCHEMA, Plan, PlanRow, device_memory, parse_memory, plan, plan_task

@@ -21,12 +21,13 @@ from torch import nn
 
 from ampkit.distributed import FSDP_PRESETS, fsdp_units
 from ampkit.hardware import capability, resolve_device
+from ampkit.plan.runtime import allocator_bytes, runtime_bytes
 from ampkit.plan.step import FAKE_FAILURES, Measured, batch_size_of, measure
 from ampkit.plan.tracker import COMPONENTS
 from ampkit.precision import PRESETS, fp8_problem, resolve_precision
 from ampkit.present import size as size_of
 from ampkit.schema import field, schema_of, validate
-from ampkit.tasks import get_task
+from ampkit.tasks import default_size, get_task
 
 SCHEMA_VERSION = 1
 _UNITS = {
@@ -41,7 +42,7 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-_MAX_SEARCH = 1 << 16  # the largest batch size the search tries
+SEARCH_LIMIT = 1 << 16  # the largest batch size the search tries
 
 
 @dataclass
@@ -59,7 +60,7 @@ class PlanRow:
     activations: int = field("bytes saved for backward (and the batch) at the peak", minimum=0)
     autocast_cache: int = field("bytes of autocast's low-precision copies of fp32 weights at the peak", minimum=0)
     temporaries: int = field("every other live byte at the peak", minimum=0)
-    fits: bool = field("whether the peak fits in the memory planned for")
+    fits: bool = field("whether the measured peak (resident_bytes) fits in the memory planned for")
     max_batch_size: int = field(
         "the largest batch size whose peak fits (0: none; not searched: the planned batch if it fits, else 0)",
         minimum=0,
@@ -67,7 +68,27 @@ class PlanRow:
     method: Literal["fake", "real-scaled"] = field(
         "fake: two steps on fake tensors; real-scaled: real steps at batch 1 and 2 on this CPU, scaled to the batch"
     )
-    note: str = field("why the row was measured rather than predicted, or that the search hit its limit")
+    note: str = field("why the row was measured rather than predicted")
+    runtime: int = field(
+        "bytes the process holds besides tensors: torch's libraries and threads, the compiler where the preset "
+        "compiles its update (measured constants; 0 on CUDA)",
+        0,
+        optional=True,
+        minimum=0,
+    )
+    allocator: int = field(
+        "freed memory the allocator keeps mapped: glibc's heap on a Linux CPU, estimated from the peak; 0 on CUDA",
+        0,
+        optional=True,
+        minimum=0,
+    )
+    resident_bytes: int = field(
+        "what a user measures: peak_bytes + runtime + allocator (a CPU step's resident memory above the "
+        "pre-model baseline; on CUDA max_memory_allocated)",
+        0,
+        optional=True,
+        minimum=0,
+    )
 
     def components(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in COMPONENTS}
@@ -169,8 +190,8 @@ def plan(
         shard = (lambda m, name=name: fsdp_share(m, nproc, unit, PRESETS[name])) if strategy == "fsdp" else None
         peak_at = _Peaks(model_fn, batch, optimizer_fn, name, dev, loss_fn, shard)
         first = peak_at.measured(size)
-        limit = _largest_batch(peak_at, size, first.peak, budget) if search else (size if first.peak <= budget else 0)
-        note = peak_at.note + (f"; the search stopped at batch {_MAX_SEARCH}" if limit >= _MAX_SEARCH else "")
+        resident = peak_at(size)
+        limit = _largest_batch(peak_at, size, resident, budget) if search else (size if resident <= budget else 0)
         rows.append(
             PlanRow(
                 precision=name,
@@ -178,10 +199,13 @@ def plan(
                 peak_bytes=first.peak,
                 peak_phase=first.phase,
                 **first.components,
-                fits=first.peak <= budget,
+                fits=resident <= budget,
                 max_batch_size=limit,
                 method="real-scaled" if peak_at.fallback else "fake",
-                note=note.strip("; "),
+                note=peak_at.note,
+                runtime=runtime_bytes(name, dev),
+                allocator=allocator_bytes(first.peak, dev, first.components["ampkit_buffers"]),
+                resident_bytes=resident,
             )
         )
     result = Plan(
@@ -211,8 +235,9 @@ def plan_task(
     strategy: str = "none",
     nproc: int = 1,
 ) -> Plan:
-    """`plan` for a built-in task (`ampkit.tasks`) at its default batch size and learning rate."""
-    task = get_task(name, size)
+    """`plan` for a built-in task (`ampkit.tasks`) at its default batch size and learning rate; `size`: the
+    model size (default: the one `ampkit compare` runs on the device)."""
+    task = get_task(name, size or default_size(name, resolve_device(device or "auto")))
     batch = next(iter(task.make_data(seed, batch_size or task.default_batch_size).train_loader))
     return plan(
         lambda: task.make_model(seed),
@@ -249,7 +274,7 @@ class _Peaks:
         shard: Callable[[Measured], Measured] | None = None,
     ) -> None:
         self.run = functools.partial(measure, model_fn, batch, optimizer_fn, name, loss_fn=loss_fn)
-        self.device, self.shard, self.fallback, self.note = device, shard, None, ""
+        self.name, self.device, self.shard, self.fallback, self.note = name, device, shard, None, ""
         self.cache: dict[int, Measured] = {}
 
     def measured(self, size: int) -> Measured:
@@ -259,7 +284,10 @@ class _Peaks:
         return self.cache[size]
 
     def __call__(self, size: int) -> int:
-        return self.measured(size).peak
+        """What a user would measure at `size`: the tensor peak with the runtime and the allocator's part."""
+        at = self.measured(size)
+        buffers = at.components["ampkit_buffers"]
+        return at.peak + runtime_bytes(self.name, self.device) + allocator_bytes(at.peak, self.device, buffers)
 
     def _fake(self, size: int) -> Measured:
         try:
@@ -307,7 +335,7 @@ def _largest_batch(peak_at: Callable[[int], int], size: int, peak: int, budget: 
     fit, over = (size, None) if peak <= budget else (0, size)
     sides: list[bool] = []
     for _ in range(24):
-        top = _MAX_SEARCH if over is None else over - 1
+        top = SEARCH_LIMIT if over is None else over - 1
         if fit >= top:
             break
         if over is None:
@@ -339,7 +367,7 @@ def recommend(rows: list[PlanRow], device: torch.device, budget: int, count: int
     if fitting:
         best = fitting[0]
         return (
-            f"{best.precision}: the fastest preset here that fits at batch {size} (peak {size_of(best.peak_bytes)} "
+            f"{best.precision}: the fastest preset here that fits at batch {size} (peak {size_of(best.resident_bytes)} "
             f"of {size_of(budget)}; up to batch {best.max_batch_size})"
         )
     at_rest = min(r.parameters + r.optimizer_state + r.ampkit_buffers + r.gradients for r in rows)

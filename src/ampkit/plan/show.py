@@ -8,7 +8,7 @@ from typing import IO
 
 from ampkit import present
 from ampkit.files import atomic_write
-from ampkit.plan.planner import PLAN_SCHEMA, Plan
+from ampkit.plan.planner import PLAN_SCHEMA, SEARCH_LIMIT, Plan
 from ampkit.plan.tracker import COMPONENTS
 from ampkit.schema import Invalid, validate
 
@@ -20,46 +20,85 @@ _LABELS = {
     "activations": "activations",
     "autocast_cache": "autocast casts",
     "temporaries": "temporaries",
+    "runtime": "runtime (libraries, threads, compiler)",
+    "allocator": "allocator (freed, kept)",
 }
-_COLORS = ("#4d4d4d", "#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#d62728", "#bcbd22")
+_COLORS = ("#4d4d4d", "#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#d62728", "#bcbd22", "#17becf", "#c7c7c7")
 
 
 def _count(n: int) -> str:
     return f"{n / 1e9:,.2f} B" if n >= 1e9 else f"{n / 1e6:,.1f} M" if n >= 1e6 else f"{n:,}"
 
 
+#: The table's short headers (it fits 100 columns); the legend under it spells them out.
+_SHORT = {
+    "parameters": "params",
+    "gradients": "grads",
+    "ampkit_buffers": "masters",
+    "optimizer_state": "state",
+    "autocast_cache": "casts",
+    "activations": "acts",
+    "temporaries": "temps",
+}
+
+
+def _unit(top: int) -> tuple[str, int]:
+    return next(((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20)) if top >= s), ("KiB", 2**10))
+
+
+def _in(n: int, scale: int) -> str:
+    v = n / scale
+    return "0" if n == 0 else f"{v:.0f}" if v >= 100 else f"{v:.1f}" if v >= 10 else f"{v:.2f}"
+
+
 def render_plan(result: Plan, file: IO[str] | None = None) -> None:
-    """Print the plan: one row per preset, its peak, the components at the peak, fit and the largest batch."""
+    """Print the plan: one row per preset, the peak a user would measure, its parts, fit and the largest batch."""
+    unit, scale = _unit(max((r.resident_bytes or r.peak_bytes for r in result.rows), default=0))
     rows = [
         [
             r.precision,
-            present.size(r.peak_bytes),
-            *(present.size(getattr(r, c)) for c in COMPONENTS),
-            r.peak_phase,
+            _in(r.resident_bytes or r.peak_bytes, scale),
+            *(_in(getattr(r, c), scale) for c in COMPONENTS),
+            _in(r.runtime, scale),
+            _in(r.allocator, scale),
             "yes" if r.fits else "no",
             str(r.max_batch_size),
-            r.method,
         ]
         for r in result.rows
     ]
     title = (
-        f"Peak training memory at batch {result.rows[0].batch_size if result.rows else '?'}, "
+        f"Peak training memory ({unit}) at batch {result.rows[0].batch_size if result.rows else '?'}, "
         f"{_count(result.parameter_count)} parameters, {result.device}, against {present.size(result.memory_bytes)}"
         + (f" — per rank, sharded by FSDP2 across {result.nproc}" if result.strategy == "fsdp" else "")
     )
     out = present.console(file)
     out.print(
         present.table(
-            ["preset", "peak", *(_LABELS[c] for c in COMPONENTS), "peak in", "fits", "max batch", "method"],
+            ["preset", "peak", *(_SHORT[c] for c in COMPONENTS), "runtime", "alloc", "fits", "max batch"],
             rows,
             title=title,
             heading=True,
             two_line_headers=True,
+            pad_edge=False,
         )
     )
+    measured = "resident memory above the pre-model baseline" if result.device == "cpu" else "max_memory_allocated"
+    phases = " or ".join(sorted({r.peak_phase for r in result.rows}))
+    for line in (
+        f"peak: what a steady step measures ({measured})",
+        f"  = runtime + alloc + the live tensors at their peak (in the {phases})",
+        "masters: fp32 master weights, Kahan and step buffers; state: the optimizer's; casts: autocast's",
+        "  copies of weights; acts: saved for backward; temps: the rest",
+        "runtime: torch's libraries, threads and compiler; alloc: freed memory the allocator keeps",
+    ):
+        out.print(present.indented(line, 2, "dim"))
     for r in result.rows:
         if r.note:
             out.print(present.indented(f"{r.precision}: {r.note}", 2, "yellow"))
+    capped = [r.precision for r in result.rows if r.max_batch_size >= SEARCH_LIMIT]
+    if capped:
+        who = "every preset" if len(capped) == len(result.rows) else ", ".join(capped)
+        out.print(present.indented(f"{who}: fits at batch {SEARCH_LIMIT} (where the search stops) or more", 2))
     out.print(present.indented(f"recommended: {result.recommendation}", 2, "bold"))
 
 
@@ -71,10 +110,9 @@ def plot_png(result: Plan, path: str | Path) -> Path:
     fig = Figure(figsize=(1.6 + 1.1 * max(1, len(result.rows)), 4.2))
     ax = fig.add_subplot()
     names = [r.precision for r in result.rows]
-    top = max((r.peak_bytes for r in result.rows), default=0)
-    unit, scale = next(((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20)) if top >= s), ("KiB", 2**10))
+    unit, scale = _unit(max((r.resident_bytes or r.peak_bytes for r in result.rows), default=0))
     bottom = [0.0] * len(names)
-    for component, color in zip(COMPONENTS, _COLORS):
+    for component, color in zip((*COMPONENTS, "runtime", "allocator"), _COLORS):
         values = [getattr(r, component) / scale for r in result.rows]
         ax.bar(names, values, bottom=bottom, color=color, label=_LABELS[component])
         bottom = [b + v for b, v in zip(bottom, values)]
