@@ -67,7 +67,7 @@ def child(preset: str, free: bool) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="put the table into benchmarks/RESULTS.md")
+    parser.add_argument("--write", action="store_true", help="put the table into benchmarks/notes/step_buffers.md")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -108,7 +108,10 @@ def main() -> None:
     print("\n".join(lines))
     if args.write:
         write_section(
-            Path(__file__).with_name("RESULTS.md"), "<!-- step-buffers:start -->", "<!-- step-buffers:end -->", lines
+            Path(__file__).parent / "notes" / "step_buffers.md",
+            "<!-- step-buffers:start -->",
+            "<!-- step-buffers:end -->",
+            lines,
         )
 
 
