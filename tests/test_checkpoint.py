@@ -114,7 +114,9 @@ def _logged(log: Path, strict: bool = True) -> list[tuple[int, float]]:
 @pytest.mark.parametrize(
     "kills", [pytest.param(2, id="2-kills"), pytest.param(20, id="20-kills", marks=pytest.mark.slow)]
 )
-@pytest.mark.parametrize("precision", ["fp32", "fp16-mixed", "bf16-mixed", "bf16-true"])
+@pytest.mark.parametrize(  # the low-precision presets' resumes are exact in test_resume_exact and below: slow here
+    "precision", ["fp32", *(pytest.param(p, marks=pytest.mark.slow) for p in ("fp16-mixed", "bf16-mixed", "bf16-true"))]
+)
 def test_killed_at_random_moments_then_resumed_equals_the_uninterrupted_run(tmp_path, precision, kills):
     """SIGKILL a training process during steps and saves, resume it in a fresh process, again and
     again: every loss any of them logged, and the final weights, are the uninterrupted run's.
