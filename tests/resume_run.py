@@ -1,17 +1,17 @@
 """A small training run with the resumable loop shape, used by the checkpoint tests.
 
-Run as a script it trains in this fresh process and writes its per-micro-step losses and final
-weights to --out, so a test can compare a resumed run with an uninterrupted one bit for bit.
+`main(argv)` (or the file run as a script) trains in a fresh process and writes its per-micro-step losses and
+final weights to --out, so a test can compare a resumed run with an uninterrupted one bit for bit.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing
-import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -132,40 +132,42 @@ def _note(log: str | None, line: str) -> None:
 
 
 def resume_in_fresh_process(tmp_path: Path, precision: str, accum: int, ckpt: Path, **extra) -> dict:
-    """Run this script in a new Python process resuming from `ckpt`; its losses, weights and counters.
+    """Resume from `ckpt` in a new process forked from a clean interpreter that has only imported torch and
+    ampkit (`_fresh`): nothing of the test's process (its RNG, ampkit's state, the model) carries over, and the
+    imports are not paid again; its losses, weights and counters.
 
     `extra` become command-line options (`drop_last=1` -> `--drop-last 1`)."""
     out = Path(tmp_path) / "resumed.pt"
-    args = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--precision",
-        precision,
-        "--accum",
-        str(accum),
-        "--ckpt",
-        str(ckpt),
-        "--out",
-        str(out),
-    ]
+    argv = ["--precision", precision, "--accum", str(accum), "--ckpt", str(ckpt), "--out", str(out)]
     for key, value in extra.items():
-        args += [f"--{key.replace('_', '-')}", str(value)]
-    subprocess.run(args, check=True, timeout=120)
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    proc = _fresh().Process(target=main, args=(argv,))  # not a daemon: its DataLoader may start workers
+    proc.start()
+    proc.join(timeout=120)
+    if proc.is_alive():
+        proc.kill()
+        raise TimeoutError(f"the resumed run ({' '.join(argv)}) took more than 120 s")
+    if proc.exitcode != 0:
+        raise RuntimeError(f"the resumed run ({' '.join(argv)}) exited with code {proc.exitcode}: see its traceback")
     return torch.load(out, weights_only=True)
 
 
-def start_fresh(**kwargs) -> multiprocessing.Process:
-    """Start `train(**kwargs)` in a new process, forked from a clean interpreter that has only imported
-    torch and ampkit (a forkserver): as fresh as a subprocess, without paying for the imports each time.
-    For the processes a test kills; the one whose result is compared runs in `resume_in_fresh_process`."""
+def _fresh() -> Any:
+    """A forkserver context: each process forks from one clean interpreter that imported torch and ampkit."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch._dynamo", "resume_run"])  # torch._dynamo: imported by the first optimizer
-    proc = ctx.Process(target=train, kwargs=kwargs, daemon=True)
+    return ctx
+
+
+def start_fresh(**kwargs) -> multiprocessing.Process:
+    """Start `train(**kwargs)` in a new process forked from the clean interpreter of `_fresh`: as fresh as a
+    subprocess, without paying for the imports each time. For the processes a test kills."""
+    proc = _fresh().Process(target=train, kwargs=kwargs, daemon=True)
     proc.start()
     return proc
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--precision", default="fp32")
     p.add_argument("--accum", type=int, default=1)
@@ -180,7 +182,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--drop-last", type=int, default=0)
     p.add_argument("--n", type=int, default=96)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     losses, weights, acc = train(
         a.precision,
         a.accum,
