@@ -13,7 +13,7 @@ import pytest
 
 from ampkit.compare.records import validate_report
 from ampkit.compare.runner import compare_to_baseline
-from ampkit.compare.speed import outcome, paired_speedup
+from ampkit.compare.speed import interval, outcome, paired_speedup
 from ampkit.compare.summary import format_text, recommendation, verdict
 from ampkit.load import check_load, describe_load, judge, own_load, worst
 
@@ -53,7 +53,11 @@ def test_outcome_has_four_cases_and_a_busy_machine_only_blurs_unpaired_runs():
 
 
 # --- the verdict, from synthetic paired timings ----------------------------------------------------
-def report_with(base_rounds, run_rounds, load=None, *, interleaved=True, memory=0.82, metric_delta=0.05):
+def report_with(
+    base_rounds, run_rounds, load=None, *, interleaved=True, memory=0.82, metric_delta=0.05, control_rounds=None
+):
+    """A report of fp32 and bf16-mixed timed in `base_rounds` / `run_rounds` (and, with `control_rounds`, fp32's
+    rerun from the next seed, the noise run), compared as compare() does."""
     report = copy.deepcopy(SAMPLE)
     fp32 = next(r for r in report["runs"] if r["precision"] == "fp32")
     run = next(r for r in report["runs"] if r["precision"] == "bf16-mixed")
@@ -72,6 +76,9 @@ def report_with(base_rounds, run_rounds, load=None, *, interleaved=True, memory=
     for r, rounds in ((fp32, base_rounds), (run, run_rounds)):
         r.update(round_step_times_s=rounds, rounds_interleaved=interleaved)
     report["runs"] = [fp32, run]
+    if control_rounds is not None:
+        control = copy.deepcopy(fp32) | {"precision": "fp32 (seed 1)", "round_step_times_s": control_rounds}
+        report["runs"].append(control)
     if load is not None:
         report["machine"]["load"] = load
     records = validate_report(report)
@@ -128,6 +135,29 @@ def test_noise_on_a_busy_machine_cannot_tell_and_names_the_load():
     idle = report_with([5.0, 30.0, 2.0, 5.4], [9.8, 3.0, 1.2, 2.8], IDLE)
     assert ": the rounds disagree; rerun on an idle machine or with `--steps`" in line(idle)
     assert not recommendation(idle).startswith("Use")
+
+
+def test_the_baseline_faster_than_its_own_rerun_means_drift_and_no_speed_is_told():
+    # under load that came and went (a CI run on the same 2 cores): fp32's own rerun "1.23x faster" with a tight
+    # interval, so bf16-mixed's tight 1.5x cannot be trusted either; a quiet control changes nothing
+    base, bf16 = [5.0, 5.2, 4.9, 5.1], [3.3, 3.5, 3.2, 3.4]
+    drifted = report_with(base, bf16, dict(IDLE), control_rounds=[4.1, 4.2, 4.0, 4.1])
+    control = drifted.runs[2]
+    assert control.speedup_low > 1.05  # the drift the check looks for
+    said = flat(verdict(control, drifted.runs[0], drifted.task, drifted.machine["load"]))
+    assert "speed: can't tell on this machine (1.23× measured, 95% CI" in said
+    reason = (
+        f"fp32 against its own rerun (fp32 (seed 1)) measured 1.23× ({interval(control)}): the machine's speed "
+        "drifted more than the intervals show; rerun on an idle machine or with `--steps`"
+    )
+    assert said.endswith(reason)
+    banner = recommendation(drifted)
+    assert banner.startswith("Can't tell on this machine whether bf16-mixed is faster than fp32 (1.51× measured")
+    assert banner.endswith(reason) and not banner.startswith("Use")
+    assert validate_report(drifted.to_dict()).machine["load"]["drift"].startswith("fp32 against its own rerun")
+    quiet = report_with(base, bf16, dict(IDLE), control_rounds=[5.1, 5.1, 5.0, 5.0])
+    assert "drift" not in quiet.machine["load"] or quiet.machine["load"]["drift"] is None
+    assert recommendation(quiet).startswith("Use bf16-mixed: 1.51× faster (95% CI")
 
 
 def test_never_fp32_on_speed_from_an_inconclusive_comparison():

@@ -8,7 +8,8 @@ script) finish with it, and the figures it sets are what every verdict reads.
 from __future__ import annotations
 
 from ampkit.compare.records import Report, Run
-from ampkit.compare.speed import paired_speedup
+from ampkit.compare.speed import SAME, interval, paired_speedup
+from ampkit.present import times
 
 
 def compare_to_baseline(report: Report) -> Run | None:
@@ -44,4 +45,13 @@ def compare_to_baseline(report: Report) -> Run | None:
             run.memory_ratio_vs_baseline = run.peak_memory_bytes / base.peak_memory_bytes
         if run.metric is not None and base.metric is not None:
             run.metric_delta_vs_baseline = run.metric - base.metric
+    load = report.machine.get("load")
+    if noise is not None and load is not None and noise.speedup_low is not None and noise.speedup_high is not None:
+        # the same precision faster or slower than itself by more than reruns differ: the machine drifted
+        if noise.speedup_low > SAME[1] or noise.speedup_high < SAME[0]:
+            load["drift"] = (
+                f"{base.precision} against its own rerun ({noise.precision}) measured "
+                f"{times(noise.speedup_vs_baseline or 1.0)} ({interval(noise)}): the machine's speed drifted "
+                "more than the intervals show"
+            )
     return base

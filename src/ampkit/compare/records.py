@@ -197,6 +197,12 @@ class Load:
         minimum=0,
     )
     busy: bool = field("Other work held over half the cores, or the matmuls ran 2x slower than they can.")
+    drift: str | None = field(
+        "Set when the baseline's own rerun (the noise run) measured a speed-up whose interval lies beyond ±5%: the "
+        "machine's speed drifted beyond what the intervals show, so no speed is told; what was measured.",
+        None,
+        optional=True,
+    )
 
 
 @dataclass(kw_only=True)

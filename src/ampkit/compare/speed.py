@@ -49,10 +49,19 @@ def paired_speedup(
 
 
 def outcome(
-    speedup: float, low: float | None, high: float | None, *, busy: bool = False, interleaved: bool = True
+    speedup: float,
+    low: float | None,
+    high: float | None,
+    *,
+    busy: bool = False,
+    interleaved: bool = True,
+    drift: bool = False,
 ) -> Outcome:
     """What the figures let a reader conclude. Without an interval (no rounds) the point alone decides, unless
-    the machine was busy; one-after-another runs on a busy machine cannot tell drift from speed."""
+    the machine was busy; one-after-another runs on a busy machine cannot tell drift from speed, and where the
+    baseline's own rerun came out faster or slower than itself (`drift`) no interval can be trusted."""
+    if drift:
+        return "unclear"
     if low is None or high is None:
         if busy:
             return "unclear"
@@ -72,6 +81,7 @@ def run_outcome(run: Any, load: dict[str, Any] | None) -> Outcome:
         run.speedup_high,
         busy=bool(load and load.get("busy")),
         interleaved=run.rounds_interleaved is not False,
+        drift=bool(load and load.get("drift")),
     )
 
 
@@ -118,6 +128,8 @@ def unclear_reason(run: Any, load: dict[str, Any] | None) -> str:
     """Why a speed-up is inconclusive: "it was busy (load 12 on 2 cores; ops ran ~3× slower than this CPU
     can)", or "the rounds disagree"; and where the runs ran one after another, that too."""
     sequential = f" and {SEQUENTIAL}" if run.rounds_interleaved is False else ""
+    if load and load.get("drift"):
+        return f"{load['drift']}{sequential}"
     if load and load.get("busy"):
         busy = describe_load(load)
         return f"it was busy{f' ({busy})' if busy else ''}{sequential}"
