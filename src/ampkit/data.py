@@ -25,7 +25,8 @@ def move_to_device(
             return obj.to(device, non_blocking=non_blocking, memory_format=memory_format)
         return obj.to(device, non_blocking=non_blocking)
     if isinstance(obj, Mapping):
-        return type(obj)({k: move_to_device(v, device, non_blocking, memory_format) for k, v in obj.items()})  # type: ignore[call-arg]
+        moved = {k: move_to_device(v, device, non_blocking, memory_format) for k, v in obj.items()}
+        return type(obj)(moved)  # type: ignore[call-arg]
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
         return type(obj)(*(move_to_device(v, device, non_blocking, memory_format) for v in obj))
     if isinstance(obj, (list, tuple)):

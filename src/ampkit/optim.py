@@ -258,7 +258,10 @@ class AmpOptimizer(torch.optim.Optimizer):
             self.unscale_()
         result = None
         if scaler is None:
-            result = weights.step(self.optimizer.step) if compensated else self.optimizer.step()  # type: ignore[union-attr]
+            if compensated:
+                result = weights.step(self.optimizer.step)  # type: ignore[union-attr]
+            else:
+                result = self.optimizer.step()
         else:
             found_inf = self._found_inf
             assert found_inf is not None
