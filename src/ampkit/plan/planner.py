@@ -191,6 +191,7 @@ def plan(
         peak_at = _Peaks(model_fn, batch, optimizer_fn, name, dev, loss_fn, shard)
         first = peak_at.measured(size)
         resident = peak_at(size)
+        runtime, allocator = peak_at.overhead(first)
         limit = _largest_batch(peak_at, size, resident, budget) if search else (size if resident <= budget else 0)
         rows.append(
             PlanRow(
@@ -203,8 +204,8 @@ def plan(
                 max_batch_size=limit,
                 method="real-scaled" if peak_at.fallback else "fake",
                 note=peak_at.note,
-                runtime=runtime_bytes(name, dev),
-                allocator=allocator_bytes(first.peak, dev, first.components["ampkit_buffers"]),
+                runtime=runtime,
+                allocator=allocator,
                 resident_bytes=resident,
             )
         )
@@ -286,8 +287,12 @@ class _Peaks:
     def __call__(self, size: int) -> int:
         """What a user would measure at `size`: the tensor peak with the runtime and the allocator's part."""
         at = self.measured(size)
+        return at.peak + sum(self.overhead(at))
+
+    def overhead(self, at: Measured) -> tuple[int, int]:
+        """(runtime, allocator): what the process holds beside the tensors of `at` (`ampkit.plan.runtime`)."""
         buffers = at.components["ampkit_buffers"]
-        return at.peak + runtime_bytes(self.name, self.device) + allocator_bytes(at.peak, self.device, buffers)
+        return runtime_bytes(self.name, self.device), allocator_bytes(at.peak, self.device, buffers)
 
     def _fake(self, size: int) -> Measured:
         try:
