@@ -229,6 +229,33 @@ def items(out: Path) -> dict:
     return {"weights": [p.detach() for p in acc.unwrap(m).parameters()]}
 
 
+def micro(out: Path, inject: bool) -> dict:
+    """acc.split under DDP: batches of 16 rows per rank in micro-batches of 8. `inject`: rank 0 runs out of memory
+    in batch 0's first backward and rank 1 in batch 2's first forward: every rank
+    reruns with the smaller size. Without it the sizes are set by hand where the injected run changes them."""
+    acc = ampkit.Accelerator(precision="fp32", device="cpu", micro_batch=8)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Dropout(0.2), nn.Linear(32, 4))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    m, opt, loader = acc.prepare(m, opt, DataLoader(data(), batch_size=16))
+    if inject and acc.rank == 0:
+        acc.micro.inject_oom(0, 0, "backward")
+    if inject and acc.rank == 1:
+        acc.micro.inject_oom(2, 0, "forward")  # batch 2: the first of its 2 micro-batches of 4
+    sizes, seen = [], []
+    torch.manual_seed(1 + acc.rank)
+    for b, (x, y) in zip(range(4), loader):
+        if not inject:
+            acc.micro.size = 4 if b < 2 else 2
+        for mx, my in acc.split((x, y)):
+            acc.backward(F.cross_entropy(m(mx), my))
+        seen.append(acc.micro_batch_size)
+        opt.step()
+        opt.zero_grad()
+        sizes.append(acc.micro_batch_size)
+    return {"weights": [p.detach() for p in acc.unwrap(m).parameters()], "sizes": sizes, "seen": seen}
+
+
 def main() -> None:
     """`ddp_run.py MODE OUT`, or `MODE,MODE,... OUT`: several modes in one launch (one torchrun start-up for
     them all), each writing OUT/MODE/rank{r}.pt; a mode that fails there records its error for its test."""
@@ -239,6 +266,8 @@ def main() -> None:
         "overflow": overflow,
         "accum": accumulation,
         "items": items,
+        "micro-oom": lambda out: micro(out, inject=True),
+        "micro-small": lambda out: micro(out, inject=False),
         "script-ddp": script_ddp,
         "files": files,
         "resumable": resumable,

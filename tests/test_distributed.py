@@ -59,7 +59,19 @@ def ranks(out: Path) -> list[dict]:
 
 #: The modes that share one torchrun launch (its start-up, two interpreters importing torch and a gloo group,
 #: costs more than most of them): each test reads its mode's results; a failing mode fails only its test.
-SHARED = ("equiv-fp32", "equiv-bf16", "overflow", "accum", "items", "script-ddp", "files", "resumable", "fsdp-clean")
+SHARED = (
+    "equiv-fp32",
+    "equiv-bf16",
+    "overflow",
+    "accum",
+    "items",
+    "micro-oom",
+    "micro-small",
+    "script-ddp",
+    "files",
+    "resumable",
+    "fsdp-clean",
+)
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +189,14 @@ def test_fsdp2_trains_checkpoints_shards_and_resumes_bitwise(shared, tmp_path):
         acc.resume(tmp_path / "run" / "ckpts")
     assert_bitwise_equal([p.detach() for p in m.parameters()], crashed[0]["weights"])
     assert acc.state.applied_steps == 13
+
+
+def test_an_out_of_memory_error_on_one_rank_reruns_the_batch_on_every_rank_with_the_smaller_size(shared):
+    """Rank 0 runs out in batch 0's first backward, rank 1 in batch 2's first forward:
+    both ranks rerun those batches with the halved size and end bitwise where a run with those sizes from the
+    start ends (acc.split, tests/ddp_run.py `micro`)."""
+    injected, small = ranks(shared[0] / "micro-oom"), ranks(shared[0] / "micro-small")
+    for r in (0, 1):
+        assert injected[r]["sizes"] == [4, 4, 2, 2], injected[r]["sizes"]
+        assert_bitwise_equal(injected[r]["weights"], small[r]["weights"])
+    assert_bitwise_equal(injected[0]["weights"], injected[1]["weights"])

@@ -76,6 +76,8 @@ def __getattr__(name: str) -> Any:
         value: Any = ampkit_version()
     elif name in _HOMES:
         value = getattr(importlib.import_module(_HOMES[name]), name)
+        if name == "Accelerator":
+            importlib.import_module("ampkit.plan")  # it sizes micro_batch="auto" (ampkit.micro registers it)
     else:
         raise AttributeError(f"module 'ampkit' has no attribute {name!r}")
     globals()[name] = value

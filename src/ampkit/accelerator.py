@@ -28,7 +28,7 @@ from ampkit.compiler import CompileStats, CompileTrial, compile_setup
 from ampkit.config import AcceleratorConfig
 from ampkit.cycle import AccumulationCycle
 from ampkit.data import DeviceLoader
-from ampkit.distributed import DistributedContext, barrier, choose_strategy, gather_objects, sum_across_ranks
+from ampkit.distributed import DistributedContext, RankMethods, choose_strategy, gather_objects, sum_across_ranks
 from ampkit.errors import StepOrderError
 from ampkit.events import Events, Listener, created
 from ampkit.exporter import export
@@ -37,6 +37,7 @@ from ampkit.hardware import capability, resolve_device
 from ampkit.items import ItemWeights
 from ampkit.launch import check_metric, launch_settings, max_steps_reached
 from ampkit.metrics import MetricTracker
+from ampkit.micro import MicroBatcher
 from ampkit.module import KeepSpec
 from ampkit.optim import AmpOptimizer
 from ampkit.precision import Precision, resolve_precision
@@ -46,7 +47,7 @@ from ampkit.scheduler import AmpScheduler
 from ampkit.training_state import TrainingState
 
 
-class Accelerator:
+class Accelerator(RankMethods):
     """Mixed-precision training on the right device, with gradient accumulation. Launch-time settings
     (`ampkit.launch`: AMPKIT_* variables) fill what is not passed.
 
@@ -74,6 +75,8 @@ class Accelerator:
         fp8_recipe: str | None = None,
         fp8_emulate: bool = False,
         fp8_min_weight: int = MIN_WEIGHT,
+        micro_batch: int | str | None = None,
+        memory: str | int | None = None,
     ) -> None:
         # What the script did not pass comes from the launcher (AMPKIT_* variables, `ampkit.launch`).
         given = {"precision": precision, "grad_accum_steps": grad_accum_steps, "compile": compile}
@@ -96,6 +99,8 @@ class Accelerator:
             fp8_recipe=fp8_recipe,
             fp8_emulate=fp8_emulate,
             fp8_min_weight=fp8_min_weight,
+            micro_batch=micro_batch,
+            memory=memory,
         )
         self.distributed = DistributedContext.from_env()
         if self.distributed.enabled and str(device) in ("auto", "cuda") and torch.cuda.is_available():
@@ -110,6 +115,7 @@ class Accelerator:
         # acc.backward(loss_sum, num_items=n): ampkit's DDP/FSDP average gradients over the ranks, a count sums them
         self.items = ItemWeights(self.device, self.world_size if self.strategy != "none" else 1)
         self.events = Events()  # listeners: ampkit.events.Listener
+        self.micro = MicroBatcher(self, config.micro_batch, config.memory_bytes)  # acc.split(batch)
         self.compile_options = compile_setup(self.device, config.compile, cuda_graphs)  # torch.compile kwargs
         self.cuda_graphs = cuda_graphs and self.compile_options is not None
         self.compile_stats = CompileStats()
@@ -150,12 +156,15 @@ class Accelerator:
                 f"acc.backward(loss) expects the loss tensor the model's output produced; "
                 f"got a {type(loss).__name__} ({loss!r})"
             )
+        micro = self.micro
+        if micro.discarding:  # inside acc.split, this micro-batch ran out of memory: the batch reruns
+            return
         self._prepared.check_backward(num_items is not None)
         if self.events.listeners:
             self.events.emit(Listener.on_backward_start, self, loss)
         items = None
         if num_items is None:
-            loss = self.cycle.micro_loss(loss)
+            loss = self.cycle.micro_loss(micro.weight(loss))
         else:
             items = self.items.count(num_items, prepared=bool(self._prepared.optimizers))
             loss = self.items.divide(loss, items)
@@ -164,7 +173,10 @@ class Accelerator:
             unscaled = loss.detach()
             loss = self.scaler.scale(loss)
         stats = self.compile_stats
-        if stats.first_forward_s is None or stats.first_backward_s is not None:
+        if micro.attempt is not None:
+            if not micro.backward(loss, kwargs):  # out of memory: the batch reruns with smaller micro-batches
+                return
+        elif stats.first_forward_s is None or stats.first_backward_s is not None:
             loss.backward(**kwargs) if kwargs else loss.backward()  # a call through an empty **{} costs ~0.5 µs
         else:  # the compiled graph's backward is generated in its first call: time it
             start = time.perf_counter()
@@ -188,6 +200,22 @@ class Accelerator:
         ```
         Without it each `acc.backward` is one micro-batch of `grad_accum_steps`."""
         return self.cycle.micro_batch()
+
+    def split(self, batch: Any) -> Iterator[Any]:
+        """`batch`'s micro-batches, `micro_batch=` rows each (`ampkit.micro`): the optimizer steps on the whole
+        batch's gradient, and an out-of-memory error halves the size and reruns the batch.
+        ```python
+        for mx, my in acc.split((x, y)):
+            acc.backward(loss_fn(model(mx), my))
+        optimizer.step()
+        ```"""
+        self._require_prepared("split")
+        return self.micro.split(batch)
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """The rows per micro-batch `acc.split` uses (None before `micro_batch="auto"` sized the first batch)."""
+        return self.micro.size
 
     @property
     def sync_gradients(self) -> bool:
@@ -291,6 +319,7 @@ class Accelerator:
             "cycle": self.cycle.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "items": self.items.state_dict(),
+            "micro": self.micro.state_dict(),
         }
 
     def check_state_dict(self, state: dict[str, Any]) -> list[str]:
@@ -304,6 +333,7 @@ class Accelerator:
             self.scaler.load_state_dict(state["scaler"])
             self.scaler.to(self.device)
         self.items.load_state_dict(state.get("items", {}))
+        self.micro.load_state_dict(state.get("micro"))
         self._epoch = int(state["epoch"])
         self.run_id = str(state["run_id"])  # the loaded run goes on: its checkpoint folder is this run's
 
@@ -331,34 +361,6 @@ class Accelerator:
         check.tensor_or_number("acc.report_metric", "value", value)
         if self.events.listeners:
             self.events.emit(Listener.on_metric, self, name, value, higher_is_better)
-
-    @property
-    def rank(self) -> int:
-        """This process's rank (0 without torchrun)."""
-        return self.distributed.rank
-
-    @property
-    def world_size(self) -> int:
-        """The number of processes training together (1 without torchrun)."""
-        return self.distributed.world_size
-
-    @property
-    def local_rank(self) -> int:
-        return self.distributed.local_rank
-
-    @property
-    def is_main(self) -> bool:
-        """True on rank 0: the process that prints, writes reports and writes checkpoints."""
-        return self.distributed.rank == 0
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """`print` on rank 0 only."""
-        if self.is_main:
-            print(*args, **kwargs)
-
-    def wait_for_everyone(self) -> None:
-        """A barrier across ranks (a no-op in a single process)."""
-        barrier()
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module without DDP (ampkit's own changes are made in place, on the module)."""

@@ -17,6 +17,7 @@ from torch import nn
 from ampkit import validate as check
 from ampkit.distributed import check_backend
 from ampkit.fp8 import MIN_WEIGHT
+from ampkit.micro import parse_micro_batch
 from ampkit.precision import Precision
 
 STRATEGIES = ("auto", "ddp", "fsdp", "none")
@@ -64,6 +65,11 @@ class AcceleratorConfig:
         fp8_recipe, fp8_emulate, fp8_min_weight: for precision="fp8-mixed" only (see `ampkit.fp8`):
             torchao's scaling, "tensorwise" (default) or "rowwise"; True runs torchao's emulation on
             any device (tests; no speed-up); the smallest in·out features of a Linear run in fp8.
+        micro_batch: how many rows of each batch `acc.split(batch)` runs at once (`ampkit.micro`): "auto", the
+            largest that fits `memory` by `ampkit.plan`; an int; None (default), the batch whole. An
+            out-of-memory error inside a split halves it and reruns the batch. The micro-batches of one batch
+            are one step's gradient, so grad_accum_steps stays 1 (make the loader's batch larger instead).
+        memory: the budget micro_batch="auto" fits ("2GiB", "512MB" or bytes; default: the device's free memory).
     """
 
     precision: str | Precision = "auto"
@@ -82,6 +88,8 @@ class AcceleratorConfig:
     fp8_recipe: str | None = None
     fp8_emulate: bool = False
     fp8_min_weight: int = MIN_WEIGHT
+    micro_batch: int | str | None = None
+    memory: str | int | None = None
 
     def __post_init__(self) -> None:
         steps = self.grad_accum_steps
@@ -101,8 +109,22 @@ class AcceleratorConfig:
         )
         object.__setattr__(self, "keep_fp32", tuple(keep))
         check_backend(self.backend)
+        parse_micro_batch(self.micro_batch)
+        if self.memory is not None:
+            check.parse_memory(self.memory)
+        if self.micro_batch is not None and steps > 1:
+            raise ValueError(
+                f"micro_batch={self.micro_batch!r} with grad_accum_steps={steps}: acc.split already accumulates "
+                f"the micro-batches of each batch into one step; drop grad_accum_steps and make the loader's "
+                f"batch {steps}x larger (the same update)"
+            )
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r}: expected 'auto', 'ddp', 'fsdp' or 'none'")
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """`memory` in bytes (None: not given)."""
+        return None if self.memory is None else check.parse_memory(self.memory)
 
     def as_dict(self) -> dict[str, Any]:
         """The settings as JSON-able values (a Precision by its name, a module type by its qualified name)."""

@@ -36,6 +36,7 @@ class AccumulationCycle:
         self._in_block = False  # inside acc.accumulate()
         self._counted = False  # that block's first backward has advanced the position
         self.blocks_used = False  # the loop marks its micro-batches with acc.accumulate()
+        self.holding = False  # acc.split has more micro-batches of this batch to come: the next backward ends nothing
 
     def advance(self) -> None:
         """One more backward ran: a new micro-batch, unless an earlier backward of this block counted it."""
@@ -56,6 +57,10 @@ class AccumulationCycle:
         finally:
             self._in_block = self._counted = False
 
+    def restart_block(self, position: int) -> None:
+        """Back to `position`, with the current block's micro-batch not counted yet (acc.split reruns a batch)."""
+        self.position, self._counted = position, False
+
     @property
     def started(self) -> bool:
         """A backward has run since the Accelerator was made (or the checkpoint it loaded)."""
@@ -74,6 +79,8 @@ class AccumulationCycle:
     @property
     def next_is_last(self) -> bool:
         """The next backward will complete the cycle (DDP all-reduces in that one only)."""
+        if self.holding:
+            return False
         if self._counted:  # a later backward of a block whose micro-batch is already counted
             return self.at_end
         return self.position % self.steps + 1 == self.steps

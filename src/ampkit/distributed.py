@@ -64,6 +64,40 @@ class DistributedContext:
         atexit.register(_destroy)
 
 
+class RankMethods:
+    """The rank queries and helpers of an object holding a `distributed` context (the Accelerator's)."""
+
+    distributed: DistributedContext
+
+    @property
+    def rank(self) -> int:
+        """This process's rank (0 without torchrun)."""
+        return self.distributed.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of processes training together (1 without torchrun)."""
+        return self.distributed.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.distributed.local_rank
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0: the process that prints, writes reports and writes checkpoints."""
+        return self.distributed.rank == 0
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """`print` on rank 0 only."""
+        if self.is_main:
+            print(*args, **kwargs)
+
+    def wait_for_everyone(self) -> None:
+        """A barrier across ranks (a no-op in a single process)."""
+        barrier()
+
+
 def choose_strategy(ctx: DistributedContext, strategy: str, precision: str, keep_fp32: Any) -> str:
     """What `Accelerator(strategy=...)` means here: "none" in one process, else "ddp" or "fsdp"."""
     if not ctx.enabled or strategy == "none":

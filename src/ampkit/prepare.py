@@ -21,6 +21,7 @@ from ampkit.errors import PrecisionError, StepOrderError
 from ampkit.fused_skip import fuse_for_device_skips
 from ampkit.launch import max_steps_reached
 from ampkit.lowp_weights import CompensatedWeights, LowPrecisionWeights, MasterWeights
+from ampkit.micro import RecoveringForward
 from ampkit.module import prepare_module
 from ampkit.optim import AmpOptimizer
 from ampkit.precision import dtype_name
@@ -111,6 +112,8 @@ class Prepared:
                     f"prepare the model first, e.g. model, optimizer = acc.prepare(model, optimizer)"
                 )
         originals: dict[nn.Parameter, torch.Tensor] = {}
+        if acc.micro.enabled:  # inside the policy's wrapper: an out-of-memory error reruns the batch (ampkit.micro)
+            model.forward = RecoveringForward(model.forward, acc.micro)
         if acc.strategy == "fsdp":  # FSDP's MixedPrecisionPolicy does the casts
             model.to(acc.device)
         else:
@@ -139,7 +142,7 @@ class Prepared:
         # DDP and FSDP read this flag in forward: only the forward whose backward ends an accumulation
         # cycle all-reduces (no_sync on the others), so there is one all-reduce per optimizer step.
         # Without accumulation the flag stays the script's (its own no_sync() micro-steps work).
-        if acc.strategy != "none" and acc.grad_accum_steps > 1:
+        if acc.strategy != "none" and (acc.grad_accum_steps > 1 or acc.micro.enabled):
             wrapped.register_forward_pre_hook(self._set_grad_sync)
         return wrapped
 

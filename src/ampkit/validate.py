@@ -11,6 +11,7 @@ import difflib
 import math
 import numbers
 import os
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -100,3 +101,30 @@ def suggest(text: str, choices: Sequence[str]) -> str:
     starts = [c for c in choices if c.startswith(text)] if text else []
     close = starts or difflib.get_close_matches(text, list(choices), n=2, cutoff=0.6)
     return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+
+
+MEMORY_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_memory(text: str | int) -> int:
+    """ "24GiB", "80GB", "512MiB" (or a number of bytes) -> bytes; ValueError saying the format otherwise."""
+    if isinstance(text, int) and not isinstance(text, bool) and text > 0:
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if match is None or match.group(2).lower() not in MEMORY_UNITS or float(match.group(1)) <= 0:
+        raise ValueError(
+            f'memory {text!r} is not a size: expected a number and a unit, e.g. "24GiB", "80GB", '
+            f'"512MiB" (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)'
+        )
+    return int(float(match.group(1)) * MEMORY_UNITS[match.group(2).lower()])

@@ -7,6 +7,7 @@ for row in result.rows: print(row.precision, row.resident_bytes, row.fits, row.m
 (`peak_bytes`, by component) + `runtime` + `allocator` (`ampkit.plan.runtime`).
 """
 
+from ampkit.plan import fit  # noqa: F401  (registers micro_batch='auto''s sizer with ampkit.micro)
 from ampkit.plan.planner import PLAN_SCHEMA, Plan, PlanRow, device_memory, parse_memory, plan, plan_task
 from ampkit.plan.show import check_out, plot_png, render_plan, write_plan
 from ampkit.plan.tracker import COMPONENTS

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import re
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -28,20 +27,9 @@ from ampkit.precision import PRESETS, fp8_problem, resolve_precision
 from ampkit.present import size as size_of
 from ampkit.schema import field, schema_of, validate
 from ampkit.tasks import default_size, get_task
+from ampkit.validate import parse_memory
 
 SCHEMA_VERSION = 1
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
 SEARCH_LIMIT = 1 << 16  # the largest batch size the search tries
 
 
@@ -112,19 +100,6 @@ class Plan:
 
 
 PLAN_SCHEMA = schema_of(Plan)
-
-
-def parse_memory(text: str | int) -> int:
-    """ "24GiB", "80GB", "512MiB" (or a number of bytes) -> bytes; ValueError saying the format otherwise."""
-    if isinstance(text, int) and not isinstance(text, bool) and text > 0:
-        return text
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if match is None or match.group(2).lower() not in _UNITS or float(match.group(1)) <= 0:
-        raise ValueError(
-            f'memory {text!r} is not a size: expected a number and a unit, e.g. "24GiB", "80GB", '
-            f'"512MiB" (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)'
-        )
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def device_memory(device: torch.device) -> int:

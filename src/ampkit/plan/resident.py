@@ -69,3 +69,15 @@ def steady_peak(
         torch.cuda.synchronize(dev)  # sync: the figure is read after the step
         return torch.cuda.max_memory_allocated(dev) - base
     return _status("VmHWM") - base
+
+
+def resident_now() -> int:
+    """This process's resident memory now, in bytes (Linux /proc/self/status)."""
+    return _status("VmRSS")
+
+
+def high_water(reset: bool = False) -> int:
+    """This process's resident high-water mark in bytes; `reset`: restart it from the resident set now."""
+    if reset:
+        _CLEAR.write_text("5")
+    return _status("VmHWM")

@@ -83,7 +83,7 @@ def model_fn(meta: nn.Module) -> nn.Module:
     return model
 
 
-def _loss(output: Any, targets: Any) -> torch.Tensor:
+def script_loss(output: Any, targets: Any) -> torch.Tensor:
     """The script's loss is not known: the model's own (or cross-entropy against the loader's targets),
     else the mean of its first output — which leaves out what computing a loss would allocate."""
     try:
@@ -135,9 +135,13 @@ def capture(script: str | Path, args: list[str]) -> tuple[Any, Any, Any, Any, st
             f"{script}: no batch seen before the first acc.backward (neither a prepared loader's nor "
             f"a forward of the prepared model)"
         )
-    inner = acc.optimizers[0].optimizer
+    meta = meta_copy(acc.models[0])
+    return (lambda: model_fn(meta)), batch, optimizer_fn(acc.optimizers[0].optimizer), script_loss, note
+
+
+def optimizer_fn(inner: torch.optim.Optimizer) -> Any:
+    """`params -> an optimizer` of `inner`'s class with its hyperparameters (for `plan`'s fresh models)."""
     kind = type(inner)
     accepted = inspect.signature(kind).parameters  # defaults may hold keys the constructor does not take
     defaults = {k: v for k, v in inner.defaults.items() if k in accepted}
-    meta = meta_copy(acc.models[0])
-    return (lambda: model_fn(meta)), batch, (lambda params: kind(params, **defaults)), _loss, note
+    return lambda params: kind(params, **defaults)
