@@ -153,3 +153,48 @@ def _fp32_truth(opt) -> list[torch.Tensor]:
     if hasattr(weights, "compensation"):
         return [p.detach().float() + c.float() for (p, _), c in zip(weights.pairs, weights.compensation)]
     return [m.detach().clone() for _, m in weights.pairs]
+
+
+def _wide_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 8192), nn.GELU(), nn.Linear(8192, 256), nn.GELU(), nn.Linear(256, 10))
+
+
+def _split_run(micro, rows: int, steps: int = 3, memory: str | None = None):
+    acc = ampkit.Accelerator(precision="bf16-mixed", device="cuda", micro_batch=micro, memory=memory)
+    model = _wide_mlp()
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(rows, 256, generator=g).cuda(), torch.randint(0, 10, (rows,), generator=g).cuda()
+        for mx, my in acc.split((x, y)):
+            acc.backward(F.cross_entropy(model(mx), my))
+        opt.step()
+        opt.zero_grad()
+    return acc, params_of(model)
+
+
+def test_a_real_out_of_memory_error_halves_the_micro_batch_and_trains_as_that_size_from_the_start():
+    """The process may use 1.5 GiB of the GPU; a batch of 65,536 rows (~6 GiB of activations) runs out of memory in
+    its first micro-batch, halves until it fits, and ends bitwise where a run of the size it found ends."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(1.5 * 2**30 / total)
+    try:
+        with pytest.warns(RuntimeWarning, match="out of memory"):
+            acc, recovered = _split_run(65536, 65536)
+        assert acc.micro.halvings >= 1 and acc.micro_batch_size < 65536
+        _, fixed = _split_run(acc.micro_batch_size, 65536)
+        assert_bitwise_equal(recovered, fixed)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+
+
+def test_auto_fits_memory_without_running_out():
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    acc, _ = _split_run("auto", 65536, memory="1GiB")
+    assert acc.micro.halvings == 0 and acc.micro_batch_size < 65536
+    assert torch.cuda.max_memory_allocated() - base <= 2**30

@@ -185,3 +185,44 @@ def test_a_sigkilled_micro_batched_run_resumes_bitwise(tmp_path):
     whole, resumed = torch.load(tmp_path / "whole.pt"), torch.load(out)
     assert whole["size"] == resumed["size"] == 4
     assert_bitwise_equal(whole["weights"], resumed["weights"])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_nanogpts_loop_with_split_equals_its_own_accumulation_bit_for_bit(tmp_path, precision):
+    """examples/nanogpt_shaped.py's loop (its model returns its loss; clipping, an eval loop, torch.save(model)) with
+    its 4 accumulation micro-steps replaced by one batch of 4 x 4 rows through acc.split(micro_batch=4)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    import nanogpt_shaped as ex
+
+    c = ex.Config()
+    c.max_iters = 12
+    reference = ex.train(precision, c)
+    torch.manual_seed(c.seed)
+    data = ex.make_data(c)
+    model = ex.GPT(c)
+    optimizer = model.configure_optimizers(0.1, c.learning_rate)
+    acc = ampkit.Accelerator(precision=precision, device="cpu", micro_batch=c.batch_size, cast_outputs=False)
+    model, optimizer = acc.prepare(model, optimizer)
+    g = torch.Generator().manual_seed(c.seed)
+    pending = [ex.get_batch(data["train"], c, g)]
+    losses = []
+    for it in range(c.max_iters):
+        for group in optimizer.param_groups:
+            group["lr"] = ex.get_lr(it, c)
+        if it % c.eval_interval == 0:
+            ex.estimate_loss(model, data, c)
+        while len(pending) < c.gradient_accumulation_steps + 1:
+            pending.append(ex.get_batch(data["train"], c, g))
+        batch = [torch.cat(t) for t in zip(*pending[: c.gradient_accumulation_steps])]
+        pending = pending[c.gradient_accumulation_steps :]
+        for x, y in acc.split(batch):
+            _, loss = model(x, y)
+            acc.backward(loss)
+        acc.clip_grad_norm_(c.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    assert losses == reference["loss"]
+    torch.save(acc.unwrap(model), tmp_path / "model.pt")
+    plain = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert "ampkit" not in type(plain.forward).__module__

@@ -26,7 +26,6 @@ the micro-batch that all-reduces (one host read per batch). At most log2(batch) 
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import math
 import warnings
@@ -329,21 +328,46 @@ class RecoveringForward:
         micro = self.micro
         if micro.attempt is None:
             return self.forward(*args, **kwargs)
-        if micro.attempt.failed:
-            with torch.no_grad():
-                return self.forward(*args, **kwargs)
+        if micro.attempt.failed:  # a second forward of the failed micro-batch (two models, say)
+            return self.stand_in(args, kwargs)
         try:
             micro.check_injected("forward")
             return self.forward(*args, **kwargs)
         except torch.OutOfMemoryError as exc:
             micro.failed(exc, "forward")
         micro.release()  # the attempt's frames went with the exception
-        with torch.no_grad(), contextlib.suppress(torch.OutOfMemoryError):
-            return self.forward(*args, **kwargs)
+        try:
+            return self.stand_in(args, kwargs)
+        except torch.OutOfMemoryError:
+            pass
         raise BatchDoesNotFitError(
-            f"out of memory again running micro-batch {micro.attempt.index} without autograd after a halving: "
-            f"the model's weights and one micro-batch's activations do not fit ({micro.said()})"
+            f"out of memory again running micro-batch {micro.attempt.index} without autograd in micro-batches of "
+            f"{micro.size} rows after a halving: the model's weights and its activations do not fit ({micro.said()})"
         )
+
+    def stand_in(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The failed micro-batch's output without autograd, computed in pieces of the halved size (the loop's
+        loss and logging run on it; the batch reruns): batch tensors concatenated, scalars averaged by rows."""
+        rows, size = rows_of((args, kwargs)), max(1, self.micro.size or 1)
+        with torch.no_grad():
+            parts = [
+                self.forward(*a, **k)
+                for a, k in (sliced((args, kwargs), i, i + size, rows) for i in range(0, rows, size))
+            ]
+        if len(parts) == 1:
+            return parts[0]
+        flat = [tree_flatten(p)[0] for p in parts]
+        weights = [min(size, rows - i) / rows for i in range(0, rows, size)]
+        leaves = []
+        for column in zip(*flat):
+            first = column[0]
+            if isinstance(first, torch.Tensor) and first.dim() > 0:
+                leaves.append(torch.cat(column))
+            elif isinstance(first, torch.Tensor) and first.is_floating_point():
+                leaves.append(sum(w * t for w, t in zip(weights, column)))
+            else:
+                leaves.append(first)
+        return tree_unflatten(leaves, tree_flatten(parts[0])[1])
 
     def __reduce__(self) -> Any:
         return self.forward.__reduce__()  # torch.save(model) writes the plain module, as PolicyForward does
