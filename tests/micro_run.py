@@ -33,8 +33,9 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 10))
 
 
-def train(precision: str, micro: str | None, rows: int, memory: int | None) -> tuple[ampkit.Accelerator, list, int]:
-    base = resident_now()
+def train(
+    precision: str, micro: str | None, rows: int, memory: int | None, base: int
+) -> tuple[ampkit.Accelerator, list, int]:
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     acc = ampkit.Accelerator(precision=precision, device="cpu", micro_batch=micro, memory=memory)
@@ -56,6 +57,7 @@ def train(precision: str, micro: str | None, rows: int, memory: int | None) -> t
 def budget(precision: str, out: Path) -> None:
     from ampkit.plan.fit import largest_micro_batch
 
+    base = resident_now()  # before any model: the baseline ampkit plan's figures are judged against
     probe = ampkit.Accelerator(precision=precision, device="cpu")
     model = probe.prepare(mlp())
     probe.prepare(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
@@ -63,8 +65,8 @@ def budget(precision: str, out: Path) -> None:
     fits, _ = largest_micro_batch(probe, one, BUDGET)  # the largest micro-batch of this budget
     rows = 8 * fits
     del probe, model, one
-    acc, split, peak = train(precision, "auto", rows, BUDGET)
-    _, whole, _ = train(precision, None, rows, None)
+    acc, split, peak = train(precision, "auto", rows, BUDGET, base)
+    _, whole, _ = train(precision, None, rows, None, base)
     diff = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(split, whole))
     report = {"peak": peak, "budget": BUDGET, "rows": rows, "size": acc.micro_batch_size, "relative_diff": diff}
     out.write_text(json.dumps(report))
