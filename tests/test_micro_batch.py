@@ -226,3 +226,22 @@ def test_nanogpts_loop_with_split_equals_its_own_accumulation_bit_for_bit(tmp_pa
     torch.save(acc.unwrap(model), tmp_path / "model.pt")
     plain = torch.load(tmp_path / "model.pt", weights_only=False)
     assert "ampkit" not in type(plain.forward).__module__
+
+
+@pytest.mark.parametrize(
+    "precision", ["fp16-mixed", "fp16-master", "bf16-master", pytest.param("bf16-true", marks=pytest.mark.slow)]
+)  # bf16-true compiles its update twice: ~8 s
+def test_every_preset_splits_as_its_own_gradient_accumulation_bit_for_bit(precision):
+    """acc.split(micro_batch=16) of 64 rows is grad_accum_steps=4 over the same 16-row slices, step for step."""
+    acc, split = train(16, precision)
+    ref = ampkit.Accelerator(precision=precision, device="cpu", grad_accum_steps=4, divide_loss=True)
+    model = net()
+    model, opt = ref.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    torch.manual_seed(5)
+    for x, y in batches():
+        for i in range(0, 64, 16):
+            ref.backward(F.cross_entropy(model(x[i : i + 16]), y[i : i + 16]))
+            opt.step()
+            opt.zero_grad()
+    assert_bitwise_equal(split, [p.detach() for p in model.parameters()])
+    assert acc.state.applied_steps == ref.state.applied_steps
