@@ -143,6 +143,10 @@ def test_report_files_from_a_real_comparison(tmp_path, capsys):
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64,") == 6
     assert "predicted to need before the runs (ampkit plan" in html  # beside the measured peaks
+    # the plan after the runs: the largest batch each precision fits in the device's memory (what acc.split could use)
+    assert report["plan_memory_bytes"] > 0
+    assert all(r["largest_batch"] >= report["task"]["batch_size"] for r in report["runs"])
+    assert "largest batch that fits in " in html
     printed = capsys.readouterr().out
     assert "fp16-mixed" in printed and "baseline" in printed
     # the runs took turns: a warm-up chunk, then 4 timed rounds each, announced with an estimate
@@ -251,7 +255,8 @@ def test_an_interrupted_comparison_resumes_where_it_stopped(tmp_path, monkeypatc
 
     monkeypatch.setattr(runner.RunProgress, "update", real_update)
     runs = compare(out=out, resume=True, **kwargs)["runs"]
-    assert runs[0] == partial["runs"][0]  # the finished run is kept, not re-run
+    # the finished run is kept, not re-run (the plan after the runs adds its largest batch)
+    assert {**runs[0], "largest_batch": None} == partial["runs"][0]
     fp16 = runs[1]
     assert fp16["status"] == "ok" and "resumed from a checkpoint at step 12" in fp16["reason"]
     assert fp16["loss_curve"] == reference[1]["loss_curve"][12:]

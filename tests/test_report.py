@@ -629,3 +629,25 @@ def test_a_report_with_numerics_is_under_four_screens_with_the_recommendation_fi
     _headless(tmp_path, f"--screenshot={shot}", "--window-size=1280,6000", paths["html"].resolve().as_uri())
     height = _content_height(shot)
     assert 1000 < height < 4 * 1000, f"the page is {height} px tall at 1280 px wide"
+
+
+def test_the_largest_batch_each_precision_fits_is_a_note_with_its_ratio_to_the_baseline(sample, tmp_path):
+    from ampkit.compare.summary import PLAN_SEARCH_LIMIT
+    from ampkit.plan.planner import SEARCH_LIMIT
+
+    assert PLAN_SEARCH_LIMIT == SEARCH_LIMIT
+    assert "largest batch" not in format_text(sample)  # not planned: no note
+    report = copy.deepcopy(sample)
+    report["plan_memory_bytes"] = 15 * 2**30
+    run_of(report, "fp32")["largest_batch"] = 4545
+    run_of(report, "fp16-mixed")["largest_batch"] = 7727
+    run_of(report, "fp16-master")["largest_batch"] = SEARCH_LIMIT  # where the search stops
+    validate_report(report)
+    note = (
+        "largest batch that fits in 15.0 GiB (ampkit plan, after the runs): fp32 4,545, fp16-mixed 7,727 (1.7×), "
+        f"fp16-master >= {SEARCH_LIMIT:,} rows; acc.split(batch) runs a larger batch as micro-batches of at most "
+        "that size, with the same update"
+    )
+    assert note in " ".join(format_text(report).split())  # the terminal wraps it
+    write_report(report, tmp_path)
+    assert html.escape(note) in (tmp_path / "report.html").read_text()

@@ -139,6 +139,13 @@ class Run:
     memory_parts: dict[str, int] | None = field(
         "Parts of the peak counted from the tensors: weights, gradients, optimizer state (bytes).", None, optional=True
     )
+    largest_batch: int | None = field(
+        "The largest batch whose planned peak fits the report's plan_memory_bytes (ampkit plan's search, which "
+        "stops at 65536): what acc.split's micro-batches could be in this precision. Null: not planned.",
+        None,
+        optional=True,
+        minimum=0,
+    )
 
     def finish(self, metric: str | None) -> None:
         """Derive final loss, headline metric and divergence from the raw measurements."""
@@ -239,6 +246,9 @@ class Report:
     baseline: str | None = field("Precision every ratio is relative to; null if it did not finish.")
     interrupted: bool = field("Ctrl-C: unfinished runs are 'interrupted'.", False)
     plan: str | None = field("What ran, steps each and the time estimated before it started.", None, optional=True)
+    plan_memory_bytes: int | None = field(
+        "The memory each run's largest_batch was planned for (the device's), or null.", None, optional=True, minimum=0
+    )
     runs: list[Run] = field(default=[])
 
     def baseline_run(self) -> Run | None:

@@ -328,8 +328,9 @@ def new_report(command: str, task: Task, dev: torch.device, baseline: str) -> Re
 def _planned(
     report: Report, task: str, size: str | None, seed: int, batch_size: int | None, dev: torch.device, out: Path
 ) -> dict[str, Path]:
-    """{"plan": out/plan.png}: the peak `ampkit plan` predicted for each precision that ran, by part; {}
-    where planning or plotting fails (a warning says why: the comparison itself stands)."""
+    """{"plan": out/plan.png}: the peak `ampkit plan` predicted for each precision that ran, by part, and each
+    run's `largest_batch` (the plan's search within the device's memory); {} where planning or plotting fails
+    (a warning says why: the comparison itself stands)."""
     ran = (r.precision.split(" ")[0] for r in report.runs if r.status in ("ok", "probe"))
     precisions = list(dict.fromkeys(ran))
     if not precisions:
@@ -337,7 +338,11 @@ def _planned(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the runs already said what is slow here
-            result = plan_task(task, precisions, size=size, seed=seed, batch_size=batch_size, device=dev, search=False)
+            result = plan_task(task, precisions, size=size, seed=seed, batch_size=batch_size, device=dev)
+        largest = {row.precision: row.max_batch_size for row in result.rows}
+        for run in report.runs:
+            run.largest_batch = largest.get(run.precision.split(" ")[0])
+        report.plan_memory_bytes = result.memory_bytes
         OwnedFiles(out).claim(["plan.png"])
         return {"plan": plot_png(result, out / "plan.png")}
     except (ImportError, ValueError, RuntimeError, AmpkitError) as exc:

@@ -70,9 +70,38 @@ def notes(report: Report) -> list[str]:
             f"noise band of {metric_name(report.task)}: the larger of {base.precision}'s difference from "
             f"its run from the next seed (where there is one) and two standard errors of the held-out mean"
         )
+    if (largest := _largest_batches(report)) is not None:
+        out.append(largest)
     if report.interrupted:
         out.append("interrupted (Ctrl-C): runs marked 'interrupted' did not finish")
     return out
+
+
+#: `ampkit.plan`'s SEARCH_LIMIT, where its search for the largest batch stops (not imported from there: a
+#: report renders without torch; tests/test_compare.py checks that the two agree).
+PLAN_SEARCH_LIMIT = 1 << 16
+
+
+def _largest_batches(report: Report) -> str | None:
+    """The largest batch each run's precision fits in the device's memory, with its ratio to the baseline's."""
+    runs = [r for r in report.runs if r.largest_batch is not None]
+    if not runs or report.plan_memory_bytes is None:
+        return None
+    base = report.baseline_run()
+    base_fit = base.largest_batch if base is not None else None
+
+    def one(run: Any) -> str:
+        fit = run.largest_batch
+        text = f"{run.precision} {'>= ' if fit >= PLAN_SEARCH_LIMIT else ''}{fit:,}"
+        if base_fit and run is not base and fit < PLAN_SEARCH_LIMIT and fit != base_fit:
+            text += f" ({times(fit / base_fit)})"
+        return text
+
+    return (
+        f"largest batch that fits in {size(report.plan_memory_bytes)} (ampkit plan, after the runs): "
+        f"{', '.join(one(r) for r in runs)} rows; acc.split(batch) runs a larger batch as micro-batches of at "
+        f"most that size, with the same update"
+    )
 
 
 def columns(task: Task | None) -> list[str]:
