@@ -50,6 +50,7 @@ from conftest import make_loader, make_model
 SCRIPTS = Path(__file__).parent / "doctor_scripts"
 ITEM_SCRIPT = SCRIPTS / "item_per_step.py"
 SLOW_LOADER_SCRIPT = SCRIPTS / "slow_loader.py"
+SPLIT_OOM_SCRIPT = SCRIPTS / "split_oom.py"
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -125,6 +126,23 @@ def test_a_slow_data_loader_is_the_top_finding():
     assert result["bound"]["kind"] == "data"
     data = next(p for p in result["phases"] if p["name"] == "data")
     assert data["share"] == max(p["share"] for p in result["phases"])
+
+
+def test_a_micro_batch_halved_by_an_out_of_memory_error_is_a_finding_and_the_batch_advice_names_it():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the rerun's own warning
+        result = diagnose_script(SPLIT_OOM_SCRIPT, steps=4, warmup=1, bench=False)
+    found = {f["id"]: f for f in result["findings"]}
+    micro = found["micro-batch"]
+    assert micro["title"] == "1 out-of-memory error(s) halved the micro-batch to 16 rows"
+    assert micro["evidence"].startswith("1 of 5 batches split so far were rerun")
+    assert "Accelerator(micro_batch=16)" in micro["fix"]
+    assert 0 < micro["saved_s"] <= result["step"]["host_s"]
+    batch_advice = [f["fix"] for f in result["findings"] if f["id"] in ("overhead-bound", "small-batch")]
+    assert batch_advice, [f["id"] for f in result["findings"]]  # a tiny MLP on a CPU: the batch is the lever
+    for fix in batch_advice:  # the device sees the micro-batch: that is the size to raise
+        assert fix.startswith("each batch of 64 rows runs as micro-batches of 16 (micro_batch=32, halved"), fix
+    _validate(result)
 
 
 def test_iris_on_a_cpu_is_overhead_bound():

@@ -15,7 +15,7 @@ from ampkit.doctor import advisor
 from ampkit.doctor.finding import Finding
 from ampkit.doctor.sync_findings import syncs
 from ampkit.load import check_load, describe_load
-from ampkit.present import article, count, flops, percent, seconds, times
+from ampkit.present import article, count, flops, percent, seconds, size, times
 
 if TYPE_CHECKING:  # the rules read its figures: `gpu` (the reference GPU), `device_gpu`, `loaders`, ...
     from ampkit.doctor.analysis import Analysis
@@ -36,7 +36,9 @@ OVERHEAD_REMOVED = 0.5
 
 def diagnose(result: dict[str, Any], ctx: Analysis) -> list[dict[str, Any]]:
     """All findings for `result` as dicts (`DOCTOR_SCHEMA`), ranked: most time saved here first, then on a GPU."""
-    found = [rule(result, ctx) for rule in (data_wait, busy_threads, overhead_bound, small_batch, precision)]
+    found = [
+        rule(result, ctx) for rule in (data_wait, busy_threads, overhead_bound, small_batch, micro_batches, precision)
+    ]
     found = [f for f in found if f is not None] + syncs(result, ctx)
     found.sort(key=lambda f: (-f.saved_s, -(f.saved_on_gpu_s or 0.0)))
     return [f.as_dict(result["step"]["host_s"]) for f in found]
@@ -162,9 +164,10 @@ def overhead_bound(result: dict[str, Any], ctx: Analysis) -> Finding | None:
     overhead = max(0.0, ctx.compute_s - max(ctx.work_s or 0.0, min(ctx.kernel_s, ctx.compute_s)))
     best_gpu = min((e for e in adv["estimates"] if e["gpu"] == ctx.gpu.name), key=lambda e: e["step_s"])
     no_gpu = best_gpu["speedup"] < 1.2 and _on_cpu(result)
+    bigger = _split_fix(ctx) or "raise the batch size (the same ops then do more work each)"
     fix = (
-        "raise the batch size (the same ops then do more work each), or cut the per-op overhead: "
-        "torch.compile(model) fuses ops into fewer kernels; on a GPU, CUDA graphs replay a step with one launch"
+        f"{bigger}; or cut the per-op overhead: torch.compile(model) fuses ops into fewer kernels; on a GPU, CUDA "
+        "graphs replay a step with one launch"
     )
     if no_gpu:
         fix += (
@@ -197,11 +200,53 @@ def small_batch(result: dict[str, Any], ctx: Analysis) -> Finding | None:
             f"{per}{flops(util['achieved_flops_per_s'])} achieved vs {flops(util['peak_flops_per_s'])} "
             f"measured matmul peak here ({util['peak_source']})"
         ),
-        fix=(
+        fix=_split_fix(ctx)
+        or (
             "raise the batch size (and the learning rate with it) until the step time starts to grow with it: "
             "per-step overhead is then spread over more samples (the saving is per sample)"
         ),
         saved_s=OVERHEAD_REMOVED * overhead,
+    )
+
+
+def _split_fix(ctx: Analysis) -> str | None:
+    """Where `acc.split` runs the batch as smaller micro-batches, the size the device sees is the micro-batch's."""
+    micro = ctx.acc.micro
+    if not micro.enabled or micro.size is None or micro.size >= micro.rows:
+        return None
+    sees = f"each batch of {count(micro.rows)} rows runs as micro-batches of {count(micro.size)}"
+    if micro.setting == "auto":
+        within = f"memory={size(micro.memory)}" if micro.memory else "the device's free memory"
+        return (
+            f"{sees} (micro_batch='auto' within {within}): larger ones need more memory: raise memory=, or use a "
+            f"precision that needs less (ampkit plan shows each one's largest batch)"
+        )
+    halved = ", halved after out-of-memory errors" if micro.halvings else ""
+    return (
+        f"{sees} (micro_batch={micro.setting}{halved}): raise micro_batch= while it fits (ampkit plan shows each "
+        f"precision's largest batch)"
+    )
+
+
+def micro_batches(result: dict[str, Any], ctx: Analysis) -> Finding | None:
+    """Out-of-memory errors that halved `acc.split`'s micro-batch: each reran a whole batch."""
+    micro = ctx.acc.micro
+    if not micro.enabled or not micro.halvings or micro.size is None:
+        return None
+    planned = f"; micro_batch='auto' had planned: {micro.planned}" if micro.planned else ""
+    why = (
+        "the plan's budget was more than the device had free while training (another process, a cache): pass a "
+        "lower memory= or "
+        if micro.setting == "auto"
+        else ""
+    )
+    return Finding(
+        id="micro-batch",
+        title=f"{count(micro.halvings)} out-of-memory error(s) halved the micro-batch to {count(micro.size)} rows",
+        evidence=f"{count(micro.halvings)} of {count(micro.batches)} batches split so far were rerun from their "
+        f"start at half the size{planned}",
+        fix=f"{why}start at the size that fits: Accelerator(micro_batch={micro.size}) (a checkpoint keeps it)",
+        saved_s=result["step"]["host_s"] * min(1.0, micro.halvings / max(1, micro.batches)),
     )
 
 

@@ -59,7 +59,9 @@ _ESTIMATE = obj(
 
 _FINDING = obj(
     {
-        "id": {"enum": ["data-wait", "busy-threads", "overhead-bound", "small-batch", "precision", "sync"]},
+        "id": {
+            "enum": ["data-wait", "busy-threads", "overhead-bound", "small-batch", "micro-batch", "precision", "sync"]
+        },
         "title": TEXT,
         "evidence": TEXT,
         "fix": TEXT,
