@@ -16,9 +16,10 @@ from ampkit.present import duration
 ROUNDS = 4
 
 #: Seconds a default comparison's timed rounds should take, by the warm-up's step times; its full runs' steps
-#: are cut to fit, to `FIT_FLOOR` of the task's at the least. Start-up, warm-up, evaluation, the plan and the
-#: report add about a minute (3 min 33 s in all with 140 here, Intel Xeon AMX, quiet): about three minutes.
-BUDGET_S = 105.0
+#: are cut to fit, to `FIT_FLOOR` of the task's at the least. Start-up, warm-up, evaluation, the plan (with its
+#: search for each precision's largest batch, ~5 s a precision for tiny-lm on a CPU) and the report add about
+#: a minute and a quarter: about three minutes in all.
+BUDGET_S = 95.0
 
 #: The least share of a task's steps a cut leaves: fewer would not train the model far enough for the
 #: metric to compare precisions (a run still over budget at that says so, and how to shorten it).
