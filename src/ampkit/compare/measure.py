@@ -1,4 +1,4 @@
-"""One precision's run, measured (in each spawned process, or with `isolate=False` in the comparison): train,
+"""One precision's run, measured (in each run's own process, or with `isolate=False` in the comparison): train,
 then read the `Recorder` (per-step figures, gathered without syncs) and the memory probe into a `Run`."""
 
 from __future__ import annotations

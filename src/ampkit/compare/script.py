@@ -295,7 +295,7 @@ def _one(spec: ScriptSpec, dev: torch.device, progress: RunProgress, task: Task)
         return blank_run(spec.precision, "skipped", why, dev)
     progress.start(spec.precision, spec.steps)
     try:
-        run, directions = run_isolated(spec, progress.update, target=_child)
+        run, directions = run_isolated(spec, progress.update, target=_child, fresh=True)
     except RunFailed as exc:
         return blank_run(spec.precision, "failed", str(exc).strip(), dev)
     finally:

@@ -1,7 +1,8 @@
 """How a comparison's runs are scheduled: taking turns in gated processes, or one after another.
 
-Each run has a process of its own (clean memory figures, nothing leaks into the next run): spawned, it streams
-its steps and then its `Run`; or N processes under torchrun run `python -m ampkit.compare SPEC OUT PROGRESS`.
+Each run has a process of its own (clean memory figures, nothing leaks into the next run): forked from a server
+that imported torch once (`run_context`), it streams its steps and then its `Run`; or N processes under torchrun
+run `python -m ampkit.compare SPEC OUT PROGRESS`.
 Taking turns (a built-in task, a gated `Worker` per run): each trains a few timed warm-up steps (the plan
 line's estimate; a default comparison fits its steps to `budget.BUDGET_S`), then `ROUNDS` chunks in turn, so that a
 slow moment of a shared machine lands on every run and each speed-up comes from paired rounds, with its interval.
@@ -78,12 +79,32 @@ def _child(spec: RunSpec, conn: Any, gated: bool) -> None:
         conn.close()
 
 
-class Worker:
-    """One run in a spawned process. Gated, it trains only when told: `advance(target)` trains up to step
-    `target`, keeping that chunk's step times in `chunks`; `finish()` ends training and returns the `Run`."""
+#: What the server that runs are forked from imports before the first one (`run_context`): without it each run
+#: would import torch, then torch._dynamo (at the first optimizer torch builds), then ampkit: seconds a run.
+PRELOAD = ["torch", "torch._dynamo", "ampkit.compare.measure"]
 
-    def __init__(self, spec: Any, gated: bool, target: Callable[[Any, Any, bool], None] = _child) -> None:
-        ctx = multiprocessing.get_context("spawn")
+
+def run_context(fresh: bool = False) -> Any:
+    """Where a run's process comes from: forked from multiprocessing's forkserver (a fresh interpreter started
+    once, from this process's environment, that imported `PRELOAD`: nothing of this process's state, its
+    modules' changes or torch's settings, reaches a run, as with spawn), or spawned when `fresh` (a user's
+    script, which may set its environment before it imports torch) or where forkserver is missing (Windows)."""
+    if fresh or "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # used when the server starts: once per process
+    return ctx
+
+
+class Worker:
+    """One run in a process of its own (`run_context`). Gated, it trains only when told: `advance(target)` trains
+    up to step `target`, keeping that chunk's step times in `chunks`; `finish()` ends training and returns the
+    `Run`."""
+
+    def __init__(
+        self, spec: Any, gated: bool, target: Callable[[Any, Any, bool], None] = _child, fresh: bool = False
+    ) -> None:
+        ctx = run_context(fresh)
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=target, args=(spec, child, gated), daemon=True)
         self.proc.start()
@@ -133,10 +154,14 @@ class Worker:
 
 
 def run_isolated(
-    spec: Any, on_progress: Callable[[int], None], target: Callable[[Any, Any, bool], None] = _child
+    spec: Any,
+    on_progress: Callable[[int], None],
+    target: Callable[[Any, Any, bool], None] = _child,
+    fresh: bool = False,
 ) -> Any:
-    """`run_one(spec)` in a spawned process (or another `target(spec, conn, gated)` sending the same messages)."""
-    worker = Worker(spec, gated=False, target=target)
+    """`run_one(spec)` in a process of its own (or another `target(spec, conn, gated)` sending the same messages;
+    `fresh`: a spawned interpreter, see `run_context`)."""
+    worker = Worker(spec, gated=False, target=target, fresh=fresh)
     try:
         return worker.finish(on_progress)
     finally:
