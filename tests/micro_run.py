@@ -1,7 +1,8 @@
 """Fresh-process runs for tests/test_micro_batch.py: `python micro_run.py budget PRECISION OUT` and
 `python micro_run.py resume PRECISION CKPT OUT [--kill-after N]`.
 
-budget: an MLP trained on batches 8x larger than fit `memory=` (micro_batch="auto"); writes the peak resident memory
+budget: an MLP trained on batches 8x larger than fit `memory=` (micro_batch="auto"; how many fit is asked of
+`python micro_run.py fits PRECISION`, a process of its own); writes the peak resident memory
 of a steady step above the pre-model baseline, the budget, the chosen micro-batch and the weights, then the same
 steps unsplit (no budget) for the weights to compare.
 resume: a prepared loader's batches split into micro-batches (an out-of-memory error injected in the first batch
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -54,17 +56,23 @@ def train(
     return acc, [p.detach().clone() for p in model.parameters()], peak
 
 
-def budget(precision: str, out: Path) -> None:
+def fits(precision: str) -> int:
+    """The largest micro-batch of `BUDGET` by the plan (in a process of its own: the planner's kept heap and modules
+    would otherwise stand in the measured process's resident set, which a user's run never holds twice)."""
     from ampkit.plan.fit import largest_micro_batch
 
-    base = resident_now()  # before any model: the baseline ampkit plan's figures are judged against
     probe = ampkit.Accelerator(precision=precision, device="cpu")
     model = probe.prepare(mlp())
     probe.prepare(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     one = torch.randn(32768, 64), torch.randint(0, 10, (32768,))
-    fits, _ = largest_micro_batch(probe, one, BUDGET)  # the largest micro-batch of this budget
-    rows = 8 * fits
-    del probe, model, one
+    return largest_micro_batch(probe, one, BUDGET)[0]
+
+
+def budget(precision: str, out: Path) -> None:
+    rows = 8 * int(
+        subprocess.run([sys.executable, __file__, "fits", precision], capture_output=True, text=True, check=True).stdout
+    )
+    base = resident_now()  # before any model: the baseline ampkit plan's figures are judged against
     acc, split, peak = train(precision, "auto", rows, BUDGET, base)
     _, whole, _ = train(precision, None, rows, None, base)
     diff = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(split, whole))
@@ -102,6 +110,8 @@ if __name__ == "__main__":
     mode, precision = sys.argv[1], sys.argv[2]
     if mode == "budget":
         budget(precision, Path(sys.argv[3]))
+    elif mode == "fits":
+        print(fits(precision))
     else:
         kill = int(sys.argv[6]) if len(sys.argv) > 6 and sys.argv[5] == "--kill-after" else None
         resume(precision, Path(sys.argv[3]), Path(sys.argv[4]), kill)
