@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+# The processes the tests start (a fresh interpreter each: torchrun ranks, a resumed run, a comparison's runs)
+# import ampkit from source: with PYTHONDONTWRITEBYTECODE set, as some images do, each compiles every module
+# again (~0.3 s a process here). Here the first writes the bytecode (into the ignored __pycache__ folders)
+# and the rest read it; nothing they test depends on it.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 
 def make_model(seed: int = 0, width: int = 16, norm: bool = False) -> nn.Module:

@@ -76,7 +76,9 @@ class _CountingSGD(torch.optim.SGD):
         super().zero_grad(set_to_none=set_to_none)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "bf16-true", "bf16-master"])
+@pytest.mark.parametrize(
+    "precision", ["fp32", "bf16-mixed", pytest.param("bf16-true", marks=pytest.mark.slow), "bf16-master"]
+)  # bf16-true compiles its update: slow
 def test_zero_grad_clears_gradients_itself_and_calls_torch_s_where_it_must(precision, monkeypatch):
     """zero_grad(set_to_none=True) clears the gradients without torch's Optimizer.zero_grad (whose profiler
     label costs ~6 µs a call, profiler on or off), unless a profiler is recording (the label then appears),

@@ -223,19 +223,24 @@ def test_a_second_live_writer_of_a_folder_is_refused(tmp_path):
     acc, model, opt = _tiny()
     ck = tmp_path / "ck"
     acc.save_checkpoint(ck)
+    # One other process tries twice: while this (live) process holds the folder, then after a dead writer's
+    # lock replaced it (taken over, and the folder is still another run's).
     code = (
-        "import sys, torch, ampkit; from torch import nn; m = nn.Linear(2, 2); "
+        "import socket, sys, torch, ampkit; from pathlib import Path; from torch import nn; m = nn.Linear(2, 2); "
         "o = torch.optim.SGD(m.parameters(), lr=0.1); a = ampkit.Accelerator(precision='fp32', device='cpu'); "
         "m, o = a.prepare(m, o)\n"
-        "try:\n a.save_checkpoint(sys.argv[1])\nexcept ampkit.CheckpointError as e:\n print(e); sys.exit(3)"
+        "for attempt in ('live', 'dead'):\n"
+        " if attempt == 'dead':\n"
+        "  (Path(sys.argv[1]) / 'ampkit-checkpoints.lock').write_text('99999999 ' + socket.gethostname())\n"
+        " try:\n  a.save_checkpoint(sys.argv[1])\n except ampkit.CheckpointError as e:\n  print(attempt, e)\n"
+        " else:\n  sys.exit(4)"
     )
     done = subprocess.run([sys.executable, "-c", code, str(ck)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 3, done.stderr
-    assert f"is being written by another process (pid {os.getpid()}" in done.stdout
+    assert done.returncode == 0, done.stdout + done.stderr
+    live, dead = done.stdout.split("\ndead ")
+    assert live.startswith("live ") and f"is being written by another process (pid {os.getpid()}" in live
+    assert "holds the checkpoints of another run" in dead  # the dead writer's lock was taken over
     assert sorted(json.loads((ck / "ampkit-checkpoints.json").read_text())["checkpoints"]) == ["step-00000002.pt"]
-    (ck / "ampkit-checkpoints.lock").write_text("99999999 " + __import__("socket").gethostname())  # a dead writer's
-    done = subprocess.run([sys.executable, "-c", code, str(ck)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 3 and "holds the checkpoints of another run" in done.stdout  # the lock was taken over
 
 
 # --- 2. ampkit deletes only what it wrote ----------------------------------------------------------

@@ -173,6 +173,7 @@ def test_auto_trains_a_batch_8x_too_large_within_the_budget_and_equals_the_unspl
     assert r["relative_diff"] < (1e-5 if precision == "fp32" else 1e-3), r
 
 
+@pytest.mark.slow  # three fresh processes; the default suite checkpoints the size in process (above)
 def test_a_sigkilled_micro_batched_run_resumes_bitwise(tmp_path):
     """The micro-batch size (halved by an out-of-memory error in the first batch) is part of the checkpoint."""
     ckpt, out = tmp_path / "ckpt", tmp_path / "resumed.pt"

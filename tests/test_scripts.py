@@ -229,7 +229,7 @@ def _reload(path, folder) -> str:
     return run.stdout
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+@pytest.mark.parametrize("precision", ["bf16-mixed", pytest.param("bf16-true", marks=pytest.mark.slow)])
 def test_a_prepared_model_saved_whole_loads_like_the_plain_module_in_a_process_without_ampkit(
     tmp_path, precision, monkeypatch
 ):
