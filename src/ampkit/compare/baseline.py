@@ -8,7 +8,7 @@ script) finish with it, and the figures it sets are what every verdict reads.
 from __future__ import annotations
 
 from ampkit.compare.records import Report, Run
-from ampkit.compare.speed import SAME, interval, paired_speedup
+from ampkit.compare.speed import interval, paired_speedup, rerun_band
 from ampkit.present import times
 
 
@@ -47,11 +47,13 @@ def compare_to_baseline(report: Report) -> Run | None:
             run.metric_delta_vs_baseline = run.metric - base.metric
     load = report.machine.get("load")
     if noise is not None and load is not None and noise.speedup_low is not None and noise.speedup_high is not None:
-        # the same precision faster or slower than itself by more than reruns differ: the machine drifted
-        if noise.speedup_low > SAME[1] or noise.speedup_high < SAME[0]:
+        # the same precision faster or slower than itself: no speed-up within that spread is told
+        band = rerun_band(noise)
+        if band > 1.0:
+            load["rerun_band"] = band
             load["drift"] = (
                 f"{base.precision} against its own rerun ({noise.precision}) measured "
-                f"{times(noise.speedup_vs_baseline or 1.0)} ({interval(noise)}): the machine's speed drifted "
-                "more than the intervals show"
+                f"{times(noise.speedup_vs_baseline or 1.0)} ({interval(noise)}): two runs of one precision came "
+                f"out up to {times(band)} apart here, and this interval widened by that does not decide"
             )
     return base

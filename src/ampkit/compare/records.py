@@ -205,10 +205,17 @@ class Load:
     )
     busy: bool = field("Other work held over half the cores, or the matmuls ran 2x slower than they can.")
     drift: str | None = field(
-        "Set when the baseline's own rerun (the noise run) measured a speed-up whose interval lies beyond ±5%: the "
-        "machine's speed drifted beyond what the intervals show, so no speed is told; what was measured.",
+        "Set when the baseline's own rerun (the noise run) came out more than 5% faster or slower than the baseline "
+        "at its interval's far end: what was measured (every interval is then widened by rerun_band).",
         None,
         optional=True,
+    )
+    rerun_band: float | None = field(
+        "How far apart two runs of one precision came out (the far end of the baseline's rerun's interval, > 1.05): "
+        "every speed-up's interval is widened by it on both sides before it is read; null: within 5%, or no rerun.",
+        None,
+        optional=True,
+        minimum=1,
     )
 
 

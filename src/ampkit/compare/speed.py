@@ -5,6 +5,10 @@ interleaved comparison the rounds took turns, so a slow moment of the machine la
 and its interval a seeded bootstrap of those ratios: the same figures give the same interval on every run.
 Four outcomes, three of them conclusions: faster, slower, the same (the whole interval within ±5%), or
 "can't tell", which never counts as "no faster": a busy machine or disagreeing rounds are said as such.
+
+The baseline's own rerun (the noise run, "fp32 (seed 1)") is the check on every interval: two runs of one
+precision should come out the same, so where they came out further apart than `SAME` allows (`rerun_band`: the
+far end of that rerun's interval), every interval is widened by that factor before it is read.
 """
 
 from __future__ import annotations
@@ -55,22 +59,32 @@ def outcome(
     *,
     busy: bool = False,
     interleaved: bool = True,
-    drift: bool = False,
+    band: float = 1.0,
 ) -> Outcome:
     """What the figures let a reader conclude. Without an interval (no rounds) the point alone decides, unless
-    the machine was busy; one-after-another runs on a busy machine cannot tell drift from speed, and where the
-    baseline's own rerun came out faster or slower than itself (`drift`) no interval can be trusted."""
-    if drift:
-        return "unclear"
+    the machine was busy; one-after-another runs on a busy machine cannot tell drift from speed; `band` (>= 1) is
+    how far apart two runs of one precision came out here where that was beyond `SAME` (`rerun_band`): the
+    interval, widened by it on both sides, must clear 1.0 to be told, or lie within `SAME` to be the same."""
     if low is None or high is None:
         if busy:
             return "unclear"
         return "same" if SAME[0] <= speedup < SAME[1] else "faster" if speedup >= 1 else "slower"
     if busy and not interleaved:
         return "unclear"
+    low, high = low / band, high * band
     if SAME[0] <= low and high <= SAME[1]:
         return "same"
     return "faster" if low > 1 else "slower" if high < 1 else "unclear"
+
+
+def rerun_band(rerun: Any) -> float:
+    """How far apart two runs of one precision came out: the far end of the baseline's rerun's interval against
+    the baseline (1.11 for 1.07x, 95% CI 1.03x-1.11x; 1.25 for 0.9x, 0.8x-0.95x); 1.0 where that is within `SAME`
+    (reruns agree) or there is no interval."""
+    if rerun.speedup_low is None or rerun.speedup_high is None:
+        return 1.0
+    far = max(rerun.speedup_high, 1 / rerun.speedup_low)
+    return far if far > SAME[1] else 1.0
 
 
 def run_outcome(run: Any, load: dict[str, Any] | None) -> Outcome:
@@ -81,7 +95,7 @@ def run_outcome(run: Any, load: dict[str, Any] | None) -> Outcome:
         run.speedup_high,
         busy=bool(load and load.get("busy")),
         interleaved=run.rounds_interleaved is not False,
-        drift=bool(load and load.get("drift")),
+        band=(load or {}).get("rerun_band") or 1.0,
     )
 
 
@@ -125,15 +139,19 @@ def measured(run: Any) -> str:
 
 
 def unclear_reason(run: Any, load: dict[str, Any] | None) -> str:
-    """Why a speed-up is inconclusive: "it was busy (load 12 on 2 cores; ops ran ~3× slower than this CPU
-    can)", or "the rounds disagree"; and where the runs ran one after another, that too."""
+    """Why a speed-up is inconclusive: where its interval alone would have decided, the baseline's rerun that
+    widened it (`machine.load.drift`); "it was busy (load 12 on 2 cores; ops ran ~3× slower than this CPU can)";
+    or "the rounds disagree"; and where the runs ran one after another, that too."""
     sequential = f" and {SEQUENTIAL}" if run.rounds_interleaved is False else ""
-    if load and load.get("drift"):
-        return f"{load['drift']}{sequential}"
+    low, high = run.speedup_low, run.speedup_high
+    decided = low is not None and high is not None and (low > 1 or high < 1 or (SAME[0] <= low and high <= SAME[1]))
+    busy = ""
     if load and load.get("busy"):
-        busy = describe_load(load)
-        return f"it was busy{f' ({busy})' if busy else ''}{sequential}"
-    return f"the rounds disagree{sequential}"
+        figures = describe_load(load)
+        busy = f"it was busy{f' ({figures})' if figures else ''}"
+    if load and load.get("drift") and decided:  # alone, its interval would have decided: the rerun's band did not
+        return f"{load['drift']}{f'; {busy}' if busy else ''}{sequential}"
+    return f"{busy or 'the rounds disagree'}{sequential}"
 
 
 def cant_tell(run: Any, load: dict[str, Any] | None) -> str:

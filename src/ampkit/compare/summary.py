@@ -53,10 +53,17 @@ def notes(report: Report) -> list[str]:
             if any(r.rounds_interleaved is False for r in report.runs)
             else "the runs took turns in rounds"
         )
+        band = (report.machine.get("load") or {}).get("rerun_band") or 1.0
+        widened = (
+            f"; {report.baseline} against its own rerun came out up to {times(band)} apart, so each interval is "
+            f"widened by {times(band)} before it is read"
+            if band > 1.0
+            else ""
+        )
         out.append(
             f"speed-up: the geometric mean of paired per-round ratios with its 95% bootstrap interval "
             f"({rounds}); an interval within {times(SAME[0])}\u2013{times(SAME[1])} is 'same speed', one "
-            f"across 1.0 otherwise 'can't tell'"
+            f"across 1.0 otherwise 'can't tell'{widened}"
         )
     if (load := report.machine.get("load")) is not None:
         figures = describe_load(load) or "no load figures on this OS"

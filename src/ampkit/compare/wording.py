@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ampkit.compare.records import Report, Run, Task
-from ampkit.compare.speed import RERUN, measured, qualifiers, run_outcome, speed_words, unclear_reason
+from ampkit.compare.speed import RERUN, interval, measured, qualifiers, run_outcome, speed_words, unclear_reason
 from ampkit.precision import PRESETS
 from ampkit.present import sig, signed, size, times
 from ampkit.schema import build
@@ -178,6 +178,13 @@ def verdict(
     if status != "ok":
         return f"{name}: {status}{why}"
     parts = _comparisons(run, load)
+    rerun = baseline is not None and run.precision.startswith(f"{baseline.precision} (seed ")
+    if rerun and run.speedup_vs_baseline is not None:  # not a choice: the spread of two runs of one precision
+        ci = f" ({interval(run)})" if interval(run) else ""
+        parts[0] = (
+            f"{baseline.precision} again: {times(run.speedup_vs_baseline)}{ci}, how far apart two runs of one "
+            "precision came out here"
+        )
     delta = metric_delta(run, baseline, task)
     if delta is not None:
         noise = within_noise(run, baseline, task)
@@ -187,7 +194,7 @@ def verdict(
         parts.append(f"{metric_name(task)} {delta}")
     if run.skipped_steps:
         parts.append(f"{run.skipped_steps} overflow step{'s' if run.skipped_steps != 1 else ''} skipped")
-    if run.speedup_vs_baseline is not None and run_outcome(run, load) == "unclear":  # the long clause goes last
+    if not rerun and run.speedup_vs_baseline is not None and run_outcome(run, load) == "unclear":  # long: last
         return f"{name}: {'; '.join([', '.join(parts[1:]), parts[0]] if parts[1:] else parts[:1])}"
     return f"{name}: {', '.join(parts) or 'no baseline to compare with'}"
 
