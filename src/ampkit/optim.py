@@ -2,8 +2,8 @@
 fp32 update of low-precision weights (`ampkit.lowp_weights`).
 
 The user's optimizer object, algorithm and flags are never changed (parity with a hand-written loop
-depends on it). `AmpOptimizer` talks to its Accelerator through public attributes only (`cycle`,
-`scaler`, `events`, `device`, `distributed`, `policy`) and owns its own state (`state_dict()`).
+depends on it). `AmpOptimizer` never holds its Accelerator: it steps through a `StepContext` (the cycle,
+the scaler, events, item counts, the device) and owns its own state (`state_dict()`).
 """
 
 from __future__ import annotations
