@@ -21,7 +21,7 @@ def test_a_run_that_fits_keeps_its_steps_and_its_estimate_is_what_is_left() -> N
     assert fit.steps == {"fp32": 300, "bf16-mixed": 300} and fit.cut_from is None
     assert abs(fit.estimate_s - (295 * 0.15 + 4.0)) < 1e-9
     line = plan_line(fit.steps, ["fp32", "bf16-mixed"], fit)
-    assert line.startswith("fp32 (300 steps), bf16-mixed (300 steps): 4 rounds taking turns, about 48 s ")
+    assert line.startswith("fp32 (300 steps), bf16-mixed (300 steps): 8 rounds taking turns, about 48 s ")
     assert "cut" not in line
 
 
@@ -85,7 +85,7 @@ def test_off_a_terminal_each_round_prints_elapsed_and_left(capsys) -> None:
     for r in range(1, ROUNDS + 1):
         progress.round_done(r, elapsed_s=30.0 * r, after_s=12.0)
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "round 1/4 done: 30 s elapsed, about 1 min 42 s left"
-    assert lines[-1] == "round 4/4 done: 2 min 00 s elapsed, about 12 s left" and len(lines) == ROUNDS
+    assert lines[0] == "round 1/8 done: 30 s elapsed, about 3 min 42 s left"
+    assert lines[-1] == "round 8/8 done: 4 min 00 s elapsed, about 12 s left" and len(lines) == ROUNDS
     RunProgress(show=False).round_done(1, 1.0, 0.0)  # --quiet: nothing
     assert capsys.readouterr().out == ""

@@ -13,6 +13,7 @@ import ampkit
 import ampkit.hardware
 import ampkit.tasks
 from ampkit.compare import RunSpec, compare, default_precisions, run_one
+from ampkit.compare.budget import ROUNDS
 from ampkit.hardware import Support
 from conftest import make_loader, make_model
 
@@ -149,13 +150,13 @@ def test_report_files_from_a_real_comparison(tmp_path, capsys):
     assert "largest batch that fits in " in html
     printed = capsys.readouterr().out
     assert "fp16-mixed" in printed and "baseline" in printed
-    # the runs took turns: a warm-up chunk, then 4 timed rounds each, announced with an estimate
-    assert printed.index("fp32 (15 steps), fp16-mixed (15 steps): 4 rounds taking turns, about ") < printed.index(
+    # the runs took turns: a warm-up chunk, then ROUNDS timed rounds each, announced with an estimate
+    assert printed.index("fp32 (15 steps), fp16-mixed (15 steps): 8 rounds taking turns, about ") < printed.index(
         "Verdict"
     )
-    assert report["plan"].startswith("fp32 (15 steps), fp16-mixed (15 steps): 4 rounds")
+    assert report["plan"].startswith("fp32 (15 steps), fp16-mixed (15 steps): 8 rounds")
     assert all(
-        len(r["round_step_times_s"]) == 4 and all(t > 0 for t in r["round_step_times_s"]) for r in report["runs"]
+        len(r["round_step_times_s"]) == ROUNDS and all(t > 0 for t in r["round_step_times_s"]) for r in report["runs"]
     )
     assert 0 < fp16["speedup_low"] <= fp16["speedup_vs_baseline"] <= fp16["speedup_high"]  # the paired rounds' 95% CI
     assert report["runs"][0]["speedup_low"] is None and fp16["rounds_interleaved"] is True

@@ -13,7 +13,7 @@ import math
 from ampkit.present import duration
 
 #: Rounds an interleaved comparison's timed steps are split into, after the warm-up chunk.
-ROUNDS = 4
+ROUNDS = 8
 
 #: Seconds a default comparison's timed rounds should take, by the warm-up's step times; its full runs' steps
 #: are cut to fit, to `FIT_FLOOR` of the task's at the least. Start-up, warm-up, evaluation, the plan (with its
