@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -251,6 +252,37 @@ def test_the_load_check_marks_a_busy_machine_and_says_what_it_measured():
     assert worst(judge(0.3, 2, 2, 1.1), judge(4.0, 2, 2, 1.5), None) == judge(4.0, 2, 2, 1.5)
     now = check_load(own=1000.0)  # all of it ours: no other load
     assert now.load_average in (0.0, None) and now.cores >= 1 and now.matmul_slowdown >= 1.0
+
+
+def test_a_load_average_that_still_carries_an_ended_job_is_checked_against_the_cores_busy_now(monkeypatch):
+    # `ampkit compare` run twice in a row: the second's look before its runs still sees the first's 2 threads in
+    # the 1-minute average; the cores busy now say the machine is idle
+    import ampkit.load as load
+
+    monkeypatch.setattr(load, "load_average", lambda: 2.8)
+    monkeypatch.setattr(load, "busy_cores", lambda seconds=load.LOOK_S: 0.1)
+    ended = load.check_load(measure=False)
+    assert not ended.busy and ended.load_average == 0.1
+    monkeypatch.setattr(load, "busy_cores", lambda seconds=load.LOOK_S: 1.9)  # still going: busy
+    assert load.check_load(measure=False).busy and load.check_load(measure=False).load_average == 1.9
+    monkeypatch.setattr(load, "busy_cores", lambda seconds=load.LOOK_S: None)  # the OS does not say: the average
+    assert load.check_load(measure=False).load_average == 2.8
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="the cores busy now are read from Linux's /proc/stat")
+def test_the_cores_busy_now_see_a_spinning_process():
+    import subprocess
+    import sys
+
+    from ampkit.load import busy_cores
+
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # started
+        assert busy_cores() >= 0.5  # one core's worth, less what a shared machine's scheduler takes away
+    finally:
+        spin.kill()
+        spin.wait()
 
 
 def test_own_load_is_what_a_timing_can_add_to_the_load_average_not_all_its_threads():

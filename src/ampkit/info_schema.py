@@ -60,8 +60,9 @@ _LOAD = _object(
         "load_average": {
             "type": ["number", "null"],
             "minimum": 0,
-            "description": "1-minute load average less what the bench can have added (ampkit.load.own_load); "
-            "null where the OS has none.",
+            "description": "1-minute load average less what the bench can have added (ampkit.load.own_load), or "
+            "the cores busy in a quarter second's look where fewer (ampkit.load.busy_cores); null where the OS has "
+            "none.",
         },
         "cores": {"type": "integer", "minimum": 1},
         "threads": {"type": "integer", "minimum": 1, "description": "torch's threads."},

@@ -1,7 +1,9 @@
 """Whether the machine was busy while something was timed: the one check every timing shares.
 
-Two signs, each measured, neither guessed: the 1-minute load average beyond what ampkit's own training adds
-(`own`: its threads), against the cores; and a short burst of small fp32 matmuls on torch's threads, whose
+Two signs, each measured, neither guessed: the load beyond what ampkit's own training adds (`own`: its threads),
+against the cores -- the 1-minute load average, or where the OS says so (Linux's /proc/stat) the cores busy in a
+quarter second's look if fewer: the average still carries for a minute a job that has ended, ampkit's own
+comparison run just before included; and a short burst of small fp32 matmuls on torch's threads, whose
 average time against its fastest says how much longer ops ran than this device can run them (threads waiting
 for cores wait in whole scheduler slices, so a busy CPU shows a slow average beside a fast best).
 A timing from a busy machine is marked as such: a reader is told before any figure is trusted.
@@ -71,6 +73,37 @@ def load_average() -> float | None:
         return None
 
 
+#: How long the look at the cores busy now lasts (`busy_cores`).
+LOOK_S = 0.25
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all cores since boot, from Linux's /proc/stat; None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    if len(fields) < 5:
+        return None
+    idle = fields[3] + fields[4]  # idle and iowait
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest time is counted in user)
+    return total - idle, total
+
+
+def busy_cores(seconds: float = LOOK_S) -> float | None:
+    """How many cores' worth of work ran in the next `seconds` (this process sleeps meanwhile), or None where the
+    OS does not say: the load now, where the 1-minute average lags a minute behind."""
+    first = _cpu_times()
+    if first is None:
+        return None
+    time.sleep(seconds)
+    second = _cpu_times()
+    if second is None or second[1] <= first[1]:
+        return None
+    return (second[0] - first[0]) / (second[1] - first[1]) * (os.cpu_count() or 1)
+
+
 def own_load(threads: int, seconds: float) -> float:
     """The most `threads` threads kept busy for `seconds` can have added to the 1-minute load average: each
     sample moves it 1 - e^(-5/60) of the way towards them, and `seconds` span at most ceil(seconds / 5) + 1
@@ -94,9 +127,13 @@ def judge(load: float | None, cores: int, threads: int, slowdown: float | None) 
 
 def check_load(device: torch.device | None = None, *, own: float = 0.0, measure: bool = True) -> MachineLoad:
     """This machine now: its load average less `own` (the load ampkit's own work adds, e.g. the threads of
-    a run that just ended), and with `measure`, the matmul burst."""
+    a run that just ended), or the cores busy now where fewer (`busy_cores`: the average still carries a job
+    that ended in the last minute), and with `measure`, the matmul burst."""
     avg = load_average()
     others = None if avg is None else max(0.0, avg - own)
+    now = busy_cores() if others is not None and others > BUSY_SHARE * (os.cpu_count() or 1) else None
+    if now is not None:  # looked at only where the average alone would call the machine busy
+        others = min(others, now)
     slowdown = matmul_slowdown(device) if measure else None
     return judge(others, os.cpu_count() or 1, torch.get_num_threads(), slowdown)
 

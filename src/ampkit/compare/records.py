@@ -195,7 +195,9 @@ class Load:
     before and after); absent in reports written before the check existed."""
 
     load_average: float | None = field(
-        "1-minute load average less ampkit's own threads; null where the OS has none.", minimum=0
+        "1-minute load average less ampkit's own threads, or the cores busy in a quarter second's look where fewer "
+        "(ampkit.load.busy_cores: the average lags a minute behind); null where the OS has none.",
+        minimum=0,
     )
     cores: int = field(minimum=1)
     threads: int = field("torch's threads.", minimum=1)
