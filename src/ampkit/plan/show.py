@@ -107,7 +107,7 @@ def plot_png(result: Plan, path: str | Path) -> Path:
     (`pip install ampkit[plots]`). The memory planned for is a dashed line."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(1.6 + 1.1 * max(1, len(result.rows)), 4.2))
+    fig = Figure(figsize=(4.2 + 1.1 * max(1, len(result.rows)), 4.2))  # 2.6 in of it for the legend at the right
     ax = fig.add_subplot()
     names = [r.precision for r in result.rows]
     unit, scale = _unit(max((r.resident_bytes or r.peak_bytes for r in result.rows), default=0))
@@ -122,9 +122,10 @@ def plot_png(result: Plan, path: str | Path) -> Path:
     ax.set_title(f"Predicted peak per preset (batch {result.rows[0].batch_size if result.rows else '?'})", fontsize=10)
     ax.tick_params(axis="x", labelrotation=30, labelsize=8)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
+    fig.subplots_adjust(left=0.8 / fig.get_figwidth(), right=1 - 2.6 / fig.get_figwidth(), bottom=0.2, top=0.9)
     target = Path(path)
-    atomic_write(target, lambda handle: fig.savefig(handle, format="png", dpi=110))
+    # bbox_inches="tight": the title and the legend outside the axes are inside the picture, whatever its size
+    atomic_write(target, lambda handle: fig.savefig(handle, format="png", dpi=110, bbox_inches="tight"))
     return target
 
 
