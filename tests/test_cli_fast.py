@@ -49,6 +49,8 @@ BAD = [
     (["compare", "--steps", "x"], "--steps"),
     (["compare", "--size", "huge"], "--size"),
     (["compare", "--precisions", "fp32,fp32"], "--precisions"),
+    (["compare", "--precisions", "fp32,bf16-mixd"], "did you mean 'bf16-mixed'"),
+    (["compare", "train.py", "--precisions", "fp32,bf16-mixd"], "'bf16-mixd'"),
     (["compare", "train.py", "--steps", "0"], "--steps 0"),
     (["compare", "--device", "cpu", "train.py"], "--device is for the built-in tasks"),
     (["run"], "give a script to run"),

@@ -229,7 +229,7 @@ def test_cli_compare(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.strip() == "ampkit compare: unknown task 'nope'; choose one of: digits-cnn, iris-mlp, tiny-lm"
     assert main(["compare", "--task", "iris-mlp", "--precisions", "fp32,fp9"]) == 2
-    assert "unknown precision(s) ['fp9']" in capsys.readouterr().err
+    assert "--precisions 'fp32,fp9': unknown precision 'fp9'" in capsys.readouterr().err
 
 
 def test_an_interrupted_comparison_resumes_where_it_stopped(tmp_path, monkeypatch):

@@ -218,7 +218,10 @@ def test_run_refuses_bad_input_in_one_line_and_keeps_the_scripts_own_exit(tmp_pa
             "ampkit run: --precision 'fp12': unknown precision; choose one of: fp32",
         ),
         (["compare", str(tmp_path / "missing.py")], "ampkit compare: script "),
-        (["compare", __file__, "--precisions", "fp32,fp12"], "ampkit compare: unknown precision(s) ['fp12']"),
+        (
+            ["compare", __file__, "--precisions", "fp32,fp12"],
+            "ampkit compare: --precisions 'fp32,fp12': unknown precision 'fp12'",
+        ),
         (["compare", __file__, "--steps", "0"], "ampkit compare: --steps 0: expected an integer >= 1"),
         (["compare", "--nproc", "2", __file__], "ampkit compare: --nproc is for the built-in tasks"),
         (["compare", "--inference", __file__], "ampkit compare: --inference is for the built-in tasks"),

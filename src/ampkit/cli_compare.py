@@ -83,7 +83,7 @@ def handle(args: argparse.Namespace) -> int:
     if args.script is not None:  # ampkit compare train.py [args...]
         return _compare_script(args)
     try:
-        precisions = flags.names("--precisions", args.precisions)
+        precisions = flags.names("--precisions", args.precisions, presets=True)
     except ValueError as exc:
         return flags.usage("compare", exc)
     from ampkit.compare import compare  # torch: only once the command line is known to be good
@@ -160,7 +160,7 @@ def _compare_script(args: argparse.Namespace) -> int:
                 f"and processes, and its comparison has no numerics pass or export",
             )
     try:
-        precisions = flags.names("--precisions", args.precisions)
+        precisions = flags.names("--precisions", args.precisions, presets=True)
     except ValueError as exc:
         return flags.usage("compare", exc)
     from ampkit.compare.script import compare_script  # torch: only once the command line is known to be good
