@@ -1,10 +1,10 @@
 """Fresh-process runs for tests/test_micro_batch.py: `python micro_run.py budget PRECISION OUT` and
 `python micro_run.py resume PRECISION CKPT OUT [--kill-after N]`.
 
-budget: an MLP trained on batches 8x larger than fit `memory=` (micro_batch="auto"; how many fit is asked of
-`python micro_run.py fits PRECISION`, a process of its own); writes the peak resident memory
-of a steady step above the pre-model baseline, the budget, the chosen micro-batch and the weights, then the same
-steps unsplit (no budget) for the weights to compare.
+budget: an MLP trained on batches 8x larger than fit `memory=` (micro_batch="auto"; how many fit is a 4th argument,
+else asked of `python micro_run.py fits PRECISION`, a process of its own); writes the peak resident memory of a
+steady step above the pre-model baseline, the budget, the chosen micro-batch and the weights, then the same steps
+unsplit (no budget) for the weights to compare.
 resume: a prepared loader's batches split into micro-batches (an out-of-memory error injected in the first batch
 halves the size), a checkpoint after every step; `--kill-after N` SIGKILLs the process after the N-th.
 """
@@ -68,10 +68,12 @@ def fits(precision: str) -> int:
     return largest_micro_batch(probe, one, BUDGET)[0]
 
 
-def budget(precision: str, out: Path) -> None:
-    rows = 8 * int(
-        subprocess.run([sys.executable, __file__, "fits", precision], capture_output=True, text=True, check=True).stdout
-    )
+def budget(precision: str, out: Path, fit: int | None = None) -> None:
+    """`fit`: the plan's largest micro-batch, where the caller has it (else asked of `fits` in a new process)."""
+    if fit is None:
+        done = subprocess.run([sys.executable, __file__, "fits", precision], capture_output=True, text=True, check=True)
+        fit = int(done.stdout)
+    rows = 8 * fit
     base = resident_now()  # before any model: the baseline ampkit plan's figures are judged against
     acc, split, peak = train(precision, "auto", rows, BUDGET, base)
     _, whole, _ = train(precision, None, rows, None, base)
@@ -109,7 +111,7 @@ def resume(precision: str, ckpt: Path, out: Path, kill_after: int | None) -> Non
 if __name__ == "__main__":
     mode, precision = sys.argv[1], sys.argv[2]
     if mode == "budget":
-        budget(precision, Path(sys.argv[3]))
+        budget(precision, Path(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else None)
     elif mode == "fits":
         print(fits(precision))
     else:

@@ -166,7 +166,9 @@ def test_auto_trains_a_batch_8x_too_large_within_the_budget_and_equals_the_unspl
     """Fresh process: the peak resident memory of a steady step above the pre-model baseline (as ampkit plan's
     figures are judged) stays within memory=, and the weights equal the unsplit run's within rounding."""
     out = tmp_path / "budget.json"
-    _fresh(["budget", precision, str(out)])
+    from micro_run import fits  # planned here: the measured process holds only what a user's run holds
+
+    _fresh(["budget", precision, str(out), str(fits(precision))])
     r = json.loads(out.read_text())
     assert -(-r["rows"] // r["size"]) >= 8, r  # 8 times the largest micro-batch: split in 8 or more
     assert 0 < r["peak"] <= r["budget"], r
