@@ -269,6 +269,21 @@ def test_a_load_average_that_still_carries_an_ended_job_is_checked_against_the_c
     assert load.check_load(measure=False).load_average == 2.8
 
 
+def test_one_slow_matmul_burst_is_looked_at_twice_and_the_calmer_kept(monkeypatch):
+    import ampkit.load as load
+
+    monkeypatch.setattr(load, "load_average", lambda: 0.2)
+    bursts = iter([4.9, 1.2])  # a hiccup, then the machine as it is
+    monkeypatch.setattr(load, "matmul_slowdown", lambda device=None: next(bursts))
+    look = load.check_load()
+    assert not look.busy and look.matmul_slowdown == 1.2
+    bursts = iter([3.5, 3.1])  # busy both times: busy
+    assert load.check_load().busy
+    calm = iter([1.1])  # a calm first burst is not taken again
+    monkeypatch.setattr(load, "matmul_slowdown", lambda device=None: next(calm))
+    assert load.check_load().matmul_slowdown == 1.1
+
+
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="the cores busy now are read from Linux's /proc/stat")
 def test_the_cores_busy_now_see_a_spinning_process():
     import subprocess

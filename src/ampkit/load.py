@@ -128,13 +128,17 @@ def judge(load: float | None, cores: int, threads: int, slowdown: float | None) 
 def check_load(device: torch.device | None = None, *, own: float = 0.0, measure: bool = True) -> MachineLoad:
     """This machine now: its load average less `own` (the load ampkit's own work adds, e.g. the threads of
     a run that just ended), or the cores busy now where fewer (`busy_cores`: the average still carries a job
-    that ended in the last minute), and with `measure`, the matmul burst."""
+    that ended in the last minute), and with `measure`, the matmul burst (taken twice where the first says busy,
+    the calmer kept: one slow moment of a quarter second is not a busy machine)."""
     avg = load_average()
     others = None if avg is None else max(0.0, avg - own)
     now = busy_cores() if others is not None and others > BUSY_SHARE * (os.cpu_count() or 1) else None
     if now is not None:  # looked at only where the average alone would call the machine busy
         others = min(others, now)
     slowdown = matmul_slowdown(device) if measure else None
+    if slowdown is not None and slowdown >= SLOWDOWN_BUSY:  # a moment's hiccup, or busy: a second burst says which
+        again = matmul_slowdown(device)
+        slowdown = min(slowdown, again) if again is not None else slowdown
     return judge(others, os.cpu_count() or 1, torch.get_num_threads(), slowdown)
 
 
