@@ -651,3 +651,26 @@ def test_the_largest_batch_each_precision_fits_is_a_note_with_its_ratio_to_the_b
     assert note in " ".join(format_text(report).split())  # the terminal wraps it
     write_report(report, tmp_path)
     assert html.escape(note) in (tmp_path / "report.html").read_text()
+
+
+def test_the_throughput_bars_say_what_the_paired_speed_up_says(sample, tmp_path):
+    """Under load that came and went, a run's own median step time can part from its paired per-round speed-up
+    (1.34x against 1.52x in one comparison): the bar is drawn from the speed-up, as its label and error bar are."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from ampkit.compare import plots
+
+    report = copy.deepcopy(sample)
+    fp16 = run_of(report, "fp16-mixed")
+    fp16.update(speedup_vs_baseline=1.52, speedup_low=0.96, speedup_high=2.35, samples_per_s=1.34 * 780.1)
+    records = validate_report(report)
+    ax = Figure().add_subplot()
+    plots._throughput(records, ax, {r.precision: "#d62728" for r in records.runs})
+    heights = {patch.get_x(): patch.get_height() for patch in ax.patches}
+    bars = [heights[x] for x in sorted(heights)]
+    assert bars[0] == pytest.approx(780.1)  # the baseline's own samples/s
+    assert bars[2] == pytest.approx(780.1 * 1.52)  # not 1.34x: the paired speed-up, as the label says
+    labels = [t.get_text() for t in ax.texts]
+    assert "1.52×\n(0.96×–2.35×)" in labels
+    write_report(report, tmp_path)  # the page draws it

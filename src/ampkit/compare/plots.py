@@ -17,9 +17,10 @@ PLOT_FILES: dict[str, str] = {
 CAPTIONS = {
     "loss_curves": "Training loss per optimizer step (log scale). A gap is a non-finite loss; "
     "\u00d7 marks a diverged run's last finite step.",
-    "throughput": "Training samples per second after warm-up; labels are the speed-up over the "
-    "baseline, error bars its 95% interval from the paired rounds (as in the verdict). Hatched "
-    "bars are probes (a few steps only).",
+    "throughput": "Training samples per second after warm-up: the baseline's, and each other run's as its "
+    "speed-up over the baseline puts it (labels), error bars that speed-up's 95% interval from the paired "
+    "rounds (as in the verdict; the table's samples/s is each run's own median). Hatched bars are probes "
+    "(a few steps only).",
     "scale_history": "Dynamic loss scale per optimizer step (log\u2082). Each drop is a step skipped "
     "because its gradients overflowed.",
     "memory": "Peak memory of each run's training; the parts counted from its tensors where known "
@@ -118,7 +119,7 @@ def _throughput(report: Report, ax: Any, colors: dict[str, str]) -> str | None:
     runs = report.runs
     if not any(r.samples_per_s is not None for r in runs):
         return None
-    heights = [r.samples_per_s or 0.0 for r in runs]
+    heights = [_height(r, report.baseline_run()) for r in runs]
     low, high = zip(*(_error_bar(r, h) for r, h in zip(runs, heights)))
     bars = ax.bar(
         [r.precision for r in runs],
@@ -142,6 +143,15 @@ def _throughput(report: Report, ax: Any, colors: dict[str, str]) -> str | None:
     ax.set(ylabel="samples/s (higher is better)", ylim=(0, max(h + t for h, t in zip(heights, high)) * 1.2))
     ax.grid(True, axis="y", alpha=0.3)
     return "Throughput"
+
+
+def _height(run: Run, base: Run | None) -> float:
+    """The baseline's samples/s times the run's speed-up (paired rounds), so that bar, label and error bar say what
+    the verdict says; the run's own median where there is no baseline figure. Under load that came and went a
+    run's own median can part from its paired figure (1.34x against 1.52x): the pairs are the better measure."""
+    if base is not None and base.samples_per_s and run.speedup_vs_baseline and run is not base:
+        return base.samples_per_s * run.speedup_vs_baseline
+    return run.samples_per_s or 0.0
 
 
 def _error_bar(run: Run, height: float) -> tuple[float, float]:
