@@ -364,3 +364,17 @@ def test_compare_inference_adds_the_exports_section_to_the_report(tmp_path):
 def test_inference_needs_a_task_and_an_out_folder():
     with pytest.raises(ValueError, match="inference=True needs task= and out="):
         compare(task="iris-mlp", precisions=["fp32"], inference=True)
+
+
+@pytest.mark.slow  # a torchrun launch (~6 s) for an error path
+def test_a_run_that_fails_under_torchrun_says_the_workers_own_error():
+    from ampkit.compare.turns import RunFailed, run_torchrun
+
+    spec = RunSpec(precision="fp32", device="cpu", seed=0, task="no-such-task", steps=2, nproc=2)
+    with pytest.raises(RunFailed) as failed:
+        run_torchrun(spec, lambda step: None)
+    # the worker's exception, not torchrun's ChildFailedError around it, and without the "[rank0]: " prefix
+    assert str(failed.value) == (
+        "torchrun exited with code 1: ValueError: unknown task 'no-such-task'; choose one of: digits-cnn, "
+        "iris-mlp, tiny-lm"
+    )

@@ -16,6 +16,7 @@ import math
 import multiprocessing
 import os
 import pickle
+import re
 import statistics
 import subprocess
 import sys
@@ -168,6 +169,10 @@ def run_isolated(
         worker.close()
 
 
+#: The line a Python traceback ends with, as torchrun prefixes a rank's output: "[rank0]: ValueError: ...".
+_RAISED = re.compile(r"(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt): .*)")
+
+
 def run_torchrun(spec: RunSpec, on_progress: Callable[[int], None]) -> Run:
     """`run_one(spec)` as `torchrun --nproc-per-node=N -m ampkit.compare`; rank 0 reports."""
     with tempfile.TemporaryDirectory(prefix="ampkit-compare-") as tmp:
@@ -185,19 +190,24 @@ def run_torchrun(spec: RunSpec, on_progress: Callable[[int], None]) -> Run:
             str(out_file),
             str(progress_file),
         ]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            while proc.poll() is None:
-                time.sleep(0.2)
-                with contextlib.suppress(OSError, ValueError):
-                    on_progress(int(progress_file.read_text() or 0))
-        finally:
-            if proc.poll() is None:
-                proc.terminate()
-                proc.wait(timeout=30)
-        output = proc.stdout.read() if proc.stdout else ""
+        log = Path(tmp, "torchrun.log")  # a file, not a pipe: a pipe read only at the end fills and blocks torchrun
+        with log.open("w") as sink:
+            proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, text=True)
+            try:
+                while proc.poll() is None:
+                    time.sleep(0.2)
+                    with contextlib.suppress(OSError, ValueError):
+                        on_progress(int(progress_file.read_text() or 0))
+            finally:
+                if proc.poll() is None:
+                    proc.terminate()
+                    proc.wait(timeout=30)
+        output = log.read_text(errors="replace")
         if proc.returncode != 0 or not out_file.exists():
-            tail = [line for line in output.splitlines() if "Error" in line][-1:] or output.splitlines()[-1:]
+            lines = output.splitlines()
+            # a worker's own exception ("ValueError: ..."), not torchrun's ChildFailedError around it
+            raised = [m.group(1) for m in map(_RAISED.match, lines) if m and "ChildFailedError" not in m.group(1)]
+            tail = raised[:1] or [ln for ln in lines if "Error" in ln][-1:] or lines[-1:]
             raise RunFailed(f"torchrun exited with code {proc.returncode}: {tail[0] if tail else 'no output'}")
         return pickle.loads(out_file.read_bytes())
 
