@@ -148,7 +148,7 @@ def _throughput(report: Report, ax: Any, colors: dict[str, str]) -> str | None:
 def _height(run: Run, base: Run | None) -> float:
     """The baseline's samples/s times the run's speed-up (paired rounds), so that bar, label and error bar say what
     the verdict says; the run's own median where there is no baseline figure. Under load that came and went a
-    run's own median can part from its paired figure (1.34x against 1.52x): the pairs are the better measure."""
+    run's own median can part from its paired figure: the pairs, which saw the same machine, are the better one."""
     if base is not None and base.samples_per_s and run.speedup_vs_baseline and run is not base:
         return base.samples_per_s * run.speedup_vs_baseline
     return run.samples_per_s or 0.0
