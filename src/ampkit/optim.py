@@ -182,7 +182,8 @@ class AmpOptimizer(torch.optim.Optimizer):
         if self._ctx.cycle.at_start:
             if not (set_to_none and self._plain_zero_grad) or torch._C._autograd._profiler_enabled():
                 self.optimizer.zero_grad(set_to_none=set_to_none)
-            else:  # torch's own zero_grad(set_to_none=True) minus its profiler label (~6 µs a call, profiler on or off)
+            else:
+                # torch's own zero_grad(set_to_none=True) minus its profiler label (~6 µs a call, profiler on or off)
                 for p in (p for group in self.optimizer.param_groups for p in group["params"]):
                     p.grad = None
             if self.weights is not None:

@@ -65,7 +65,8 @@ def where(file: str, line: int) -> str:
 
 
 def times(x: float) -> str:
-    """A ratio: "0.062×", "0.82×", "1.05×", "4.8×", "16×", "215×" (two decimals near 1, where "1×" would hide 5%)."""
+    """A ratio: "0.062×", "0.82×", "1.05×", "4.8×", "16×", "215×" (two decimals near 1, where "1×" would
+    hide 5%)."""
     if x >= 100:
         return f"{x:.0f}×"
     return f"{x:.2f}".rstrip("0").rstrip(".") + "×" if 0.1 <= x < 10 else f"{x:.2g}×"

@@ -371,19 +371,19 @@ class Analysis:
                 f" (~{seconds(steady)} once its threads stop waiting for cores; this machine is busy, so "
                 f"the host times behind every estimate are too: rerun on an idle machine to trust this)"
             )
-        if best["bound"] == "host" and self.phases["data"] > best["host_s"] / 2:
-            verdict += " — the data loader keeps the device waiting"
-        elif best["bound"] == "host":
-            verdict += f" — {self.ops.per_step:.0f} kernel launches and the Python around them keep the device waiting"
+        if best["bound"] == "host":
+            data = self.phases["data"] > best["host_s"] / 2
+            launches = f"{self.ops.per_step:.0f} kernel launches and the Python around them keep"
+            verdict += f" — {'the data loader keeps' if data else launches} the device waiting"
         return {
             "here": {"device": here_name, "name": describe(self.device)["device_name"], "step_s": here},
             "reference_gpu": ref.name,
             "estimates": rows,
             "verdict": verdict,
             "assumptions": (
-                f"host time outside kernels carries over; each kernel costs dispatch + {advisor.LAUNCH_US:g} µs launch "
-                f"on the host, and on the device max(FLOPs/peak, bytes/bandwidth, {advisor.MIN_KERNEL_US:g} µs) at "
-                f"datasheet peaks (a lower bound); a sync per step adds host and device instead of overlapping them"
+                f"host time outside kernels carries over; each kernel costs dispatch + {advisor.LAUNCH_US:g} µs launch"
+                f" on the host, and on the device max(FLOPs/peak, bytes/bandwidth, {advisor.MIN_KERNEL_US:g} µs) at"
+                f" datasheet peaks (a lower bound); a sync per step adds host and device instead of overlapping them"
             ),
             "gpus": [
                 {
