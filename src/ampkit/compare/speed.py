@@ -144,12 +144,12 @@ def unclear_reason(run: Any, load: dict[str, Any] | None) -> str:
     or "the rounds disagree"; and where the runs ran one after another, that too."""
     sequential = f" and {SEQUENTIAL}" if run.rounds_interleaved is False else ""
     low, high = run.speedup_low, run.speedup_high
-    decided = low is not None and high is not None and (low > 1 or high < 1 or (SAME[0] <= low and high <= SAME[1]))
+    decided = low is not None and high is not None and outcome(1.0, low, high) != "unclear"  # the interval alone
     busy = ""
     if load and load.get("busy"):
         figures = describe_load(load)
         busy = f"it was busy{f' ({figures})' if figures else ''}"
-    if load and load.get("drift") and decided:  # alone, its interval would have decided: the rerun's band did not
+    if load and load.get("drift") and decided:  # the rerun's band, not the interval, left it unclear
         return f"{load['drift']}{f'; {busy}' if busy else ''}{sequential}"
     return f"{busy or 'the rounds disagree'}{sequential}"
 
