@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ampkit.hardware import cpu_flags
+from ampkit.hardware.capability import cpu_flags
 
 
 def interleaved(

@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 import ampkit
-from ampkit.compare import compare
-from ampkit.hardware import describe, resolve_device
+from ampkit.hardware.capability import describe, resolve_device
+from ampkit.tools.compare import compare
 
 RESULTS = Path(__file__).parent / "notes" / "compare.md"  # the full tables; RESULTS.md keeps the verdicts
 START, END = "<!-- compare:start -->", "<!-- compare:end -->"

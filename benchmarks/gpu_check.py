@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     text = table(rows, header)
     if dev.type == "cuda":  # the capability table against a measured matmul per dtype
         info = subprocess.run(
-            [sys.executable, "-m", "ampkit.cli", "info", "--bench", "--json"],
+            [sys.executable, "-m", "ampkit.cli.main", "info", "--bench", "--json"],
             capture_output=True,
             text=True,
             timeout=120,

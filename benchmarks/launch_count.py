@@ -6,7 +6,7 @@ A `TorchDispatchMode` sees every aten op one steady-state step runs (after two w
 what a GPU would launch for it: an op over a list of tensors (`_foreach_*`, `_amp_foreach_*`, `_fused_*`:
 CUDA's multi_tensor_apply) max(1, ceil(tensors / 64)); a view, alias, allocation or profiler marker 0;
 any other op 1. Host reads (`.item()`, aten._local_scalar_dense) are counted apart. bf16-true's fused
-update kernel (`ampkit.kahan`) runs outside any dispatch mode: each of its calls (`kahan.STATS.calls`)
+update kernel (`ampkit.precision.kahan`) runs outside any dispatch mode: each of its calls (`kahan.STATS.calls`)
 counts 1. The model: `layers` bias-free d x d Linear weights whose outputs are summed, d=100 (1M elements
 at 100 layers) and d=447 (20M); a step whose launches grow between the two grows with the elements.
 Counted for each ampkit preset, with and without `acc.clip_grad_norm_(1.0)` (the clip counted with the
@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampkit
-from ampkit import kahan
+from ampkit.precision import kahan
 
 #: Tensors one multi_tensor_apply launch covers (roughly CUDA's chunking of a tensor list).
 LIST_WIDTH = 64

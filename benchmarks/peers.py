@@ -67,8 +67,8 @@ from torch import nn
 
 import ampkit
 from _timing import cpu_model, interleaved, machine, median_ci, paired_ratio, spread, write_section
-from ampkit.compare.memory import proc_status, reset_peak_rss  # the same /proc readings ampkit compare uses
-from ampkit.hardware import capability, cpu_flags, resolve_device
+from ampkit.hardware.capability import capability, cpu_flags, resolve_device
+from ampkit.tools.compare.memory import proc_status, reset_peak_rss  # the same /proc readings ampkit compare uses
 
 RESULTS = Path(__file__).parent / "notes" / "peers.md"  # the full tables; RESULTS.md keeps the headline figures
 START, END = "<!-- peers:start -->", "<!-- peers:end -->"

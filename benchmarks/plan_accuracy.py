@@ -11,10 +11,10 @@ import time
 
 import torch
 
-from ampkit.plan.step import measure
-from ampkit.precision import PRESETS
-from ampkit.present import size
-from ampkit.tasks import get_task
+from ampkit.precision.policy import PRESETS
+from ampkit.tools.plan.step import measure
+from ampkit.tools.tasks import get_task
+from ampkit.util.present import size
 
 print("| task | preset | batch | predicted peak | measured peak | error | peak in | plan time |")
 print("|---|---|---|---|---|---|---|---|")

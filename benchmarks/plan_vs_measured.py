@@ -6,7 +6,7 @@
 
 Predicted: `ampkit.plan` (fake tensors, no search) -- the live tensors at their peak, the runtime part (torch's
 libraries, threads, compiler) and the allocator part (freed heap glibc keeps). Measured: in a fresh process per
-preset, `ampkit.plan.resident.steady_peak` -- the resident high-water mark of the 4th step above the process's
+preset, `ampkit.tools.plan.resident.steady_peak` -- the resident high-water mark of the 4th step above the process's
 pre-model baseline. Models: mlp-lm, an MLP-stack LM of 34 M parameters (Embedding(4096, 1024), 3 x [Linear
 1024->4096, GELU, Linear 4096->1024], Linear(1024, 4096)) at batch 512 with AdamW; tiny-lm at the size `ampkit
 compare` runs on this CPU, its batch and optimizer; tiny-lm-small. `--runtime` measures the same figure for a
@@ -48,7 +48,7 @@ def setup(name: str) -> tuple:
         g = torch.Generator().manual_seed(0)
         x, y = (torch.randint(0, 4096, (512,), generator=g) for _ in range(2))
         return MlpLM, (x, y), lambda p: torch.optim.AdamW(p, lr=1e-3), lambda out, t: F.cross_entropy(out.float(), t)
-    from ampkit.tasks import default_size, get_task, tiny_lm
+    from ampkit.tools.tasks import default_size, get_task, tiny_lm
 
     if name == "tiny":  # a transformer's kernels (attention, LayerNorm, GELU, AdamW) on a few thousand parameters
         x = torch.randint(0, tiny_lm.VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -89,7 +89,7 @@ def measured(name: str, preset: str) -> int:
 def _child(name: str, preset: str) -> None:
     import warnings
 
-    from ampkit.plan.resident import steady_peak
+    from ampkit.tools.plan.resident import steady_peak
 
     model_fn, batch, optimizer_fn, loss_fn = setup(name)
     with warnings.catch_warnings():

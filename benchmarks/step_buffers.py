@@ -29,7 +29,7 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ampkit  # noqa: E402
 from _timing import interleaved, machine, paired_ratio, write_section  # noqa: E402
-from ampkit.compare.memory import proc_status  # noqa: E402
+from ampkit.tools.compare.memory import proc_status  # noqa: E402
 
 PRESETS = ("bf16-true", "bf16-master", "fp16-master")
 D, H, B = 1024, 4096, 64

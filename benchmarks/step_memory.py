@@ -48,7 +48,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _timing import machine, write_section  # noqa: E402
-from ampkit.compare.memory import proc_status, reset_peak_rss  # noqa: E402  # the /proc readings ampkit compare uses
+from ampkit.tools.compare.memory import proc_status, reset_peak_rss  # noqa: E402  # the /proc readings ampkit compare uses
 
 PRESETS = ("fp32", "bf16-mixed", "bf16-master", "bf16-true")
 VOCAB, WIDTH, LAYERS, BATCH = 4096, 2048, 8, 512
@@ -188,7 +188,7 @@ def traffic(preset: str, layers: int = 4, width: int = 1024) -> dict[str, float]
 
 def live(preset: str) -> str:
     """Live tensor bytes at the peak of a steady-state step and of the first two steps (see the docstring)."""
-    from ampkit.plan.step import measure
+    from ampkit.tools.plan.step import measure
 
     torch.manual_seed(0)
     batch = (torch.randint(0, VOCAB, (BATCH,)), torch.randint(0, VOCAB, (BATCH,)))

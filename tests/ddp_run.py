@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ampkit
-from ampkit import files as ampkit_files
+from ampkit.util import files as ampkit_files
 
 B = 8  # per-rank batch
 

@@ -5,9 +5,9 @@ tests/fake_cuda_shim.cpp, or "-" on a torch built with CUDA), writing what it sa
 A process of its own because on a CPU-only torch the shim must be loaded before torch is imported (see the
 shim). The Accelerator is `device="cuda"`: tensors are FakeTensorMode's on "cuda:0" (shapes, dtypes and
 devices, no data, no memory), autocast is CUDA's, the optimizers take their CUDA paths (ampkit switches
-torch's default AdamW to fused=True under loss scaling: `ampkit.fused_skip`). The seams, set in this process
+torch's default AdamW to fused=True under loss scaling: `ampkit.engine.fused_skip`). The seams, set in this process
 only (`fake_cuda_device`): `ampkit.accelerator.resolve_device` (CUDA is not available, so the Accelerator would
-refuse "cuda"); the device's compute capability and name, an H100's (`ampkit.hardware` asks torch.cuda); CUDA
+refuse "cuda"); the device's compute capability and name, an H100's (`ampkit.hardware.capability` asks torch.cuda); CUDA
 autocast's two checks that a GPU is there (it would turn itself off); torch's test for a tensor type its
 foreach kernels take (a FakeTensor is not a plain Tensor); and bf16-true's compiled kernel, traced as the eager
 code it compiles.
@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 
 import ampkit  # noqa: E402
 import ampkit.accelerator  # noqa: E402
-from ampkit import kahan  # noqa: E402
+from ampkit.precision import kahan  # noqa: E402
 
 CUDA = torch.device("cuda", 0)
 TORCH_OPTIMIZER = importlib.import_module("torch.optim.optimizer")  # (torch.optim deletes its name)
@@ -67,7 +67,7 @@ _DETECTOR = ("_where", "_note", "_copy", "see", "__torch_dispatch__")
 
 
 def _where() -> tuple[str, str]:
-    """(the innermost caller outside torch and this detector: "ampkit/optim.py:307", its source line)."""
+    """(the innermost caller outside torch and this detector: "ampkit/engine/optim.py:307", its source line)."""
     for frame in reversed(traceback.extract_stack()):
         if frame.filename.startswith(TORCH_DIR) or os.path.abspath(frame.filename) == HERE and frame.name in _DETECTOR:
             continue

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ampkit
-from ampkit.plan.resident import high_water, resident_now
+from ampkit.tools.plan.resident import high_water, resident_now
 
 BUDGET = 300 * 2**20
 STEPS = 2
@@ -59,7 +59,7 @@ def train(
 def fits(precision: str) -> int:
     """The largest micro-batch of `BUDGET` by the plan (in a process of its own: the planner's kept heap and modules
     would otherwise stand in the measured process's resident set, which a user's run never holds twice)."""
-    from ampkit.plan.fit import largest_micro_batch
+    from ampkit.tools.plan.fit import largest_micro_batch
 
     probe = ampkit.Accelerator(precision=precision, device="cpu")
     model = probe.prepare(mlp())

@@ -7,6 +7,12 @@
 3. No import cycle between ampkit modules, lazy (function-level) imports included,
    `if TYPE_CHECKING:` imports aside.
 4. Files stay small enough to read whole, and `src/` does not grow.
+5. Layers as folders, calls going down only: util/hardware < precision < engine <
+   checkpoint/config/inference < accelerator < tools < cli (`ampkit.errors` is a leaf anyone imports;
+   `ampkit/__init__.py` is the face over all). Each exception is named in LAYER_EXCEPTIONS with its why.
+   Type-only imports (`if TYPE_CHECKING:`) that point up are named too, in TYPE_ONLY_UP.
+6. The tools use the engine's public boundary only: from the layers below them (precision, engine,
+   checkpoint) a tool imports only the names in TOOL_BOUNDARY.
 
 Run alone with `python -m pytest -m architecture tests/test_architecture.py`.
 """
@@ -40,7 +46,7 @@ ALLOWED_MODULE_ASSIGNMENTS = {("sys", "argv"), ("sys", "path")}
 
 @dataclass(frozen=True, eq=False)
 class Module:
-    name: str  # dotted, e.g. "ampkit.doctor.session"
+    name: str  # dotted, e.g. "ampkit.tools.doctor.perf.session"
     path: Path
     is_package: bool
     tree: ast.Module
@@ -250,8 +256,8 @@ def private_accesses() -> list[Finding]:
                 root, chain = _root(base)
                 if isinstance(root, ast.Name) and root.id in bound.modules and root.id not in ampkit_modules:
                     continue  # a third-party module attribute: torch._C, torch._foreach_copy_
-                # Through an ampkit module it counts: `ampkit.data._helper` is
-                # `from ampkit.data import _helper`, `ampkit.data.Loader._x` a class's private.
+                # Through an ampkit module it counts: `ampkit.engine.data._helper` is
+                # `from ampkit.engine.data import _helper`, `ampkit.engine.data.Loader._x` a class's private.
                 found.append(Finding(module, node.lineno, _text(module, node)))
             elif (
                 isinstance(node, ast.Call)
@@ -573,3 +579,171 @@ def test_checker_counts_the_package_init_only_when_imported_for_a_name(tmp_path,
     monkeypatch.setitem(globals(), "MODULES", _load())
     cycles = import_cycles()
     assert len(cycles) == 1 and "cycle of 3 modules: ampkit, ampkit.a, ampkit.b\n" in cycles[0], cycles
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Layers as folders
+
+#: The folder (or face module) under `ampkit.` -> its layer; a module may import its own layer and below.
+LAYERS = {
+    "util": 0,
+    "hardware": 0,
+    "errors": 0,
+    "precision": 1,
+    "engine": 2,
+    "checkpoint": 3,
+    "config": 3,
+    "inference": 3,
+    "accelerator": 4,
+    "tools": 5,
+    "cli": 6,
+}
+FACE = 99  # ampkit/__init__.py re-exports the public API from every layer
+
+#: (importing module, imported module) pairs that point up at run time, each with the reason it stays.
+LAYER_EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("ampkit.precision.fp8", "ampkit.engine.module"): "fp8 skips the kept-fp32 layers module.py finds",
+}
+
+#: Type-only imports that point up: annotations of the object a helper is handed. Each is a seam still
+#: to narrow (ARCHITECTURE.md names them); the list may shrink, never grow.
+TYPE_ONLY_UP: dict[tuple[str, str], str] = {
+    ("ampkit.checkpoint", "ampkit.accelerator"): "save/resume gather the training objects from it",
+    ("ampkit.checkpoint.folder", "ampkit.accelerator"): "the folder's writer is the Accelerator's run",
+    ("ampkit.checkpoint.sharded", "ampkit.accelerator"): "DCP's state comes from its models and optimizers",
+    ("ampkit.checkpoint.state", "ampkit.accelerator"): "collect/apply read the training objects from it",
+    ("ampkit.engine.events", "ampkit.accelerator"): "watch_created hands listeners the new Accelerator",
+    ("ampkit.engine.micro", "ampkit.accelerator"): "the micro-batch planner sizes the Accelerator's step",
+    ("ampkit.engine.prepare", "ampkit.accelerator"): "Prepared reads the Accelerator's settings",
+    ("ampkit.engine.training_state", "ampkit.accelerator"): "acc.state reads its counters",
+}
+
+
+def layer_of(name: str) -> int:
+    parts = name.split(".")
+    return FACE if len(parts) == 1 else LAYERS[parts[1]]
+
+
+def test_every_module_is_in_a_layer():
+    unplaced = sorted(n for n in MODULES if n != PACKAGE and n.split(".")[1] not in LAYERS)
+    assert not unplaced, f"modules outside the layers (add a folder to LAYERS or move them): {unplaced}"
+
+
+def _excepted(source: str, target: str) -> bool:
+    """A named exception covers its module and the packages above it that the import runs."""
+    return any(s == source and (t == target or t.startswith(target + ".")) for s, t in LAYER_EXCEPTIONS)
+
+
+ORDER = "util/hardware/errors < precision < engine < checkpoint/config/inference < accelerator < tools < cli"
+
+
+def upward_imports() -> list[str]:
+    return sorted(
+        {
+            str(e)
+            for e in import_edges()
+            if layer_of(e.target) > layer_of(e.source) and not _excepted(e.source, e.target)
+        }
+    )
+
+
+def type_only_upward() -> set[tuple[str, str]]:
+    found = set()
+    for name, module in MODULES.items():
+        parents = _parents(module.tree)
+        for node in ast.walk(module.tree):
+            if isinstance(node, ast.ImportFrom) and _under_type_checking(node, parents):
+                source = _resolve_from(module, node)
+                if source.split(".")[0] == PACKAGE and layer_of(source) > layer_of(name):
+                    found.add((name, source))
+    return found
+
+
+def test_imports_go_down_the_layers():
+    up = upward_imports()
+    assert not up, f"imports from a higher layer ({ORDER}):\n" + "\n".join(f"  {u}" for u in up)
+
+
+def test_the_named_exceptions_are_all_still_needed():
+    edges = {(e.source, e.target) for e in import_edges()}
+    stale = [pair for pair in LAYER_EXCEPTIONS if pair not in edges]
+    stale += [pair for pair in TYPE_ONLY_UP if pair not in type_only_upward()]
+    assert not stale, f"exceptions no longer needed (remove them): {stale}"
+
+
+def test_type_only_imports_up_are_named():
+    unnamed = sorted(type_only_upward() - set(TYPE_ONLY_UP))
+    assert not unnamed, f"type-only imports from a higher layer, not in TYPE_ONLY_UP: {unnamed}"
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. The tools' boundary
+
+#: What a tool may import from the layers below the face (precision, engine, checkpoint); util,
+#: hardware, errors, config, inference and the accelerator are open to them.
+TOOL_BOUNDARY: dict[str, frozenset[str]] = {
+    "ampkit.engine.events": frozenset({"Listener", "watch_created"}),  # the engine's events
+    "ampkit.engine.launch": frozenset({"run_as_main"}),  # running a user's script as __main__
+    "ampkit.engine.optim": frozenset({"AmpOptimizer"}),  # the type of acc.optimizers
+    "ampkit.engine.data": frozenset({"DeviceLoader"}),  # the type of acc.loaders
+    "ampkit.precision.outcomes": frozenset({"Outcome"}),  # what on_outcome receives
+    "ampkit.precision.policy": frozenset({"PRESETS", "dtype_name", "short_dtype_name", "fp8_problem"})
+    | frozenset({"resolve_precision"}),  # presets as data
+    "ampkit.checkpoint.folder": frozenset({"remove_folder"}),  # removing only what ampkit wrote
+    # micro_batch="auto": the planner registers its sizer with the engine
+    "ampkit.engine.micro": frozenset({"BatchDoesNotFitError", "MARGIN", "rows_of", "tensor_bytes", "use_sizer"}),
+    # plan strategy="fsdp": which presets shard, and the units FSDP2 wraps
+    "ampkit.engine.distributed": frozenset({"FSDP_PRESETS", "fsdp_units"}),
+}
+BOUNDED_LAYERS = {"precision", "engine", "checkpoint"}
+
+
+def boundary_reaches() -> list[str]:
+    found = []
+    for name, module in MODULES.items():
+        if not name.startswith(f"{PACKAGE}.tools"):
+            continue
+        for node in ast.walk(module.tree):
+            targets: list[tuple[str, str]] = []
+            if isinstance(node, ast.ImportFrom):
+                source = _resolve_from(module, node)
+                targets = [(source, a.name) for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [(a.name, "*") for a in node.names]
+            for source, imported in targets:
+                parts = source.split(".")
+                if parts[0] != PACKAGE or len(parts) < 2 or parts[1] not in BOUNDED_LAYERS:
+                    continue
+                if imported not in TOOL_BOUNDARY.get(source, frozenset()):
+                    found.append(f"{module.rel}:{node.lineno}: {source}.{imported}")
+    return sorted(found)
+
+
+def test_tools_use_only_the_public_boundary():
+    reaches = boundary_reaches()
+    assert not reaches, "tools importing past the engine's public boundary (TOOL_BOUNDARY):\n" + "\n".join(
+        f"  {r}" for r in reaches
+    )
+
+
+def test_checker_sees_layers_and_the_boundary(tmp_path, monkeypatch):
+    _scan(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "engine/__init__.py": "",
+            "engine/step.py": "from ampkit.tools.compare import x\n",
+            "engine/events.py": "class Listener: pass\n",
+            "engine/optim.py": "def secret(): pass\n",
+            "tools/__init__.py": "",
+            "tools/compare.py": (
+                "x = 1\nfrom ampkit.engine.events import Listener\nfrom ampkit.engine.optim import secret\n"
+            ),
+        },
+        monkeypatch,
+    )
+    assert upward_imports() == [
+        "ampkit.engine.step -> ampkit.tools  (src/ampkit/engine/step.py:1)",
+        "ampkit.engine.step -> ampkit.tools.compare  (src/ampkit/engine/step.py:1)",
+    ]
+    assert boundary_reaches() == ["src/ampkit/tools/compare.py:3: ampkit.engine.optim.secret"]

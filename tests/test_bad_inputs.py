@@ -3,7 +3,7 @@ expected type, naming the argument (or flag), before anything is changed.
 
 API cases assert the exception type, that the message names the argument, and that the model's
 weights and gradients, the optimizer's state, the Accelerator's own state and the files around
-(the working directory included) are as they were. CLI cases run `ampkit.cli.main` in-process and
+(the working directory included) are as they were. CLI cases run `ampkit.cli.main.main` in-process and
 assert exit status 2, one line on stderr naming the flag, no traceback, and no file written.
 
 Deliberately left as they are (see the end of this file for the cases that pin them):
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import ampkit
-from ampkit.cli import main
+from ampkit.cli.main import main
 from ampkit.errors import AmpkitError
 from conftest import make_model
 
@@ -420,7 +420,7 @@ def test_the_suggestions_name_the_flag_and_preset_meant(cli_dir, capsys):
 def test_torchrun_flags_that_fit_pass_the_checks(given):
     import argparse
 
-    from ampkit import cli_args
+    from ampkit.cli import args as cli_args
 
     names = ("nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "master_addr", "master_port")
     assert cli_args.torchrun(argparse.Namespace(**{n: given.get(n) for n in names})) is None

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import re
 
-from ampkit.compare.budget import BUDGET_S, FIT_FLOOR, ROUNDS, fit_steps, plan_line
-from ampkit.compare.turns import RunProgress
-from ampkit.present import duration
+from ampkit.tools.compare.budget import BUDGET_S, FIT_FLOOR, ROUNDS, fit_steps, plan_line
+from ampkit.tools.compare.turns import RunProgress
+from ampkit.util.present import duration
 
 
 def test_a_run_that_fits_keeps_its_steps_and_its_estimate_is_what_is_left() -> None:

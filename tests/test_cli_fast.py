@@ -3,7 +3,7 @@ importing torch takes seconds on a cold start, a typo's answer should not. Each 
 interpreter, since this test process has imported torch long ago.
 
 The package's lazy public API (PEP 562, `ampkit/__init__.py`) is checked here too: it is what lets
-`import ampkit.cli` skip torch, and every name must still come out as it did when imported eagerly.
+`import ampkit.cli.main` skip torch, and every name must still come out as it did when imported eagerly.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 ENV = {**os.environ, "PYTHONPATH": str(SRC)}
 
-# Runs ampkit.cli.main on each argv of argv[1] (JSON) and prints what each did, and whether torch was imported.
+# Runs ampkit.cli.main.main on each argv of argv[1] (JSON) and prints what each did, and whether torch was imported.
 RUN_MAIN = """
 import contextlib, io, json, sys
-from ampkit.cli import main
+from ampkit.cli.main import main
 results = []
 for argv in json.loads(sys.argv[1]):
     out, err = io.StringIO(), io.StringIO()
@@ -112,7 +112,7 @@ def test_bad_command_line_answers_in_one_line(answers, index):
 
 def test_the_module_entry_point_answers_help():
     done = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "ampkit.cli", "compare", "--help"],
+        [sys.executable, "-X", "importtime", "-m", "ampkit.cli.main", "compare", "--help"],
         capture_output=True,
         text=True,
         env=ENV,
@@ -120,14 +120,14 @@ def test_the_module_entry_point_answers_help():
     )
     assert done.returncode == 0 and done.stdout.startswith("usage: ampkit compare"), done.stderr[-2000:]
     imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if "|" in line]
-    assert "ampkit.cli_compare" in imported and not any(m.split(".")[0] == "torch" for m in imported)
+    assert "ampkit.cli.compare" in imported and not any(m.split(".")[0] == "torch" for m in imported)
 
 
 # Records, on the first write to stderr, whether torch was imported yet; then runs `ampkit export` on a
 # task that does not exist (it fails after torch is imported, before any training).
 EXPORT_PROGRESS = """
 import io, sys
-from ampkit.cli import main
+from ampkit.cli.main import main
 
 class First(io.StringIO):
     torch_at_first_write = None
@@ -166,13 +166,15 @@ import sys
 import ampkit
 assert "torch" not in sys.modules, "import ampkit imported torch"
 assert set(ampkit.__all__) <= set(dir(ampkit)) and "__version__" in dir(ampkit)
-import ampkit.plan  # the subpackage, imported before the name: ampkit.plan stays the function
+import ampkit.tools.plan  # the subpackage, imported before the name: ampkit.plan stays the function
 from ampkit import Accelerator, compare, export, plan
-import ampkit.compare.runner, ampkit.export.measure
+import ampkit.tools.compare.runner, ampkit.tools.export.measure
 assert ampkit.Accelerator is Accelerator and Accelerator.__module__ == "ampkit.accelerator"
+homes = {"compare": "ampkit.tools.compare", "export": "ampkit.inference", "plan": "ampkit.tools.plan"}
 for name, function in (("compare", compare), ("export", export), ("plan", plan)):
     assert callable(function) and type(function).__name__ == "function", (name, function)
-    assert getattr(ampkit, name) is function and function.__module__.startswith("ampkit." + name), name
+    assert getattr(ampkit, name) is function and function.__module__.startswith(homes[name]), name
+assert callable(ampkit.doctor.profile) and ampkit.doctor.__name__ == "ampkit.tools.doctor"
 assert isinstance(ampkit.__version__, str) and ampkit.__version__
 try:
     ampkit.no_such_name
@@ -206,7 +208,7 @@ def test_type_checkers_see_what_runs():
 
 
 def test_the_torch_free_preset_names_are_the_presets():
-    from ampkit.precision import PRESET_NAMES, PRESETS
-    from ampkit.preset_names import PRESET_NAMES as TORCH_FREE
+    from ampkit.precision.names import PRESET_NAMES as TORCH_FREE
+    from ampkit.precision.policy import PRESET_NAMES, PRESETS
 
     assert TORCH_FREE == PRESET_NAMES == (*PRESETS, "auto")

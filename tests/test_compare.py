@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 
 import ampkit
-import ampkit.hardware
-import ampkit.tasks
-from ampkit.compare import RunSpec, compare, default_precisions, run_one
-from ampkit.compare.budget import ROUNDS
-from ampkit.hardware import Support
+import ampkit.hardware.capability
+import ampkit.tools.tasks
+from ampkit.hardware.capability import Support
+from ampkit.tools.compare import RunSpec, compare, default_precisions, run_one
+from ampkit.tools.compare.budget import ROUNDS
 from conftest import make_loader, make_model
 
 
@@ -89,7 +89,7 @@ def test_a_diverging_run_is_reported_with_its_last_finite_step():
 
 def test_a_preset_the_hardware_cannot_run_is_skipped_and_the_rest_still_run(monkeypatch):
     no_bf16 = Support("old GPU", bf16_runs=False, bf16_fast=False, fp16_runs=True, fp16_fast=True, source="test")
-    monkeypatch.setattr("ampkit.precision.capability", lambda device: no_bf16)
+    monkeypatch.setattr("ampkit.precision.policy.capability", lambda device: no_bf16)
     report = compare(user_train_fn, ["fp32", "bf16-mixed", "fp16-mixed"], device="cpu", show=False, isolate=False)
     statuses = {r["precision"]: r["status"] for r in report["runs"]}
     assert statuses == {"fp32": "ok", "bf16-mixed": "skipped", "fp16-mixed": "ok"}
@@ -115,17 +115,17 @@ def test_bad_input():
 def test_default_precisions_follow_the_hardware(monkeypatch):
     cpu = torch.device("cpu")
     zen4 = {"avx512_bf16": True, "amx_bf16": False, "avx512_fp16": False, "amx_fp16": False}
-    monkeypatch.setattr("ampkit.hardware.cpu_flags", lambda: zen4)
+    monkeypatch.setattr("ampkit.hardware.capability.cpu_flags", lambda: zen4)
     assert default_precisions(cpu) == (["fp32", "bf16-mixed"], [])  # a CPU's bf16 presets compute alike
-    monkeypatch.setattr("ampkit.hardware.cpu_flags", lambda: dict.fromkeys(zen4, False))
+    monkeypatch.setattr("ampkit.hardware.capability.cpu_flags", lambda: dict.fromkeys(zen4, False))
     assert default_precisions(cpu) == (["fp32"], ["bf16-mixed"])
 
 
 def test_report_files_from_a_real_comparison(tmp_path, capsys):
     import json
 
-    from ampkit.compare import validate_report
-    from ampkit.doctor import validate_numerics
+    from ampkit.tools.compare import validate_report
+    from ampkit.tools.doctor import validate_numerics
 
     out = tmp_path / "report"
     compare(task="iris-mlp", precisions=["fp32", "fp16-mixed"], steps=15, device="cpu", out=out)
@@ -162,7 +162,7 @@ def test_report_files_from_a_real_comparison(tmp_path, capsys):
     assert report["runs"][0]["speedup_low"] is None and fp16["rounds_interleaved"] is True
     load = report["machine"]["load"]  # the shared load check, looked at before and after the runs
     assert load["cores"] >= 1 and load["matmul_slowdown"] >= 1 and isinstance(load["busy"], bool)
-    params = list(ampkit.tasks.get_task("iris-mlp").make_model(0).parameters())
+    params = list(ampkit.tools.tasks.get_task("iris-mlp").make_model(0).parameters())
     weights = 4 * sum(p.numel() for p in params)  # fp32; AdamW keeps two moments and a step count per tensor
     assert fp16["memory_parts"] == {
         "weights": weights,
@@ -181,7 +181,9 @@ def test_report_files_from_a_real_comparison(tmp_path, capsys):
 
 
 def test_the_default_comparison_measures_its_own_noise_and_recommends_from_it(monkeypatch, capsys):
-    monkeypatch.setattr("ampkit.hardware.cpu_flags", lambda: dict.fromkeys(ampkit.hardware.CPU_FLAGS, False))
+    monkeypatch.setattr(
+        "ampkit.hardware.capability.cpu_flags", lambda: dict.fromkeys(ampkit.hardware.capability.CPU_FLAGS, False)
+    )
     report = compare(task="iris-mlp", steps=12, device="cpu", numerics=False)
     fp32, noise, probe = report["runs"]
     assert (noise["precision"], noise["status"], probe["status"]) == ("fp32 (seed 1)", "ok", "probe")
@@ -190,9 +192,9 @@ def test_the_default_comparison_measures_its_own_noise_and_recommends_from_it(mo
     assert report["plan"].startswith("fp32 (12 steps), fp32 (seed 1) (12 steps), bf16-mixed (probe, 8 steps): ")
     first = capsys.readouterr().out.split("$ ")[1].splitlines()[1]
     # the probe explains it, never the noise run; and fp32 only from a speed the interval settles
-    from ampkit.compare.records import Run
-    from ampkit.compare.speed import run_outcome
-    from ampkit.schema import build
+    from ampkit.tools.compare.records import Run
+    from ampkit.tools.compare.speed import run_outcome
+    from ampkit.tools.schema import build
 
     fate = run_outcome(build(Run, probe), report["machine"]["load"])
     if fate == "unclear":  # e.g. a busy machine: it says so rather than "Use fp32"
@@ -202,7 +204,7 @@ def test_the_default_comparison_measures_its_own_noise_and_recommends_from_it(mo
 
 
 def test_cli_compare(tmp_path, capsys):
-    from ampkit.cli import main
+    from ampkit.cli.main import main
 
     assert (
         main(
@@ -235,7 +237,7 @@ def test_cli_compare(tmp_path, capsys):
 def test_an_interrupted_comparison_resumes_where_it_stopped(tmp_path, monkeypatch):
     import importlib
 
-    runner = importlib.import_module("ampkit.compare.runner")  # a module (ampkit.compare is the function)
+    runner = importlib.import_module("ampkit.tools.compare.runner")  # a module (ampkit.compare is the function)
 
     kwargs = dict(task="iris-mlp", precisions=["fp32", "fp16-mixed"], steps=20, device="cpu", isolate=False, show=False)
     reference = compare(**kwargs)["runs"]
@@ -275,7 +277,7 @@ def test_nproc_runs_each_precision_data_parallel_under_torchrun(tmp_path):
 
 
 def test_an_out_that_cannot_be_written_is_refused_before_any_training(tmp_path, capsys):
-    from ampkit.cli import main
+    from ampkit.cli.main import main
 
     a_file = tmp_path / "a_file"
     a_file.write_text("the user's")
@@ -307,8 +309,8 @@ def test_an_out_that_cannot_be_written_is_refused_before_any_training(tmp_path, 
 
 
 def test_resume_with_a_corrupt_finished_run_names_the_file(tmp_path, capsys):
-    from ampkit.cli import main
-    from ampkit.files import OwnedFiles
+    from ampkit.cli.main import main
+    from ampkit.util.files import OwnedFiles
 
     record = tmp_path / "r" / ".compare" / "fp32.json"
     OwnedFiles(tmp_path / "r").claim([".compare", ".compare/fp32.json"])  # as if an earlier comparison wrote it
@@ -368,7 +370,7 @@ def test_inference_needs_a_task_and_an_out_folder():
 
 @pytest.mark.slow  # a torchrun launch (~6 s) for an error path
 def test_a_run_that_fails_under_torchrun_says_the_workers_own_error():
-    from ampkit.compare.turns import RunFailed, run_torchrun
+    from ampkit.tools.compare.turns import RunFailed, run_torchrun
 
     spec = RunSpec(precision="fp32", device="cpu", seed=0, task="no-such-task", steps=2, nproc=2)
     with pytest.raises(RunFailed) as failed:

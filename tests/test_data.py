@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import ampkit
-from ampkit.data import move_to_device
+from ampkit.engine.data import move_to_device
 
 Pair = namedtuple("Pair", "x y")
 

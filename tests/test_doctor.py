@@ -25,15 +25,15 @@ import torch
 from torch import nn
 
 import ampkit
-import ampkit.data
-import ampkit.events
+import ampkit.engine.data
+import ampkit.engine.events
 from ampkit.accelerator import Accelerator
-from ampkit.cli import main
-from ampkit.doctor import (
+from ampkit.cli.main import main
+from ampkit.engine.optim import AmpOptimizer
+from ampkit.tools.doctor import (
     DOCTOR_SCHEMA,
     GPUS,
     DoctorError,
-    advisor,
     diagnose_script,
     diagnose_task,
     find_gpu,
@@ -42,9 +42,9 @@ from ampkit.doctor import (
     render_html_section,
     validate_result,
 )
-from ampkit.doctor.ops import KernelOp, OpStats, is_kernel
-from ampkit.doctor.sync import SYNC_METHODS, SyncWatcher
-from ampkit.optim import AmpOptimizer
+from ampkit.tools.doctor.perf import advisor
+from ampkit.tools.doctor.perf.ops import KernelOp, OpStats, is_kernel
+from ampkit.tools.doctor.perf.sync import SYNC_METHODS, SyncWatcher
 from conftest import make_loader, make_model
 
 SCRIPTS = Path(__file__).parent / "doctor_scripts"
@@ -75,8 +75,8 @@ def _patched_state() -> tuple:
         Accelerator.backward,
         AmpOptimizer.step,
         AmpOptimizer.zero_grad,
-        ampkit.data.DeviceLoader.__iter__,
-        ampkit.data.move_to_device,
+        ampkit.engine.data.DeviceLoader.__iter__,
+        ampkit.engine.data.move_to_device,
         len(nn.modules.module._global_forward_pre_hooks),
         len(nn.modules.module._global_forward_hooks),
         torch._C._len_torch_function_stack(),  # the sync watcher's mode is gone
@@ -90,7 +90,7 @@ def _patched_state() -> tuple:
 def created_accelerators():
     """The Accelerators created in the block (a script's, which the test cannot reach otherwise)."""
     accs: list[Accelerator] = []
-    with ampkit.events.watch_created(accs.append):
+    with ampkit.engine.events.watch_created(accs.append):
         yield accs
 
 
@@ -255,10 +255,10 @@ KINETO_LINE = "USDT:2026-12-01 03:13:20 7979:7979 SyncActivityProfilerHandler.cp
 
 
 def test_the_profilers_log_lines_stay_off_stderr_and_other_stderr_output_is_kept(capfd):
-    from ampkit.doctor.session import quiet_kineto
+    from ampkit.tools.doctor.perf.session import quiet_kineto
 
     # torch 2.13's kineto writes these from C++ to fd 2 at every profiler start and stop.
-    code = "import ampkit.doctor as d; d.diagnose_task('iris-mlp', steps=2, warmup=0, bench=False)"
+    code = "import ampkit.tools.doctor as d; d.diagnose_task('iris-mlp', steps=2, warmup=0, bench=False)"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(ampkit.__file__).parents[1]), *sys.path]))
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr
@@ -428,12 +428,12 @@ def test_reads_inside_ampkit_are_reported_at_the_users_line_with_via():
     try:
         watcher.active = True
         acc.track("loss", torch.tensor(2.0))
-        acc.metrics()  # read via ampkit/metrics.py
+        acc.metrics()  # read via ampkit/engine/metrics.py
     finally:
         watcher.uninstall()
     (site,) = watcher.sites
-    assert site.code == "acc.metrics()  # read via ampkit/metrics.py"
-    assert site.via is not None and site.via.startswith("ampkit/metrics.py:")
+    assert site.code == "acc.metrics()  # read via ampkit/engine/metrics.py"
+    assert site.via is not None and site.via.startswith("ampkit/engine/metrics.py:")
 
 
 @pytest.mark.parametrize(

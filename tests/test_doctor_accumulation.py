@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import ampkit
-from ampkit.doctor import NumericsSession, validate_numerics
+from ampkit.tools.doctor import NumericsSession, validate_numerics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "amp_page"))
 import variable_length as vl  # noqa: E402

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampkit
-from ampkit.doctor import NumericsSession, summarize, validate_numerics
-from ampkit.doctor.numerics_findings import lost_update_fix
-from ampkit.doctor.numerics_report import format_text
+from ampkit.tools.doctor import NumericsSession, summarize, validate_numerics
+from ampkit.tools.doctor.numerics.findings import lost_update_fix
+from ampkit.tools.doctor.numerics.report import format_text
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -70,8 +70,8 @@ def test_the_lost_update_remedy_is_never_the_preset_in_use():
 
 
 # --- the performance doctor ------------------------------------------------------------------------
-from ampkit.doctor import DoctorError, DoctorSession  # noqa: E402
-from ampkit.doctor.report import subject_line  # noqa: E402
+from ampkit.tools.doctor import DoctorError, DoctorSession  # noqa: E402
+from ampkit.tools.doctor.perf.report import subject_line  # noqa: E402
 
 
 def nanogpt_like_loop(acc, model, opt, steps: int, eval_every: int = 4) -> None:

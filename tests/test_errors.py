@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import ampkit
-from ampkit.hardware import Support
+from ampkit.hardware.capability import Support
 from conftest import make_loader, make_model
 
 
@@ -29,7 +29,7 @@ def test_preset_the_device_cannot_run_names_device_support_and_nearest(monkeypat
         fp16_fast=True,
         source="CUDA compute capability",
     )
-    monkeypatch.setattr("ampkit.precision.capability", lambda device: no_bf16)
+    monkeypatch.setattr("ampkit.precision.policy.capability", lambda device: no_bf16)
     with pytest.raises(
         ampkit.PrecisionError,
         match=r"'bf16-true' needs bf16, which Tesla V100 \(compute capability 7.0\) cannot run "
@@ -40,7 +40,7 @@ def test_preset_the_device_cannot_run_names_device_support_and_nearest(monkeypat
 
 def test_fp16_on_a_cpu_without_fp16_instructions_warns(monkeypatch):
     monkeypatch.setattr(
-        "ampkit.hardware.cpu_flags",
+        "ampkit.hardware.capability.cpu_flags",
         lambda: {"avx512_bf16": True, "amx_bf16": False, "avx512_fp16": False, "amx_fp16": False},
     )
     with pytest.warns(

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import ampkit
-from ampkit.export import Exported, ExportError, export, load
-from ampkit.tasks import get_task
+from ampkit.tools.export import Exported, ExportError, export, load
+from ampkit.tools.tasks import get_task
 from conftest import make_loader, make_model
 
 pytest.importorskip("onnxruntime")
@@ -108,7 +108,7 @@ def test_saved_export_loads_in_a_fresh_process(digits, int8_exports, tmp_path):
     x = digits[2].eval_inputs[:32]
     torch.save(x, tmp_path / "x.pt")
     code = (
-        "import sys, torch; from ampkit.export import load\n"
+        "import sys, torch; from ampkit.tools.export import load\n"
         "x = torch.load(sys.argv[1], weights_only=True)\n"
         "torch.save([load(p).run(x) for p in sys.argv[3:]], sys.argv[2])"
     )
@@ -216,9 +216,9 @@ def test_load_refuses_a_pt2_whose_pickles_could_run_code(tmp_path):
 
 
 def test_measure_writes_a_checked_report(tmp_path):
-    from ampkit.export import SCHEMA, auto_choice, format_text, measure, render_html_section
-    from ampkit.export.measure import int8_flags
-    from ampkit.schema import validate
+    from ampkit.tools.export import SCHEMA, auto_choice, format_text, measure, render_html_section
+    from ampkit.tools.export.measure import int8_flags
+    from ampkit.tools.schema import validate
 
     report = measure("iris-mlp", ["fp32", "fp16"], ["torch"], tmp_path, steps=30, rounds=2, threads=1)
     data = json.loads((tmp_path / "inference.json").read_text())
@@ -234,7 +234,7 @@ def test_measure_writes_a_checked_report(tmp_path):
 
 
 def test_measure_never_overwrites_inference_files_it_did_not_write(tmp_path):
-    from ampkit.export import measure
+    from ampkit.tools.export import measure
 
     (tmp_path / "inference.json").write_text('{"mine": true}')
     with pytest.raises(ValueError, match="inference files ampkit did not write"):

@@ -6,8 +6,8 @@ no GPU) with torch's default AdamW, an explicitly fused one and a foreach one, w
 `.tolist()`, `torch.equal`, a data-dependent shape, a copy to the host) in `acc.backward`, the clip,
 `optimizer.step()` and `optimizer.zero_grad()` (and the prepared forward). None may read, except the one
 documented read: fp16 with an optimizer the user chose `foreach=True` for, which cannot skip an overflowing
-step on the device, reads `found_inf` once per step (`# sync:` in ampkit/optim.py). torch's default AdamW is
-stepped fused there (ampkit.fused_skip), and reads nothing.
+step on the device, reads `found_inf` once per step (`# sync:` in ampkit/engine/optim.py). torch's default AdamW is
+stepped fused there (ampkit.engine.fused_skip), and reads nothing.
 
 On a CPU-only torch the trace needs a small C++ shim (fake_cuda_shim.cpp: a no-op CUDA device guard and CUDA
 hooks that only say "built"), compiled here once per torch version into pytest's cache; without a C++
@@ -179,14 +179,17 @@ def test_the_cuda_step_reads_no_cuda_tensor_on_the_host(traced, preset, optimize
             ("step", s, "aten._local_scalar_dense.default") for s in range(1, STEPS + 1)
         ], _reads(run, WATCHED)
         assert all(
-            r["where"].startswith("ampkit/optim.py:") and "found_inf.item()" in r["line"] and "# sync:" in r["line"]
+            r["where"].startswith("ampkit/engine/optim.py:")
+            and "found_inf.item()" in r["line"]
+            and "# sync:" in r["line"]
             for r in reads
         ), _reads(run, WATCHED)
     else:
         assert not reads, _reads(run, WATCHED)
     assert not _reads(run, ("forward",))  # nor the prepared forward
     assert not run["uploads"], run["uploads"]  # no blocking host-to-device copy either
-    # fp16's one device-to-host copy per step: the outcome into the pinned ring, non_blocking (ampkit.outcomes)
+    # fp16's one device-to-host copy per step: the outcome into the pinned ring, non_blocking
+    # (ampkit.precision.outcomes)
     copies = [(c["phase"], c["step"], c["where"].split(":")[0]) for c in run["async_copies"]]
-    expected = [("step", s, "ampkit/outcomes.py") for s in range(1, STEPS + 1)] if preset in SCALED else []
+    expected = [("step", s, "ampkit/precision/outcomes.py") for s in range(1, STEPS + 1)] if preset in SCALED else []
     assert copies == expected

@@ -23,8 +23,8 @@ from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 
 import ampkit  # noqa: E402
 from ampkit.errors import PrecisionError  # noqa: E402
-from ampkit.fp8 import MIN_WEIGHT, choose_layers  # noqa: E402
-from ampkit.tasks import tiny_lm  # noqa: E402
+from ampkit.precision.fp8 import MIN_WEIGHT, choose_layers  # noqa: E402
+from ampkit.tools.tasks import tiny_lm  # noqa: E402
 from conftest import assert_bitwise_equal, params_of  # noqa: E402
 
 T, B = 16, 16  # context and batch of the CPU runs: bf16 has no instructions on this CPU, so keep it tiny
@@ -275,7 +275,7 @@ def test_fp8_on_a_cpu_without_emulation_says_why_and_what_works():
     ],
 )
 def test_which_nvidia_gpus_run_fp8(monkeypatch, cc, problem):
-    from ampkit.precision import fp8_problem
+    from ampkit.precision.policy import fp8_problem
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc)
     found = fp8_problem(torch.device("cuda"))
@@ -319,7 +319,7 @@ def test_bad_fp8_arguments_raise_one_clear_error(kwargs, error, match):
 
 
 def test_auto_never_picks_fp8_and_compare_leaves_it_out_where_it_cannot_run(monkeypatch):
-    from ampkit.compare import default_precisions
+    from ampkit.tools.compare import default_precisions
 
     cpu = torch.device("cpu")
     assert not ampkit.resolve_precision("auto", cpu).fp8
@@ -390,8 +390,8 @@ def test_fp8_uncompiled_on_a_gpu_warns():
 
 # --- the numerics doctor's fp8 range census -------------------------------------------------------
 def test_the_numerics_doctor_reports_each_fp8_layers_range_against_e4m3_and_e5m2():
-    from ampkit.doctor import validate_numerics
-    from ampkit.doctor.numerics import NumericsSession
+    from ampkit.tools.doctor import validate_numerics
+    from ampkit.tools.doctor.numerics.session import NumericsSession
 
     acc, model, opt = prepared("fp8-mixed")
     session = NumericsSession(acc, steps=2)
@@ -408,7 +408,7 @@ def test_the_numerics_doctor_reports_each_fp8_layers_range_against_e4m3_and_e5m2
 
 
 def test_the_census_counts_what_fp8_scaling_flushes():
-    from ampkit.doctor.census import COUNTS, measure
+    from ampkit.tools.doctor.numerics.census import COUNTS, measure
 
     x = torch.tensor([448.0, 1.0, 2.0**-10, 2.0**-25, 0.0])  # amax 448: e4m3 keeps down to 2**-9, e5m2 to 2**-23
     counts, amax = measure(x)

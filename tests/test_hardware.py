@@ -8,7 +8,7 @@ import types
 import torch
 
 import ampkit
-from ampkit.hardware import (
+from ampkit.hardware.capability import (
     GPU_MODELS,
     Fact,
     auto_precision,
@@ -17,7 +17,7 @@ from ampkit.hardware import (
     device_capabilities,
     parse_cpu_flags,
 )
-from ampkit.version import versions
+from ampkit.util.version import versions
 
 ZEN4 = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -45,15 +45,15 @@ def test_cpu_flags_are_parsed_by_their_linux_names():
 def test_auto_on_cpus(monkeypatch):
     cpu = torch.device("cpu")
     for text, expected in [(ZEN4, "bf16-mixed"), (SAPPHIRE_RAPIDS, "bf16-mixed"), (OLD, "fp32")]:
-        monkeypatch.setattr("ampkit.hardware.cpu_flags", lambda text=text: parse_cpu_flags(text))
+        monkeypatch.setattr("ampkit.hardware.capability.cpu_flags", lambda text=text: parse_cpu_flags(text))
         name, reason = auto_precision(cpu)
         assert name == expected, reason
-    monkeypatch.setattr("ampkit.hardware.cpu_flags", lambda: parse_cpu_flags(OLD))
+    monkeypatch.setattr("ampkit.hardware.capability.cpu_flags", lambda: parse_cpu_flags(OLD))
     assert (
         auto_precision(cpu)[1]
         == "CPU has neither avx512_bf16 nor amx_bf16: bf16 and fp16 would be slower than fp32 here"
     )
-    monkeypatch.setattr("ampkit.hardware.cpu_flags", lambda: None)
+    monkeypatch.setattr("ampkit.hardware.capability.cpu_flags", lambda: None)
     assert auto_precision(cpu) == ("fp32", "CPU flags could not be read, so bf16 speed is unknown: fp32")
 
 
@@ -66,7 +66,7 @@ def test_auto_on_cuda_capabilities(monkeypatch):
 
 
 def test_accelerator_records_why_auto_chose(monkeypatch):
-    monkeypatch.setattr("ampkit.hardware.cpu_flags", lambda: parse_cpu_flags(ZEN4))
+    monkeypatch.setattr("ampkit.hardware.capability.cpu_flags", lambda: parse_cpu_flags(ZEN4))
     acc = ampkit.Accelerator(device="cpu")
     assert acc.policy.name == "bf16-mixed"
     assert acc.policy.reason == "auto: CPU has avx512_bf16: bf16 matmul is faster than fp32 here"

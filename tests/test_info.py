@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from ampkit.cli import main
-from ampkit.hardware import (
+from ampkit.cli.main import main
+from ampkit.hardware.capability import (
     CAPABILITIES,
     CPU_FLAGS,
     Fact,
@@ -18,9 +18,9 @@ from ampkit.hardware import (
     parse_cpu_flags,
     read_cpu_flags,
 )
-from ampkit.info import INFO_SCHEMA, bench_matmul, collect_info, format_info_text
-from ampkit.info_bench import agreement
-from ampkit.info_text import agreement_words
+from ampkit.tools.info.bench import agreement
+from ampkit.tools.info.collect import INFO_SCHEMA, bench_matmul, collect_info, format_info_text
+from ampkit.tools.info.text import agreement_words
 from test_hardware import OLD, SAPPHIRE_RAPIDS, ZEN4, fake_rocm
 
 BUSY = {"load_average": 12.3, "cores": 2, "threads": 2, "matmul_slowdown": 3.1, "busy": True}
@@ -143,7 +143,7 @@ def test_info_json_validates_against_its_schema_on_this_machine(capsys):
 
 
 def test_info_json_with_unreadable_flags_says_null_and_unknown(capsys, monkeypatch):
-    monkeypatch.setattr("ampkit.hardware.cpu_flags", lambda: None)
+    monkeypatch.setattr("ampkit.hardware.capability.cpu_flags", lambda: None)
     info = _info_json(capsys, "--device", "cpu")
     assert info["cpu"]["flags"] is None
     assert info["cpu"]["capabilities"]["bf16"]["supported"] is None
@@ -163,7 +163,7 @@ def test_the_schema_rejects_a_flag_that_is_not_a_boolean():
 
 
 def test_recommendation_is_the_auto_choice(monkeypatch):
-    monkeypatch.setattr("ampkit.hardware.cpu_flags", lambda: parse_cpu_flags(ZEN4))
+    monkeypatch.setattr("ampkit.hardware.capability.cpu_flags", lambda: parse_cpu_flags(ZEN4))
     info = collect_info(device="cpu")
     assert info["recommended"] == {
         "preset": "bf16-mixed",
@@ -210,7 +210,7 @@ def test_info_bench_json_validates_and_compares_each_dtype_with_the_table(capsys
             assert r["table"] == info["cpu"]["capabilities"][dtype]["supported"]
             assert r["fast_here"] == (r["ratio_to_fp32"] >= 1.1)
             assert r["agreement"] == agreement(r["table"], r["ratio_to_fp32"], busy=info["bench"]["load"]["busy"])
-    load = info["bench"]["load"]  # the machine check of `ampkit.load`, the busier look of before and after
+    load = info["bench"]["load"]  # the machine check of `ampkit.tools.load`, the busier look of before and after
     assert set(load) == {"load_average", "cores", "threads", "matmul_slowdown", "busy"}
     assert load["cores"] >= 1 and load["matmul_slowdown"] >= 1.0 and isinstance(load["busy"], bool)
     _validate(info)
@@ -273,7 +273,7 @@ def test_bench_errors_repeat_what_was_passed():
 
 
 def test_human_output_shows_the_recommended_preset_and_its_reason(capsys, monkeypatch):
-    monkeypatch.setattr("ampkit.hardware.cpu_flags", lambda: parse_cpu_flags(OLD))
+    monkeypatch.setattr("ampkit.hardware.capability.cpu_flags", lambda: parse_cpu_flags(OLD))
     assert main(["info", "--device", "cpu"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # rich may wrap; the words and their order stay
     assert (
@@ -285,7 +285,7 @@ def test_human_output_shows_the_recommended_preset_and_its_reason(capsys, monkey
 
 
 def test_plain_text_says_unknown_for_unreadable_flags(monkeypatch):
-    monkeypatch.setattr("ampkit.hardware.cpu_flags", lambda: None)
+    monkeypatch.setattr("ampkit.hardware.capability.cpu_flags", lambda: None)
     text = format_info_text(collect_info(device="cpu"))
     assert "flags: unknown (unknown: no x86 flags line in /proc/cpuinfo)" in text
     assert "Recommended on cpu: fp32 — CPU flags could not be read, so bf16 speed is unknown: fp32" in text
@@ -296,7 +296,7 @@ def test_plain_text_bench_table_says_whether_the_measurement_agrees():
     info = collect_info(device="cpu")
     info["bench"] = _synthetic_bench(QUIET)
     lines = format_info_text(info).splitlines()
-    # Numbers in ampkit.present's one format: "1×" (not "1.0×"), "600 MFLOP/s" (not "0.6 GFLOP/s").
+    # Numbers in ampkit.util.present's one format: "1×" (not "1.0×"), "600 MFLOP/s" (not "0.6 GFLOP/s").
     assert any(line.split() == ["fp32", "50", "GFLOP/s", "1×", "1024", "baseline"] for line in lines)
     assert any(
         line.split() == ["bf16", "600", "MFLOP/s", "0.012×", "256", "slow", "slow", "(agrees)"] for line in lines

@@ -1,5 +1,5 @@
-"""bf16-true's fused update (`ampkit.kahan`, `ampkit.compensated`) against its contract: each step, from the
-same inputs, every bf16 weight within one bf16 ulp of the reference's (torch's own optimizer stepping the
+"""bf16-true's fused update (`ampkit.precision.kahan`, `ampkit.precision.compensated`) against its contract: each
+step, from the same inputs, every bf16 weight within one bf16 ulp of the reference's (torch's own optimizer stepping the
 fp32 value of the weight + compensation pair, its state kept in bf16), the pair within 1% of an ulp of the
 fp32 result; over 100 steps of training the two runs stay together (AdamW, Adam, SGD, with and without
 clipping, unused weights and several groups); any other optimizer is stepped whole on fp32 stand-ins."""
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampkit
-from ampkit import kahan
+from ampkit.precision import kahan
 from conftest import make_loader
 
 OPTIMIZERS = {

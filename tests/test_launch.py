@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 
 import ampkit
-from ampkit.cli import main
-from ampkit.compare.speed import paired_speedup
-from ampkit.compare.summary import verdict
-from ampkit.launch import ENV, launch_settings, read_env
+from ampkit.cli.main import main
+from ampkit.engine.launch import ENV, launch_settings, read_env
+from ampkit.tools.compare.speed import paired_speedup
+from ampkit.tools.compare.summary import verdict
 from conftest import make_loader, make_model
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -92,7 +92,12 @@ def no_env(monkeypatch):
 def ampkit_cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run(
-        [sys.executable, "-m", "ampkit.cli", *args], check=False, capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-m", "ampkit.cli.main", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
 
 
@@ -184,7 +189,7 @@ def test_report_metric_reaches_listeners_without_a_sync_and_checks_its_arguments
     acc = ampkit.Accelerator("fp32", device="cpu")
     seen = []
 
-    class Metrics(ampkit.events.Listener):
+    class Metrics(ampkit.engine.events.Listener):
         def on_metric(self, acc, name, value, higher_is_better):
             seen.append((name, value, higher_is_better))
 
@@ -361,7 +366,7 @@ for epoch in range(1000):  # far past the limit: the first metric after it ends 
 
 
 def test_a_script_run_stops_at_its_first_metric_after_the_limit_and_says_it_does_not_seed(tmp_path, no_env):
-    from ampkit.compare.script import ScriptProblem, ScriptSpec, measure_script
+    from ampkit.tools.compare.script import ScriptProblem, ScriptSpec, measure_script
 
     path = tmp_path / "unseeded.py"
     path.write_text(UNSEEDED)

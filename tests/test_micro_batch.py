@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampkit
-from ampkit.micro import BatchDoesNotFitError
+from ampkit.engine.micro import BatchDoesNotFitError
 from conftest import assert_bitwise_equal
 
 RUN = Path(__file__).with_name("micro_run.py")

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import ampkit
-from ampkit.outcomes import StepOutcomes
+from ampkit.precision.outcomes import StepOutcomes
 from conftest import assert_bitwise_equal, make_model, params_of
 
 

@@ -17,12 +17,12 @@ from torch import nn
 from torch.nn import functional as F
 
 import ampkit
-import ampkit.doctor
-from ampkit.cli import main
-from ampkit.doctor import NUMERICS_SCHEMA, NumericsSession, numerics, summarize, validate_numerics
-from ampkit.doctor.lost_updates import half_ulp
-from ampkit.doctor.numerics_report import format_text, render_html_section
-from ampkit.doctor.sync import SyncWatcher
+import ampkit.tools.doctor
+from ampkit.cli.main import main
+from ampkit.tools.doctor import NUMERICS_SCHEMA, NumericsSession, numerics, summarize, validate_numerics
+from ampkit.tools.doctor.numerics.lost_updates import half_ulp
+from ampkit.tools.doctor.numerics.report import format_text, render_html_section
+from ampkit.tools.doctor.perf.sync import SyncWatcher
 from conftest import assert_bitwise_equal, make_model
 
 PLANTED_SCRIPT = Path(__file__).parent / "numerics_scripts" / "planted_overflow.py"
@@ -310,7 +310,7 @@ def test_numerics_api_prints_the_report_and_works_as_a_context_manager(capsys):
     with pytest.raises(ValueError, match=r"steps=0: expected an integer >= 1"):
         numerics(acc, steps=0)
     compiled = ampkit.Accelerator("fp32", device="cpu", compile=True)
-    with pytest.raises(ampkit.doctor.DoctorError, match=r"diagnose with Accelerator\(compile=False"):
+    with pytest.raises(ampkit.tools.doctor.DoctorError, match=r"diagnose with Accelerator\(compile=False"):
         numerics(compiled)
     assert not compiled.events
 

@@ -12,13 +12,13 @@ import torch
 from torch import nn
 
 import ampkit
-from ampkit.cli import main
-from ampkit.plan import PLAN_SCHEMA, parse_memory
-from ampkit.plan.runtime import allocator_bytes, runtime_bytes
-from ampkit.plan.step import measure
-from ampkit.schema import validate
-from ampkit.tasks import get_task
-from ampkit.tasks.tiny_lm import TinyLM
+from ampkit.cli.main import main
+from ampkit.tools.plan import PLAN_SCHEMA, parse_memory
+from ampkit.tools.plan.runtime import allocator_bytes, runtime_bytes
+from ampkit.tools.plan.step import measure
+from ampkit.tools.schema import validate
+from ampkit.tools.tasks import get_task
+from ampkit.tools.tasks.tiny_lm import TinyLM
 
 CPU = torch.device("cpu")
 PRESETS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "bf16-true")
@@ -350,7 +350,7 @@ def test_a_script_without_a_prepared_loader_is_planned_from_its_models_first_for
 
 
 def test_fsdp_rows_are_one_ranks_share_of_the_one_process_step():
-    from ampkit.distributed import fsdp_units
+    from ampkit.engine.distributed import fsdp_units
 
     model_fn, batch, optimizer_fn, loss_fn = _task("tiny-lm", 4)
     kw = dict(precisions=["bf16-mixed"], device="cpu", memory="1GiB", loss_fn=loss_fn, search=False)

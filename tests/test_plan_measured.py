@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ampkit.plan import Plan, PlanRow, plan_task, render_plan
-from ampkit.plan.planner import SEARCH_LIMIT
-from ampkit.plan.runtime import FIXED_BY, GLIBC_KEPT, allocator_bytes, glibc_keeps_freed, runtime_bytes
-from ampkit.tasks import default_size, get_task
+from ampkit.tools.plan import Plan, PlanRow, plan_task, render_plan
+from ampkit.tools.plan.planner import SEARCH_LIMIT
+from ampkit.tools.plan.runtime import FIXED_BY, GLIBC_KEPT, allocator_bytes, glibc_keeps_freed, runtime_bytes
+from ampkit.tools.tasks import default_size, get_task
 
 CPU = torch.device("cpu")
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "plan_vs_measured.py"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from ampkit.compare import REPORT_SCHEMA, format_text, render_table, validate_report, verdict, write_report
+from ampkit.tools.compare import REPORT_SCHEMA, format_text, render_table, validate_report, verdict, write_report
 
 FIXTURE = Path(__file__).parent / "fixtures" / "sample_report.json"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -54,7 +54,7 @@ def without_scale_history(report: dict) -> dict:
 
 
 def test_a_numerics_block_validates_and_its_line_shows_only_when_something_is_wrong(sample, tmp_path):
-    from ampkit.doctor import numerics_task, summarize
+    from ampkit.tools.doctor import numerics_task, summarize
 
     block = summarize(numerics_task("iris-mlp", steps=2, precision="fp32", device="cpu"))
     report = copy.deepcopy(sample)
@@ -75,8 +75,8 @@ def test_a_numerics_block_validates_and_its_line_shows_only_when_something_is_wr
 
 
 def test_numerics_findings_are_only_those_that_matter_for_the_runs_precision(sample):
-    from ampkit.compare.summary import numerics_findings
-    from ampkit.doctor import numerics_task, summarize
+    from ampkit.tools.compare.summary import numerics_findings
+    from ampkit.tools.doctor import numerics_task, summarize
 
     block = summarize(numerics_task("iris-mlp", steps=2, precision="fp32", device="cpu"))
     found = [
@@ -285,7 +285,7 @@ def test_verdict_within_timing_noise_says_same_speed(sample):
 
 
 def test_speed_interval_noise_band_and_the_recommendation_come_from_the_measured_figures(sample):
-    from ampkit.compare.summary import recommendation
+    from ampkit.tools.compare.summary import recommendation
 
     fp32, fp16 = run_of(sample, "fp32"), run_of(sample, "fp16-mixed")
     fp32["metric_band"] = 0.05  # perplexity 4.100 ± 0.05: ±1.2%, wider than fp16-mixed's +0.7%
@@ -615,7 +615,7 @@ def test_a_report_with_numerics_is_under_four_screens_with_the_recommendation_fi
     """A report heavier than the default one (four runs, a loss-scale history, a numerics pass per run)
     fits in four 1280×1000 screens; the heatmap shows and the full census stays out of the page."""
     pytest.importorskip("matplotlib")
-    from ampkit.doctor import numerics_task, summarize
+    from ampkit.tools.doctor import numerics_task, summarize
 
     for run, precision in zip(sample["runs"], ("fp32", "fp16-mixed", "fp16-mixed", "fp16-master")):
         run["numerics"] = summarize(numerics_task("iris-mlp", steps=2, precision=precision, device="cpu"))
@@ -632,8 +632,8 @@ def test_a_report_with_numerics_is_under_four_screens_with_the_recommendation_fi
 
 
 def test_the_largest_batch_each_precision_fits_is_a_note_with_its_ratio_to_the_baseline(sample, tmp_path):
-    from ampkit.compare.summary import PLAN_SEARCH_LIMIT
-    from ampkit.plan.planner import SEARCH_LIMIT
+    from ampkit.tools.compare.summary import PLAN_SEARCH_LIMIT
+    from ampkit.tools.plan.planner import SEARCH_LIMIT
 
     assert PLAN_SEARCH_LIMIT == SEARCH_LIMIT
     assert "largest batch" not in format_text(sample)  # not planned: no note
@@ -659,7 +659,7 @@ def test_the_throughput_bars_say_what_the_paired_speed_up_says(sample, tmp_path)
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
 
-    from ampkit.compare import plots
+    from ampkit.tools.compare import plots
 
     report = copy.deepcopy(sample)
     fp16 = run_of(report, "fp16-mixed")

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import ampkit
-from ampkit.optim import AmpOptimizer
+from ampkit.engine.optim import AmpOptimizer
 from conftest import assert_bitwise_equal, make_loader, make_model, params_of
 
 OVERFLOW_AT = {2, 3, 9, 10, 11, 17}

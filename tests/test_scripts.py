@@ -294,7 +294,7 @@ def test_clipping_a_grouped_optimizer_equals_the_hand_written_clip_bitwise(preci
 # --- 10. fp16 on a CPU ------------------------------------------------------------------------------
 def test_fp16_on_a_cpu_warns_that_some_ops_may_not_run(monkeypatch):
     monkeypatch.setattr(
-        "ampkit.hardware.cpu_flags",
+        "ampkit.hardware.capability.cpu_flags",
         lambda: {"avx512_bf16": True, "amx_bf16": False, "avx512_fp16": False, "amx_fp16": False},
     )
     with pytest.warns(
@@ -318,9 +318,9 @@ def lm_train_fn(acc):
 
 
 def test_compare_passes_accelerator_arguments_and_knows_the_metrics_direction(monkeypatch):
-    from ampkit.compare import compare, runner
-    from ampkit.compare.records import as_report
-    from ampkit.compare.summary import rows, verdicts
+    from ampkit.tools.compare import compare, runner
+    from ampkit.tools.compare.records import as_report
+    from ampkit.tools.compare.summary import rows, verdicts
 
     totals = []
     monkeypatch.setattr(runner.RunProgress, "start", lambda self, label, total: totals.append(total))

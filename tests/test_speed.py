@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ampkit.compare.records import validate_report
-from ampkit.compare.runner import compare_to_baseline
-from ampkit.compare.speed import interval, outcome, paired_speedup, run_outcome
-from ampkit.compare.summary import format_text, recommendation, verdict
-from ampkit.load import check_load, describe_load, judge, own_load, worst
-from ampkit.present import times
+from ampkit.tools.compare.records import validate_report
+from ampkit.tools.compare.runner import compare_to_baseline
+from ampkit.tools.compare.speed import interval, outcome, paired_speedup, run_outcome
+from ampkit.tools.compare.summary import format_text, recommendation, verdict
+from ampkit.tools.load import check_load, describe_load, judge, own_load, worst
+from ampkit.util.present import times
 
 SAMPLE = json.loads((Path(__file__).parent / "fixtures" / "sample_report.json").read_text())
 BUSY = {"load_average": 12.3, "cores": 2, "threads": 2, "matmul_slowdown": 3.1, "busy": True}
@@ -259,7 +259,7 @@ def test_a_load_average_that_still_carries_an_ended_job_is_checked_against_the_c
     # the 1-minute average; the cores busy now say the machine is idle
     import os
 
-    import ampkit.load as load
+    import ampkit.tools.load as load
 
     monkeypatch.setattr(os, "cpu_count", lambda: 2)  # the 2-core machine: 2.8 is busy by the average alone
     monkeypatch.setattr(load, "load_average", lambda: 2.8)
@@ -273,7 +273,7 @@ def test_a_load_average_that_still_carries_an_ended_job_is_checked_against_the_c
 
 
 def test_one_slow_matmul_burst_is_looked_at_twice_and_the_calmer_kept(monkeypatch):
-    import ampkit.load as load
+    import ampkit.tools.load as load
 
     monkeypatch.setattr(load, "load_average", lambda: 0.2)
     bursts = iter([4.9, 1.2])  # a hiccup, then the machine as it is
@@ -292,7 +292,7 @@ def test_the_cores_busy_now_see_a_spinning_process():
     import subprocess
     import sys
 
-    from ampkit.load import busy_cores
+    from ampkit.tools.load import busy_cores
 
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:

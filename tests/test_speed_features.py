@@ -458,7 +458,7 @@ def test_an_optimizer_not_known_to_be_elementwise_is_stepped_whole(precision, fr
 def test_a_bf16_true_step_makes_no_fp32_copy_of_the_model():
     """The fused kernel reads and writes the bf16 buffers in place: a steady AdamW step raises the process's
     resident peak by the flat bf16 gradient copy (2 bytes per parameter), never by an fp32 copy (4 or more)."""
-    from ampkit.compare.memory import peak_rss_bytes, proc_status, reset_peak_rss
+    from ampkit.tools.compare.memory import peak_rss_bytes, proc_status, reset_peak_rss
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 2048))  # 8.4M parameters

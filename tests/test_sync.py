@@ -97,7 +97,7 @@ def test_on_cuda_torchs_default_adamw_is_stepped_fused_so_overflows_skip_on_the_
     """The rule, checked on CPU tensors (a CPU fused AdamW runs the same way): on CUDA under loss scaling an
     AdamW, Adam, SGD or Adagrad with no implementation chosen is switched to fused=True (said in a warning);
     one the user chose (foreach=True, fused=False), another device, or no loss scale is left as it is."""
-    from ampkit.fused_skip import fuse_for_device_skips
+    from ampkit.engine.fused_skip import fuse_for_device_skips
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
 

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from ampkit.tasks import TASKS, Task, TaskData, get_task, tiny_lm
+from ampkit.tools.tasks import TASKS, Task, TaskData, get_task, tiny_lm
 
 SMALL_BATCH = {"iris-mlp": 16, "digits-cnn": 32, "tiny-lm": 8}
 """Batch sizes that keep each test well under a second or two on a 2-core CPU."""
@@ -176,7 +176,7 @@ def test_missing_sklearn_says_which_extra_to_install(name, monkeypatch):
 def test_tiny_lm_does_not_need_sklearn():
     code = (
         "import sys; sys.modules['sklearn'] = None\n"
-        "from ampkit.tasks import get_task\n"
+        "from ampkit.tools.tasks import get_task\n"
         "d = get_task('tiny-lm').make_data(0, 2); print(len(d.eval_inputs))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -209,12 +209,12 @@ def _matmul_flops_per_kernel(size: str, foreach: bool) -> float:
     Forward and backward run on the meta device (shapes, no arithmetic: the large model costs nothing);
     the optimizer step, whose kernel count depends on the number of weight tensors and not on their
     size, runs for real on a model of the same depth and a tiny width. Kernels are counted as the
-    doctor counts them (`ampkit.doctor.ops.is_kernel`: no views, allocations or decompositions).
+    doctor counts them (`ampkit.tools.doctor.perf.ops.is_kernel`: no views, allocations or decompositions).
     """
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    from ampkit.doctor.ops import is_kernel
+    from ampkit.tools.doctor.perf.ops import is_kernel
 
     class Kernels(TorchDispatchMode):
         def __init__(self) -> None:
@@ -255,14 +255,14 @@ def test_the_default_size_is_gemm_bound_where_low_precision_is_fast_and_small_wh
     top), so the chosen size must clear the threshold four times over; the small model does not (it is
     at ~1.2×, and measured 0.97× in bf16 on a CPU with avx512_bf16): on a CPU without fast bf16 it keeps
     the fp32 run short."""
-    from ampkit.doctor.findings import OP_FIXED_US
-    from ampkit.hardware import GPU_MODELS
+    from ampkit.hardware.capability import GPU_MODELS
+    from ampkit.tools.doctor.perf.findings import OP_FIXED_US
 
     cpu = torch.device("cpu")
     flags = {"avx512_bf16": True, "amx_bf16": False, "avx512_fp16": False, "amx_fp16": False}
-    monkeypatch.setattr("ampkit.hardware.cpu_flags", lambda: flags)
+    monkeypatch.setattr("ampkit.hardware.capability.cpu_flags", lambda: flags)
     assert tiny_lm.size_for(cpu) == "medium"
-    monkeypatch.setattr("ampkit.hardware.cpu_flags", lambda: dict.fromkeys(flags, False))
+    monkeypatch.setattr("ampkit.hardware.capability.cpu_flags", lambda: dict.fromkeys(flags, False))
     assert tiny_lm.size_for(cpu) == "small"
     assert tiny_lm.size_for(torch.device("meta")) == "large"  # any non-CPU device: a GPU
 

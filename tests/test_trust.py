@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from ampkit.cli import main
-from ampkit.compare import compare
-from ampkit.files import OWNED_RECORD, OwnedFiles
+from ampkit.cli.main import main
+from ampkit.tools.compare import compare
+from ampkit.util.files import OWNED_RECORD, OwnedFiles
 
 ARGS = dict(task="iris-mlp", precisions=["fp32"], steps=4, device="cpu", show=False, numerics=False, isolate=False)
 
@@ -84,7 +84,7 @@ def test_a_tampered_record_never_makes_ampkit_touch_other_files(tmp_path):
 
 
 def test_compare_script_refuses_a_log_it_did_not_write(tmp_path):
-    from ampkit.compare.script import compare_script
+    from ampkit.tools.compare.script import compare_script
 
     out = tmp_path / "r"
     (out / "logs").mkdir(parents=True)

@@ -107,7 +107,7 @@ def test_bf16_true_adamw_step_streams_18_bytes_per_parameter_of_memory_kept_betw
     read its target), the fused kernel by what it reads and writes (`kahan.STATS`) less the flat gradient."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from ampkit import kahan
+    from ampkit.precision import kahan
 
     class Traffic(TorchDispatchMode):
         def __init__(self, kept: set[int]) -> None:
@@ -251,7 +251,7 @@ def train_branchy(
 
 def one_range_per_weight(monkeypatch) -> None:
     """bf16-true's fused kernel called once per weight: the reference for its ranges over whole groups."""
-    from ampkit.compensated import CompensatedWeights
+    from ampkit.precision.compensated import CompensatedWeights
 
     monkeypatch.setattr(
         CompensatedWeights, "_ranges", lambda self, kept, marks: ((i, i, m) for i, m in zip(kept, marks))

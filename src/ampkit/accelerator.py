@@ -23,33 +23,33 @@ import torch
 from torch import nn
 
 from ampkit import checkpoint
-from ampkit import validate as check
-from ampkit.compiler import CompileStats, CompileTrial, compile_setup
 from ampkit.config import AcceleratorConfig
-from ampkit.cycle import AccumulationCycle
-from ampkit.data import DeviceLoader
-from ampkit.distributed import DistributedContext, RankMethods, choose_strategy, gather_objects, sum_across_ranks
+from ampkit.engine.compiler import CompileStats, CompileTrial, compile_setup
+from ampkit.engine.cycle import AccumulationCycle
+from ampkit.engine.data import DeviceLoader
+from ampkit.engine.distributed import DistributedContext, RankMethods, choose_strategy, gather_objects, sum_across_ranks
+from ampkit.engine.events import Events, Listener, created
+from ampkit.engine.items import ItemWeights
+from ampkit.engine.launch import check_metric, launch_settings, max_steps_reached
+from ampkit.engine.metrics import MetricTracker
+from ampkit.engine.micro import MicroBatcher
+from ampkit.engine.module import KeepSpec
+from ampkit.engine.optim import AmpOptimizer
+from ampkit.engine.prepare import Prepared
+from ampkit.engine.scheduler import AmpScheduler
+from ampkit.engine.training_state import TrainingState
 from ampkit.errors import StepOrderError
-from ampkit.events import Events, Listener, created
-from ampkit.exporter import export
-from ampkit.fp8 import MIN_WEIGHT, fp8_training
-from ampkit.hardware import capability, resolve_device
-from ampkit.items import ItemWeights
-from ampkit.launch import check_metric, launch_settings, max_steps_reached
-from ampkit.metrics import MetricTracker
-from ampkit.micro import MicroBatcher
-from ampkit.module import KeepSpec
-from ampkit.optim import AmpOptimizer
-from ampkit.precision import Precision, resolve_precision
-from ampkit.prepare import Prepared
-from ampkit.scaler import LossScaler, scaler_for
-from ampkit.scheduler import AmpScheduler
-from ampkit.training_state import TrainingState
+from ampkit.hardware.capability import capability, resolve_device
+from ampkit.inference import export
+from ampkit.precision.fp8 import MIN_WEIGHT, fp8_training
+from ampkit.precision.policy import Precision, resolve_precision
+from ampkit.precision.scaler import LossScaler, scaler_for
+from ampkit.util import validate as check
 
 
 class Accelerator(RankMethods):
     """Mixed-precision training on the right device, with gradient accumulation. Launch-time settings
-    (`ampkit.launch`: AMPKIT_* variables) fill what is not passed.
+    (`ampkit.engine.launch`: AMPKIT_* variables) fill what is not passed.
 
     The keywords (and `scaler=`, a custom `LossScaler` for the fp16 presets) are documented on
     `ampkit.AcceleratorConfig`, which holds them checked and frozen as `acc.config`.
@@ -78,7 +78,7 @@ class Accelerator(RankMethods):
         micro_batch: int | str | None = None,
         memory: str | int | None = None,
     ) -> None:
-        # What the script did not pass comes from the launcher (AMPKIT_* variables, `ampkit.launch`).
+        # What the script did not pass comes from the launcher (AMPKIT_* variables, `ampkit.engine.launch`).
         given = {"precision": precision, "grad_accum_steps": grad_accum_steps, "compile": compile}
         chosen = launch_settings(given)
         self.max_steps = chosen["max_steps"]
@@ -114,7 +114,7 @@ class Accelerator(RankMethods):
         self.cycle = AccumulationCycle(config.grad_accum_steps, self.scaler, divide_loss)
         # acc.backward(loss_sum, num_items=n): ampkit's DDP/FSDP average gradients over the ranks, a count sums them
         self.items = ItemWeights(self.device, self.world_size if self.strategy != "none" else 1)
-        self.events = Events()  # listeners: ampkit.events.Listener
+        self.events = Events()  # listeners: ampkit.engine.events.Listener
         self.micro = MicroBatcher(self, config.micro_batch, config.memory_bytes)  # acc.split(batch)
         self.compile_options = compile_setup(self.device, config.compile, cuda_graphs)  # torch.compile kwargs
         self.cuda_graphs = cuda_graphs and self.compile_options is not None
@@ -148,7 +148,7 @@ class Accelerator(RankMethods):
         With `grad_accum_steps=k` the loss is divided by k (a mean over the cycle's micro-batches). For batches of
         different sizes (padded or packed sequences) pass the *summed* loss and the items it sums over,
         `acc.backward(loss_sum, num_items=n_tokens)`: the optimizer then divides the accumulated gradient by the
-        items of the whole cycle, across ranks, on the device (`ampkit.items`). Each backward is one micro-batch,
+        items of the whole cycle, across ranks, on the device (`ampkit.engine.items`). Each backward is one micro-batch,
         or all of them inside one `with acc.accumulate():` block (a micro-batch with several losses).
         A backward that raises (a loss without grad, say) does not count as a micro-step."""
         if not isinstance(loss, torch.Tensor):
@@ -202,7 +202,7 @@ class Accelerator(RankMethods):
         return self.cycle.micro_batch()
 
     def split(self, batch: Any) -> Iterator[Any]:
-        """`batch`'s micro-batches, `micro_batch=` rows each (`ampkit.micro`): the optimizer steps on the whole
+        """`batch`'s micro-batches, `micro_batch=` rows each (`ampkit.engine.micro`): the optimizer steps on the whole
         batch's gradient, and an out-of-memory error halves the size and reruns the batch.
         ```python
         for mx, my in acc.split((x, y)):

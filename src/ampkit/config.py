@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit import validate as check
-from ampkit.distributed import check_backend
-from ampkit.fp8 import MIN_WEIGHT
-from ampkit.micro import parse_micro_batch
-from ampkit.precision import Precision
+from ampkit.engine.distributed import check_backend
+from ampkit.engine.micro import parse_micro_batch
+from ampkit.precision.fp8 import MIN_WEIGHT
+from ampkit.precision.policy import Precision
+from ampkit.util import validate as check
 
 STRATEGIES = ("auto", "ddp", "fsdp", "none")
 _FLAGS = ("fp8_emulate", "channels_last", "cuda_graphs", "cast_outputs", "step_scheduler_with_optimizer")
@@ -62,10 +62,10 @@ class AcceleratorConfig:
             and is faulted in again at the next step (benchmarks/RESULTS.md); on a GPU freeing costs nothing.
         cast_outputs: cast a prepared model's bf16/fp16 outputs to fp32, so that a loss computed outside
             the model runs in fp32. False: as the model made them (for a model that computes its loss).
-        fp8_recipe, fp8_emulate, fp8_min_weight: for precision="fp8-mixed" only (see `ampkit.fp8`):
+        fp8_recipe, fp8_emulate, fp8_min_weight: for precision="fp8-mixed" only (see `ampkit.precision.fp8`):
             torchao's scaling, "tensorwise" (default) or "rowwise"; True runs torchao's emulation on
             any device (tests; no speed-up); the smallest in·out features of a Linear run in fp8.
-        micro_batch: how many rows of each batch `acc.split(batch)` runs at once (`ampkit.micro`): "auto", the
+        micro_batch: how many rows of each batch `acc.split(batch)` runs at once (`ampkit.engine.micro`): "auto", the
             largest that fits `memory` by `ampkit.plan`; an int; None (default), the batch whole. An
             out-of-memory error inside a split halves it and reruns the batch. The micro-batches of one batch
             are one step's gradient, so grad_accum_steps stays 1 (make the loader's batch larger instead).

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ampkit.checkpoint import folder, payload, sharded, state
-from ampkit.distributed import barrier
+from ampkit.engine.distributed import barrier
 from ampkit.errors import CheckpointError
 
 if TYPE_CHECKING:

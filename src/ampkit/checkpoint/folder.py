@@ -19,9 +19,9 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ampkit import files
 from ampkit.checkpoint import payload, sharded
 from ampkit.errors import CheckpointError
+from ampkit.util import files
 
 if TYPE_CHECKING:
     from ampkit.accelerator import Accelerator

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from ampkit import files
 from ampkit.errors import CheckpointError, first_line
+from ampkit.util import files
 
 FORMAT = "ampkit-checkpoint"
 VERSION = 2

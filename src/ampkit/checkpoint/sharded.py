@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ampkit import files
-from ampkit.distributed import barrier
+from ampkit.engine.distributed import barrier
 from ampkit.errors import CheckpointError, first_line
+from ampkit.util import files
 
 if TYPE_CHECKING:
     from ampkit.accelerator import Accelerator

@@ -16,10 +16,10 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_map_only
 
-from ampkit.distributed import gather_objects, local_tensor
+from ampkit.engine.distributed import gather_objects, local_tensor
+from ampkit.engine.optim import Stage
 from ampkit.errors import CheckpointError
-from ampkit.optim import Stage
-from ampkit.version import ampkit_version
+from ampkit.util.version import ampkit_version
 
 if TYPE_CHECKING:
     from ampkit.accelerator import Accelerator

@@ -1,0 +1,46 @@
+"""The `ampkit` command: parses flags into a call of the library, nothing else.
+
+Each subcommand's flags and handler live in a module of its own (`ampkit.cli.compare`, `cli_run`, ...);
+this one puts them under one parser and runs the one the command line names, once every flag is checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ampkit.cli import args as flags
+from ampkit.cli import compare as cli_compare
+from ampkit.cli import doctor as cli_doctor
+from ampkit.cli import export as cli_export
+from ampkit.cli import info as cli_info
+from ampkit.cli import plan as cli_plan
+from ampkit.cli import run as cli_run
+from ampkit.cli.args import Parser
+
+# The subcommands, in the order `ampkit --help` lists them; each has add_parser(sub) and handle(args).
+COMMANDS = (cli_compare, cli_run, cli_export, cli_info, cli_doctor, cli_plan)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line: `ampkit` and each subcommand of COMMANDS with its flags."""
+    parser = Parser(prog="ampkit", description="Mixed-precision training for PyTorch: measured and explained.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args, extras = build_parser().parse_known_args(argv)
+    if extras:  # a typo'd flag: the subcommand's own error, with the flag it probably meant
+        args.parser.unknown(extras)
+    if problem := flags.check_numbers(args.command, args):
+        return flags.usage(args.command, problem)
+    args.argv = argv
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

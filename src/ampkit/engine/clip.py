@@ -1,0 +1,115 @@
+"""`acc.clip_grad_norm_`: unscale, then clip the gradients the optimizers will use, in the order a hand-written
+clip sums them (`model.parameters()`), so the two agree bit for bit; all of them, one optimizer's, or the
+parameters named."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampkit.engine.cycle import AccumulationCycle
+from ampkit.engine.optim import AmpOptimizer
+from ampkit.errors import StepOrderError
+from ampkit.util import validate as check
+
+CALL = "acc.clip_grad_norm_"
+
+
+def _positive(value: float) -> bool:
+    return value > 0
+
+
+class Clipper:
+    """The clip of one Accelerator's prepared objects, and the parameter orders it has worked out."""
+
+    def __init__(self, models: list[nn.Module], optimizers: list[AmpOptimizer], cycle: AccumulationCycle) -> None:
+        self.models, self.optimizers, self.cycle = models, optimizers, cycle  # the prepared ones, as they grow
+        self._cache: dict[tuple[Any, ...], list[nn.Parameter]] = {}
+
+    def find(self, optimizer: Any) -> AmpOptimizer:
+        """The prepared optimizer `optimizer` is (or wraps); ValueError if it was not prepared here."""
+        for opt in self.optimizers:
+            if optimizer is opt or optimizer is opt.optimizer:
+                return opt
+        raise ValueError(
+            f"acc.clip_grad_norm_(optimizer={type(optimizer).__name__}): expected an optimizer this Accelerator "
+            f"prepared (the object acc.prepare returned); prepare it first: model, opt = acc.prepare(model, opt)"
+        )
+
+    def __call__(self, max_norm: Any, norm_type: Any, optimizer: Any = None, parameters: Any = None) -> Any:
+        """`Accelerator.clip_grad_norm_`: check the arguments, unscale, then clip in the prepared models'
+        parameter order (or in the order of `parameters`); only `optimizer`'s gradients, or only those of
+        `parameters`, where given."""
+        max_norm = check.number(
+            CALL, "max_norm", max_norm, "a number > 0 (inf: measure the norm without clipping)", _positive, finite=False
+        )
+        norm_type = check.number(
+            CALL, "norm_type", norm_type, "a number > 0 such as 2.0, or inf", _positive, finite=False
+        )
+        if optimizer is not None and parameters is not None:
+            raise ValueError(f"{CALL}(optimizer=..., parameters=...): pass one of them (or neither: everything)")
+        if optimizer is not None:
+            optimizer = self.find(optimizer)
+        if parameters is not None:
+            parameters = check.entries(
+                CALL,
+                "parameters",
+                [parameters] if isinstance(parameters, torch.Tensor) else parameters,
+                lambda p: isinstance(p, torch.Tensor),
+                "tensors such as model.parameters() or a list of parameters",
+            )
+        cycle = self.cycle
+        if not cycle.started:
+            raise StepOrderError("acc.clip_grad_norm_() was called before acc.backward(loss)")
+        if not cycle.at_end:
+            return None
+        if parameters is not None:
+            optimizers, params = self._owners(parameters)
+        else:
+            optimizers = [optimizer] if optimizer is not None else self.optimizers
+            params = self._clip_order(optimizers)
+        for opt in optimizers:
+            opt.unscale_()
+        params = [p for p in params if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=True)
+
+    def _owners(self, parameters: list[torch.Tensor]) -> tuple[list[AmpOptimizer], list[torch.Tensor]]:
+        """The optimizers stepping `parameters`, and what holds their unscaled gradients (a low-precision
+        weight's fp32 stand-in), in the order given."""
+        if not self.optimizers:
+            return [], parameters
+        stands = {id(p): stand for opt in self.optimizers if opt.weights is not None for p, stand in opt.weights.pairs}
+        owner = {id(p): opt for opt in self.optimizers for g in opt.param_groups for p in g["params"]}
+        params = [stands.get(id(p), p) for p in parameters]
+        if missing := sum(1 for p in params if id(p) not in owner and p.requires_grad):
+            raise ValueError(
+                f"acc.clip_grad_norm_(parameters=...): {missing} of the {len(params)} parameters are stepped by no "
+                f"prepared optimizer, so their gradients are never unscaled; pass parameters of prepared models "
+                f"(model.parameters()), or optimizer=opt"
+            )
+        optimizers = list({id(o): o for o in (owner[id(p)] for p in params if id(p) in owner)}.values())
+        return optimizers, params
+
+    def _clip_order(self, optimizers: list[AmpOptimizer]) -> list[nn.Parameter]:
+        """What `clip_grad_norm_` sums over, in `model.parameters()` order as a hand-written clip (another
+        order rounds differently); built again only when the prepared parameters change."""
+        key = (
+            len(self.models),
+            tuple(id(opt) for opt in optimizers),
+            tuple(len(g["params"]) for opt in optimizers for g in opt.param_groups),
+        )
+        if key not in self._cache:
+            ids = dict.fromkeys(id(p) for model in self.models for p in model.parameters())  # first places
+            order = {key: i for i, key in enumerate(ids)}
+            if not optimizers:  # fp32 / bf16-mixed: the gradients are the models' own, unscaled
+                params = [p for model in self.models for p in model.parameters()]
+            else:
+                stands = {
+                    id(stand): p for opt in optimizers if opt.weights is not None for p, stand in opt.weights.pairs
+                }
+                params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+                params.sort(key=lambda p: order.get(id(stands.get(id(p), p)), len(order)))
+            self._cache[key] = list({id(p): p for p in params}.values())
+        return self._cache[key]

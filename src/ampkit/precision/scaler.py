@@ -1,0 +1,214 @@
+"""Dynamic loss scaling that never makes the host wait for the device: the scale, growth tracker and
+hysteresis counter are device tensors; the inf/NaN check, the skip decision (`found_inf`) and the update
+run on the device, and the host learns each step's outcome later (`ampkit.precision.outcomes`). With `hysteresis=1`
+and no bounds the trajectory is `torch.amp.GradScaler`'s (the same kernel, `torch._amp_update_scale_`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ampkit.errors import PrecisionError
+from ampkit.util import validate as check
+
+
+class LossScaler:
+    """Dynamic (or static) loss scale.
+
+    Args:
+        init_scale: the first scale. 2**16 is torch's and apex's default.
+        growth_factor: multiply the scale by this after `growth_interval` clean steps.
+        backoff_factor: multiply the scale by this on an overflow.
+        growth_interval: clean steps in a row before the scale grows.
+        min_scale: the scale never drops below this (None: the smallest normal fp32, 2**-126). At the bound,
+            continued overflows mean fp16 cannot represent the gradients: see `collapse_after`.
+        max_scale: the scale never grows above this (None: no bound).
+        hysteresis: overflows tolerated before backing off (1: back off on every overflow, as torch).
+        dynamic: False keeps `init_scale` forever (a static scale); overflowing steps are still skipped.
+        collapse_after: raise `LossScaleCollapse` after this many overflows in a row at `min_scale`.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        *,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        min_scale: float | None = 1.0,
+        max_scale: float | None = 2.0**24,
+        hysteresis: int = 1,
+        dynamic: bool = True,
+        collapse_after: int = 50,
+    ) -> None:
+        call, finite = "LossScaler", "a finite number"
+        init_scale = check.number(call, "init_scale", init_scale, f"{finite} > 0, e.g. 2**16", lambda v: v > 0)
+        growth_factor = check.number(call, "growth_factor", growth_factor, f"{finite} > 1, e.g. 2.0", lambda v: v > 1)
+        backoff_factor = check.number(
+            call, "backoff_factor", backoff_factor, "a number in (0, 1), e.g. 0.5", lambda v: 0 < v < 1
+        )
+        growth_interval = check.integer(
+            call, "growth_interval", growth_interval, 1, "clean steps before the scale grows"
+        )
+        hysteresis = check.integer(call, "hysteresis", hysteresis, 1, "overflows tolerated before backing off")
+        collapse_after = check.integer(call, "collapse_after", collapse_after, 1, "overflows in a row at min_scale")
+        dynamic = check.flag(call, "dynamic", dynamic)
+        # A scale of 0 never grows again and unscaling by it makes NaN of every gradient: the floor is > 0.
+        bound = f"{finite} > 0, or None: %s"
+        if min_scale is not None:
+            min_scale = check.number(
+                call, "min_scale", min_scale, bound % "the smallest normal fp32, 2**-126", lambda v: v > 0
+            )
+        if max_scale is not None:
+            max_scale = check.number(call, "max_scale", max_scale, bound % "no upper bound", lambda v: v > 0)
+        if min_scale is not None and max_scale is not None:
+            _require(min_scale <= max_scale, "min_scale", min_scale, f"<= max_scale ({max_scale})")
+        self.init_scale, self.growth_factor = float(init_scale), float(growth_factor)
+        self.backoff_factor, self.growth_interval = float(backoff_factor), int(growth_interval)
+        self.hysteresis, self.collapse_after = int(hysteresis), int(collapse_after)
+        self.min_scale, self.max_scale, self.dynamic = min_scale, max_scale, dynamic
+        self._scale: torch.Tensor | None = None
+        self._growth_tracker: torch.Tensor | None = None
+        self._hysteresis_left: torch.Tensor | None = None
+
+    def to(self, device: torch.device) -> LossScaler:
+        """Create (or move) the scale's device tensors on `device`."""
+        if self._scale is None:
+            self._scale = torch.full((), self.init_scale, dtype=torch.float32, device=device)
+            self._growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
+            self._hysteresis_left = torch.full((), self.hysteresis, dtype=torch.int32, device=device)
+        else:
+            self._scale, self._growth_tracker, self._hysteresis_left = (
+                t.to(device) for t in (self._scale, self._growth_tracker, self._hysteresis_left)
+            )
+        return self
+
+    @property
+    def scale_tensor(self) -> torch.Tensor:
+        """The current scale as a 0-dim fp32 device tensor (no sync)."""
+        if self._scale is None:
+            raise RuntimeError("LossScaler has no device yet: call .to(device) or prepare it with an Accelerator")
+        return self._scale
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float. Outside the step path only: it waits for the device."""
+        return self.scale_tensor.item()  # sync: an explicit read the caller asked for
+
+    @property
+    def floor(self) -> float:
+        """The smallest scale this scaler reaches: `min_scale`, or the smallest normal fp32 without one."""
+        return self.min_scale if self.min_scale is not None else _SMALLEST_NORMAL
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss * scale`, computed on the device."""
+        return loss * self.scale_tensor.to(device=loss.device, non_blocking=True)
+
+    def unscale_(
+        self, grads: Iterable[torch.Tensor], found_inf: torch.Tensor, factor: torch.Tensor | None = None
+    ) -> None:
+        """Divide `grads` by the scale in place (and multiply them by `factor`, a 0-dim tensor, in the same
+        kernel) and set `found_inf` (a 0-dim fp32 tensor on the scale's device) to 1 if any is inf/NaN; never
+        cleared, so one flag can collect several calls. Not sparse."""
+        inv_scale = self.scale_tensor.double().reciprocal().float()  # as GradScaler: exact for powers of 2
+        if factor is not None:
+            inv_scale = inv_scale * factor.to(inv_scale.device)
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        for g in grads:
+            groups[(g.device, g.dtype)].append(g)
+        for (device, _), tensors in groups.items():
+            flag = found_inf if device == found_inf.device else torch.zeros_like(found_inf, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, inv_scale.to(device))
+            if flag is not found_inf:
+                found_inf.add_(flag.to(found_inf.device, non_blocking=True)).clamp_(max=1)
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        """Advance the scale after one optimizer step whose overflow flag is `found_inf` (> 0: overflow)."""
+        if not self.dynamic:
+            return
+        scale, tracker = self.scale_tensor, self._growth_tracker
+        if self.hysteresis == 1:
+            # torch's own kernel: one launch, and the trajectory is GradScaler's by construction.
+            torch._amp_update_scale_(
+                scale, tracker, found_inf, self.growth_factor, self.backoff_factor, self.growth_interval
+            )
+        else:
+            self._update_with_hysteresis(found_inf)
+        # Never 0 (a zero scale could never grow again, and unscaling by it makes NaN of every gradient).
+        scale.clamp_(min=self.floor, max=self.max_scale)
+
+    def _update_with_hysteresis(self, found_inf: torch.Tensor) -> None:
+        """The same rule as `_amp_update_scale_`, but backing off only after `hysteresis` overflows."""
+        scale, tracker, left = self.scale_tensor, self._growth_tracker, self._hysteresis_left
+        overflow = found_inf > 0
+        left_after = torch.where(overflow, left - 1, left)
+        back_off = overflow & (left_after <= 0)
+        counted = torch.where(overflow, torch.zeros_like(tracker), tracker + 1)
+        grow = counted >= self.growth_interval
+        grown = scale * self.growth_factor
+        new_scale = torch.where(back_off, scale * self.backoff_factor, scale)
+        new_scale = torch.where(grow & torch.isfinite(grown), grown, new_scale)
+        scale.copy_(new_scale)
+        tracker.copy_(torch.where(grow, torch.zeros_like(counted), counted))
+        left.copy_(torch.where(back_off | grow, torch.full_like(left, self.hysteresis), left_after))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Settings and device state as plain Python values (JSON-able). Reads the device: not per step."""
+        state: dict[str, Any] = {key: getattr(self, key) for key in _SETTINGS}
+        if self._scale is not None:
+            state["scale"] = self._scale.item()  # sync: a checkpoint reads the state once, outside the step
+            state["growth_tracker"] = int(self._growth_tracker.item())  # sync: as above
+            state["hysteresis_left"] = int(self._hysteresis_left.item())  # sync: as above
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned, exactly."""
+        for key in ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
+            setattr(self, key, state[key] if state[key] is None else float(state[key]))
+        for key in ("growth_interval", "hysteresis", "collapse_after"):
+            setattr(self, key, int(state[key]))
+        self.dynamic = bool(state["dynamic"])
+        if "scale" in state:
+            device = self._scale.device if self._scale is not None else torch.device("cpu")
+            self._scale = torch.full((), state["scale"], dtype=torch.float32, device=device)
+            self._growth_tracker = torch.full((), state["growth_tracker"], dtype=torch.int32, device=device)
+            self._hysteresis_left = torch.full((), state["hysteresis_left"], dtype=torch.int32, device=device)
+
+    def __repr__(self) -> str:
+        kind = "dynamic" if self.dynamic else "static"
+        return (
+            f"LossScaler({kind}, init_scale={self.init_scale}, growth_interval={self.growth_interval}, "
+            f"hysteresis={self.hysteresis})"
+        )
+
+
+def scaler_for(policy: Any, scaler: LossScaler | None, device: torch.device) -> LossScaler | None:
+    """The loss scaler of a preset (`scaler`, else the default one) on `device`; None where it does not scale."""
+    if scaler is not None and not policy.loss_scaling:
+        raise PrecisionError(
+            f"scaler= was given but precision {policy.name!r} does not scale the loss; loss scaling "
+            f"is for fp16: use precision='fp16-mixed' or 'fp16-master', or drop scaler="
+        )
+    return (scaler or LossScaler()).to(device) if policy.loss_scaling else None
+
+
+_SMALLEST_NORMAL = 2.0**-126
+_SETTINGS = (
+    "init_scale",
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "min_scale",
+    "max_scale",
+    "hysteresis",
+    "dynamic",
+    "collapse_after",
+)
+
+
+def _require(ok: bool, name: str, value: object, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"LossScaler({name}={value!r}): expected {expected}")

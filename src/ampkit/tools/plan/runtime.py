@@ -1,0 +1,86 @@
+"""What a training process holds besides its tensors: the part of a measured peak the tensor tracker cannot see.
+
+A user measures a CPU run's memory as the resident set (RSS) of a steady-state step above the process's
+pre-model baseline, and a CUDA run's as `torch.cuda.max_memory_allocated`. On a CPU that figure holds, beside the
+live tensors `ampkit.tools.plan.tracker` counts:
+
+- **runtime**: what the first training steps load and never give back: libtorch's code pages, the thread pools,
+  oneDNN's primitive cache, and, where a preset compiles its update (bf16-true's fused Kahan step), torch.compile's
+  modules and kernel. Measured constants per device (`benchmarks/plan_vs_measured.py --runtime`).
+- **allocator**: freed memory the allocator keeps mapped. glibc serves blocks under its dynamic mmap threshold
+  (up to 32 MiB once a step has freed one that large) from its heaps and keeps their freed pages, so a steady
+  step's RSS stands above its live bytes by an amount that depends on the order of allocations. Estimated as a
+  fraction of the tensors at the peak that live in the heap, fitted to measurements (an estimate); 0 where
+  glibc's thresholds are fixed (`MALLOC_TRIM_THRESHOLD_=131072` or another of `FIXED_BY` set: freed blocks go
+  back to the system) and on CUDA, whose `max_memory_allocated` counts live blocks only.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+from ampkit.precision.policy import PRESETS
+
+_MIB = 2**20
+
+#: RSS high-water mark of a steady-state step above the pre-model baseline, in a fresh process, for a one-layer
+#: tiny-lm of a few thousand parameters (a transformer's kernels, no tensor of note; AdamW); Intel Xeon (AMX),
+#: torch 2.13, Linux (glibc): `benchmarks/plan_vs_measured.py --runtime`.
+CPU_FRAMEWORK = {"fp32": 91 * _MIB, "low-precision": 100 * _MIB}
+
+#: Added by torch.compile's modules and one compiled kernel (bf16-true's fused update), same measurement.
+CPU_COMPILER = 61 * _MIB
+
+#: glibc's kept heap as a fraction of the tensors at the peak that live in its heap: all but ampkit's buffers
+#: (masters, Kahan buffers), allocated once at prepare, before a freed block raises the mmap threshold, so
+#: mapped. Fitted: the measured part was 13-34% of them (MLP-stack LM of 34 M parameters at batch 512, tiny-lm
+#: medium and small; fp32, bf16-mixed, bf16-master, bf16-true; benchmarks/RESULTS.md).
+GLIBC_KEPT = 0.22
+#: micro_batch="auto" on a CPU: the planner's own modules, resident once it has run (measured: 10 MiB), and the
+#: wider margin glibc's kept heap needs (an MLP split into 1,039-row micro-batches: 252-312 MiB over identical runs).
+PLANNER_BYTES = 16 * 2**20
+GLIBC_MARGIN = 0.05
+
+
+def runtime_bytes(precision: str, device: torch.device) -> int:
+    """The runtime part of `precision`'s measured peak on `device` (0 on CUDA: host memory is not counted)."""
+    if device.type != "cpu":
+        return 0
+    preset = PRESETS[precision]
+    framework = CPU_FRAMEWORK["fp32" if preset.compute_dtype == torch.float32 else "low-precision"]
+    return framework + (CPU_COMPILER if preset.compensated else 0)
+
+
+#: Setting any of these fixes glibc's thresholds (no dynamic rise): freed blocks of 128 KiB or more go back.
+FIXED_BY = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+
+
+def glibc_keeps_freed() -> bool:
+    """Whether freed heap memory stays mapped in this process: glibc's malloc with its dynamic thresholds."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    fixed = any(k in os.environ for k in FIXED_BY) or any(
+        f"glibc.malloc.{t}" in tunables for t in ("mmap_threshold", "trim_threshold", "top_pad", "mmap_max")
+    )
+    return platform.libc_ver()[0] == "glibc" and not fixed
+
+
+def allocator_bytes(peak: int, device: torch.device, buffers: int = 0) -> int:
+    """The allocator part of a measured peak whose live tensors peak at `peak` bytes on `device`, `buffers` of
+    them ampkit's long-lived buffers (outside glibc's heap)."""
+    if device.type != "cpu" or not glibc_keeps_freed():
+        return 0
+    return round(max(0, peak - buffers) * GLIBC_KEPT)
+
+
+def split_kept_bytes(components: dict[str, int], device: torch.device) -> int:
+    """What running a batch as several micro-batches adds to one micro-batch's measured peak: the gradients, which
+    exist through every backward after the first, and on a CPU with glibc's dynamic thresholds one micro-batch's
+    activations and temporaries, which glibc keeps mapped after they are freed (measured: a 4.3 M-parameter MLP
+    at 2,475 rows, 4 micro-batches, +98 MiB with glibc as it comes, -4 MiB with its thresholds fixed)."""
+    grads = max(0, components["parameters"] - components["gradients"])
+    if device.type != "cpu" or not glibc_keeps_freed():
+        return grads
+    return grads + components["activations"] + components["temporaries"] + components["autocast_cache"]
