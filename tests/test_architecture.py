@@ -601,9 +601,7 @@ LAYERS = {
 FACE = 99  # ampkit/__init__.py re-exports the public API from every layer
 
 #: (importing module, imported module) pairs that point up at run time, each with the reason it stays.
-LAYER_EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("ampkit.precision.fp8", "ampkit.engine.module"): "fp8 skips the kept-fp32 layers module.py finds",
-}
+LAYER_EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 #: Type-only imports that point up: annotations of the object a helper is handed. Each is a seam still
 #: to narrow (ARCHITECTURE.md names them); the list may shrink, never grow.

@@ -33,7 +33,6 @@ from ampkit.engine.items import ItemWeights
 from ampkit.engine.launch import check_metric, launch_settings, max_steps_reached
 from ampkit.engine.metrics import MetricTracker
 from ampkit.engine.micro import MicroBatcher
-from ampkit.engine.module import KeepSpec
 from ampkit.engine.optim import AmpOptimizer
 from ampkit.engine.prepare import Prepared
 from ampkit.engine.scheduler import AmpScheduler
@@ -42,6 +41,7 @@ from ampkit.errors import StepOrderError
 from ampkit.hardware.capability import capability, resolve_device
 from ampkit.inference import export
 from ampkit.precision.fp8 import MIN_WEIGHT, fp8_training
+from ampkit.precision.keep import KeepSpec
 from ampkit.precision.policy import Precision, resolve_precision
 from ampkit.precision.scaler import LossScaler, scaler_for
 from ampkit.util import validate as check

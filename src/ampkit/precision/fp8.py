@@ -22,8 +22,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ampkit.engine.module import KeepSpec, kept_fp32_roots
 from ampkit.errors import PrecisionError
+from ampkit.precision.keep import KeepSpec, kept_fp32_roots
 from ampkit.precision.policy import Precision
 
 MIN_WEIGHT = 2048 * 2048
