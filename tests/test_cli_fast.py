@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.metadata
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -74,7 +76,7 @@ BAD = [
 @pytest.fixture(scope="module")
 def answers(tmp_path_factory) -> dict:
     """Every case of this file in one interpreter (in an empty folder): none of them may import torch."""
-    argvs = [["--help"], *([sub, "--help"] for sub in SUBCOMMANDS), *(argv for argv, _ in BAD)]
+    argvs = [["--help"], *([sub, "--help"] for sub in SUBCOMMANDS), *(argv for argv, _ in BAD), ["--version"]]
     folder = tmp_path_factory.mktemp("cli")
     done = subprocess.run(
         [sys.executable, "-c", RUN_MAIN, json.dumps(argvs)],
@@ -108,6 +110,13 @@ def test_bad_command_line_answers_in_one_line(answers, index):
     assert answer["code"] == 2, answer
     assert named in answer["err"] and answer["err"].count("\n") == 1, answer
     assert answer["err"].startswith("ampkit") and answer["out"] == "", answer
+
+
+def test_version_names_ampkit_torch_and_python(answers):
+    answer = answers["results"][-1]
+    assert answer["argv"] == ["--version"] and answer["code"] == 0, answer
+    ampkit, torch = (importlib.metadata.version(package) for package in ("ampkit", "torch"))
+    assert answer["out"] == f"ampkit {ampkit} (torch {torch}, Python {platform.python_version()})\n"
 
 
 def test_the_module_entry_point_answers_help():

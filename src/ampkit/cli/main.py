@@ -7,6 +7,8 @@ this one puts them under one parser and runs the one the command line names, onc
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import platform
 import sys
 
 from ampkit.cli import args as flags
@@ -25,10 +27,23 @@ COMMANDS = (cli_compare, cli_run, cli_export, cli_info, cli_doctor, cli_plan)
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line: `ampkit` and each subcommand of COMMANDS with its flags."""
     parser = Parser(prog="ampkit", description="Mixed-precision training for PyTorch: measured and explained.")
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add_parser(sub)
     return parser
+
+
+def version_line() -> str:
+    """`ampkit --version`: ampkit's and torch's versions from the installed metadata, without importing torch
+    (so it answers at once); "0+unknown" for a source tree never installed."""
+    versions = []
+    for package in ("ampkit", "torch"):
+        try:
+            versions.append(importlib.metadata.version(package))
+        except importlib.metadata.PackageNotFoundError:
+            versions.append("0+unknown" if package == "ampkit" else "not installed")
+    return f"ampkit {versions[0]} (torch {versions[1]}, Python {platform.python_version()})"
 
 
 def main(argv: list[str] | None = None) -> int:
