@@ -7,7 +7,7 @@ the script did not pass); `acc.config` is it, and `acc.config.as_dict()` the JSO
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,7 +75,7 @@ class AcceleratorConfig:
     precision: str | Precision = "auto"
     grad_accum_steps: int = 1
     device: str | torch.device = "auto"
-    keep_fp32: tuple[str | type[nn.Module], ...] = ()
+    keep_fp32: Sequence[str | type[nn.Module]] = ()  # a tuple once checked
     step_scheduler_with_optimizer: bool = True
     strategy: str = "auto"
     backend: str | None = None
@@ -100,14 +100,14 @@ class AcceleratorConfig:
         check.flag("", "free_step_buffers", self.free_step_buffers, "chosen by device and preset")
         check.flag("", "divide_loss", self.divide_loss, "divide and say so once")
         keep = self.keep_fp32
-        keep = check.entries(
+        entries = check.entries(
             "",
             "keep_fp32",
             [keep] if isinstance(keep, (str, type)) else keep,
             lambda s: isinstance(s, str) or (isinstance(s, type) and issubclass(s, nn.Module)),
             "a list of nn.Module subclasses or module-name patterns, e.g. ['head', nn.LayerNorm]",
         )
-        object.__setattr__(self, "keep_fp32", tuple(keep))
+        object.__setattr__(self, "keep_fp32", tuple(entries))
         check_backend(self.backend)
         parse_micro_batch(self.micro_batch)
         if self.memory is not None:

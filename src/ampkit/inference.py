@@ -248,7 +248,10 @@ def _export_onnx(model: nn.Module, inputs: tuple[torch.Tensor, ...], precision: 
     onnx = need("onnx", "backend='onnx'")
     program = _trace(model, inputs)
     with contextlib.redirect_stdout(io.StringIO()):  # the exporter prints its progress
-        proto = torch.onnx.export(program, dynamo=True, verbose=False).model_proto
+        exported = torch.onnx.export(program, dynamo=True, verbose=False)
+    if exported is None:  # only without dynamo=True; said here so a torch that changes it fails clearly
+        raise RuntimeError("torch.onnx.export(dynamo=True) returned no ONNXProgram")
+    proto = exported.model_proto
     if precision == "int8":
         quantization = need("onnxruntime.quantization", "precision='int8' with backend='onnx'")
         with tempfile.TemporaryDirectory() as tmp:

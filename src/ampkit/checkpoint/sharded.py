@@ -94,7 +94,8 @@ def _reader_and_planner(path: Path) -> tuple[Any, Any]:
         def load_bytes(self, read_item: Any, value: Any) -> None:
             loaded = torch.load(value, weights_only=True)  # DCP's own planner passes weights_only=False
             if self.flatten_state_dict:
-                target, key = self.original_state_dict, self.mappings[read_item.dest_index.fqn]
+                target: Any = self.original_state_dict  # nested dicts and lists, by the path in `key`
+                key = self.mappings[read_item.dest_index.fqn]
                 for part in key[:-1]:
                     target = target[part]
                 target[key[-1]] = loaded

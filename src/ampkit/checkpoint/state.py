@@ -10,7 +10,7 @@ import random
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -36,7 +36,8 @@ def _without_weights(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def rng_state() -> dict[str, Any]:
-    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()[:5]
+    legacy = cast("tuple[Any, ...]", np.random.get_state(legacy=True))  # the legacy form is a tuple
+    name, keys, pos, has_gauss, cached_gaussian = legacy[:5]
     numpy = {
         "name": name,
         "keys": torch.from_numpy(keys.copy()),
@@ -92,12 +93,12 @@ def _first(names: list[str]) -> str:
 
 def _check_finite(acc: Accelerator) -> None:
     several = len(acc.models) > 1
-    bad = _non_finite(
+    local = _non_finite(
         (f"model {i}: {n}" if several else n, local_tensor(p.detach()))
         for i, model in enumerate(acc.models)
         for n, p in model.named_parameters()
     )
-    bad = sorted({name for names in gather_objects(sorted(bad)) for name in names})  # all refuse together
+    bad = sorted({name for names in gather_objects(sorted(local)) for name in names})  # all refuse together
     if bad:
         raise CheckpointError(
             f"refusing to save non-finite weights: {_first(bad)} contain NaN or inf; the previous checkpoint "
@@ -186,8 +187,8 @@ def validate(acc: Accelerator, payload: dict[str, Any], path: Path, sharded: boo
     for i, (sched, state) in enumerate(zip(acc.schedulers, payload["schedulers"])):
         problems += [f"scheduler {i}: {p}" for p in sched.check_state_dict(state)]
     problems += acc.check_state_dict(payload["accelerator"])
-    bad = _non_finite((f"{i}/{k}", v) for i, sd in enumerate(payload["models"]) for k, v in sd.items())
-    if bad := sorted(bad | _non_finite(payload["fp32_weights"].items())):
+    found = _non_finite((f"{i}/{k}", v) for i, sd in enumerate(payload["models"]) for k, v in sd.items())
+    if bad := sorted(found | _non_finite(payload["fp32_weights"].items())):
         problems.append(f"non-finite weights (NaN or inf): {_first(bad)}")
     if problems:
         raise CheckpointError(

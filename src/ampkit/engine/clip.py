@@ -4,6 +4,7 @@ parameters named."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -65,6 +66,7 @@ class Clipper:
             raise StepOrderError("acc.clip_grad_norm_() was called before acc.backward(loss)")
         if not cycle.at_end:
             return None
+        params: Sequence[torch.Tensor]
         if parameters is not None:
             optimizers, params = self._owners(parameters)
         else:
@@ -72,8 +74,8 @@ class Clipper:
             params = self._clip_order(optimizers)
         for opt in optimizers:
             opt.unscale_()
-        params = [p for p in params if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=True)
+        with_grads = [p for p in params if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(with_grads, max_norm, norm_type=norm_type, foreach=True)
 
     def _owners(self, parameters: list[torch.Tensor]) -> tuple[list[AmpOptimizer], list[torch.Tensor]]:
         """The optimizers stepping `parameters`, and what holds their unscaled gradients (a low-precision

@@ -42,8 +42,8 @@ class CompileStats:
     reason: str | None = None  # why `chosen` (or why no trial runs)
 
 
-def compile_options(value: bool | Mapping[str, Any]) -> dict[str, Any] | None:
-    """Normalise `Accelerator(compile=...)`: False → None, True → {}, a mapping → torch.compile kwargs."""
+def compile_options(value: bool | Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Normalise `Accelerator(compile=...)`: False or None → None, True → {}, a mapping → torch.compile kwargs."""
     if value is False or value is None:
         return None
     if value is True:
@@ -63,7 +63,9 @@ def compile_options(value: bool | Mapping[str, Any]) -> dict[str, Any] | None:
     return dict(value)
 
 
-def compile_setup(device: torch.device, compile: bool | Mapping[str, Any], cuda_graphs: bool) -> dict[str, Any] | None:
+def compile_setup(
+    device: torch.device, compile: bool | Mapping[str, Any] | None, cuda_graphs: bool
+) -> dict[str, Any] | None:
     """torch.compile arguments for `Accelerator(compile=, cuda_graphs=)`, or None (with a warning where
     the compiler cannot run here); `cuda_graphs` is compile's reduce-overhead mode."""
     options = compile_options(compile)

@@ -167,9 +167,9 @@ class DeviceLoader:
         return self._resume is not None
 
     def _set_sampler_epoch(self) -> None:
-        sampler = getattr(self.loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(self.epoch)  # DistributedSampler: a new shuffle per epoch
+        set_epoch = getattr(getattr(self.loader, "sampler", None), "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(self.epoch)  # DistributedSampler: a new shuffle per epoch
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loader is: epoch, batches handed out, the pass's starting random state, and its

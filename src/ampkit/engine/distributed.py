@@ -203,7 +203,7 @@ def shard_loader(loader: DataLoader, ctx: DistributedContext) -> DataLoader:
     shuffle = isinstance(sampler, RandomSampler)
     generator = getattr(sampler, "generator", None) or loader.generator
     seed = generator.initial_seed() if shuffle and generator is not None else 0
-    dist_sampler = DistributedSampler(
+    dist_sampler: DistributedSampler[Any] = DistributedSampler(
         loader.dataset,
         num_replicas=ctx.world_size,
         rank=ctx.rank,

@@ -81,7 +81,7 @@ class AmpOptimizer(torch.optim.Optimizer):
 
     # --- the wrapped optimizer's surface ------------------------------------------------------
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -195,7 +195,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         if events.listeners:
             events.emit(Listener.on_zero_grad_end, self)
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         """Apply the update on accumulation boundaries; skip it on the device if gradients overflowed."""
         if closure is not None:
             raise StepOrderError(
@@ -301,7 +301,7 @@ class AmpOptimizer(torch.optim.Optimizer):
             grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         if scaler is not None:
             self._found_inf = torch.zeros((), dtype=torch.float32, device=scaler.scale_tensor.device)
-            scaler.unscale_(grads, self._found_inf, factor)
+            scaler.unscale_(grads or [], self._found_inf, factor)
             if self._ctx.distributed:
                 agree_on_overflow(self._found_inf)  # every rank skips the same steps, decided on the device
         elif factor is not None and grads:

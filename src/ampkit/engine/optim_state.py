@@ -17,7 +17,7 @@ def state_problems(optimizer: torch.optim.Optimizer, weights: Any, state: dict[s
     if not isinstance(state, dict) or "param_groups" not in state or "state" not in state:
         return ["it is not an optimizer state_dict"]
     same_class = amp is None or amp.get("optimizer") == type(optimizer).__name__
-    if not same_class:
+    if amp is not None and not same_class:
         problems.append(
             f"it was saved from a {amp.get('optimizer')} optimizer, this one is a {type(optimizer).__name__}"
         )

@@ -130,7 +130,7 @@ class Prepared:
                     f"so the layout changes nothing for it",
                     stacklevel=3,
                 )
-            model.to(memory_format=torch.channels_last)
+            model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # stub lacks the keyword
         if acc.strategy == "fsdp":
             model, params = wrap_fsdp(model, acc.policy.compute_dtype)
             self.fsdp_params.update(params)
@@ -153,7 +153,7 @@ class Prepared:
         if self.acc.strategy == "fsdp":
             model.set_requires_gradient_sync(sync)  # type: ignore[operator]
         else:
-            model.require_backward_grad_sync = sync
+            model.require_backward_grad_sync = sync  # type: ignore[assignment]  # DDP's plain bool attribute
 
     def check_backward(self, counted: bool = False) -> None:
         """Raise if a backward now could not give the update the loop means (before it runs); `counted`: the

@@ -156,7 +156,7 @@ def capability(device: torch.device) -> Support:
     facts = device_capabilities(device)
     gpu = device.type != "cpu"
     bf16_runs = _bf16_runs(device)
-    fast = {c: gpu if facts[c].supported is None else facts[c].supported for c in ("bf16", "fp16")}
+    fast = {c: gpu if (known := facts[c].supported) is None else known for c in ("bf16", "fp16")}
     if gpu:
         name, source = _gpu_named(device)
         name = f"{torch.cuda.get_device_name(device)} ({name})" if device.type == "cuda" else name

@@ -21,7 +21,7 @@ from torch import nn
 
 from ampkit.precision import kahan
 from ampkit.precision.flat_buffer import EMPTY_FP32, FlatBuffer
-from ampkit.precision.weight_state import ExactState, fp32_grads, per_element
+from ampkit.precision.weight_state import ExactState, fp32_grads, grads_of, per_element
 
 #: The optimizers bf16-true steps with its own fused kernel (these classes exactly: a subclass may differ).
 FUSED = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
@@ -143,7 +143,7 @@ class CompensatedWeights(ExactState):
         grads = self._grad if self._grads_in else self._low_grad
         if not self._grads_in:
             grads.alloc()
-            torch._foreach_copy_([grads.by_index[i] for i in kept], [self._params[i].grad for i in kept])
+            torch._foreach_copy_([grads.by_index[i] for i in kept], grads_of(self._params, kept))
         keys = _ADAM_KEYS if self._kernel == "adam" else _SGD_KEYS
         entries = [self._entry(i, keys) for i in kept]
         if self._kernel == "adam":
@@ -206,9 +206,10 @@ class CompensatedWeights(ExactState):
     # --- any other optimizer ------------------------------------------------------------------------
     def _whole(self, kept: list[int], step_fn: Callable[[], Any]) -> Any:
         """The user's own step on fp32 stand-ins (`weight + compensation`) of the weights it updates."""
+        low = {} if self._grads_in else dict(zip(kept, grads_of(self._params, kept)))
         for i in kept:
             shadow = self._shadows[i]
-            grad = shadow.grad if self._grads_in else self._params[i].grad.float()
+            grad = shadow.grad if self._grads_in else low[i].float()
             shadow.data = self._params[i].float().add_(self.compensation[i])
             shadow.grad = grad
             self._pointed.append(shadow)
@@ -235,8 +236,8 @@ class CompensatedWeights(ExactState):
         self._steps = {}
         if self._kernel is not None:
             for i in self._order:
-                entry = state.get(self._shadows[i])
-                for key, value in (entry or {}).items():
+                entry = state.get(self._shadows[i]) or {}
+                for key, value in entry.items():
                     if key == "step" and isinstance(value, torch.Tensor):
                         entry[key] = value.detach().to("cpu", torch.float32)
                         self._steps[i] = float(entry[key])  # sync: once per load (the counter's host copy)

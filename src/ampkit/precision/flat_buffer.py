@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from itertools import accumulate
 
 import torch
@@ -22,7 +23,7 @@ class FlatBuffer:
 
     def __init__(
         self,
-        like: list[torch.Tensor],
+        like: Sequence[torch.Tensor],
         dtype: torch.dtype,
         releasable: bool = True,
         indices: list[int] | None = None,

@@ -50,7 +50,7 @@ class MasterWeights(ExactState):
         """Round the (possibly updated) masters into the model's parameters, in one foreach copy."""
         if self._params:
             with torch.no_grad():
-                torch._foreach_copy_(self._params, self._masters)
+                torch._foreach_copy_(self._params, self._masters)  # type: ignore[arg-type]  # invariant stub
 
     def release(self) -> None:
         """Drop the fp32 gradients (after the step, or when gradients are zeroed)."""
@@ -82,4 +82,4 @@ class MasterWeights(ExactState):
 
     def exact_state(self) -> list[torch.Tensor]:
         """The fp32 masters: with the model's weights, the whole state (`ExactState`)."""
-        return self._masters
+        return list(self._masters)

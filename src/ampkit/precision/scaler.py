@@ -82,10 +82,14 @@ class LossScaler:
             self._growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
             self._hysteresis_left = torch.full((), self.hysteresis, dtype=torch.int32, device=device)
         else:
-            self._scale, self._growth_tracker, self._hysteresis_left = (
-                t.to(device) for t in (self._scale, self._growth_tracker, self._hysteresis_left)
-            )
+            self._scale, self._growth_tracker, self._hysteresis_left = (t.to(device) for t in self._device_state())
         return self
+
+    def _device_state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The scale, the growth tracker and the hysteresis countdown: the device tensors `to` makes together."""
+        scale, tracker, left = self.scale_tensor, self._growth_tracker, self._hysteresis_left
+        assert tracker is not None and left is not None, "made with the scale by to()"
+        return scale, tracker, left
 
     @property
     def scale_tensor(self) -> torch.Tensor:
@@ -129,7 +133,7 @@ class LossScaler:
         """Advance the scale after one optimizer step whose overflow flag is `found_inf` (> 0: overflow)."""
         if not self.dynamic:
             return
-        scale, tracker = self.scale_tensor, self._growth_tracker
+        scale, tracker, _ = self._device_state()
         if self.hysteresis == 1:
             # torch's own kernel: one launch, and the trajectory is GradScaler's by construction.
             torch._amp_update_scale_(
@@ -142,7 +146,7 @@ class LossScaler:
 
     def _update_with_hysteresis(self, found_inf: torch.Tensor) -> None:
         """The same rule as `_amp_update_scale_`, but backing off only after `hysteresis` overflows."""
-        scale, tracker, left = self.scale_tensor, self._growth_tracker, self._hysteresis_left
+        scale, tracker, left = self._device_state()
         overflow = found_inf > 0
         left_after = torch.where(overflow, left - 1, left)
         back_off = overflow & (left_after <= 0)
@@ -159,9 +163,10 @@ class LossScaler:
         """Settings and device state as plain Python values (JSON-able). Reads the device: not per step."""
         state: dict[str, Any] = {key: getattr(self, key) for key in _SETTINGS}
         if self._scale is not None:
-            state["scale"] = self._scale.item()  # sync: a checkpoint reads the state once, outside the step
-            state["growth_tracker"] = int(self._growth_tracker.item())  # sync: as above
-            state["hysteresis_left"] = int(self._hysteresis_left.item())  # sync: as above
+            scale, tracker, left = self._device_state()
+            state["scale"] = scale.item()  # sync: a checkpoint reads the state once, outside the step
+            state["growth_tracker"] = int(tracker.item())  # sync: as above
+            state["hysteresis_left"] = int(left.item())  # sync: as above
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -3,22 +3,27 @@ buffer, and which optimizer state is per element."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
 from ampkit.precision.flat_buffer import FlatBuffer
 
 
-def fp32_grads(params: list[nn.Parameter], buffer: FlatBuffer) -> tuple[list[int], list[torch.Tensor]]:
+def fp32_grads(params: Sequence[torch.Tensor], buffer: FlatBuffer) -> tuple[list[int], list[torch.Tensor]]:
     """Copy the gradients the parameters have (an unused layer has none) into `buffer`: (indices, views)."""
     kept = [i for i, p in enumerate(params) if p.grad is not None]
     buffer.alloc()
     views = [buffer.views[i] for i in kept]
     if kept:
-        torch._foreach_copy_(views, [params[i].grad for i in kept])
+        torch._foreach_copy_(views, grads_of(params, kept))
     return kept, views
+
+
+def grads_of(params: Sequence[torch.Tensor], kept: list[int]) -> list[torch.Tensor]:
+    """The gradients of `params[i]` for each `i` in `kept` (indices of parameters that have one)."""
+    return [grad for i in kept if (grad := params[i].grad) is not None]
 
 
 class ExactState:

@@ -27,7 +27,7 @@ def fsync_dir(folder: Path) -> None:
             os.close(fd)
 
 
-def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
+def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """Write `path` through `write(file)` so that readers see the old content or the new, whole.
 
     The content goes to a temporary file in the same folder, is fsynced and renamed over `path`.

@@ -14,7 +14,7 @@ import os
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 
 def _got(value: Any) -> str:
@@ -51,6 +51,10 @@ def integer(call: str, name: str, value: Any, minimum: int, what: str = "") -> i
     return int(value)
 
 
+@overload
+def flag(call: str, name: str, value: Any) -> bool: ...
+@overload
+def flag(call: str, name: str, value: Any, none: str) -> bool | None: ...
 def flag(call: str, name: str, value: Any, none: str = "") -> bool | None:
     """True or False (or None where `none` says what None means); 'no', 0 or 1 are refused."""
     if isinstance(value, bool) or (none and value is None):

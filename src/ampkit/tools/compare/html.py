@@ -60,14 +60,15 @@ def _plain(value: Any, key: str = "") -> str:
     if isinstance(value, dict):
         return ", ".join(f"{k.removesuffix('_bytes')} {_plain(v, k)}" for k, v in value.items()) or NONE
     if key.endswith("_bytes") and isinstance(value, numbers.Real):
-        return size(value)
+        return size(float(value))
     return str(value)
 
 
 def _task_items(task: Task | None) -> list[tuple[str, str]]:
     if task is None:
         return [("task", "the user's own train_fn (no built-in task)")]
-    direction = {True: " (higher is better)", False: " (lower is better)"}.get(task.higher_is_better, "")
+    better = task.higher_is_better
+    direction = "" if better is None else (" (higher is better)" if better else " (lower is better)")
     items = [("name", task.name), ("metric", f"{task.metric}{direction}" if task.metric else NONE)]
     shown = dataclasses.asdict(task).items()
     return items + [(k, _plain(v, k)) for k, v in shown if k not in ("name", "metric", "higher_is_better")]

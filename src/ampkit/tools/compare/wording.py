@@ -49,7 +49,7 @@ def speed(run: Run, load: dict[str, Any] | None = None) -> str:
 
 def within_noise(run: Run, baseline: Run | None, task: Task | None) -> bool | None:
     """True: the metric is within the baseline's noise band or better; False: worse beyond it; None: no band."""
-    if baseline is None or None in (run.metric, baseline.metric, baseline.metric_band):
+    if baseline is None or run.metric is None or baseline.metric is None or baseline.metric_band is None:
         return None
     worse = (
         (baseline.metric - run.metric) if (task is None or task.higher_is_better) else (run.metric - baseline.metric)
@@ -165,7 +165,10 @@ def verdict(
     The line leads with the outcome a reader acts on: skipped, failed and diverged runs say so and
     why before any number, since their numbers (if any) do not describe a usable preset.
     """
-    run, baseline, task = build(Run, run), build(Run, baseline), build(Task, task)
+    return _verdict(build(Run, run), build(Run, baseline), build(Task, task), load)
+
+
+def _verdict(run: Run, baseline: Run | None, task: Task | None, load: dict[str, Any] | None) -> str:
     name, status = run.precision, run.status
     why = f" \u2014 {first_line(run.reason)}" if run.reason else ""
     if baseline is not None and name == baseline.precision:
@@ -179,7 +182,8 @@ def verdict(
         return f"{name}: {status}{why}"
     parts = _comparisons(run, load)
     rerun = baseline is not None and run.precision.startswith(f"{baseline.precision} (seed ")
-    if rerun and run.speedup_vs_baseline is not None:  # not a choice: the spread of two runs of one precision
+    # not a choice: the spread of two runs of one precision
+    if rerun and baseline is not None and run.speedup_vs_baseline is not None:
         ci = f" ({interval(run)})" if interval(run) else ""
         parts[0] = (
             f"{baseline.precision} again: {times(run.speedup_vs_baseline)}{ci}, how far apart two runs of one "

@@ -167,7 +167,7 @@ class RangeCensus:
             flat += [
                 torch.cat([t.counts.to(self._device, wide), t.absmax.to(self._device, wide).reshape(1)])
                 for t in s.tallies.values()
-                if t.counts is not None
+                if t.counts is not None and t.absmax is not None
             ]
             flat.append((zero if s.created is None else s.created).to(wide).reshape(1))
         values = iter(torch.cat(flat).tolist() if flat else [])  # sync: once, after the watched steps

@@ -39,9 +39,9 @@ def diagnose(result: dict[str, Any], ctx: Analysis) -> list[dict[str, Any]]:
     found = [
         rule(result, ctx) for rule in (data_wait, busy_threads, overhead_bound, small_batch, micro_batches, precision)
     ]
-    found = [f for f in found if f is not None] + syncs(result, ctx)
-    found.sort(key=lambda f: (-f.saved_s, -(f.saved_on_gpu_s or 0.0)))
-    return [f.as_dict(result["step"]["host_s"]) for f in found]
+    ranked = [f for f in found if f is not None] + syncs(result, ctx)
+    ranked.sort(key=lambda f: (-f.saved_s, -(f.saved_on_gpu_s or 0.0)))
+    return [f.as_dict(result["step"]["host_s"]) for f in ranked]
 
 
 def _on_cpu(result: dict[str, Any]) -> bool:
