@@ -13,6 +13,7 @@ for x, y in loader:
 from __future__ import annotations
 
 import contextlib
+import datetime
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -37,7 +38,6 @@ from ampkit.engine.optim import AmpOptimizer
 from ampkit.engine.prepare import Prepared
 from ampkit.engine.scheduler import AmpScheduler
 from ampkit.engine.training_state import TrainingState
-from ampkit.errors import StepOrderError
 from ampkit.hardware.capability import capability, resolve_device
 from ampkit.inference import export
 from ampkit.precision.fp8 import MIN_WEIGHT, fp8_training
@@ -66,6 +66,7 @@ class Accelerator(RankMethods):
         step_scheduler_with_optimizer: bool = True,
         strategy: str = "auto",
         backend: str | None = None,
+        timeout: float | datetime.timedelta | None = None,
         compile: bool | Mapping[str, Any] | None = None,
         channels_last: bool = False,
         cuda_graphs: bool = False,
@@ -91,6 +92,7 @@ class Accelerator(RankMethods):
             step_scheduler_with_optimizer=step_scheduler_with_optimizer,
             strategy=strategy,
             backend=backend,
+            timeout=timeout,
             channels_last=channels_last,
             cuda_graphs=cuda_graphs,
             free_step_buffers=free_step_buffers,
@@ -108,7 +110,7 @@ class Accelerator(RankMethods):
         self.device = resolve_device(device)
         self.policy = resolve_precision(config.precision, self.device, fp8_emulate=fp8_emulate)
         self.fp8 = fp8_training(self.policy, fp8_recipe, fp8_emulate, fp8_min_weight)  # None unless fp8-mixed
-        self.distributed.init(self.device, backend)
+        self.distributed.init(self.device, backend, config.timeout_s)
         self.strategy = choose_strategy(self.distributed, strategy, self.policy.name, config.keep_fp32)
         self.scaler = scaler_for(self.policy, scaler, self.device)  # None unless the preset scales the loss
         self.cycle = AccumulationCycle(config.grad_accum_steps, self.scaler, divide_loss)
@@ -209,7 +211,7 @@ class Accelerator(RankMethods):
             acc.backward(loss_fn(model(mx), my))
         optimizer.step()
         ```"""
-        self._require_prepared("split")
+        self._prepared.require("split")
         return self.micro.split(batch)
 
     @property
@@ -252,7 +254,7 @@ class Accelerator(RankMethods):
     def load(self, path: str | Path) -> None:
         """Restore the whole training state from `path`; `CheckpointError` if it is missing or broken."""
         path = check.path("acc.load", "path", path, "a checkpoint file", "ckpt.pt")
-        self._require_prepared("load")
+        self._prepared.require("load")
         checkpoint.load(self, path)
 
     def save_checkpoint(self, folder: str | Path, keep: int = 3) -> Path:
@@ -265,7 +267,7 @@ class Accelerator(RankMethods):
         path, or None on a fresh start: call it unconditionally before the loop. A folder whose
         checkpoints all fail raises `CheckpointError`; a checkpoint file instead of a folder is loaded."""
         folder = check.path("acc.resume", "folder", folder, "a checkpoint folder (or file)", "checkpoints")
-        self._require_prepared("resume")
+        self._prepared.require("resume")
         return checkpoint.resume(self, folder)
 
     def epochs(self, n: int) -> Iterator[int]:
@@ -336,13 +338,6 @@ class Accelerator(RankMethods):
         self.micro.load_state_dict(state.get("micro"))
         self._epoch = int(state["epoch"])
         self.run_id = str(state["run_id"])  # the loaded run goes on: its checkpoint folder is this run's
-
-    def _require_prepared(self, what: str) -> None:
-        if not (self._prepared.models or self._prepared.optimizers):
-            raise StepOrderError(
-                f"acc.{what}() needs the prepared objects to restore into: "
-                f"call acc.prepare(model, optimizer, ...) first"
-            )
 
     def track(self, name: str, value: torch.Tensor | float) -> None:
         """Accumulate `value` into the running mean `name` on the device (no sync)."""

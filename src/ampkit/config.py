@@ -7,6 +7,7 @@ the script did not pass); `acc.config` is it, and `acc.config.as_dict()` the JSO
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,9 @@ class AcceleratorConfig:
             and shards DataLoaders; "fsdp" shards the model with FSDP2 (`fully_shard`) instead; "none"
             leaves both to you. Ignored in a single process.
         backend: the process group's backend (default: nccl on CUDA, gloo on CPU).
+        timeout: under torchrun, how long a collective waits for a rank that does not come (seconds, or a
+            `datetime.timedelta`; None: torch's default, 30 minutes for gloo, 10 for nccl): a stalled rank then
+            ends the run with an error instead of holding it. ampkit's own wait at exit is at most 60 s.
         compile: torch.compile each prepared model's forward, precision policy inside (True, or a dict of
             torch.compile arguments such as {"mode": "max-autotune"}; None: AMPKIT_COMPILE, else False); eager
             with a warning where it fails. `acc.compile_stats` keeps the first step's compile time apart.
@@ -79,6 +83,7 @@ class AcceleratorConfig:
     step_scheduler_with_optimizer: bool = True
     strategy: str = "auto"
     backend: str | None = None
+    timeout: float | datetime.timedelta | None = None  # seconds once checked
     compile: bool | Mapping[str, Any] | None = None
     channels_last: bool = False
     cuda_graphs: bool = False
@@ -109,6 +114,11 @@ class AcceleratorConfig:
         )
         object.__setattr__(self, "keep_fp32", tuple(entries))
         check_backend(self.backend)
+        if self.timeout is not None:
+            given = self.timeout.total_seconds() if isinstance(self.timeout, datetime.timedelta) else self.timeout
+            expected = "a number of seconds > 0 (or a datetime.timedelta), e.g. 600, or None for torch's default"
+            seconds = check.number("", "timeout", given, expected, lambda v: v > 0)
+            object.__setattr__(self, "timeout", seconds)
         parse_micro_batch(self.micro_batch)
         if self.memory is not None:
             check.parse_memory(self.memory)
@@ -120,6 +130,12 @@ class AcceleratorConfig:
             )
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r}: expected 'auto', 'ddp', 'fsdp' or 'none'")
+
+    @property
+    def timeout_s(self) -> float | None:
+        """`timeout` in seconds (None: torch's default)."""
+        t = self.timeout
+        return t.total_seconds() if isinstance(t, datetime.timedelta) else t
 
     @property
     def memory_bytes(self) -> int | None:

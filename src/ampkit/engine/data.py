@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from ampkit.engine.distributed import gather_objects
 from ampkit.engine.events import Events, Listener
 
 
@@ -51,8 +52,11 @@ class DeviceLoader:
         memory_format: torch.memory_format | None = None,
         events: Events | None = None,
         stop: Callable[[], bool] | None = None,
+        ranks_step_together: bool = False,
     ) -> None:
         self.loader = loader
+        # under DDP/FSDP: every training pass first checks that each rank has as many batches
+        self.ranks_step_together = ranks_step_together
         self.stop = stop  # true once a training pass (autograd on) should end: the launcher's AMPKIT_MAX_STEPS
         self.events = events if events is not None else Events()
         self.device = device
@@ -101,6 +105,8 @@ class DeviceLoader:
                 self._restore_rng(resume[1])
             self._epoch_rng = resume[1] if resume else self._capture_rng()
             self._set_sampler_epoch()
+            if self.ranks_step_together and torch.is_grad_enabled():
+                self._check_even()
             it = iter(self.loader)
             self._started, self._finished, self.batch_index = True, False, 0
             for _ in range(resume[0] if resume else 0):
@@ -109,6 +115,23 @@ class DeviceLoader:
                 self.batch_index += 1
         yield from self._on_device(it)
         self._finished = True
+
+    def _check_even(self) -> None:
+        """Refuse a training pass whose ranks have different numbers of batches, on every rank at once: the
+        rank that ran out would leave while the others wait in the gradient all-reduce, for ever."""
+        try:
+            mine = len(self.loader)
+        except TypeError:  # an iterable dataset without a length: nothing to compare before the pass
+            return
+        counts = gather_objects(mine)  # one collective per pass, before its first batch
+        if len(set(counts)) > 1:
+            per_rank = ", ".join(f"rank {r}: {n}" for r, n in enumerate(counts))
+            raise ValueError(
+                f"the prepared DataLoader has a different number of batches on each rank ({per_rank}); under "
+                f"DDP/FSDP every rank must take the same steps, or the ranks wait for each other for ever. Let "
+                f"prepare() shard the loader (each rank then gets the same count), or give your "
+                f"DistributedSampler the same num_replicas as the world size ({len(counts)})"
+            )
 
     def _next(self, it: Iterator[Any]) -> Any:
         """The user's loader's next batch (`_END` at the end of the pass), with the batch-wait events."""

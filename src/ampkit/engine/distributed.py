@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
 import inspect
 import io
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +23,9 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 
 from ampkit.errors import PrecisionError, StepOrderError
 from ampkit.util import validate as check
+
+#: The longest ampkit waits at exit for the other ranks (shorter where Accelerator(timeout=) is).
+EXIT_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -48,8 +53,9 @@ class DistributedContext:
     def enabled(self) -> bool:
         return self.world_size > 1
 
-    def init(self, device: torch.device, backend: str | None) -> None:
-        """Create the default process group (if torchrun did not) and destroy it at exit."""
+    def init(self, device: torch.device, backend: str | None, timeout: float | None = None) -> None:
+        """Create the default process group (if torchrun did not; collectives wait `timeout` seconds, None:
+        torch's default) and destroy it at exit."""
         if not self.enabled or dist.is_initialized():
             return
         backend = backend or ("nccl" if device.type == "cuda" else "gloo")
@@ -60,8 +66,9 @@ class DistributedContext:
         store, _, _ = next(dist.rendezvous("env://", self.rank, self.world_size))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"ampkit/attempt-{attempt}", store)
-        dist.init_process_group(backend=backend, store=store, rank=self.rank, world_size=self.world_size)
-        atexit.register(_destroy)
+        wait = None if timeout is None else datetime.timedelta(seconds=timeout)  # None: torch's default
+        dist.init_process_group(backend=backend, store=store, rank=self.rank, world_size=self.world_size, timeout=wait)
+        atexit.register(_destroy, min(timeout or EXIT_WAIT_S, EXIT_WAIT_S))
 
 
 class RankMethods:
@@ -128,13 +135,21 @@ def check_backend(backend: Any) -> None:
         )
 
 
-def _destroy() -> None:
-    if _active():
-        # Leave together: a rank tearing down its connections while a peer still uses them makes
-        # gloo abort that peer ("terminate called without an active exception").
-        with contextlib.suppress(Exception):  # a peer is already gone: nothing left to wait for
-            dist.barrier()
-        dist.destroy_process_group()
+def _destroy(wait_s: float) -> None:
+    """At exit: leave the process group, waiting for the other ranks only where that cannot hang."""
+    if not _active():
+        return
+    # An uncaught exception ended this rank (Python sets sys.last_value before the atexit handlers run): its
+    # peers are inside a collective this rank will never join, so waiting for them would hang the whole job.
+    # Leaving at once makes this process exit non-zero, and torchrun then stops the other ranks.
+    failed = getattr(sys, "last_value", None) is not None
+    if not failed and dist.get_backend() == "gloo":
+        # Leave together: a rank tearing down its connections while a peer still uses them makes gloo
+        # abort that peer ("terminate called without an active exception"). Bounded: a peer that never
+        # comes (it called sys.exit, or still trains on more batches) costs at most `wait_s`.
+        with contextlib.suppress(Exception):  # a peer is already gone, or late: nothing left to wait for
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=wait_s))
+    dist.destroy_process_group()
 
 
 def _active() -> bool:

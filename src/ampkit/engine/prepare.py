@@ -155,6 +155,14 @@ class Prepared:
         else:
             model.require_backward_grad_sync = sync  # type: ignore[assignment]  # DDP's plain bool attribute
 
+    def require(self, what: str) -> None:
+        """Refuse `acc.<what>()` before anything is prepared: it needs the objects to restore into."""
+        if not (self.models or self.optimizers):
+            raise StepOrderError(
+                f"acc.{what}() needs the prepared objects to restore into: "
+                f"call acc.prepare(model, optimizer, ...) first"
+            )
+
     def check_backward(self, counted: bool = False) -> None:
         """Raise if a backward now could not give the update the loop means (before it runs); `counted`: the
         backward has `num_items=`."""
@@ -254,7 +262,12 @@ class Prepared:
             loader = shard_loader(loader, self.acc.distributed)
         stop = (lambda: max_steps_reached(self.acc)) if self.acc.max_steps else None
         wrapped = DeviceLoader(
-            loader, self.acc.device, torch.channels_last if self.acc.channels_last else None, self.acc.events, stop
+            loader,
+            self.acc.device,
+            torch.channels_last if self.acc.channels_last else None,
+            self.acc.events,
+            stop,
+            ranks_step_together=self.acc.strategy != "none",
         )
         self.loaders.append(wrapped)
         return wrapped
