@@ -356,7 +356,16 @@ def master_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g)) for _ in range(steps)]
 
 
-def hand_written_master(precision: str, foreach: bool, clip: bool, steps: int) -> list[torch.Tensor]:
+OPTIMIZERS = {
+    "adamw": lambda params, foreach: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=foreach),
+    # Adagrad makes its state (sums, step 0) in its constructor, before prepare swaps in the masters
+    "adagrad": lambda params, foreach: torch.optim.Adagrad(params, lr=1e-2, initial_accumulator_value=0.1),
+}
+
+
+def hand_written_master(
+    precision: str, foreach: bool, clip: bool, steps: int, optimizer: str = "adamw"
+) -> list[torch.Tensor]:
     """apex O2 by hand: a bf16/fp16 copy of the model, fp32 master parameters the user's AdamW steps (fp16:
     torch's GradScaler), gradients copied into the masters, clipped there, the masters copied back."""
     dtype = torch.float16 if precision == "fp16-master" else torch.bfloat16
@@ -364,7 +373,7 @@ def hand_written_master(precision: str, foreach: bool, clip: bool, steps: int) -
     masters = [nn.Parameter(p.detach().clone()) for p in model.parameters()]
     model.to(dtype)
     params = list(model.parameters())
-    opt = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1, foreach=foreach)
+    opt = OPTIMIZERS[optimizer](masters, foreach)
     scaler = torch.amp.GradScaler("cpu") if dtype == torch.float16 else None
     for x, y in master_batches(steps):
         with torch.autocast("cpu", dtype=dtype):
@@ -390,10 +399,12 @@ def hand_written_master(precision: str, foreach: bool, clip: bool, steps: int) -
     return [p.detach().clone() for p in params] + [m.detach().clone() for m in masters] + state
 
 
-def ampkit_master(precision: str, foreach: bool, clip: bool, steps: int) -> list[torch.Tensor]:
+def ampkit_master(
+    precision: str, foreach: bool, clip: bool, steps: int, optimizer: str = "adamw"
+) -> list[torch.Tensor]:
     model = master_mlp()
     acc = ampkit.Accelerator(precision=precision, device="cpu")
-    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=foreach))
+    model, opt = acc.prepare(model, OPTIMIZERS[optimizer](model.parameters(), foreach))
     calls: list[int] = []  # tensors the user's optimizer steps in each call
     opt.optimizer.register_step_pre_hook(
         lambda o, args, kwargs: calls.append(sum(len(g["params"]) for g in o.param_groups))
@@ -424,3 +435,39 @@ def test_master_step_is_bitwise_the_users_optimizer_on_fp32_masters_by_hand(prec
     assert len(got) == len(reference)
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, reference))
     assert not torch.equal(got[0], master_mlp()[0].weight.to(got[0].dtype))  # it trained
+
+
+@pytest.mark.parametrize("precision", ["bf16-master", "fp16-master"])
+def test_adagrad_state_made_in_its_constructor_is_made_again_for_the_masters(precision):
+    """torch's Adagrad makes its sums in its constructor; prepare used to refuse it ("already has state").
+    Now the state is made again on the fp32 masters: bitwise the hand-written loop built on the masters."""
+    reference = hand_written_master(precision, False, True, 4, "adagrad")
+    got = ampkit_master(precision, False, True, 4, "adagrad")
+    assert len(got) == len(reference)
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, reference))
+
+
+def test_adagrad_under_bf16_true_starts_from_fp32_sums_and_trains():
+    model = master_mlp()
+    acc = ampkit.Accelerator(precision="bf16-true", device="cpu")
+    model, opt = acc.prepare(model, torch.optim.Adagrad(model.parameters(), lr=1e-2, initial_accumulator_value=0.1))
+    sums = [s["sum"] for s in opt.optimizer.state.values()]
+    assert len(sums) == 6 and all(t.dtype == torch.float32 and bool((t == 0.1).all()) for t in sums)
+    losses = []
+    for x, y in master_batches(8):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+def test_an_optimizer_that_has_stepped_is_still_refused_under_bf16_master():
+    model = master_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    acc = ampkit.Accelerator(precision="bf16-master", device="cpu")
+    with pytest.raises(ampkit.StepOrderError, match="has already stepped"):
+        acc.prepare(model, opt)

@@ -231,10 +231,10 @@ class Prepared:
                 f"precision {policy.name!r}: prepare the model together with (or before) "
                 f"its optimizer, e.g. model, optimizer = acc.prepare(model, optimizer)"
             )
-        if optimizer.state:
+        if optimizer.state and not _only_initial_state(optimizer):
             raise StepOrderError(
-                f"precision {policy.name!r}: the optimizer already has state; prepare it "
-                f"before its first step (load its state_dict after prepare)"
+                f"precision {policy.name!r}: the optimizer has already stepped (its state holds step counts); "
+                f"prepare it before its first step (and load a saved state_dict after prepare)"
             )
         devices = sorted({str(p.device) for p in low})
         if len(devices) > 1:  # the update's flat fp32 buffers live on one device
@@ -254,6 +254,17 @@ class Prepared:
         stand_in = {id(p): fp32 for p, fp32 in pairs}
         for group in optimizer.param_groups:
             group["params"] = [stand_in.get(id(p), p) for p in group["params"]]
+        if optimizer.state:  # made by the constructor (Adagrad's sums): made again for the fp32 stand-ins
+            try:
+                fresh = type(optimizer)([dict(g) for g in optimizer.param_groups], **optimizer.defaults)
+            except TypeError as exc:  # a constructor with arguments of its own: ampkit cannot remake it
+                raise StepOrderError(
+                    f"precision {policy.name!r}: {type(optimizer).__name__} made state at construction that "
+                    f"ampkit cannot remake for the fp32 weights ({exc}); create the optimizer on the prepared "
+                    f"model's parameters after acc.prepare(model)"
+                ) from None
+            optimizer.state.clear()
+            optimizer.state.update(fresh.state)
         store = MasterWeights if policy.master_weights else CompensatedWeights
         return store(pairs, optimizer, self.acc.free_step_buffers)
 
@@ -283,3 +294,10 @@ class Prepared:
             f"prepare() got the scheduler {scheduler.__class__.__name__} before its "
             f"optimizer: prepare the optimizer in the same call or earlier"
         )
+
+
+def _only_initial_state(optimizer: torch.optim.Optimizer) -> bool:
+    """The optimizer's state is what its constructor made (torch's Adagrad makes its sums and a step count
+    of 0 eagerly): no parameter's step count is above 0. Read once, at prepare."""
+    steps = [entry.get("step") for entry in optimizer.state.values()]
+    return all(s is not None and float(s) == 0 for s in steps)  # sync: once, at prepare
