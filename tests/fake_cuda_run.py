@@ -54,6 +54,7 @@ STEPS = 2  # the first creates the optimizer state, the second is a steady-state
 PHASES = ("forward", "backward", "clip", "step", "zero_grad")
 TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 HERE = os.path.abspath(__file__)
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(ampkit.__file__))) + os.sep  # above ampkit/
 _aten = torch.ops.aten
 _FLAGGED = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
 _MATMULS = (_aten.mm.default, _aten.addmm.default, _aten._scaled_mm.default)
@@ -66,15 +67,24 @@ def _on(t: Any, kind: str) -> bool:
 _DETECTOR = ("_where", "_note", "_copy", "see", "__torch_dispatch__")
 
 
+def _short(filename: str) -> str:
+    """ "ampkit/engine/optim.py" for a file of the ampkit package, "torch/..." after a site-packages folder, else
+    the file's name: by where the package is, never by a folder's name (a clone may be called ampkit too)."""
+    path = os.path.abspath(filename)
+    if path.startswith(PACKAGE_ROOT):
+        return os.path.relpath(path, PACKAGE_ROOT)
+    parts = path.split(os.sep)
+    if "site-packages" in parts:
+        return os.sep.join(parts[len(parts) - parts[::-1].index("site-packages") :])
+    return parts[-1]
+
+
 def _where() -> tuple[str, str]:
     """(the innermost caller outside torch and this detector: "ampkit/engine/optim.py:307", its source line)."""
     for frame in reversed(traceback.extract_stack()):
         if frame.filename.startswith(TORCH_DIR) or os.path.abspath(frame.filename) == HERE and frame.name in _DETECTOR:
             continue
-        parts = frame.filename.split(os.sep)
-        top = max((i for i, part in enumerate(parts) if part in ("ampkit", "site-packages")), default=None)
-        short = os.sep.join(parts[top + (parts[top] == "site-packages") :]) if top is not None else parts[-1]
-        return f"{short}:{frame.lineno}", linecache.getline(frame.filename, frame.lineno).strip()
+        return f"{_short(frame.filename)}:{frame.lineno}", linecache.getline(frame.filename, frame.lineno).strip()
     return "?", ""
 
 

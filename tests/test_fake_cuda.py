@@ -193,3 +193,17 @@ def test_the_cuda_step_reads_no_cuda_tensor_on_the_host(traced, preset, optimize
     copies = [(c["phase"], c["step"], c["where"].split(":")[0]) for c in run["async_copies"]]
     expected = [("step", s, "ampkit/precision/outcomes.py") for s in range(1, STEPS + 1)] if preset in SCALED else []
     assert copies == expected
+
+
+def test_source_places_are_named_by_the_package_not_by_a_folder_called_ampkit(tmp_path):
+    """A clone in a folder named `ampkit` (the natural name) once made the detector name its test files
+    "ampkit/tests/..." and the package's "ampkit/src/ampkit/...": 2 tests failed there (issue 46)."""
+    probe = (
+        "import fake_cuda_run as f, json; "
+        f"print(json.dumps([f._short({str(tmp_path / 'ampkit' / 'tests' / 'test_x.py')!r}), "
+        "f._short(f.PACKAGE_ROOT + 'ampkit/engine/optim.py'), "
+        "f._short('/venv/lib/python3/site-packages/torch/optim/adamw.py')]))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=HERE, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout) == ["test_x.py", "ampkit/engine/optim.py", "torch/optim/adamw.py"]
