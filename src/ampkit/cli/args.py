@@ -4,6 +4,7 @@ gets one line on stderr naming it (exit status 2), never a traceback or a hang i
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -79,6 +80,25 @@ def check_numbers(command: str, args: argparse.Namespace) -> str | None:
             what = f" ({WHAT[dest]})" if dest in WHAT else ""
             return f"{flag_name(dest)} {value}: expected an integer >= {minimum}{what}"
     return None
+
+
+def nproc(count: int | None, device: str = "auto", oversubscribe: bool = False) -> str | None:
+    """The one-line problem with `--nproc` beyond this machine's devices (its GPUs, or the cores this process
+    may run on with none), or None. Checked before anything starts: 100,000 workers on 2 cores once woke the
+    kernel's out-of-memory killer. `--oversubscribe` starts more on purpose."""
+    if count is None or count <= 1 or oversubscribe:
+        return None
+    import torch  # only for --nproc > 1: the GPUs are counted through torch
+
+    gpus = torch.cuda.device_count() if device != "cpu" and torch.cuda.is_available() else 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    limit, what = (gpus, f"{gpus} GPU{'s' * (gpus > 1)}") if gpus else (cores, f"{cores} CPU core{'s' * (cores > 1)}")
+    if count <= limit:
+        return None
+    return (
+        f"--nproc {count}: this machine has {what}, so at most --nproc {limit} (one process per "
+        f"{'GPU' if gpus else 'core'}); add --oversubscribe to start {count} processes anyway"
+    )
 
 
 def names(flag: str, text: str | None, presets: bool = False) -> list[str] | None:

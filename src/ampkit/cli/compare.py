@@ -50,6 +50,11 @@ def add_parser(sub: Any) -> None:
         help="processes per precision: >1 trains data-parallel under torchrun (batch size is per process)",
     )
     cmp.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        help="allow --nproc beyond this machine's GPUs (or CPU cores without one)",
+    )
+    cmp.add_argument(
         "--resume",
         action="store_true",
         help="continue an interrupted comparison in --out: finished runs are kept, the unfinished one "
@@ -97,6 +102,8 @@ def handle(args: argparse.Namespace) -> int:
             f"--resume: nothing to resume in {args.out}/ (no {STATE_DIR}/ of an interrupted "
             f"comparison): drop --resume to start a new one, or give its --out",
         )
+    if problem := flags.nproc(args.nproc, args.device, args.oversubscribe):
+        return flags.usage("compare", problem)
     command = "ampkit " + shlex.join(args.argv)
     try:
         compare(

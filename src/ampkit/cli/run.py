@@ -34,6 +34,11 @@ def add_parser(sub: Any) -> None:
     )
     run.add_argument("--precision", default=None, help=f"precision preset: {', '.join(PRESET_NAMES)}")
     run.add_argument("--nproc", type=int, default=None, help="processes on this node (>1: torchrun, data parallel)")
+    run.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        help="allow --nproc beyond this machine's GPUs (or CPU cores without one)",
+    )
     run.add_argument("--grad-accum-steps", type=int, default=None, help="micro-batches per optimizer step")
     run.add_argument("--compile", action="store_true", default=None, help="torch.compile the prepared models")
     run.add_argument(
@@ -62,6 +67,8 @@ def handle(args: argparse.Namespace) -> int:
         for name, value in vars(args).items()
         if flags.flag_name(name) in RENDEZVOUS and value is not None
     ]
+    if problem := flags.nproc(args.nproc, oversubscribe=args.oversubscribe):
+        return flags.usage("run", problem)
     from ampkit.engine.launch import launch  # torch: only once the command line is known to be good
 
     settings = {
