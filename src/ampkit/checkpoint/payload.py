@@ -47,6 +47,21 @@ def digest(obj: Any) -> str:
     return h.hexdigest()
 
 
+def _overlapping(obj: Any, where: str = "") -> str | None:
+    """The place of the first tensor in `obj` whose elements need more bytes than its storage holds (a
+    stride-0 or overlapping view, whose copy would be that much larger than the file), else None."""
+    if isinstance(obj, torch.Tensor):
+        size = obj.untyped_storage().nbytes() // max(obj.element_size(), 1)
+        extent = obj.storage_offset() + sum((n - 1) * abs(s) for n, s in zip(obj.shape, obj.stride())) + 1
+        too_big = obj.numel() > size or (obj.numel() > 0 and extent > size)
+        return (where or "?") if too_big else None
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for key, value in items:
+        if (bad := _overlapping(value, f"{where}/{key}")) is not None:
+            return bad
+    return None
+
+
 def write(path: Path, payload: dict[str, Any]) -> None:
     """Seal `payload` with its digest and write it to `path` atomically."""
     payload = dict(payload, format=FORMAT, version=VERSION)
@@ -55,23 +70,23 @@ def write(path: Path, payload: dict[str, Any]) -> None:
     files.atomic_write(path, lambda f: torch.save(payload, f))
 
 
-def read(path: Path) -> dict[str, Any]:
-    """Load and verify one checkpoint file; `CheckpointError` naming the file and the fault otherwise."""
-    if not path.is_file():
-        raise CheckpointError(
-            f"checkpoint {path} does not exist" if not path.exists() else f"checkpoint {path} is not a file"
-        )
+def read(path: Path, inside: Path | None = None) -> dict[str, Any]:
+    """Load and verify one checkpoint file (a link only to a file in `inside`); `CheckpointError` naming
+    the file and the fault otherwise. Only a regular file is opened: a FIFO or device is refused, not read."""
+    if not path.exists() and not path.is_symlink():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is not a file")
     try:
-        with open(path, "rb") as f:
-            head = f.read(4)
-    except OSError as exc:
-        raise CheckpointError(f"checkpoint {path} cannot be read: {exc.strerror or exc}") from None
-    if head != _ZIP:
-        raise CheckpointError(
-            f"checkpoint {path} is truncated or corrupt: it does not start like a file torch.save writes"
-        )
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        with files.open_regular(path, inside=inside) as f:
+            if f.read(4) != _ZIP:
+                raise CheckpointError(
+                    f"checkpoint {path} is truncated or corrupt: it does not start like a file torch.save writes"
+                )
+            f.seek(0)
+            payload = torch.load(f, map_location="cpu", weights_only=True)
+    except CheckpointError as exc:
+        raise CheckpointError(f"checkpoint {exc}" if str(exc).startswith(str(path)) else str(exc)) from None
     except Exception as exc:
         text = str(exc)
         if "Unsupported global" in text or "Weights only load failed" in text and "GLOBAL" in text:
@@ -81,6 +96,11 @@ def read(path: Path) -> dict[str, Any]:
                 "if you trust its source"
             ) from None
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt: {first_line(exc)}") from None
+    if bad := _overlapping(payload):
+        raise CheckpointError(
+            f"checkpoint {path} is crafted or corrupt: tensor {bad} is a view larger than the bytes it is "
+            "stored in (ampkit never writes one; expanding it could exhaust memory)"
+        )
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(
             f"{path} is not an ampkit checkpoint (no '{FORMAT}' header); it may be a plain torch.save file"
