@@ -7,17 +7,21 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
+import re
 import resource
 import signal
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import ampkit
 from ampkit.checkpoint import folder as ckfolder
+from ampkit.checkpoint import payload as payload_file
 
 LIMIT_S = 20  # every case ends well within this, or fails instead of hanging
 RSS_BOUND = 300 << 20  # bytes a case may add to the process's peak memory
@@ -165,3 +169,75 @@ def test_a_checkpoint_that_is_a_fifo_or_a_link_out_is_skipped(run, tmp_path):
     manifest["checkpoints"] += ["step-00000006.pt", "step-00000008.pt"]
     (ck / ckfolder.MANIFEST).write_text(json.dumps(manifest))
     _resumes_step_4(ck, weights, "is not a regular file")
+
+
+# --- a failed load changes nothing ----------------------------------------------------------------------
+def _everything(acc, model, opt) -> list:
+    """Weights, optimizer, scaler, epoch and every random stream, as values to compare bit for bit."""
+    return [
+        {k: v.clone() for k, v in model.state_dict().items()},
+        repr(opt.optimizer.state_dict()),
+        repr(acc.scaler.state_dict()),
+        acc.epoch,
+        torch.get_rng_state(),
+        repr(np.random.get_state()),
+        random.getstate(),
+    ]
+
+
+def _same(a: list, b: list) -> bool:
+    return all(
+        (all(torch.equal(x[k], y[k]) for k in x) if isinstance(x, dict) else torch.equal(x, y))
+        if isinstance(x, (dict, torch.Tensor))
+        else x == y
+        for x, y in zip(a, b)
+    )
+
+
+def _set(key_path: tuple, value):
+    def edit(payload):
+        target = payload
+        for key in key_path[:-1]:
+            target = target[key]
+        target[key_path[-1]] = value
+
+    return edit
+
+
+IMPOSSIBLE = {
+    "python-rng": (_set(("ranks", 0, "rng", "python"), [3, [1, 2], None]), "python random state"),
+    "numpy-rng": (_set(("ranks", 0, "rng", "numpy", "keys"), torch.zeros(10, dtype=torch.int64)), "numpy random state"),
+    "torch-rng": (_set(("ranks", 0, "rng", "torch"), torch.zeros(7, dtype=torch.uint8)), "torch random state"),
+    "loader-position": (_set(("ranks", 0, "loaders", 0, "batch_index"), -3), "batch_index = -3"),
+    "nan-loss-scale": (_set(("accelerator", "scaler", "scale"), float("nan")), "scale = nan"),
+    "zero-loss-scale": (_set(("accelerator", "scaler", "scale"), 0.0), "scale = 0.0"),
+    "negative-epoch": (_set(("accelerator", "epoch"), -5), "epoch = -5"),
+    "negative-growth-tracker": (_set(("accelerator", "scaler", "growth_tracker"), -1), "growth_tracker = -1"),
+}
+
+
+@pytest.mark.parametrize("case", list(IMPOSSIBLE))
+def test_an_impossible_field_fails_the_load_and_changes_nothing(tmp_path, case):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    acc = ampkit.Accelerator(precision="fp16-mixed", device="cpu")
+    data = torch.utils.data.DataLoader(torch.randn(12, 4), batch_size=3, shuffle=True)
+    model, opt, data = acc.prepare(model, opt, data)
+    for x in data:
+        acc.backward(model(x).float().square().mean())
+        opt.step()
+        opt.zero_grad()
+    good = acc.save(tmp_path / "good.pt")
+    payload = torch.load(good, weights_only=True)
+    payload.pop("digest")
+    edit, says = IMPOSSIBLE[case]
+    edit(payload)
+    payload_file.write(tmp_path / "bad.pt", payload)  # sealed again: it passes the digest
+    acc.backward(model(torch.randn(3, 4)).float().square().mean())
+    opt.step()  # the live run moves on, away from what the checkpoint holds
+    before = _everything(acc, model, opt)
+    with pytest.raises(ampkit.CheckpointError, match=rf"holds values no run writes — .*{re.escape(says)}"):
+        acc.load(tmp_path / "bad.pt")
+    assert _same(before, _everything(acc, model, opt))
+    acc.load(good)  # the untouched checkpoint still loads
