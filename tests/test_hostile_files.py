@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import random
 import re
 import resource
@@ -241,3 +242,58 @@ def test_an_impossible_field_fails_the_load_and_changes_nothing(tmp_path, case):
         acc.load(tmp_path / "bad.pt")
     assert _same(before, _everything(acc, model, opt))
     acc.load(good)  # the untouched checkpoint still loads
+
+
+# --- sharded checkpoints: every shard verified, every path inside the folder --------------------------
+@pytest.fixture
+def sharded_run(run):
+    """`run`'s folder plus step-6 as a sharded (DCP) checkpoint, written the way strategy="fsdp" writes it."""
+    from ampkit.checkpoint import sharded, state
+
+    ck, weights, mine = run
+    acc, model, opt = _acc()
+    acc.resume(ck)
+    for _ in range(2):
+        acc.backward(model(torch.randn(5, 4)).square().mean())
+        opt.step()
+        opt.zero_grad()
+    path = sharded.save(
+        acc, ck / "step-00000006", dict(state.collect(acc, weights=False), sharded=True), payload_file.write
+    )
+    manifest = json.loads((ck / ckfolder.MANIFEST).read_text())
+    manifest["checkpoints"].append(path.name)
+    (ck / ckfolder.MANIFEST).write_text(json.dumps(manifest))
+    fresh, fmodel, _ = _acc()
+    assert fresh.resume(ck) == path  # the untouched sharded checkpoint loads, exactly
+    assert all(torch.equal(v, fmodel.state_dict()[k]) for k, v in model.state_dict().items())
+    return ck, weights, mine, path
+
+
+def test_a_flipped_byte_in_a_shard_is_refused_and_resume_falls_back(sharded_run):
+    ck, weights, _, path = sharded_run
+    shard = next(path.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    _resumes_step_4(ck, weights, f"shard {shard.name} does not match the SHA-256 digest")
+
+
+@pytest.mark.parametrize("target", ["../elsewhere.distcp", "ABS", "ampkit.pt"])
+def test_a_shard_path_edited_out_of_the_folder_is_refused(sharded_run, tmp_path, target):
+    from ampkit.checkpoint import sharded
+
+    ck, weights, _, path = sharded_run
+    shard = next(path.glob("*.distcp"))
+    (ck / "elsewhere.distcp").write_bytes(shard.read_bytes())  # another run's weights, byte for byte valid
+    metadata = sharded.read_metadata(path)
+    for info in metadata.storage_data.values():
+        info.relative_path = str(ck / "elsewhere.distcp") if target == "ABS" else target
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    _resumes_step_4(ck, weights, "which is not one of the shards ampkit wrote")
+
+
+def test_a_fifo_as_a_shard_is_refused_not_read(sharded_run):
+    ck, weights, _, path = sharded_run
+    shard = next(path.glob("*.distcp"))
+    _replace(shard, os.mkfifo)
+    _resumes_step_4(ck, weights, "is not a regular file")

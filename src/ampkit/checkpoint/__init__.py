@@ -57,7 +57,9 @@ def load(acc: Accelerator, path: str | Path) -> None:
     `CheckpointError`, and nothing changed, if it does not fit."""
     path = Path(path)
     data = read(path)
-    state.apply(acc, data, path, load_shards=sharded.loader(acc, path) if data.get("sharded") else None)
+    state.apply(
+        acc, data, path, load_shards=sharded.loader(acc, path, data.get("shards")) if data.get("sharded") else None
+    )
 
 
 def save_checkpoint(acc: Accelerator, directory: str | Path, keep: int = 3) -> Path:
