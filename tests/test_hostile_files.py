@@ -297,3 +297,73 @@ def test_a_fifo_as_a_shard_is_refused_not_read(sharded_run):
     shard = next(path.glob("*.distcp"))
     _replace(shard, os.mkfifo)
     _resumes_step_4(ck, weights, "is not a regular file")
+
+
+# --- own files only ---------------------------------------------------------------------------------------
+SAVE_TARGETS = {
+    "user-file": (lambda p: p.write_text("the user's notes"), "not an ampkit checkpoint"),
+    "torch-file": (lambda p: torch.save({"w": torch.ones(2)}, p), "not an ampkit checkpoint"),
+    "fifo": (os.mkfifo, "not a regular file"),
+    "dev-null-link": (lambda p: p.symlink_to("/dev/null"), "it is a link"),
+}
+
+
+@pytest.mark.parametrize("case", list(SAVE_TARGETS))
+def test_save_refuses_to_replace_what_ampkit_did_not_write(tmp_path, case):
+    acc, _, _ = _acc(steps=1)
+    target = tmp_path / "ckpt.pt"
+    make, says = SAVE_TARGETS[case]
+    make(target)
+    before = os.lstat(target)
+    with bounded(), pytest.raises(ampkit.CheckpointError, match=rf"cannot save to .*{says}.*overwrite=True"):
+        acc.save(target)
+    after = os.lstat(target)
+    assert (after.st_ino, after.st_mode, after.st_size) == (before.st_ino, before.st_mode, before.st_size)
+    if case == "user-file":
+        acc.save(target, overwrite=True)  # told to: replaced by a checkpoint that loads
+        acc.load(target)
+    with pytest.raises(TypeError, match=r"overwrite='yes'"):
+        acc.save(tmp_path / "other.pt", overwrite="yes")
+
+
+def test_save_replaces_its_own_checkpoint(tmp_path):
+    acc, model, opt = _acc(steps=1)
+    first = acc.save(tmp_path / "ckpt.pt")
+    acc.backward(model(torch.randn(5, 4)).square().mean())
+    opt.step()
+    acc.save(first)  # the common loop: the same path every N steps
+    fresh, _, fopt = _acc()
+    fresh.load(first)
+    assert fopt.applied_steps == 2
+
+
+def test_a_trailing_newline_in_a_manifest_name_deletes_nothing(run):
+    ck, weights, mine = run
+    user = ck / "step-00000001.pt\n"  # a file of the user's whose name the edited manifest lists
+    user.write_text("precious")
+    manifest = json.loads((ck / ckfolder.MANIFEST).read_text())
+    manifest["checkpoints"].insert(0, user.name)
+    (ck / ckfolder.MANIFEST).write_text(json.dumps(manifest))
+    acc, _, _ = _acc(steps=5)
+    with pytest.raises(ampkit.CheckpointError, match=r"lists 'step-00000001.pt\\n', which is not an ampkit"):
+        acc.save_checkpoint(ck, keep=1)
+    assert user.read_text() == "precious" and mine.read_text() == "the user's"
+    _resumes_step_4(ck, weights, "the manifest was edited or damaged")
+
+
+def test_step_numbers_past_eight_digits_save_and_resume(run):
+    ck, weights, _ = run
+    for step in (99_999_999, 100_000_000):  # a long run's checkpoints, copied from step 4's bytes
+        (ck / f"step-{step}.pt").write_bytes((ck / "step-00000004.pt").read_bytes())
+    manifest = json.loads((ck / ckfolder.MANIFEST).read_text())
+    manifest["checkpoints"] += ["step-99999999.pt", "step-100000000.pt"]
+    (ck / ckfolder.MANIFEST).write_text(json.dumps(manifest))
+    acc, _, _ = _acc()
+    assert acc.resume(ck) == ck / "step-100000000.pt"
+    acc.save_checkpoint(ck, keep=2)  # its own manifest still reads: it saves and prunes
+    assert json.loads((ck / ckfolder.MANIFEST).read_text())["checkpoints"] == ["step-100000000.pt", "step-00000004.pt"]
+    (ck / ckfolder.MANIFEST).unlink()  # without a manifest the newest is the largest number, not the last name
+    (ck / ckfolder.LATEST).unlink()
+    (ck / "step-99999999.pt").write_bytes((ck / "step-00000004.pt").read_bytes())
+    fresh, _, _ = _acc()
+    assert fresh.resume(ck) == ck / "step-100000000.pt"

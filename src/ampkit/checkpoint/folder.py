@@ -118,7 +118,7 @@ def save_checkpoint(acc: Accelerator, folder: Path, keep: int, save: Any) -> Pat
         raise CheckpointError(
             f"{path} exists and was not written by this run: ampkit does not overwrite it; move it or save elsewhere"
         )
-    save(acc, path)
+    save(acc, path, overwrite=True)  # checked above: free, listed, or this run's
     if acc.is_main:
         manifest["checkpoints"] = [n for n in manifest["checkpoints"] if n != name] + [name]
         _write_manifest(folder, manifest)

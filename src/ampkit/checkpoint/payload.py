@@ -6,6 +6,7 @@ every tensor's bytes and every value (a flipped byte inside a tensor still unzip
 from __future__ import annotations
 
 import hashlib
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,29 @@ def write(path: Path, payload: dict[str, Any]) -> None:
     payload["digest"] = digest({k: v for k, v in payload.items() if k != "digest"})
     path.parent.mkdir(parents=True, exist_ok=True)
     files.atomic_write(path, lambda f: torch.save(payload, f))
+
+
+def check_replaceable(path: Path) -> None:
+    """`CheckpointError` unless `path` is free or a regular file holding an ampkit checkpoint (read lazily,
+    with mmap, without the digest: only its header decides), so that a save never replaces a user's file."""
+    if not path.exists() and not path.is_symlink():
+        return
+    if path.is_symlink() or not stat.S_ISREG(path.lstat().st_mode):
+        what = "a link" if path.is_symlink() else "not a regular file (a FIFO, device or socket)"
+    else:
+        try:
+            with files.open_regular(path) as f:
+                ours = f.read(4) == _ZIP
+            ours = ours and torch.load(path, mmap=True, weights_only=True).get("format") == FORMAT
+        except Exception:  # unreadable, or not torch.save's: not a checkpoint ampkit wrote
+            ours = False
+        if ours:
+            return
+        what = "a file that is not an ampkit checkpoint"
+    raise CheckpointError(
+        f"cannot save to {path}: it is {what}, and ampkit replaces only checkpoints it wrote. Choose another "
+        "path, or pass overwrite=True to replace it"
+    )
 
 
 def read(path: Path, inside: Path | None = None) -> dict[str, Any]:
