@@ -127,6 +127,9 @@ def pid_alive(pid: int) -> bool:
 
 #: The record, inside an output folder, of the files ampkit wrote there (relative names, JSON).
 OWNED_RECORD = ".ampkit-owned.json"
+#: Every part of a name ampkit writes there (`report.json`, `.compare/bf16-mixed.json`, `logs/fp32.log`):
+#: matched whole, so a record edited to list `report.json\n`, ` x` or `..` names nothing.
+OWNED_PART = re.compile(r"\.?[A-Za-z0-9][A-Za-z0-9_.+-]*")
 
 
 class OwnedFiles:
@@ -148,8 +151,8 @@ class OwnedFiles:
             self.names = {n for n in record.get("files", []) if isinstance(n, str) and self._inside(n)}
 
     def _inside(self, name: str) -> bool:
-        parts = Path(name).parts
-        if not parts or Path(name).is_absolute() or any(p in ("..", ".", "") for p in parts):
+        parts = name.split("/")
+        if not all(OWNED_PART.fullmatch(p) for p in parts):  # also refuses "", ".", "..", "/x" and "x\n"
             return False
         path = self.folder
         for part in parts[:-1]:  # no link on the way: a linked folder leads outside
