@@ -12,6 +12,7 @@ import random
 import re
 import resource
 import signal
+import stat
 import warnings
 from pathlib import Path
 
@@ -96,8 +97,17 @@ def _sparse(path: Path) -> None:
         f.truncate(2 << 30)
 
 
+def _device_node(path: Path) -> None:
+    """A character device with /dev/null's numbers (needs root or CAP_MKNOD: skipped without)."""
+    try:
+        os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(1, 3))
+    except PermissionError:
+        pytest.skip("creating a device node needs CAP_MKNOD")
+
+
 MANIFEST_CASES = {
     "fifo": (os.mkfifo, "is not a regular file"),
+    "device-node": (_device_node, "is not a regular file"),
     "dev-zero-link": (lambda p: p.symlink_to("/dev/zero"), "is a link out of"),
     "dev-null-link": (lambda p: p.symlink_to("/dev/null"), "is a link out of"),
     "sparse-2GiB": (_sparse, "more than the"),
@@ -117,7 +127,7 @@ def test_a_hostile_manifest_is_refused_and_resume_takes_the_newest(run, case):
     assert mine.read_text() == "the user's" and (ck / "step-00000002.pt").is_file()
 
 
-@pytest.mark.parametrize("case", ["fifo", "dev-zero-link", "sparse-2GiB"])
+@pytest.mark.parametrize("case", ["fifo", "device-node", "dev-zero-link", "sparse-2GiB"])
 def test_a_hostile_latest_is_ignored_with_a_warning(run, case):
     ck, weights, _ = run
     (ck / ckfolder.MANIFEST).unlink()  # a folder without a manifest reads `latest`
