@@ -10,6 +10,7 @@ import pytest
 
 from ampkit.cli.main import main
 from ampkit.tools.compare import compare
+from ampkit.tools.compare.state import forget_runs
 from ampkit.util.files import OWNED_RECORD, OwnedFiles
 
 ARGS = dict(task="iris-mlp", precisions=["fp32"], steps=4, device="cpu", show=False, numerics=False, isolate=False)
@@ -94,3 +95,24 @@ def test_compare_script_refuses_a_log_it_did_not_write(tmp_path):
     with pytest.raises(ValueError, match=r"logs/fp32.log exists and ampkit did not write it"):
         compare_script(script, ["fp32"], out=out, show=False)
     assert (out / "logs" / "fp32.log").read_text() == "the user's log"
+
+
+def test_a_record_edited_with_near_miss_names_makes_ampkit_delete_nothing(tmp_path):
+    out = tmp_path / "r"
+    (out / ".compare").mkdir(parents=True)
+    near = ["report.json\n", " report.json", ".compare/fp32.json\n", ".compare/x\x00", ".compare/", "..", "a//b"]
+    for name in ["report.json\n", " report.json", ".compare/fp32.json\n", ".compare/notes txt"]:
+        (out / name).write_text("the user's")
+    record = {"format": "ampkit-owned", "files": [*near, ".compare/notes txt"]}
+    (out / OWNED_RECORD).write_text(json.dumps(record))
+    owned = OwnedFiles(out)
+    assert owned.names == set()
+    forget_runs(owned)
+    for name in record["files"]:
+        owned.remove(name)
+    assert sorted(p.name for p in (out / ".compare").iterdir()) == ["fp32.json\n", "notes txt"]
+    assert (out / "report.json\n").read_text() == (out / " report.json").read_text() == "the user's"
+    with pytest.raises(ValueError, match=r"\.compare exists and ampkit did not write it"):
+        OwnedFiles(out).claim([".compare"])  # the folder is the user's: not recorded, so never claimed
+    OwnedFiles(tmp_path / "new").claim([".compare", ".compare/fp32.json", "logs/bf16-mixed.log"])
+    assert OwnedFiles(tmp_path / "new").names == {".compare", ".compare/fp32.json", "logs/bf16-mixed.log"}

@@ -246,10 +246,10 @@ class Accelerator(RankMethods):
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.policy.compute_dtype)
 
-    def save(self, path: str | Path) -> Path:
-        """Write the whole training state to one file, atomically (see `ampkit.checkpoint`). Under torchrun
-        call it on every rank: rank 0 writes, and no rank returns before the file is durable."""
-        return checkpoint.save(self, check.path("acc.save", "path", path, "the checkpoint file", "ckpt.pt"))
+    def save(self, path: str | Path, overwrite: bool = False) -> Path:
+        """Write the whole training state to one file, atomically (replacing only a checkpoint ampkit wrote,
+        unless `overwrite=True`). Under torchrun call it on every rank: rank 0 writes, all return once durable."""
+        return checkpoint.save(self, check.path("acc.save", "path", path, "the checkpoint file", "ckpt.pt"), overwrite)
 
     def load(self, path: str | Path) -> None:
         """Restore the whole training state from `path`; `CheckpointError` if it is missing or broken."""

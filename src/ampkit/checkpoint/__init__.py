@@ -21,18 +21,28 @@ if TYPE_CHECKING:
 __all__ = ["save", "load", "read", "save_checkpoint", "resume"]
 
 
-def save(acc: Accelerator, path: str | Path) -> Path:
+def save(acc: Accelerator, path: str | Path, overwrite: bool = False) -> Path:
     """Write a checkpoint of `acc`'s whole training state to `path`, atomically. Under torchrun every
-    rank calls it (their random states are gathered); rank 0 writes; all return once it is durable."""
+    rank calls it (their random states are gathered); rank 0 writes; all return once it is durable.
+    What is at `path` is replaced only if ampkit wrote it (a checkpoint), or with `overwrite=True`."""
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"acc.save(path, overwrite={overwrite!r}): expected True or False")
     path = Path(path)
     if acc.strategy == "fsdp":
         path = path.with_suffix("") if path.suffix == ".pt" else path
+        if not overwrite and (path.exists() or path.is_symlink()) and not sharded.is_own_folder(path):
+            raise CheckpointError(
+                f"cannot save to {path}: it holds files a sharded save did not write; ampkit does not replace "
+                "them. Choose another path, or pass overwrite=True to replace it"
+            )
         path = sharded.save(acc, path, dict(state.collect(acc, weights=False), sharded=True), payload.write)
     elif path.is_dir():
         raise CheckpointError(
             f"cannot save a checkpoint to {path}: it is a folder (use acc.save_checkpoint(folder) for folders)"
         )
     else:
+        if not overwrite:
+            payload.check_replaceable(path)
         data = state.collect(acc)
         if acc.is_main:
             payload.write(path, data)
@@ -57,7 +67,9 @@ def load(acc: Accelerator, path: str | Path) -> None:
     `CheckpointError`, and nothing changed, if it does not fit."""
     path = Path(path)
     data = read(path)
-    state.apply(acc, data, path, load_shards=sharded.loader(acc, path) if data.get("sharded") else None)
+    state.apply(
+        acc, data, path, load_shards=sharded.loader(acc, path, data.get("shards")) if data.get("sharded") else None
+    )
 
 
 def save_checkpoint(acc: Accelerator, directory: str | Path, keep: int = 3) -> Path:

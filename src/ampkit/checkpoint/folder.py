@@ -29,24 +29,26 @@ if TYPE_CHECKING:
 MANIFEST = "ampkit-checkpoints.json"
 LATEST = "latest"  # the newest checkpoint's name, for people and older tools
 LOCK = "ampkit-checkpoints.lock"  # "<pid> <host>" of the process writing the folder
-_NAME = re.compile(r"^step-\d{8}(\.pt)?$")  # a file, or a folder of shards (strategy="fsdp")
+_NAME = re.compile(r"step-\d{8,}(\.pt)?")  # (fullmatch) a file, or a folder of shards (strategy="fsdp")
 
 
 def read_manifest(folder: Path) -> dict[str, Any] | None:
     """The folder's manifest, or None where there is none; `CheckpointError` if it is unreadable."""
     path = folder / MANIFEST
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return None
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-        if manifest.get("format") != "ampkit-checkpoints" or not isinstance(manifest.get("checkpoints"), list):
-            raise ValueError("not an ampkit manifest")
-    except (OSError, ValueError, AttributeError) as exc:
+        manifest = files.read_json(path, inside=folder)
+        if not isinstance(manifest, dict) or manifest.get("format") != "ampkit-checkpoints":
+            raise CheckpointError("not an ampkit manifest")
+        if not isinstance(manifest.get("checkpoints"), list) or not isinstance(manifest.get("run_id"), str):
+            raise CheckpointError("not an ampkit manifest")
+    except CheckpointError as exc:
         raise CheckpointError(
             f"{path} cannot be read ({exc}): ampkit will not guess which files in {folder} are its own; "
             f"move the folder's checkpoints elsewhere or delete the damaged manifest"
         ) from None
-    bad = [name for name in manifest["checkpoints"] if not isinstance(name, str) or not _NAME.match(name)]
+    bad = [name for name in manifest["checkpoints"] if not is_name(name)]
     if bad:
         raise CheckpointError(
             f"{path} lists {bad[0]!r}, which is not an ampkit checkpoint (step-NNNNNNNN or step-NNNNNNNN.pt directly "
@@ -56,19 +58,36 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
     return manifest
 
 
+def is_name(name: object) -> bool:
+    """Whether `name` is exactly a checkpoint name ampkit writes (no trailing newline, space or other char)."""
+    return isinstance(name, str) and _NAME.fullmatch(name) is not None
+
+
+def _step(path: Path) -> int:
+    return int(path.name.removeprefix("step-").removesuffix(".pt"))
+
+
 def candidates(folder: Path) -> list[Path]:
-    """The checkpoints resume may load, newest first. Without a manifest nothing says which files are one
-    run's, so there is no fallback: `latest`'s checkpoint, else the newest."""
-    manifest = read_manifest(folder)
-    if manifest is not None:
-        return [folder / name for name in reversed(manifest["checkpoints"])]
-    found = sorted((p for p in folder.iterdir() if _NAME.match(p.name)), key=lambda p: p.name, reverse=True)
+    """The checkpoints resume may load, newest first. Without a manifest (or with a damaged one, with a
+    warning) nothing says which files are one run's, so there is no fallback: `latest`'s checkpoint, else
+    the newest."""
     try:
-        named = folder / (folder / LATEST).read_text(encoding="utf-8").strip()
+        manifest = read_manifest(folder)
+    except CheckpointError as exc:
+        warnings.warn(f"{exc}; resuming from the newest checkpoint instead", stacklevel=4)
+        manifest = None
+    else:
+        if manifest is not None:
+            return [folder / name for name in reversed(manifest["checkpoints"])]
+    found = sorted((p for p in folder.iterdir() if is_name(p.name)), key=_step, reverse=True)
+    try:
+        named = folder / files.read_regular(folder / LATEST, files.SMALL_FILE, inside=folder).decode().strip()
     except UnicodeDecodeError:
         warnings.warn(f"{folder / LATEST} is not text; ignoring it and taking the newest checkpoint", stacklevel=3)
         return found[:1]
-    except OSError:
+    except CheckpointError as exc:
+        if (folder / LATEST).exists() or (folder / LATEST).is_symlink():
+            warnings.warn(f"ignoring {exc}; taking the newest checkpoint", stacklevel=3)
         return found[:1]
     return [named] if named in found else found[:1]
 
@@ -99,7 +118,7 @@ def save_checkpoint(acc: Accelerator, folder: Path, keep: int, save: Any) -> Pat
         raise CheckpointError(
             f"{path} exists and was not written by this run: ampkit does not overwrite it; move it or save elsewhere"
         )
-    save(acc, path)
+    save(acc, path, overwrite=True)  # checked above: free, listed, or this run's
     if acc.is_main:
         manifest["checkpoints"] = [n for n in manifest["checkpoints"] if n != name] + [name]
         _write_manifest(folder, manifest)
@@ -122,9 +141,11 @@ def _lock(folder: Path) -> None:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         try:
-            pid_text, host = path.read_text(encoding="utf-8").split()
+            pid_text, host = files.read_regular(path, files.SMALL_FILE, inside=folder).decode().split()
             pid = int(pid_text)
-        except (OSError, ValueError):
+        except CheckpointError as exc:  # a FIFO, a device, a link out or a huge file: not a lock ampkit wrote
+            raise CheckpointError(f"{exc}; it is not a lock ampkit wrote: remove it") from None
+        except ValueError:
             pid, host = -1, me[1]  # a lock cut short by a kill mid-write: its writer is gone
         if (pid, host) != me and (host != me[1] or files.pid_alive(pid)):
             raise CheckpointError(
@@ -141,8 +162,8 @@ def _lock(folder: Path) -> None:
 
 
 def _unlock(path: Path) -> None:
-    with contextlib.suppress(OSError, ValueError):
-        if path.read_text(encoding="utf-8").split()[0] == str(os.getpid()):
+    with contextlib.suppress(OSError, ValueError, IndexError, CheckpointError):
+        if files.read_regular(path, files.SMALL_FILE, inside=path.parent).decode().split()[0] == str(os.getpid()):
             path.unlink()
     _HELD.discard(path.resolve())
 
@@ -207,7 +228,7 @@ def _remove_stale_temp_files(folder: Path) -> None:
     own = {MANIFEST, LATEST}
     for path in folder.iterdir():
         m = files.TEMP_NAME.match(path.name)
-        if m and (m["name"] in own or _NAME.match(m["name"])) and path.is_file() and not files.pid_alive(int(m["pid"])):
+        if m and (m["name"] in own or is_name(m["name"])) and path.is_file() and not files.pid_alive(int(m["pid"])):
             with contextlib.suppress(OSError):
                 path.unlink()
 
@@ -224,6 +245,10 @@ def resume(acc: Accelerator, folder: Path, load: Any) -> Path | None:
     for path in candidates(folder):
         if not path.exists():
             tried.append(f"{path.name}: listed in the manifest but missing")
+            continue
+        if path.is_symlink() and path.resolve().parent != folder.resolve():
+            tried.append(f"{path.name}: a link out of {folder}; ampkit loads only checkpoints inside it")
+            warnings.warn(f"skipping {path}: it is a link out of {folder}", stacklevel=3)
             continue
         try:
             load(acc, path)

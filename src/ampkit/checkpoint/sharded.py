@@ -6,6 +6,7 @@ into place once every rank's shards and rank 0's `ampkit.pt` are durable. Readin
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import shutil
@@ -124,8 +125,8 @@ def save(acc: Accelerator, path: Path, payload: dict[str, Any], write_meta: Any)
         raise CheckpointError(
             f"could not write {path}: {exc.strerror or exc}; the previous checkpoint is intact"
         ) from exc
-    if acc.is_main:
-        write_meta(tmp / META, payload)
+    if acc.is_main:  # every rank's shards are durable: seal each with its digest, in ampkit's own file
+        write_meta(tmp / META, dict(payload, shards={p.name: _file_digest(p) for p in _shard_files(tmp)}))
     barrier()
     if acc.is_main:
         old = path.with_name(f".{path.name}.old")
@@ -138,9 +139,50 @@ def save(acc: Accelerator, path: Path, payload: dict[str, Any], write_meta: Any)
     return path
 
 
-def loader(acc: Accelerator, path: Path) -> Any:
-    """A function that loads the shards at `path` into `acc`'s model and optimizers (resharding)."""
-    read_metadata(path)  # refuse a damaged or code-carrying .metadata before anything changes
+def _shard_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.name not in OWN_FILES)
+
+
+def _file_digest(path: Path, inside: Path | None = None) -> str:
+    h = hashlib.sha256()
+    with files.open_regular(path, inside=inside) as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify(path: Path, shards: Any) -> None:
+    """`CheckpointError` unless every file `.metadata` reads from is a shard in `path` whose bytes match the
+    digest ampkit recorded at save (in `ampkit.pt`, itself sealed): DCP's own files carry none."""
+    metadata = read_metadata(path)
+    if not isinstance(shards, dict) or not shards:
+        raise CheckpointError(
+            f"checkpoint {path} records no digests of its shards (an older ampkit wrote it, or it was edited): "
+            "ampkit loads only shards it can verify; load it with the ampkit that wrote it and save it again"
+        )
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise CheckpointError(f"checkpoint {path}: its {DCP_META} lists no shard files")
+    for info in storage.values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or name not in shards or Path(name).name != name or name in OWN_FILES:
+            raise CheckpointError(
+                f"checkpoint {path}: its {DCP_META} reads from {name!r}, which is not one of the shards ampkit "
+                "wrote into that folder (edited to point elsewhere?): nothing was loaded"
+            )
+    for name, recorded in shards.items():
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise CheckpointError(f"checkpoint {path} records a shard named {name!r}: not a file in the folder")
+        if (path / name).is_symlink() or _file_digest(path / name, inside=path) != recorded:
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt: shard {name} does not match the SHA-256 digest recorded at save"
+            )
+
+
+def loader(acc: Accelerator, path: Path, shards: Any = None) -> Any:
+    """A function that loads the shards at `path` into `acc`'s model and optimizers (resharding), once
+    every shard is verified against `shards`, the digests recorded at save."""
+    verify(path, shards)  # refuse a damaged, edited or code-carrying checkpoint before anything changes
 
     def load() -> None:
         import torch.distributed.checkpoint as dcp

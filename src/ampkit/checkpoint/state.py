@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_map_only
 
+from ampkit.checkpoint import fields
 from ampkit.engine.distributed import gather_objects, local_tensor
 from ampkit.engine.optim import Stage
 from ampkit.errors import CheckpointError
@@ -170,7 +171,13 @@ def same_preset(acc: Accelerator, payload: dict[str, Any]) -> bool:
 
 def validate(acc: Accelerator, payload: dict[str, Any], path: Path, sharded: bool = False) -> None:
     """One `CheckpointError` naming every way `payload` does not fit `acc`'s setup; changes nothing."""
-    problems: list[str] = [] if sharded else _model_problems(acc, payload["models"])
+    problems = fields.problems(payload)  # first: the counts below read these records
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {path} holds values no run writes — " + " | ".join(problems) + " (nothing was loaded: "
+            "every object is as it was); resume from an earlier checkpoint"
+        )
+    problems = [] if sharded else _model_problems(acc, payload["models"])
     counts = [
         ("models", len(acc.models), len(payload["models"])),
         ("optimizers", len(acc.optimizers), len(payload["optimizers"])),

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import stat
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import BinaryIO
@@ -15,6 +16,54 @@ from ampkit.errors import CheckpointError, first_line
 
 #: The temporary name `atomic_write` uses: `.<name>.tmp-<pid>` beside the final file.
 TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")
+
+
+#: Size limits for the small files ampkit reads back: `latest`, the lock, a manifest, an ownership record.
+SMALL_FILE = 4096
+RECORD_FILE = 16 << 20
+
+
+def open_regular(path: Path, limit: int | None = None, inside: Path | None = None) -> BinaryIO:
+    """`path` opened for reading only if it is a regular file (at most `limit` bytes; a link only to a file
+    inside `inside`), else `CheckpointError`. Opening never blocks: a FIFO or a device is refused, not read."""
+    path = Path(path)
+    try:
+        if inside is not None and path.is_symlink() and path.resolve().parent != Path(inside).resolve():
+            raise CheckpointError(f"{path} is a link out of {inside}: ampkit reads only its own files there")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise CheckpointError(f"{path} cannot be read: {exc.strerror or exc}") from None
+    info = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(info.st_mode):
+        problem = "is not a regular file (a FIFO, device or folder), so ampkit did not write it"
+    elif limit is not None and info.st_size > limit:
+        problem = f"holds {info.st_size} bytes, more than the {limit} such a file ever holds"
+    if problem:
+        os.close(fd)
+        raise CheckpointError(f"{path} {problem}: ampkit will not read it; move it away")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def read_regular(path: Path, limit: int, inside: Path | None = None) -> bytes:
+    """The bytes of the regular file `path`, at most `limit` of them (see `open_regular`)."""
+    with open_regular(path, limit, inside) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise CheckpointError(f"{path} grew past {limit} bytes while being read: ampkit will not read it")
+    return data
+
+
+def read_json(path: Path, limit: int = RECORD_FILE, inside: Path | None = None) -> object:
+    """A small JSON file read with `read_regular`; damage, or nesting too deep to parse, is `CheckpointError`."""
+    data = read_regular(path, limit, inside)
+    try:
+        return json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise CheckpointError(f"{path} is nested too deeply to be a file ampkit wrote") from None
+    except ValueError as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {first_line(exc)}") from None
 
 
 def fsync_dir(folder: Path) -> None:
@@ -65,6 +114,8 @@ def _why(exc: Exception, path: Path) -> str:
 
 def pid_alive(pid: int) -> bool:
     """Whether process `pid` still runs (a temporary file of a live writer must not be removed)."""
+    if pid <= 0:  # os.kill(0 or -1) would signal a whole group: no writer has such a pid
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -76,6 +127,9 @@ def pid_alive(pid: int) -> bool:
 
 #: The record, inside an output folder, of the files ampkit wrote there (relative names, JSON).
 OWNED_RECORD = ".ampkit-owned.json"
+#: Every part of a name ampkit writes there (`report.json`, `.compare/bf16-mixed.json`, `logs/fp32.log`):
+#: matched whole, so a record edited to list `report.json\n`, ` x` or `..` names nothing.
+OWNED_PART = re.compile(r"\.?[A-Za-z0-9][A-Za-z0-9_.+-]*")
 
 
 class OwnedFiles:
@@ -92,13 +146,13 @@ class OwnedFiles:
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
         self.names: set[str] = set()
-        with contextlib.suppress(OSError, ValueError, TypeError):
-            record = json.loads((self.folder / OWNED_RECORD).read_text(encoding="utf-8"))
+        with contextlib.suppress(OSError, ValueError, TypeError, AttributeError, CheckpointError):
+            record = read_json(self.folder / OWNED_RECORD, inside=self.folder)
             self.names = {n for n in record.get("files", []) if isinstance(n, str) and self._inside(n)}
 
     def _inside(self, name: str) -> bool:
-        parts = Path(name).parts
-        if not parts or Path(name).is_absolute() or any(p in ("..", ".", "") for p in parts):
+        parts = name.split("/")
+        if not all(OWNED_PART.fullmatch(p) for p in parts):  # also refuses "", ".", "..", "/x" and "x\n"
             return False
         path = self.folder
         for part in parts[:-1]:  # no link on the way: a linked folder leads outside
