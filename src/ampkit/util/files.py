@@ -148,7 +148,8 @@ class OwnedFiles:
         self.names: set[str] = set()
         with contextlib.suppress(OSError, ValueError, TypeError, AttributeError, CheckpointError):
             record = read_json(self.folder / OWNED_RECORD, inside=self.folder)
-            self.names = {n for n in record.get("files", []) if isinstance(n, str) and self._inside(n)}
+            names = record.get("files", []) if isinstance(record, dict) else []
+            self.names = {n for n in names if isinstance(n, str) and self._inside(n)}
 
     def _inside(self, name: str) -> bool:
         parts = name.split("/")
