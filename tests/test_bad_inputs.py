@@ -282,6 +282,9 @@ CLI = [
     (["run", "--rdzv-endpoint", "host:", "train.py"], "--rdzv-endpoint"),
     (["run", "--rdzv-endpoint", "", "train.py"], "--rdzv-endpoint"),
     (["run", "--rdzv-backend", "c10", "train.py"], "--rdzv-backend"),
+    # an unknown host (.invalid never resolves, RFC 6761): refused at once, not a rendezvous that waits
+    (["run", "--nproc", "2", "--rdzv-endpoint", "no-such-host.invalid:29400", "train.py"], "--rdzv-endpoint"),
+    (["run", "--nnodes", "2", "--master-addr", "no-such-host.invalid", "train.py"], "--master-addr"),
     (["run", "--nproc", "0", "train.py"], "--nproc"),
     (["run", "--nproc", "-2", "train.py"], "--nproc"),
     (["run", "--nproc", "x", "train.py"], "--nproc"),

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -148,6 +150,39 @@ def _port(text: str) -> int | None:
     except ValueError:
         return None
     return port if 1 <= port <= 65535 else None
+
+
+#: How long `resolvable` waits for the resolver, in seconds (a dead DNS server would otherwise stall the launch).
+RESOLVE_TIMEOUT = 5.0
+
+
+def resolvable(args: argparse.Namespace) -> str | None:
+    """`ampkit run`'s --rdzv-endpoint and --master-addr hosts, looked up before torchrun starts (where an
+    unknown host makes every node wait in the rendezvous). The one-line problem, or None."""
+    for flag, given in (("--rdzv-endpoint", args.rdzv_endpoint), ("--master-addr", args.master_addr)):
+        if given is None:
+            continue
+        host, _, port = given.rpartition(":") if flag == "--rdzv-endpoint" else (given, "", "")
+        host = (host or port).strip("[]")  # "HOST" alone, or "[::1]:29400"
+        found: list[Any] = []
+        lookup = threading.Thread(target=lambda h=host, out=found: out.append(_lookup(h)), daemon=True)
+        lookup.start()
+        lookup.join(RESOLVE_TIMEOUT)  # the resolver has no timeout of its own: leave it behind if it stalls
+        problem = found[0] if found else f"no answer from the resolver within {RESOLVE_TIMEOUT:.0f} s"
+        if problem:
+            return (
+                f"{flag} {given!r}: cannot resolve the host {host!r} ({problem}); give the rendezvous node's "
+                f"name or IP address as every node can reach it"
+            )
+    return None
+
+
+def _lookup(host: str) -> str:
+    try:
+        socket.getaddrinfo(host, None)
+    except (OSError, UnicodeError) as exc:
+        return str(exc)
+    return ""
 
 
 def torchrun(args: argparse.Namespace) -> str | None:

@@ -60,7 +60,7 @@ def handle(args: argparse.Namespace) -> int:
     """`ampkit run [options] train.py [args...]`: the script, with AMPKIT_* set, as python or torchrun runs it."""
     if args.script is None:
         return flags.usage("run", "give a script to run: ampkit run [--precision P] [--nproc N] train.py [args...]")
-    if problem := flags.precision("--precision", args.precision) or flags.torchrun(args):
+    if problem := flags.precision("--precision", args.precision) or flags.torchrun(args) or flags.resolvable(args):
         return flags.usage("run", problem)  # before torchrun starts: it would fail in a traceback, or wait forever
     rendezvous = [
         f"--{name.replace('_', '-')}={value}"
