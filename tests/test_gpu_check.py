@@ -63,3 +63,24 @@ def test_a_phase_killed_by_its_timeout_leaves_the_earlier_rows_on_disk(tmp_path,
     assert gpu_check.main([*argv, "--deadline-s", "0", "--no-tests"]) == 0
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     assert {p["status"] for p in data["phases"]} == {"skipped"} and "deadline was spent" in data["phases"][0]["error"]
+
+
+def test_a_training_step_needs_no_rich(tmp_path):
+    """The GPU image may have torch and numpy only: `import ampkit` and a prepared step import no `rich` (only
+    the tools' tables do). Run where rich cannot be imported (sys.modules["rich"] = None)."""
+    import os
+    import subprocess
+
+    code = (
+        "import sys; sys.modules['rich'] = None\n"
+        "import torch, ampkit\n"
+        "model = torch.nn.Linear(4, 4); opt = torch.optim.AdamW(model.parameters())\n"
+        "acc = ampkit.Accelerator(precision='bf16-mixed', device='cpu')\n"
+        "model, opt = acc.prepare(model, opt)\n"
+        "acc.backward(model(torch.randn(2, 4)).float().sum()); opt.step()\n"
+        "print('stepped', opt.applied_steps)\n"
+    )
+    src = str(SCRIPT.parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0 and "stepped 1" in done.stdout, done.stderr[-2000:]
