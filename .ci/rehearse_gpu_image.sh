@@ -12,9 +12,10 @@ VENV="${VENV:-.ci/.venv-torch-$TORCH_VERSION}"
 if [ ! -x "$VENV/bin/python3" ]; then
     python3 -m venv "$VENV"
     "$VENV/bin/python3" -m pip install -q --upgrade pip
+    # ampkit's declared runtime dependencies (numpy, rich; rich only for the tools' tables) and pytest, not ampkit.
     # TORCH_INDEX=https://download.pytorch.org/whl/cpu: the ~200 MB CPU build; else the configured index's
     # (PyPI's Linux wheel is the CUDA build with its nvidia-* wheels: gigabytes, and it runs on a CPU too)
-    PIP_CONSTRAINT=/dev/null "$VENV/bin/python3" -m pip install -q "torch==$TORCH_VERSION" numpy pytest \
+    PIP_CONSTRAINT=/dev/null "$VENV/bin/python3" -m pip install -q "torch==$TORCH_VERSION" numpy rich pytest \
         ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}
 fi
 if "$VENV/bin/python3" -c "import ampkit" 2>/dev/null; then
@@ -24,8 +25,14 @@ fi
 OUT="$(mktemp -d)"
 trap 'rm -rf "$OUT"' EXIT
 # The device command, as benchmarks/gpu_check.py's docstring writes it, with --smoke; python3 is the venv's.
-PATH="$VENV/bin:$PATH" PYTHONPATH=$PWD/src python3 benchmarks/gpu_check.py --out "$OUT" --deadline-s 420 --smoke
+status=0
+PATH="$VENV/bin:$PATH" PYTHONPATH=$PWD/src python3 benchmarks/gpu_check.py --out "$OUT" --deadline-s 420 --smoke \
+    || status=$?
 for f in gpu_check.txt gpu_check.json info.json pytest.txt; do
     [ -s "$OUT/$f" ] || { echo "rehearsal: $f was not written" >&2; exit 1; }
 done
+if [ "$status" -ne 0 ]; then
+    echo "rehearsal: torch $TORCH_VERSION: a phase failed (exit $status; the phase lines above say which)" >&2
+    exit "$status"
+fi
 echo "rehearsal: torch $TORCH_VERSION: the device command ran and wrote its files"

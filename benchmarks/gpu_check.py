@@ -374,6 +374,9 @@ class Check:
             self.atomic(target, done.stdout[-20000:] + done.stderr[-5000:])
             last = (done.stdout.strip().splitlines() or ["no output"])[-1] if name == "tests" else f"in {target}"
             self.facts[name] = last if done.returncode == 0 else f"exit {done.returncode}: {last}"
+            if done.returncode:
+                error = (done.stderr.strip().splitlines() or [last])[-1]
+                raise RuntimeError(f"{' '.join(cmd[1:4])} exited {done.returncode}: {error[:300]}")
 
         self.phase(name, run)
 
