@@ -1,11 +1,13 @@
 """The one prepared GPU check: every preset on a GPT-2-small-shaped model, one summary table.
 
-    python benchmarks/gpu_check.py --out "$OUT"            # on a CUDA machine: <= 8 minutes, <= 8 files
-    python benchmarks/gpu_check.py --smoke --out /tmp/gc   # the same code on a CPU at tiny sizes (tests)
+The device command (nothing but the image: python3, torch; ampkit is not installed there, src/ is on the path):
 
-Per preset (fp32, bf16-mixed, fp16-mixed, bf16-master, bf16-true; fp8-mixed with compile=True where the
-GPU's compute capability is >= 8.9), at the largest batch `ampkit.plan` says every preset fits (capped by
-`--max-batch`), it measures:
+    PYTHONPATH=$PWD/src python3 benchmarks/gpu_check.py --out "$OUT" --deadline-s 420
+    PYTHONPATH=$PWD/src python3 benchmarks/gpu_check.py --smoke --out /tmp/gc   # tiny sizes, CPU (the suite)
+
+Per preset (fp32, bf16-mixed, fp16-mixed, bf16-master, bf16-true; fp8-mixed compiled where the GPU's compute
+capability is >= 8.9 and torchao is importable, with the layer rule set so GPT-2's block layers convert), at the
+largest batch `ampkit.plan` says fp32 fits (capped by `--max-batch`), it measures:
 - the step time (forward, backward, clip, step, zero_grad; median of `--steps` after warm-up) and the
   speed-up over fp32, and the ratio to the hand-written loop of the same arithmetic (autocast, and for
   fp16 torch's GradScaler);
@@ -13,17 +15,23 @@ GPU's compute capability is >= 8.9), at the largest batch `ampkit.plan` says eve
 - the peak `torch.cuda.max_memory_allocated` of a steady step against `ampkit.plan`'s prediction;
 - the optimizer step alone (synchronized before and after) against the bytes it must move at the
   device's measured copy bandwidth.
-Then `ampkit info --bench --json` (info.json) and `tests/test_cuda.py` (the GPU-only tests: no blocking
-sync per step, parity with the hand-written loop, compile and CUDA graphs) run in subprocesses.
+Then `ampkit info --json` (info.json; `--bench` on CUDA) and `tests/test_cuda.py` (pytest.txt) in subprocesses.
 
-Files in `--out`: gpu_check.txt (the table), gpu_check.json (every figure), info.json, pytest.txt.
+It cannot lose what it measured: every phase checks the deadline first and is skipped with that reason once it
+is spent; a phase that raises records its error and the run goes on; every subprocess has its own timeout; the
+table and the JSON are rewritten (tmp + rename) and each row printed as it is done, so the files on disk are the
+partial result at any moment. Between presets: gc.collect(), empty_cache(), reset_peak_memory_stats().
+
+Files in `--out`: gpu_check.txt (the table), gpu_check.json (every figure and phase), info.json, pytest.txt.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -37,7 +45,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import ampkit
+ROOT = Path(__file__).resolve().parents[1]
+try:
+    import ampkit
+except ImportError:  # run without PYTHONPATH=src: the check still starts, from this checkout
+    sys.path.insert(0, str(ROOT / "src"))
+    import ampkit
 
 PRESETS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "bf16-true", "fp8-mixed")
 # Bytes an AdamW update must read and write per parameter, per preset (weights, gradients, two moments, plus
@@ -201,7 +214,10 @@ def ampkit_run(preset: str, s: Size, batch: int, dev: torch.device, warmup: int,
     torch.manual_seed(0)
     model = GPT(s)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    acc = ampkit.Accelerator(precision=preset, device=dev, compile=preset == "fp8-mixed" or None)
+    # fp8: the default rule (in*out >= 2048^2) converts none of GPT-2 small's Linear layers (the largest is
+    # 768 x 3072); d*d converts every block Linear (qkv, proj, both MLP layers), the tied head stays bf16
+    fp8 = {"fp8_min_weight": s.d * s.d} if preset == "fp8-mixed" else {}
+    acc = ampkit.Accelerator(precision=preset, device=dev, compile=preset == "fp8-mixed" or None, **fp8)
     model, opt = acc.prepare(model, opt)
     data, i = batches(s, batch, dev), [0]
     params = sum(p.numel() for p in model.parameters())
@@ -272,12 +288,12 @@ def largest_batch(s: Size, dev: torch.device, cap: int) -> int:
 def runnable(preset: str, dev: torch.device) -> str | None:
     """Why `preset` is left out on `dev` (None: it runs)."""
     if preset == "fp8-mixed":
-        if dev.type != "cuda" or torch.cuda.get_device_capability(dev) < (8, 9):
-            return "needs a GPU of compute capability >= 8.9"
         try:
             import torchao  # noqa: F401
         except ImportError:
-            return "needs torchao (pip install 'ampkit[fp8]')"
+            return "torchao is not installed (pip install 'ampkit[fp8]', or carry its wheel: RESULTS.md)"
+        if dev.type != "cuda" or torch.cuda.get_device_capability(dev) < (8, 9):
+            return "needs a GPU of compute capability >= 8.9"
     return None
 
 
@@ -310,6 +326,86 @@ def table(rows: list[Row], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+class Check:
+    """The run's state on disk: rows and phases, rewritten whole (tmp + rename) after every change."""
+
+    def __init__(self, out: Path, deadline_s: float) -> None:
+        self.out, self.deadline, self.start = out, deadline_s, time.perf_counter()
+        self.rows: list[Row] = []
+        self.phases: list[dict[str, object]] = []
+        self.header, self.facts = "gpu_check: starting", {}
+
+    def left(self) -> float:
+        return self.deadline - (time.perf_counter() - self.start)
+
+    def phase(self, name: str, fn: Callable[[], object]) -> object:
+        """Run `fn` unless the deadline is spent; its error is recorded, never raised. The files are rewritten."""
+        record: dict[str, object] = {"phase": name, "status": "ok", "error": ""}
+        self.phases.append(record)
+        if self.left() <= 0:
+            record.update(status="skipped", error=f"the {self.deadline:.0f} s deadline was spent")
+            self.write()
+            return None
+        t = time.perf_counter()
+        try:
+            return fn()
+        except Exception as exc:  # one phase's failure is recorded; the run goes on
+            record.update(
+                status="failed", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+            )
+            return None
+        finally:
+            record["seconds"] = round(time.perf_counter() - t, 3)
+            self.write()
+
+    def subprocess(self, name: str, cmd: list[str], timeout_s: float, target: str) -> None:
+        """`cmd` with its own timeout (at most what the deadline leaves), its output in `target`."""
+
+        def run() -> None:
+            limit = max(1.0, min(timeout_s, self.left()))
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, cwd=ROOT, env=env)
+            except subprocess.TimeoutExpired as exc:
+                partial = (exc.stdout or b"")[-20000:]
+                text = partial.decode(errors="replace") if isinstance(partial, bytes) else partial
+                self.atomic(target, text + f"\n[timed out after {limit:.0f} s]\n")
+                raise TimeoutError(f"{' '.join(cmd[1:4])} timed out after {limit:.0f} s") from None
+            self.atomic(target, done.stdout[-20000:] + done.stderr[-5000:])
+            last = (done.stdout.strip().splitlines() or ["no output"])[-1] if name == "tests" else f"in {target}"
+            self.facts[name] = last if done.returncode == 0 else f"exit {done.returncode}: {last}"
+            if done.returncode:
+                error = (done.stderr.strip().splitlines() or [last])[-1]
+                raise RuntimeError(f"{' '.join(cmd[1:4])} exited {done.returncode}: {error[:300]}")
+
+        self.phase(name, run)
+
+    def atomic(self, name: str, text: str) -> None:
+        path = self.out / name
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+    def write(self) -> None:
+        base = next((r for r in self.rows if r.preset == "fp32" and r.step_ms), None)
+        for r in self.rows:
+            r.speedup_vs_fp32 = base.step_ms / r.step_ms if base is not None and r.step_ms else None
+        text = table(self.rows, self.header)
+        text += "".join(f"{k}: {v}\n" for k, v in self.facts.items())
+        text += "".join(f"phase {p['phase']}: {p['status']} {p['error']}\n" for p in self.phases if p["status"] != "ok")
+        self.atomic("gpu_check.txt", text)
+        data = {"header": self.header, **self.facts, "phases": self.phases, "rows": [asdict(r) for r in self.rows]}
+        self.atomic("gpu_check.json", json.dumps(data, indent=1, default=str))
+
+
+def fresh(dev: torch.device) -> None:
+    """Nothing of the last preset left in the next one's peak: its objects collected, the cache emptied."""
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="gpu-check", help="folder for the files (at most 8)")
@@ -317,91 +413,77 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--presets", default=",".join(PRESETS))
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 10; smoke 2)")
     parser.add_argument("--max-batch", type=int, default=16)
-    parser.add_argument("--budget-s", type=float, default=420.0, help="runs left when this is spent are skipped")
-    parser.add_argument("--no-tests", action="store_true", help="leave out tests/test_cuda.py")
+    parser.add_argument("--deadline-s", type=float, default=420.0, help="phases not begun by then are skipped")
+    parser.add_argument("--tests", default="tests/test_cuda.py", help="the pytest target of the tests phase")
+    parser.add_argument("--tests-timeout-s", type=float, default=240.0, help="the tests phase's own timeout")
+    parser.add_argument("--no-tests", action="store_true", help="leave out the tests phase")
     args = parser.parse_args(argv)
-    start = time.perf_counter()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type != "cuda" and not args.smoke:
         parser.error("no CUDA device: run with --smoke for the CPU version at tiny sizes")
-    s = TINY if args.smoke else GPT2_SMALL
-    steps, warmup = args.steps or (2 if args.smoke else 10), 1 if args.smoke else 3
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     presets = [p for p in args.presets.split(",") if p]
     unknown = [p for p in presets if p not in PRESETS]
     if unknown:
         parser.error(f"--presets: unknown {unknown}; choose from {', '.join(PRESETS)}")
-    batch = 2 if args.smoke else largest_batch(s, dev, args.max_batch)
+    s = TINY if args.smoke else GPT2_SMALL
+    steps, warmup = args.steps or (2 if args.smoke else 10), 1 if args.smoke else 3
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    check = Check(out, args.deadline_s)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    check.header = f"gpu_check: {name}, torch {torch.__version__}, ampkit {ampkit.__version__}; starting"
+    check.write()
+    batch = check.phase("batch", lambda: 2 if args.smoke else largest_batch(s, dev, args.max_batch)) or 1
     runs = [p for p in presets if runnable(p, dev) is None]
-    try:
-        plans = planned([p for p in runs if p != "fp8-mixed"], s, batch, dev)
-    except Exception as exc:  # the timings stand without the prediction
-        plans, plan_error = {}, f"{type(exc).__name__}: {exc}"
-    else:
-        plan_error = ""
-    bandwidth = copy_bandwidth(dev, 1 << (30 if dev.type == "cuda" else 24))
-    rows, hand = [], {}
+    plans = check.phase("plan", lambda: planned([p for p in runs if p != "fp8-mixed"], s, batch, dev)) or {}
+    bandwidth = check.phase("bandwidth", lambda: copy_bandwidth(dev, 1 << (30 if dev.type == "cuda" else 24)))
+    check.header = (
+        f"gpu_check: {name}, torch {torch.__version__}, ampkit {ampkit.__version__}; GPT {s.layers} layers, "
+        f"d {s.d}, seq {s.seq}, vocab {s.vocab}, batch {batch}; copy bandwidth "
+        + (f"{bandwidth / 1e9:.0f} GB/s" if bandwidth else "unmeasured")
+    )
+    hand: dict[str, float] = {}
     for preset in presets:
         row = Row(preset)
-        rows.append(row)
+        check.rows.append(row)
         if (why := runnable(preset, dev)) is not None:
             row.status, row.reason = "skipped", why
+            check.write()
+            print(f"{preset}: skipped ({why})", flush=True)
             continue
-        if time.perf_counter() - start > args.budget_s:
-            row.status, row.reason = "skipped", f"the {args.budget_s:.0f} s budget was spent"
-            continue
-        try:
+
+        def measure(preset: str = preset, row: Row = row) -> None:
+            fresh(dev)
             ampkit_run(preset, s, batch, dev, warmup, steps, row)
+            fresh(dev)
             kind = HAND_WRITTEN[preset]
             if kind not in hand:
                 hand[kind] = 1e3 * hand_written(kind, s, batch, dev, warmup, steps)
             row.hand_written_ms = hand[kind]
             row.vs_hand_written = row.step_ms / hand[kind] if row.step_ms else None
-        except Exception as exc:  # one preset's failure is a row, not the end of the check
-            row.status, row.reason = "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-            continue
-        finally:
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-        row.planned_mib = plans.get(preset)
-        row.update_floor_ms = 1e3 * row.update_bytes_per_param * row.extra["parameters"] / bandwidth
-    base = next((r for r in rows if r.preset == "fp32" and r.step_ms), None)
-    for r in rows:
-        if base is not None and r.step_ms:
-            r.speedup_vs_fp32 = base.step_ms / r.step_ms
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    header = (
-        f"gpu_check: {name}, torch {torch.__version__}, ampkit {ampkit.__version__}; GPT {s.layers} layers, "
-        f"d {s.d}, seq {s.seq}, vocab {s.vocab}, batch {batch}; copy bandwidth {bandwidth / 1e9:.0f} GB/s"
-        + (f"; plan failed: {plan_error}" if plan_error else "")
-    )
-    text = table(rows, header)
-    if dev.type == "cuda":  # the capability table against a measured matmul per dtype
-        info = subprocess.run(
-            [sys.executable, "-m", "ampkit.cli.main", "info", "--bench", "--json"],
-            capture_output=True,
-            text=True,
-            timeout=120,
+            row.planned_mib = plans.get(preset)
+            if bandwidth:
+                row.update_floor_ms = 1e3 * row.update_bytes_per_param * row.extra["parameters"] / bandwidth
+
+        check.phase(preset, measure)
+        fresh(dev)
+        record = check.phases[-1]
+        if record["status"] != "ok":
+            row.status, row.reason = str(record["status"]), str(record["error"])
+            check.write()
+        print(table([row], check.header).splitlines()[3], flush=True)
+    info = [sys.executable, "-m", "ampkit.cli.main", "info", "--json"] + (["--bench"] if dev.type == "cuda" else [])
+    check.subprocess("info", info, 120, "info.json")
+    if not args.no_tests:
+        check.subprocess(
+            "tests",
+            [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", args.tests],
+            args.tests_timeout_s,
+            "pytest.txt",
         )
-        (out / "info.json").write_text(info.stdout or info.stderr)
-    if dev.type == "cuda" and not args.no_tests:
-        done = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-rs", "tests/test_cuda.py"],
-            capture_output=True,
-            text=True,
-            timeout=max(60, args.budget_s + 150 - (time.perf_counter() - start)),
-        )
-        (out / "pytest.txt").write_text(done.stdout[-20000:] + done.stderr[-5000:])
-        text += f"tests/test_cuda.py: {(done.stdout.strip().splitlines() or ['no output'])[-1]}\n"
-    (out / "gpu_check.txt").write_text(text)
-    (out / "gpu_check.json").write_text(
-        json.dumps(
-            {"header": header, "batch": batch, "bandwidth_Bps": bandwidth, "rows": [asdict(r) for r in rows]}, indent=1
-        )
-    )
-    print(text, end="")
-    return 0 if all(r.status != "failed" for r in rows) else 1
+    check.write()
+    print((out / "gpu_check.txt").read_text(), end="", flush=True)
+    return 0 if all(p["status"] != "failed" for p in check.phases) else 1
 
 
 if __name__ == "__main__":

@@ -207,3 +207,26 @@ def test_source_places_are_named_by_the_package_not_by_a_folder_called_ampkit(tm
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=HERE, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout) == ["test_x.py", "ampkit/engine/optim.py", "torch/optim/adamw.py"]
+
+
+def test_a_cuda_plan_holds_the_foreach_step_s_fp32_copy_of_the_parameters(request, tmp_path_factory):
+    """`ampkit plan` on a GPU traces fake CUDA tensors, on which torch's default resolves to the per-tensor
+    loop (FakeTensor is no type its foreach kernels take); CUDA runs foreach, which holds one whole fp32
+    copy of the parameters at the step. The plan (fake_cuda_plan.py: 8 Linear(256, 256), batch 2, AdamW)
+    resolves the default as CUDA does: its optimizer-step peak is the foreach one, one fp32 copy of the
+    parameters of temporaries, above the loop's (two of the largest parameter at most)."""
+    cache = getattr(request.config, "cache", None)
+    shim = _shim(Path(cache.mkdir("fake_cuda")) if cache is not None else tmp_path_factory.mktemp("fake_cuda_shim"))
+    out = tmp_path_factory.mktemp("fake_cuda_plan") / "plan.json"
+    done = subprocess.run(
+        [sys.executable, str(HERE / "fake_cuda_plan.py"), shim, str(out)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, f"fake_cuda_plan.py failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    r = json.loads(out.read_text())
+    params, largest = r["param_bytes"], r["largest_param_bytes"]
+    for precision in ("fp32", "bf16-mixed"):
+        default, foreach, loop = (r[f"{precision}/{k}"] for k in ("default", "foreach", "loop"))
+        assert default == foreach and default["phase"] == "optimizer", (precision, default, foreach)
+        assert default["components"]["temporaries"] == params  # one fp32 copy of the parameters
+        assert loop["components"]["temporaries"] <= 2 * largest + 4096
+        assert default["peak"] - loop["peak"] >= params - 2 * largest - 4096

@@ -162,6 +162,56 @@ def test_rowwise_recipe_converts_with_rowwise_scales_and_trains(one_thread):
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
 
 
+def cuda_scaled_mm_rule(real):
+    """torch._scaled_mm as CUDA takes it: mat1's columns and both of mat2's dimensions multiples of 16."""
+
+    def scaled_mm(a, b, *args, **kwargs):
+        if a.shape[1] % 16 or b.shape[0] % 16 or b.shape[1] % 16:
+            raise RuntimeError(f"Expected trailing dimension of mat1 to be divisible by 16 ({a.shape} @ {b.shape})")
+        return real(a, b, *args, **kwargs)
+
+    return scaled_mm
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_an_odd_token_count_steps_in_fp8_under_cudas_multiple_of_16_rule(monkeypatch, one_thread, recipe):
+    """A partial batch (3·7 = 21 tokens) through ampkit's fp8 conversion, not emulated: this CPU's
+    torch._scaled_mm runs the real fp8 matmul, held to CUDA's shape rule. The weight-gradient matmul has the
+    tokens as its inner dimension; with torchao's pad_inner_dim set the step runs, and its gradients equal
+    those of the same step without the rule and without padding (zeros add nothing)."""
+    from torchao.float8 import convert_to_float8_training
+
+    from ampkit.precision.fp8 import Float8Training
+    from ampkit.precision.policy import PRESETS
+
+    def grads(model, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x).float().square().mean().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    def mlp():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 32))
+
+    x = torch.randn(3, 7, 32)
+    fp8 = Float8Training(PRESETS["fp8-mixed"], recipe, emulate=False, min_weight=0)
+    model = mlp()
+    fp8.convert(model, (), torch.device("cpu"), compiled=False)
+    assert isinstance(model[1], Float8Linear) and model[1].config.pad_inner_dim
+
+    def unpadded():  # torchao's own config of the recipe, as main converted it: no padding
+        plain = mlp()
+        config = type(model[1].config).from_recipe_name(recipe)
+        return convert_to_float8_training(plain, config=config, module_filter_fn=lambda _m, fqn: fqn == "1")
+
+    expected = grads(unpadded(), x)
+    monkeypatch.setattr(torch, "_scaled_mm", cuda_scaled_mm_rule(torch._scaled_mm))
+    with pytest.raises(RuntimeError, match="divisible by 16"):
+        grads(unpadded(), x)  # what main's conversion did on a GPU
+    for got, want in zip(grads(model, x), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_resume_is_bitwise_with_accumulation_and_clipping(tmp_path, one_thread):
     data = batches(12)
     acc, model, opt = prepared("fp8-mixed", grad_accum_steps=2, divide_loss=True)

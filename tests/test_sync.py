@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import warnings
 
 import pytest
 import torch
@@ -131,3 +132,60 @@ def test_on_cuda_torchs_default_adamw_is_stepped_fused_so_overflows_skip_on_the_
             o.zero_grad()
     assert calls == []
     assert o.skipped_steps == 1 and o.applied_steps == len(loader) - 1
+
+
+def _fake_cuda_optimizer(cls):
+    """`cls` over one parameter on a fake CUDA device (FakeTensorMode: shapes only, this CPU torch)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        p = torch.zeros(4, device="cuda", requires_grad=True)
+        return mode, cls([p], lr=1e-2)
+
+
+def test_adagrad_keeps_foreach_with_one_notice_where_torch_cannot_step_it_fused_on_the_device():
+    """The switch to fused=True asks torch (one fused step of a throwaway optimizer), never a version table:
+    this CPU-only torch cannot step Adagrad(fused=True) on (fake) CUDA, as torch 2.11 cannot on a real GPU, so
+    Adagrad keeps torch's default with one warning; AdamW, which can, is switched."""
+    from ampkit.engine.fused_skip import fuse_for_device_skips
+
+    cuda = torch.device("cuda")
+    mode, o = _fake_cuda_optimizer(torch.optim.Adagrad)
+    with mode, warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert not fuse_for_device_skips(o, cuda, True)
+    (notice,) = [str(w.message) for w in seen]
+    assert "cannot step Adagrad(fused=True) on cuda" in notice and "keeps torch's default implementation" in notice
+    assert o.param_groups[0]["fused"] is None and o.defaults["fused"] is None
+    mode, o = _fake_cuda_optimizer(torch.optim.AdamW)
+    with mode, warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        assert fuse_for_device_skips(o, cuda, True) and o.param_groups[0]["fused"] is True
+
+
+def test_the_fused_probe_sees_a_missing_kernel_and_a_torch_that_has_it_switches_adagrad(monkeypatch):
+    """The probe itself: this torch has Adagrad's fused CPU kernel (None); with that kernel made to fail as a
+    missing one does, it reports torch's error. Where torch has the kernel, Adagrad (whose constructor makes
+    its state) is switched and its step counter moves to the device, as a fused Adagrad keeps it."""
+    from ampkit.engine import fused_skip
+
+    cpu = torch.device("cpu")
+    assert fused_skip.fused_kernel_missing(torch.optim.Adagrad, cpu) is None
+
+    class Probed(torch.optim.Adagrad):  # its own cache entry
+        pass
+
+    def missing(*args, **kwargs):
+        raise NotImplementedError("Could not run 'aten::_fused_adagrad_' with arguments from the 'CUDA' backend.")
+
+    monkeypatch.setattr(torch, "_fused_adagrad_", missing)
+    assert "NotImplementedError: Could not run 'aten::_fused_adagrad_'" in fused_skip.fused_kernel_missing(Probed, cpu)
+    monkeypatch.setattr(fused_skip, "fused_kernel_missing", lambda cls, device: None)  # a torch with the kernel
+    mode, o = _fake_cuda_optimizer(torch.optim.Adagrad)
+    with mode, warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        assert fused_skip.fuse_for_device_skips(o, torch.device("cuda"), True)
+    (state,) = o.state.values()
+    assert o.param_groups[0]["fused"] is True and state["step"].device.type == "cuda"
+    assert state["step"].dtype == torch.float32

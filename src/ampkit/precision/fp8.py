@@ -9,6 +9,11 @@ casts its operands to fp8), so a layer runs in fp8 only if all of these hold (th
 - it is neither the first nor the last nn.Linear of the model (registration order): the input
   projection and the output head are the layers most hurt by fp8 rounding.
 
+A layer's token count (batch·sequence, the inner dimension of its weight-gradient matmul) may be anything: a
+partial last batch or a split micro-batch often is no multiple of 16, which CUDA's `torch._scaled_mm` refuses
+in backward. ampkit sets torchao's `pad_inner_dim`, which pads such an operand with zeros for that matmul only
+(an aligned one is passed as it is); a torchao without that option is told in a warning.
+
 The weights stay fp32 parameters with unchanged names (torchao swaps the module), so checkpoints load
 across fp8-mixed and the other presets.
 """
@@ -74,6 +79,15 @@ class Float8Training:
 
         chosen = choose_layers(model, self.min_weight, kept_fp32_roots(model, keep_fp32))
         config = dataclasses.replace(Float8LinearConfig.from_recipe_name(self.recipe), emulate=self.emulate)
+        if any(f.name == "pad_inner_dim" for f in dataclasses.fields(config)):
+            config = dataclasses.replace(config, pad_inner_dim=True)  # tokens need not be a multiple of 16
+        elif not self.emulate:
+            warnings.warn(
+                "precision 'fp8-mixed': this torchao has no Float8LinearConfig.pad_inner_dim, so a step whose "
+                "tokens (batch·sequence) are no multiple of 16 fails in backward on CUDA; keep batch·sequence a "
+                "multiple of 16 (also the last batch: drop_last=True) or upgrade torchao",
+                stacklevel=4,
+            )
         convert_to_float8_training(
             model, config=config, module_filter_fn=lambda _m, fqn: fqn in chosen and chosen[fqn] is None
         )

@@ -6,13 +6,13 @@ import html
 import io
 import os
 from collections.abc import Iterable, Sequence
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-from rich import box
-from rich.console import Console
-from rich.padding import Padding
-from rich.table import Table
-from rich.text import Text
+if TYPE_CHECKING:  # rich is imported where a table is drawn: the training step's formatters need none of it
+    from rich.console import Console
+    from rich.padding import Padding
+    from rich.table import Table
+    from rich.text import Text
 
 
 def seconds(x: float) -> str:
@@ -135,6 +135,10 @@ def table(
     as written; pass a `Text` to style a cell. `two_line_headers` breaks each header at its first space;
     `heading` sets the title as a bold heading on the left rather than centred over the table; `pad_edge=False`
     leaves out the space before the first column and after the last (a wide table that must fit 100 columns)."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
     out = Table(
         title=Text(title, style="bold" if heading else "") if title else None,
         title_justify="left" if heading else "center",
@@ -158,17 +162,24 @@ def table(
 
 def indented(text: str, spaces: int, style: str = "") -> Padding:
     """`text` indented by `spaces`, its wrapped lines too."""
+    from rich.padding import Padding
+    from rich.text import Text
+
     return Padding(Text(text, style=style), (0, 0, 0, spaces), expand=False)
 
 
 def console(file: IO[str] | None = None) -> Console:
     """A console on stdout (or `file`). A log file has no width: keep tables whole rather than at 80."""
+    from rich.console import Console
+
     out = Console(file=file)
     return out if out.is_terminal else Console(file=file, width=max(out.width, 160))
 
 
 def as_text(*renderables: Any, width: int = 160) -> str:
     """What `console().print` shows of `renderables`, as plain text without colour: for logs and tests."""
+    from rich.console import Console
+
     buffer = io.StringIO()
     out = Console(file=buffer, width=width, color_system=None)
     for renderable in renderables:

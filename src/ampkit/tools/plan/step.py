@@ -126,6 +126,8 @@ def measure(
             for other, other_name in others:
                 other.register_parameter(other_name, getattr(module, name))
         opt = acc.prepare(optimizer_fn(model.parameters()))
+        if fake:
+            as_on_the_device(opt.param_groups, device)
         convert = mode.from_tensor if isinstance(mode, FakeTensorMode) else (lambda t: t)
         inputs, targets = resized(
             tree_map(lambda t: convert(t).to(device) if isinstance(t, torch.Tensor) else t, batch), batch_size
@@ -155,6 +157,18 @@ def measure(
                 tracker.phase = "setup"
                 tracker.resync()
         return Measured(tracker.peak, tracker.at_peak, tracker.peak_phase, after)
+
+
+def as_on_the_device(groups: list[dict[str, Any]], device: torch.device) -> None:
+    """Resolve torch's default optimizer implementation as the real device would. torch picks foreach for
+    CUDA tensors of type Tensor or Parameter only, so on fake tensors (type FakeTensor) it would trace the
+    per-tensor loop; foreach holds whole-list temporaries at the step (AdamW: about one more fp32 copy of the
+    parameters), so the plan sets foreach=True where the user chose no implementation, as CUDA would run."""
+    if device.type != "cuda":  # torch's CPU default is the per-tensor loop, which fake tensors trace as it is
+        return
+    for g in groups:
+        if "foreach" in g and g["foreach"] is None and not g.get("fused") and not g.get("differentiable"):
+            g["foreach"] = True
 
 
 def _ties(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
