@@ -9,6 +9,7 @@ a CUDA one only in later releases). The answer is cached per (optimizer class, d
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -31,7 +32,8 @@ def fused_kernel_missing(cls: type[torch.optim.Optimizer], device: torch.device)
     if key not in _PROBED:
         try:
             probe.grad = torch.zeros_like(probe)
-            cls([probe], lr=1e-3, fused=True).step()
+            make: Callable[..., torch.optim.Optimizer] = cls  # a torch optimizer class taking lr= and fused=
+            make([probe], lr=1e-3, fused=True).step()
             _PROBED[key] = None
         except Exception as exc:  # noqa: BLE001 - any failure of the fused step means: do not switch to it
             first = str(exc).splitlines()[0] if str(exc) else ""
