@@ -120,11 +120,13 @@ class DeviceLoader:
         """Refuse a training pass whose ranks have different numbers of batches, on every rank at once: the
         rank that ran out would leave while the others wait in the gradient all-reduce, for ever."""
         try:
-            mine = len(self.loader)
+            mine: int | None = len(self.loader)
         except TypeError:  # an iterable dataset without a length: nothing to compare before the pass
-            return
-        counts = gather_objects(mine)  # one collective per pass, before its first batch
-        if len(set(counts)) > 1:
+            mine = None
+        # sync: one gather of a host int per training pass, before its first batch (every rank joins it,
+        # also one whose loader has no length, so no rank waits alone)
+        counts = gather_objects(mine)
+        if None not in counts and len(set(counts)) > 1:
             per_rank = ", ".join(f"rank {r}: {n}" for r, n in enumerate(counts))
             raise ValueError(
                 f"the prepared DataLoader has a different number of batches on each rank ({per_rank}); under "
