@@ -170,17 +170,24 @@ class LossScaler:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned, exactly."""
+        """Restore what `state_dict` returned, exactly, as `GradScaler.load_state_dict` does for every pair of
+        used and unused scalers: an unused scaler's state carries its `init_scale` and a growth tracker of 0."""
         for key in ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
             setattr(self, key, state[key] if state[key] is None else float(state[key]))
         for key in ("growth_interval", "hysteresis", "collapse_after"):
             setattr(self, key, int(state[key]))
         self.dynamic = bool(state["dynamic"])
-        if "scale" in state:
-            device = self._scale.device if self._scale is not None else torch.device("cpu")
-            self._scale = torch.full((), state["scale"], dtype=torch.float32, device=device)
-            self._growth_tracker = torch.full((), state["growth_tracker"], dtype=torch.int32, device=device)
-            self._hysteresis_left = torch.full((), state["hysteresis_left"], dtype=torch.int32, device=device)
+        if "scale" not in state and self._scale is None:
+            return  # both unused: the device state is made from the loaded settings by to()
+        # An unused scaler's state (no device yet) stands for its first scale and a tracker at 0, as
+        # GradScaler's does: loading it into a live scaler resets the live scale and counters to those.
+        scale = state.get("scale", self.init_scale)
+        tracker = state.get("growth_tracker", 0)
+        left = state.get("hysteresis_left", self.hysteresis)
+        device = self._scale.device if self._scale is not None else torch.device("cpu")
+        self._scale = torch.full((), scale, dtype=torch.float32, device=device)
+        self._growth_tracker = torch.full((), tracker, dtype=torch.int32, device=device)
+        self._hysteresis_left = torch.full((), left, dtype=torch.int32, device=device)
 
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"
