@@ -22,6 +22,7 @@ from ampkit.engine.optim_state import state_problems
 from ampkit.engine.step_context import StepContext
 from ampkit.errors import LossScaleCollapse, StepOrderError
 from ampkit.precision.outcomes import StepOutcomes
+from ampkit.precision.scaler import coalesce_fp16_sparse
 from ampkit.precision.weights import CompensatedWeights, LowPrecisionWeights, MasterWeights
 
 
@@ -298,7 +299,9 @@ class AmpOptimizer(torch.optim.Optimizer):
         scaler = self._ctx.scaler
         factor = self._ctx.items.factor(self._items) if self._items is not None else None
         if grads is None and (scaler is not None or factor is not None):
-            grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+            grads = [
+                coalesce_fp16_sparse(p) for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None
+            ]
         if scaler is not None:
             self._found_inf = torch.zeros((), dtype=torch.float32, device=scaler.scale_tensor.device)
             scaler.unscale_(grads or [], self._found_inf, factor)

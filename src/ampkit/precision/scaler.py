@@ -116,13 +116,14 @@ class LossScaler:
     ) -> None:
         """Divide `grads` by the scale in place (and multiply them by `factor`, a 0-dim tensor, in the same
         kernel) and set `found_inf` (a 0-dim fp32 tensor on the scale's device) to 1 if any is inf/NaN; never
-        cleared, so one flag can collect several calls. Not sparse."""
+        cleared, so one flag can collect several calls. A sparse gradient's values are unscaled and checked
+        as they are stored, as GradScaler does (coalesce fp16 ones first: see `coalesce_fp16_sparse`)."""
         inv_scale = self.scale_tensor.double().reciprocal().float()  # as GradScaler: exact for powers of 2
         if factor is not None:
             inv_scale = inv_scale * factor.to(inv_scale.device)
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         for g in grads:
-            groups[(g.device, g.dtype)].append(g)
+            groups[(g.device, g.dtype)].append(g._values() if g.is_sparse else g)
         for (device, _), tensors in groups.items():
             flag = found_inf if device == found_inf.device else torch.zeros_like(found_inf, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, inv_scale.to(device))
@@ -195,6 +196,16 @@ class LossScaler:
             f"LossScaler({kind}, init_scale={self.init_scale}, growth_interval={self.growth_interval}, "
             f"hysteresis={self.hysteresis})"
         )
+
+
+def coalesce_fp16_sparse(param: torch.Tensor) -> torch.Tensor:
+    """`param.grad`, coalesced first where it is a sparse fp16 gradient (as GradScaler does): values that
+    share an index are summed, and their sum may overflow fp16 where each value alone does not."""
+    grad = param.grad
+    assert grad is not None
+    if grad.is_sparse and grad.dtype is torch.float16:
+        param.grad = grad = grad.coalesce()
+    return grad
 
 
 def scaler_for(policy: Any, scaler: LossScaler | None, device: torch.device) -> LossScaler | None:
