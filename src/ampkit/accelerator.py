@@ -240,6 +240,19 @@ class Accelerator(RankMethods):
         an accumulation cycle it does nothing and returns None, so the loop needs no `if` around it."""
         return self._prepared.clip(max_norm, norm_type, optimizer, parameters)
 
+    def unscaled_grads(
+        self, optimizer: torch.optim.Optimizer | None = None
+    ) -> contextlib.AbstractContextManager[list[nn.Parameter]]:
+        """`with acc.unscaled_grads() as params:` the parameters the prepared optimizers (or `optimizer`) will
+        update, each `.grad` the unscaled gradient this step applies, in the dtype the update runs in (fp32 for
+        the -master presets and bf16-true), for any clip or gradient surgery: timm's
+        `adaptive_clip_grad(params, ...)`, `torch.nn.utils.clip_grad_value_(params, v)`. Call it where a clip
+        goes (after the last backward, before `optimizer.step()`); change the gradients in place (a replaced
+        `.grad` is copied back). Under the -master presets the parameters are the fp32 masters; under bf16-true
+        fresh fp32 copies of the weights (memory: one fp32 copy of the model during the block; changing their
+        values changes nothing). Inside an accumulation cycle (no step due) it yields an empty list."""
+        return self._prepared.clip.unscaled_grads(optimizer)
+
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """The policy's autocast, for computation outside the prepared model (e.g. a loss)."""
         if not self.policy.autocast:
