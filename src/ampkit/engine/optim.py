@@ -238,8 +238,8 @@ class AmpOptimizer(torch.optim.Optimizer):
         ctx, weights = self._ctx, self.weights
         # fp32 weights and no loss scaling: the user's step as it is (nothing to unscale: step() checked the stage)
         if weights is None and ctx.scaler is None:
-            if self._items is not None:
-                self.unscale_()  # divides the gradients by the cycle's items
+            if self._items is not None or self._ctx.cycle.rescale is not None:
+                self.unscale_()  # divides the gradients by the cycle's items (or its real length)
             result = self.optimizer.step()
         else:
             result = self._lowp_or_scaled_update()
@@ -256,7 +256,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         # bf16-true reads the model's gradients itself (unless clipping brought them in already); the
         # -master presets' gradients come in whole (one foreach copy), their masters stepped in one call
         compensated = isinstance(weights, CompensatedWeights)
-        if not compensated or self._stage is not BACKWARD or self._items is not None:
+        if not compensated or self._stage is not BACKWARD or self._items is not None or self._ctx.cycle.rescale:
             self.unscale_()
         result = None
         if scaler is None:
@@ -298,6 +298,8 @@ class AmpOptimizer(torch.optim.Optimizer):
         grads = self.weights.grads_in() if self.weights is not None else None
         scaler = self._ctx.scaler
         factor = self._ctx.items.factor(self._items) if self._items is not None else None
+        if self._items is None and (rescale := self._ctx.cycle.rescale) is not None:  # closed by acc.end_cycle()
+            factor = torch.full((), rescale, dtype=torch.float32, device=self._ctx.device)
         if grads is None and (scaler is not None or factor is not None):
             grads = [
                 coalesce_fp16_sparse(p) for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None

@@ -280,6 +280,7 @@ class Prepared:
             self.acc.events,
             stop,
             ranks_step_together=self.acc.strategy != "none",
+            before_batch=self.acc.cycle.batches_left if self.acc.grad_accum_steps > 1 else None,
         )
         self.loaders.append(wrapped)
         return wrapped

@@ -123,6 +123,7 @@ class LossScaler:
             inv_scale = inv_scale * factor.to(inv_scale.device)
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         for g in grads:
+            # GradScaler unscales a sparse grad's ._values() too: .values() refuses an uncoalesced tensor
             groups[(g.device, g.dtype)].append(g._values() if g.is_sparse else g)
         for (device, _), tensors in groups.items():
             flag = found_inf if device == found_inf.device else torch.zeros_like(found_inf, device=device)
