@@ -120,8 +120,8 @@ def test_an_overflow_on_one_rank_is_skipped_by_every_rank(shared):
 
 def test_accumulation_all_reduces_once_per_optimizer_step(shared):
     r0, r1 = ranks(shared[0] / "accum")
-    assert r0["steps"] == 2  # 10 micro-batches per rank, k=4: two full cycles
-    assert r0["allreduces"] == r1["allreduces"] == 2  # one bucket, one all-reduce per optimizer step
+    assert r0["steps"] == 3  # 10 micro-batches per rank, k=4: two full cycles and the epoch's last, of 2
+    assert r0["allreduces"] == r1["allreduces"] == 3  # one bucket, one all-reduce per optimizer step
     assert r0["metrics"] == r1["metrics"] == [{"rank": 0.5}]  # metrics() averages over ranks
 
 

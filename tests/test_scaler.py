@@ -234,3 +234,45 @@ def test_scheduler_owes_an_advance_when_an_optimistic_step_turns_out_skipped(mon
     assert epochs == [1, 2, 3, 3, 4, 5]
     assert acc.state.applied_steps == 5 and sched.last_epoch == acc.state.applied_steps
     assert math.isclose(opt.param_groups[0]["lr"], 1.0 / 6)
+
+
+def _torch_clean_step(scaler: torch.amp.GradScaler) -> None:
+    """One step of torch's GradScaler on a one-weight model with finite gradients."""
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.0)
+    scaler.scale((w * 2).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+
+
+@pytest.mark.parametrize("source_used", [False, True], ids=["unused-source", "used-source"])
+@pytest.mark.parametrize("target_used", [False, True], ids=["unused-target", "used-target"])
+def test_load_state_dict_matches_grad_scaler_for_used_and_unused(source_used, target_used):
+    # torch's test_grad_scaling_state_dict, extended to every (used, unused) pair, followed by clean
+    # steps after the load: the scale and growth tracker follow GradScaler's step for step.
+    cpu = torch.device("cpu")
+    t_src = torch.amp.GradScaler("cpu", init_scale=3.0, growth_factor=4.0, backoff_factor=0.5, growth_interval=2)
+    t_dst = torch.amp.GradScaler("cpu", init_scale=6.0, growth_factor=7.0, backoff_factor=0.8, growth_interval=1)
+    a_src = ampkit.LossScaler(3.0, growth_factor=4.0, backoff_factor=0.5, growth_interval=2, max_scale=None)
+    a_dst = ampkit.LossScaler(6.0, growth_factor=7.0, backoff_factor=0.8, growth_interval=1, max_scale=None)
+    if source_used:
+        _torch_clean_step(t_src)
+        a_src.to(cpu).update(torch.tensor(0.0))
+    if target_used:
+        for _ in range(2):
+            _torch_clean_step(t_dst)
+        a_dst.to(cpu)
+        for _ in range(2):
+            a_dst.update(torch.tensor(0.0))
+        assert a_dst.get_scale() == t_dst.get_scale() == 294.0
+    t_dst.load_state_dict(t_src.state_dict())
+    a_dst.load_state_dict(a_src.state_dict())
+    a_dst.to(cpu)
+    seen_torch, seen_ampkit = [], []
+    for _ in range(4):
+        seen_torch.append((t_dst.get_scale(), t_dst.state_dict()["_growth_tracker"]))
+        seen_ampkit.append((a_dst.get_scale(), a_dst.state_dict()["growth_tracker"]))
+        _torch_clean_step(t_dst)
+        a_dst.update(torch.tensor(0.0))
+    assert seen_ampkit == seen_torch
+    assert seen_torch[0] == (3.0, 1 if source_used else 0)

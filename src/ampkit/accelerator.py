@@ -26,8 +26,8 @@ from torch import nn
 from ampkit import checkpoint
 from ampkit.config import AcceleratorConfig
 from ampkit.engine.compiler import CompileStats, CompileTrial, compile_setup
-from ampkit.engine.cycle import AccumulationCycle
-from ampkit.engine.data import DeviceLoader
+from ampkit.engine.cycle import AccumulationCycle, warn_pending_at_exit
+from ampkit.engine.data import DeviceLoader, EpochCounter
 from ampkit.engine.distributed import DistributedContext, RankMethods, choose_strategy, gather_objects, sum_across_ranks
 from ampkit.engine.events import Events, Listener, created
 from ampkit.engine.items import ItemWeights
@@ -73,6 +73,7 @@ class Accelerator(RankMethods):
         free_step_buffers: bool | None = None,
         cast_outputs: bool = True,
         divide_loss: bool | None = None,
+        epoch_end: str = "step",
         fp8_recipe: str | None = None,
         fp8_emulate: bool = False,
         fp8_min_weight: int = MIN_WEIGHT,
@@ -98,6 +99,7 @@ class Accelerator(RankMethods):
             free_step_buffers=free_step_buffers,
             cast_outputs=cast_outputs,
             divide_loss=divide_loss,
+            epoch_end=epoch_end,
             fp8_recipe=fp8_recipe,
             fp8_emulate=fp8_emulate,
             fp8_min_weight=fp8_min_weight,
@@ -113,7 +115,8 @@ class Accelerator(RankMethods):
         self.distributed.init(self.device, backend, config.timeout_s)
         self.strategy = choose_strategy(self.distributed, strategy, self.policy.name, config.keep_fp32)
         self.scaler = scaler_for(self.policy, scaler, self.device)  # None unless the preset scales the loss
-        self.cycle = AccumulationCycle(config.grad_accum_steps, self.scaler, divide_loss)
+        self.cycle = AccumulationCycle(config.grad_accum_steps, self.scaler, divide_loss, epoch_end)
+        warn_pending_at_exit(self.cycle)
         # acc.backward(loss_sum, num_items=n): ampkit's DDP/FSDP average gradients over the ranks, a count sums them
         self.items = ItemWeights(self.device, self.world_size if self.strategy != "none" else 1)
         self.events = Events()  # listeners: ampkit.engine.events.Listener
@@ -132,7 +135,7 @@ class Accelerator(RankMethods):
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.state = TrainingState(self)
         self._prepared = Prepared(self)
-        self._epoch = 0  # the epoch acc.epochs() is in (saved with checkpoints)
+        self._epochs = EpochCounter(self._prepared.loaders)  # acc.epochs(), acc.epoch
         # One training run, across resumes and ranks (rank 0's id): a checkpoint folder belongs to one run.
         self.run_id = gather_objects(uuid.uuid4().hex)[0] if self.distributed.enabled else uuid.uuid4().hex
         self._metrics = MetricTracker()
@@ -224,6 +227,12 @@ class Accelerator(RankMethods):
         """Whether the latest backward completed an accumulation cycle (the optimizer will step)."""
         return self.cycle.at_end
 
+    def end_cycle(self) -> bool:
+        """Close the accumulation cycle now, short, for a loop without a prepared loader (which closes its
+        passes' last cycles itself): True if micro-batches were pending, so `optimizer.step()` applies them
+        (divided by their real number, unless `epoch_end="step_as_accelerate"`). Single process only."""
+        return self.cycle.close(synced_per_cycle=self.strategy != "none")
+
     def clip_grad_norm_(
         self,
         max_norm: float,
@@ -239,6 +248,15 @@ class Accelerator(RankMethods):
         On an overflowing step it is inf/NaN and the step is skipped; on a micro-step that does not end
         an accumulation cycle it does nothing and returns None, so the loop needs no `if` around it."""
         return self._prepared.clip(max_norm, norm_type, optimizer, parameters)
+
+    def unscaled_grads(
+        self, optimizer: torch.optim.Optimizer | None = None
+    ) -> contextlib.AbstractContextManager[list[nn.Parameter]]:
+        """`with acc.unscaled_grads() as params:` what the optimizers (or `optimizer`) update, each `.grad` the
+        unscaled gradient this step applies, in the update's dtype: the model's parameters, the -master presets'
+        fp32 masters, or fp32 copies of bf16-true's weights. For any clip (timm's `adaptive_clip_grad(params)`,
+        `clip_grad_value_`) where `clip_grad_norm_` goes; change `.grad` in place. Mid-cycle: an empty list."""
+        return self._prepared.clip.unscaled_grads(optimizer)
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """The policy's autocast, for computation outside the prepared model (e.g. a loss)."""
@@ -274,22 +292,7 @@ class Accelerator(RankMethods):
         """Yield the epochs still to run, 0..n-1 on a fresh start, from the saved epoch on a resume.
         Prepared loaders follow it: each epoch gets its own shuffle (`set_epoch` on a DistributedSampler),
         and an epoch interrupted by a crash resumes at its next batch."""
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise ValueError(f"epochs({n!r}): expected an integer >= 0")
-        start = self._epoch
-        if self._prepared.loaders and all(
-            loader.epoch_done and loader.epoch == start for loader in self._prepared.loaders
-        ):
-            start += 1  # the checkpoint was taken after the saved epoch's last batch
-        for epoch in range(start, n):
-            if max_steps_reached(self):  # AMPKIT_MAX_STEPS: the launcher's limit is spent
-                return
-            self._epoch = epoch
-            for loader in self._prepared.loaders:
-                if not loader.resuming or loader.epoch != epoch:
-                    loader.set_epoch(epoch)
-            yield epoch
-        self._epoch = max(n, start)
+        return self._epochs.run(n, lambda: max_steps_reached(self))
 
     @property
     def models(self) -> tuple[nn.Module, ...]:
@@ -311,13 +314,13 @@ class Accelerator(RankMethods):
     @property
     def epoch(self) -> int:
         """The epoch `acc.epochs()` is in."""
-        return self._epoch
+        return self._epochs.current
 
     def state_dict(self) -> dict[str, Any]:
         """The Accelerator's own state: epoch, accumulation position, loss scaler (not what it prepared)."""
         return {
             "run_id": self.run_id,
-            "epoch": self._epoch,
+            "epoch": self._epochs.current,
             "cycle": self.cycle.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "items": self.items.state_dict(),
@@ -336,7 +339,7 @@ class Accelerator(RankMethods):
             self.scaler.to(self.device)
         self.items.load_state_dict(state.get("items", {}))
         self.micro.load_state_dict(state.get("micro"))
-        self._epoch = int(state["epoch"])
+        self._epochs.current = int(state["epoch"])
         self.run_id = str(state["run_id"])  # the loaded run goes on: its checkpoint folder is this run's
 
     def track(self, name: str, value: torch.Tensor | float) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampkit.engine.cycle import EPOCH_END
 from ampkit.engine.distributed import check_backend
 from ampkit.engine.micro import parse_micro_batch
 from ampkit.precision.fp8 import MIN_WEIGHT
@@ -38,6 +39,11 @@ class AcceleratorConfig:
             A micro-batch is one `acc.backward`, or all of them inside one `with acc.accumulate():`.
         divide_loss: whether acc.backward divides the loss by grad_accum_steps. None (default) divides
             and says so once; True divides silently; False leaves the division to the loop.
+        epoch_end: what the last, partial accumulation cycle of a prepared loader's pass does (when
+            len(loader) % grad_accum_steps != 0): "step" (default) steps on it with its loss divided by its
+            real length (timm's rule, the mean of its micro-batches); "step_as_accelerate" steps on it with
+            each loss still divided by grad_accum_steps (Accelerate and the HF Trainer); "carry" carries it
+            into the next pass. Without a prepared loader `acc.end_cycle()` closes a cycle by hand.
         device: "auto" (cuda, then mps, then cpu), or e.g. "cpu", "cuda:1".
         keep_fp32: module types or name patterns (fnmatch, e.g. "head", "blocks.*.attn") that run and
             are stored in fp32. Norm layers are kept in fp32 by the -master presets anyway.
@@ -90,6 +96,7 @@ class AcceleratorConfig:
     free_step_buffers: bool | None = None
     cast_outputs: bool = True
     divide_loss: bool | None = None
+    epoch_end: str = "step"
     fp8_recipe: str | None = None
     fp8_emulate: bool = False
     fp8_min_weight: int = MIN_WEIGHT
@@ -128,6 +135,8 @@ class AcceleratorConfig:
                 f"the micro-batches of each batch into one step; drop grad_accum_steps and make the loader's "
                 f"batch {steps}x larger (the same update)"
             )
+        if self.epoch_end not in EPOCH_END:
+            raise ValueError(f"epoch_end={self.epoch_end!r}: expected one of {', '.join(map(repr, EPOCH_END))}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r}: expected 'auto', 'ddp', 'fsdp' or 'none'")
 

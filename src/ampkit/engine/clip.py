@@ -4,7 +4,8 @@ parameters named."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 from ampkit.engine.cycle import AccumulationCycle
 from ampkit.engine.optim import AmpOptimizer
 from ampkit.errors import StepOrderError
+from ampkit.precision.weights import CompensatedWeights
 from ampkit.util import validate as check
 
 CALL = "acc.clip_grad_norm_"
@@ -77,6 +79,38 @@ class Clipper:
         with_grads = [p for p in params if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(with_grads, max_norm, norm_type=norm_type, foreach=True)
 
+    @contextlib.contextmanager
+    def unscaled_grads(self, optimizer: Any = None) -> Iterator[list[nn.Parameter]]:
+        """`Accelerator.unscaled_grads`: unscale, then yield the parameters the optimizer(s) will update, each
+        `.grad` the unscaled fp32 gradient of this step, in model-parameter order; after the block the step
+        uses those gradients as the block left them."""
+        optimizers = [self.find(optimizer)] if optimizer is not None else self.optimizers
+        cycle = self.cycle
+        if not cycle.started:
+            raise StepOrderError("acc.unscaled_grads() was entered before acc.backward(loss)")
+        if not cycle.at_end:
+            yield []  # a micro-step inside an accumulation cycle: nothing is stepped yet
+            return
+        for opt in optimizers:
+            opt.unscale_()
+        params = [p for p in self._clip_order(optimizers) if p.grad is not None]
+        # bf16-true's stand-ins carry only their gradient: give the block fp32 values of the weights instead
+        values = {id(stand): value for opt in optimizers for stand, value in _compensated_values(opt)}
+        shown = [_carrying(values[id(p)], p.grad) if id(p) in values else p for p in params]
+        grads = [p.grad for p in params]
+        yield shown
+        for given, param, grad in zip(shown, params, grads):
+            if given.grad is None:
+                raise StepOrderError(
+                    "acc.unscaled_grads(): a parameter's .grad was set to None inside the block; zero it in "
+                    "place instead (p.grad.zero_()), the step has already counted it"
+                )
+            if given.grad is not grad:  # replaced rather than changed in place: the step reads the original
+                assert grad is not None
+                grad.copy_(given.grad)
+                if given is param:
+                    param.grad = grad
+
     def _owners(self, parameters: list[torch.Tensor]) -> tuple[list[AmpOptimizer], list[torch.Tensor]]:
         """The optimizers stepping `parameters`, and what holds their unscaled gradients (a low-precision
         weight's fp32 stand-in), in the order given."""
@@ -115,3 +149,19 @@ class Clipper:
                 params.sort(key=lambda p: order.get(id(stands.get(id(p), p)), len(order)))
             self._cache[key] = list({id(p): p for p in params}.values())
         return self._cache[key]
+
+
+def _compensated_values(opt: AmpOptimizer) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """(stand-in, the fp32 value of its weight) for bf16-true's weights; empty for other presets."""
+    weights = opt.weights
+    if not isinstance(weights, CompensatedWeights):
+        return []
+    stands = dict(weights.pairs)
+    return [(stands[p], value) for p, value in weights.fp32_values()]
+
+
+def _carrying(value: torch.Tensor, grad: torch.Tensor | None) -> nn.Parameter:
+    """A fresh fp32 parameter holding `value` with `grad` as its gradient (for the block only)."""
+    param = nn.Parameter(value.detach(), requires_grad=True)
+    param.grad = grad
+    return param

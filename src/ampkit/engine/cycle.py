@@ -9,8 +9,11 @@ backward uses is always the scaler's current one (`get_scale()` is never stale).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import sys
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,14 +22,24 @@ import torch
 from ampkit.errors import StepOrderError
 from ampkit.precision.scaler import LossScaler
 
+#: `Accelerator(epoch_end=)`: what the last, partial cycle of a prepared loader's pass does.
+EPOCH_END = ("step", "step_as_accelerate", "carry")
+
 
 class AccumulationCycle:
-    """The position in a cycle of `steps` micro-steps (0 before the first backward, then 1..steps)."""
+    """The position in a cycle of `length` micro-steps (0 before the first backward, then 1..length): `steps`,
+    or fewer for the last cycle of a prepared loader's pass (`batches_left`) or one closed by hand (`close`)."""
 
-    def __init__(self, steps: int, scaler: LossScaler | None, divide_loss: bool | None = None) -> None:
+    def __init__(
+        self, steps: int, scaler: LossScaler | None, divide_loss: bool | None = None, epoch_end: str = "step"
+    ) -> None:
         if divide_loss not in (None, True, False):
             raise TypeError(f"divide_loss={divide_loss!r}: expected True, False or None")
         self.steps = steps
+        self.epoch_end = epoch_end
+        self.length = steps  # micro-steps of the current cycle
+        self._next_length: int | None = None  # a shorter next cycle, told by the loader before its first batch
+        self.rescale: float | None = None  # a cycle closed by hand: its gradients times steps / length
         self.scaler = scaler
         self.divide_loss = divide_loss is not False
         self._tell = divide_loss is None and steps > 1  # say once that the loss is divided
@@ -44,7 +57,37 @@ class AccumulationCycle:
             if self._counted:
                 return
             self._counted = True
-        self.position = self.position % self.steps + 1
+        if self.at_start:
+            self.length, self._next_length, self.rescale = self._next_length or self.steps, None, None
+            self.position = 1
+        else:
+            self.position += 1
+
+    def batches_left(self, left: int) -> None:
+        """The prepared loader is about to hand out a batch with `left` batches to go in its pass (this one
+        included): where a new cycle starts with fewer than `steps` left, it is that short (`epoch_end`)."""
+        if self.epoch_end != "carry" and self.at_start and not self._in_block:
+            self._next_length = left if left < self.steps else None
+
+    def close(self, synced_per_cycle: bool = False) -> bool:
+        """Close a cycle short by hand (`acc.end_cycle()`): True if micro-batches were pending, so a step is due.
+        `synced_per_cycle`: DDP/FSDP, where only a cycle's last micro-batch all-reduces (refused)."""
+        if not self.started or self.at_end:
+            return False
+        if synced_per_cycle:
+            raise StepOrderError(
+                "acc.end_cycle() under DDP/FSDP: the pending micro-batches' gradients were not all-reduced (only "
+                "a cycle's last micro-batch syncs, and it was not known to be last); let a prepared DataLoader "
+                "with a length end its pass's last cycle, or make len(loader) a multiple of grad_accum_steps"
+            )
+        if self.epoch_end != "step_as_accelerate" and self.divide_loss:
+            self.rescale = self.steps / self.position  # each micro-batch was divided by steps, not by its length
+        self.length = self.position
+        return True
+
+    def mark(self) -> tuple[int, int, int | None]:
+        """Where the cycle is (acc.split saves it before a batch, to rerun the batch from there)."""
+        return self.position, self.length, self._next_length
 
     @contextlib.contextmanager
     def micro_batch(self) -> Iterator[None]:
@@ -57,9 +100,9 @@ class AccumulationCycle:
         finally:
             self._in_block = self._counted = False
 
-    def restart_block(self, position: int) -> None:
-        """Back to `position`, with the current block's micro-batch not counted yet (acc.split reruns a batch)."""
-        self.position, self._counted = position, False
+    def restart_block(self, mark: tuple[int, int, int | None]) -> None:
+        """Back to `mark`, with the current block's micro-batch not counted yet (acc.split reruns a batch)."""
+        (self.position, self.length, self._next_length), self._counted = mark, False
 
     @property
     def started(self) -> bool:
@@ -69,12 +112,12 @@ class AccumulationCycle:
     @property
     def at_start(self) -> bool:
         """No micro-step of a new cycle has run yet: gradients may be zeroed."""
-        return self.position in (0, self.steps)
+        return self.position in (0, self.length)
 
     @property
     def at_end(self) -> bool:
         """The latest backward completed the cycle: the optimizer steps now."""
-        return self.position == self.steps
+        return self.position == self.length
 
     @property
     def next_is_last(self) -> bool:
@@ -83,13 +126,19 @@ class AccumulationCycle:
             return False
         if self._counted:  # a later backward of a block whose micro-batch is already counted
             return self.at_end
-        return self.position % self.steps + 1 == self.steps
+        if self.at_start:
+            return (self._next_length or self.steps) == 1
+        return self.position + 1 == self.length
 
     def micro_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The share of `loss` one micro-step contributes: `loss / steps` unless `divide_loss=False`. A
         converted script may still divide its loss itself (gradients k times too small, nothing fails): unless
         the choice was made explicitly, the first division says so once."""
-        if self.steps == 1 or not self.divide_loss:
+        # The cycle this backward belongs to: a new one (its length told by the loader) or the current one.
+        length = (self._next_length or self.steps) if self.at_start and not self._counted else self.length
+        if self.epoch_end == "step_as_accelerate":
+            length = self.steps  # Accelerate and the HF Trainer divide by steps in a short cycle too
+        if length == 1 or not self.divide_loss:
             return loss
         if self._tell:
             self._tell = False
@@ -101,7 +150,7 @@ class AccumulationCycle:
                 f"(no notice); divide_loss=False keeps the loop's own division",
                 stacklevel=3,
             )
-        return loss / self.steps
+        return loss / length
 
     def owe_scale_update(self, index: int, found_inf: torch.Tensor) -> None:
         """Optimizer `index` (of the `sharing` prepared ones) stepped with this overflow flag: update the scale
@@ -122,11 +171,18 @@ class AccumulationCycle:
     def state_dict(self) -> dict[str, Any]:
         """The position and the overflow flags of steps whose scale update is still owed."""
         owed = {i: float(flag) for i, flag in self._owed.items()}  # sync: a checkpoint reads once, outside the step
-        return {"steps": self.steps, "position": self.position, "owed": owed}
+        return {
+            "steps": self.steps,
+            "position": self.position,
+            "owed": owed,
+            "length": self.length,
+            "next_length": self._next_length,
+            "rescale": self.rescale,
+        }
 
     def check_state_dict(self, state: dict[str, Any]) -> str | None:
         """Why `state` cannot be loaded into this cycle, or None."""
-        if state["steps"] != self.steps and state["position"] not in (0, state["steps"]):
+        if state["steps"] != self.steps and state["position"] not in (0, state.get("length", state["steps"])):
             return (
                 f"it was saved mid-way through an accumulation cycle of {state['steps']} micro-steps; "
                 f"resume it with grad_accum_steps={state['steps']} (now {self.steps})"
@@ -136,9 +192,31 @@ class AccumulationCycle:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if problem := self.check_state_dict(state):
             raise ValueError(problem)
-        self.position = int(state["position"]) if state["steps"] == self.steps else 0
+        same = state["steps"] == self.steps
+        self.position = int(state["position"]) if same else 0
+        self.length = int(state.get("length", self.steps)) if same else self.steps
+        self._next_length = state.get("next_length") if same else None
+        self.rescale = state.get("rescale") if same else None
         self._owed.clear()
         if self.scaler is not None:
             device = self.scaler.scale_tensor.device
             for index, flag in state.get("owed", {}).items():
                 self._owed[int(index)] = torch.full((), float(flag), dtype=torch.float32, device=device)
+
+
+def warn_pending_at_exit(cycle: AccumulationCycle) -> None:
+    """At a normal interpreter exit, warn if `cycle` still holds micro-batches no optimizer step applied."""
+    atexit.register(_warn_if_pending, weakref.ref(cycle))
+
+
+def _warn_if_pending(ref: weakref.ref[AccumulationCycle]) -> None:
+    cycle = ref()
+    if cycle is None or not cycle.started or cycle.at_start or getattr(sys, "last_value", None) is not None:
+        return  # gone, nothing pending, or the run ended with an uncaught exception (that is the news)
+    warnings.warn(
+        f"the run ended with {cycle.position} of {cycle.length} micro-batches of an accumulation cycle whose "
+        f"gradients no optimizer step applied: their data did not train the model. Use a prepared DataLoader "
+        f"with epoch_end='step' (its pass's last micro-batch ends the cycle; now {cycle.epoch_end!r}), or "
+        f"`if acc.end_cycle(): optimizer.step()` after the loop",
+        stacklevel=1,
+    )

@@ -53,8 +53,13 @@ class DeviceLoader:
         events: Events | None = None,
         stop: Callable[[], bool] | None = None,
         ranks_step_together: bool = False,
+        before_batch: Callable[[int], None] | None = None,
     ) -> None:
         self.loader = loader
+        # told the batches left in a training pass (this one included) before each is handed out: the
+        # accumulation cycle then ends the pass's last, short cycle with its last batch (epoch_end)
+        self.before_batch = before_batch
+        self._length: int | None = None  # the current pass's batches, where the loader has a length
         # under DDP/FSDP: every training pass first checks that each rank has as many batches
         self.ranks_step_together = ranks_step_together
         self.stop = stop  # true once a training pass (autograd on) should end: the launcher's AMPKIT_MAX_STEPS
@@ -108,6 +113,7 @@ class DeviceLoader:
             if self.ranks_step_together and torch.is_grad_enabled():
                 self._check_even()
             it = iter(self.loader)
+            self._length = _length_of(self.loader) if self.before_batch is not None else None
             self._started, self._finished, self.batch_index = True, False, 0
             for _ in range(resume[0] if resume else 0):
                 if next(it, _END) is _END:
@@ -119,10 +125,7 @@ class DeviceLoader:
     def _check_even(self) -> None:
         """Refuse a training pass whose ranks have different numbers of batches, on every rank at once: the
         rank that ran out would leave while the others wait in the gradient all-reduce, for ever."""
-        try:
-            mine: int | None = len(self.loader)
-        except TypeError:  # an iterable dataset without a length: nothing to compare before the pass
-            mine = None
+        mine = _length_of(self.loader)  # None: an iterable dataset without a length, nothing to compare
         # sync: one gather of a host int per training pass, before its first batch (every rank joins it,
         # also one whose loader has no length, so no rank waits alone)
         counts = gather_objects(mine)
@@ -157,10 +160,16 @@ class DeviceLoader:
         events.emit(Listener.on_h2d_end, self, moved)
         return moved
 
+    def _tell_left(self) -> None:
+        """Before a batch is handed out (batch_index counts it): tell `before_batch` how many are left."""
+        if self._length is not None and self.before_batch is not None and torch.is_grad_enabled():
+            self.before_batch(self._length - self.batch_index + 1)
+
     def _on_device(self, it: Iterator[Any]) -> Iterator[Any]:
         if not self._cuda:
             while (batch := self._next(it)) is not _END:
                 self.batch_index += 1
+                self._tell_left()
                 yield self._move(batch, False)
             return
         # One batch ahead: its copy overlaps the current step's compute.
@@ -171,8 +180,10 @@ class DeviceLoader:
         while (batch := self._next(it)) is not _END:
             current, ahead = ahead, self._move(batch, True)
             self.batch_index += 1
+            self._tell_left()
             yield current
         self.batch_index += 1
+        self._tell_left()
         yield ahead
 
     def set_epoch(self, epoch: int) -> None:
@@ -233,3 +244,35 @@ class DeviceLoader:
 
 
 _END = object()
+
+
+def _length_of(loader: DataLoader) -> int | None:
+    """`len(loader)`, or None for an iterable dataset without a length."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+class EpochCounter:
+    """The epoch `acc.epochs()` is in (saved with checkpoints), over the prepared loaders it sets each epoch."""
+
+    def __init__(self, loaders: list[DeviceLoader]) -> None:
+        self.loaders, self.current = loaders, 0
+
+    def run(self, n: int, spent: Callable[[], bool]) -> Iterator[int]:
+        """`acc.epochs(n)`: the epochs still to run; `spent()` is true once the launcher's step limit is."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"epochs({n!r}): expected an integer >= 0")
+        start = self.current
+        if self.loaders and all(loader.epoch_done and loader.epoch == start for loader in self.loaders):
+            start += 1  # the checkpoint was taken after the saved epoch's last batch
+        for epoch in range(start, n):
+            if spent():  # AMPKIT_MAX_STEPS: the launcher's limit is spent
+                return
+            self.current = epoch
+            for loader in self.loaders:
+                if not loader.resuming or loader.epoch != epoch:
+                    loader.set_epoch(epoch)
+            yield epoch
+        self.current = max(n, start)

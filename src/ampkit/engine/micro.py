@@ -117,7 +117,7 @@ class _Start:
             if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats and m.training
             for buf in m.buffers(recurse=False)
         ]
-        self.position = acc.cycle.position
+        self.position = acc.cycle.mark()
         self.divisor_unset = acc.items.divisor is None
 
     def restore(self, acc: Accelerator) -> None:

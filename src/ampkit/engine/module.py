@@ -107,7 +107,11 @@ def prepare_module(
                 for buf in module.buffers(recurse=False):
                     if buf.is_floating_point():
                         buf.data = buf.data.to(policy.param_dtype)
-    if policy.autocast:
+    if policy.autocast and model in roots:
+        # keep_fp32 selected the prepared model itself (its type, its name "" or "*"): a critic, teacher or
+        # loss module meant to stay fp32 inside an autocast program. It runs with autocast off.
+        model.forward = PolicyForward(model.forward, device.type, policy.compute_dtype, fp32=True)
+    elif policy.autocast:
         model.forward = PolicyForward(
             model.forward,
             device.type,

@@ -22,6 +22,7 @@ from ampkit.engine.optim_state import state_problems
 from ampkit.engine.step_context import StepContext
 from ampkit.errors import LossScaleCollapse, StepOrderError
 from ampkit.precision.outcomes import StepOutcomes
+from ampkit.precision.scaler import coalesce_fp16_sparse
 from ampkit.precision.weights import CompensatedWeights, LowPrecisionWeights, MasterWeights
 
 
@@ -237,8 +238,8 @@ class AmpOptimizer(torch.optim.Optimizer):
         ctx, weights = self._ctx, self.weights
         # fp32 weights and no loss scaling: the user's step as it is (nothing to unscale: step() checked the stage)
         if weights is None and ctx.scaler is None:
-            if self._items is not None:
-                self.unscale_()  # divides the gradients by the cycle's items
+            if self._items is not None or self._ctx.cycle.rescale is not None:
+                self.unscale_()  # divides the gradients by the cycle's items (or its real length)
             result = self.optimizer.step()
         else:
             result = self._lowp_or_scaled_update()
@@ -255,7 +256,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         # bf16-true reads the model's gradients itself (unless clipping brought them in already); the
         # -master presets' gradients come in whole (one foreach copy), their masters stepped in one call
         compensated = isinstance(weights, CompensatedWeights)
-        if not compensated or self._stage is not BACKWARD or self._items is not None:
+        if not compensated or self._stage is not BACKWARD or self._items is not None or self._ctx.cycle.rescale:
             self.unscale_()
         result = None
         if scaler is None:
@@ -297,8 +298,12 @@ class AmpOptimizer(torch.optim.Optimizer):
         grads = self.weights.grads_in() if self.weights is not None else None
         scaler = self._ctx.scaler
         factor = self._ctx.items.factor(self._items) if self._items is not None else None
+        if self._items is None and (rescale := self._ctx.cycle.rescale) is not None:  # closed by acc.end_cycle()
+            factor = torch.full((), rescale, dtype=torch.float32, device=self._ctx.device)
         if grads is None and (scaler is not None or factor is not None):
-            grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+            grads = [
+                coalesce_fp16_sparse(p) for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None
+            ]
         if scaler is not None:
             self._found_inf = torch.zeros((), dtype=torch.float32, device=scaler.scale_tensor.device)
             scaler.unscale_(grads or [], self._found_inf, factor)

@@ -111,6 +111,7 @@ class Prepared:
                     f"model, so it would step the low-precision weights directly (no master weights or compensation): "
                     f"prepare the model first, e.g. model, optimizer = acc.prepare(model, optimizer)"
                 )
+            _refuse_sparse_gradients(model, acc.policy.name)
         originals: dict[nn.Parameter, torch.Tensor] = {}
         if (
             acc.micro.enabled
@@ -279,6 +280,7 @@ class Prepared:
             self.acc.events,
             stop,
             ranks_step_together=self.acc.strategy != "none",
+            before_batch=self.acc.cycle.batches_left if self.acc.grad_accum_steps > 1 else None,
         )
         self.loaders.append(wrapped)
         return wrapped
@@ -301,3 +303,20 @@ def _only_initial_state(optimizer: torch.optim.Optimizer) -> bool:
     of 0 eagerly): no parameter's step count is above 0. Read once, at prepare."""
     steps = [entry.get("step") for entry in optimizer.state.values()]
     return all(s is not None and float(s) == 0 for s in steps)  # sync: once, at prepare
+
+
+def _refuse_sparse_gradients(model: nn.Module, precision: str) -> None:
+    """Refuse layers that make sparse gradients under presets that update fp32 masters or compensated
+    weights: those updates are dense (a raw copy_() error deep in the first step otherwise)."""
+    sparse = [
+        f"{name or '(the model)'!r} ({type(m).__name__})"
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+    ]
+    if sparse:
+        raise ValueError(
+            f"prepare({type(model).__name__}): layer {', '.join(sparse)} has sparse=True and makes sparse gradients, "
+            f"but precision {precision!r} updates every weight densely (fp32 master copies or a compensation "
+            f"buffer): build the layer with sparse=False, or use precision='bf16-mixed' or 'fp16-mixed', which "
+            f"keep sparse gradients as torch's GradScaler does"
+        )

@@ -116,13 +116,15 @@ class LossScaler:
     ) -> None:
         """Divide `grads` by the scale in place (and multiply them by `factor`, a 0-dim tensor, in the same
         kernel) and set `found_inf` (a 0-dim fp32 tensor on the scale's device) to 1 if any is inf/NaN; never
-        cleared, so one flag can collect several calls. Not sparse."""
+        cleared, so one flag can collect several calls. A sparse gradient's values are unscaled and checked
+        as they are stored, as GradScaler does (coalesce fp16 ones first: see `coalesce_fp16_sparse`)."""
         inv_scale = self.scale_tensor.double().reciprocal().float()  # as GradScaler: exact for powers of 2
         if factor is not None:
             inv_scale = inv_scale * factor.to(inv_scale.device)
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         for g in grads:
-            groups[(g.device, g.dtype)].append(g)
+            # GradScaler unscales a sparse grad's ._values() too: .values() refuses an uncoalesced tensor
+            groups[(g.device, g.dtype)].append(g._values() if g.is_sparse else g)
         for (device, _), tensors in groups.items():
             flag = found_inf if device == found_inf.device else torch.zeros_like(found_inf, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, inv_scale.to(device))
@@ -170,17 +172,24 @@ class LossScaler:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned, exactly."""
+        """Restore what `state_dict` returned, exactly, as `GradScaler.load_state_dict` does for every pair of
+        used and unused scalers: an unused scaler's state carries its `init_scale` and a growth tracker of 0."""
         for key in ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
             setattr(self, key, state[key] if state[key] is None else float(state[key]))
         for key in ("growth_interval", "hysteresis", "collapse_after"):
             setattr(self, key, int(state[key]))
         self.dynamic = bool(state["dynamic"])
-        if "scale" in state:
-            device = self._scale.device if self._scale is not None else torch.device("cpu")
-            self._scale = torch.full((), state["scale"], dtype=torch.float32, device=device)
-            self._growth_tracker = torch.full((), state["growth_tracker"], dtype=torch.int32, device=device)
-            self._hysteresis_left = torch.full((), state["hysteresis_left"], dtype=torch.int32, device=device)
+        if "scale" not in state and self._scale is None:
+            return  # both unused: the device state is made from the loaded settings by to()
+        # An unused scaler's state (no device yet) stands for its first scale and a tracker at 0, as
+        # GradScaler's does: loading it into a live scaler resets the live scale and counters to those.
+        scale = state.get("scale", self.init_scale)
+        tracker = state.get("growth_tracker", 0)
+        left = state.get("hysteresis_left", self.hysteresis)
+        device = self._scale.device if self._scale is not None else torch.device("cpu")
+        self._scale = torch.full((), scale, dtype=torch.float32, device=device)
+        self._growth_tracker = torch.full((), tracker, dtype=torch.int32, device=device)
+        self._hysteresis_left = torch.full((), left, dtype=torch.int32, device=device)
 
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"
@@ -188,6 +197,16 @@ class LossScaler:
             f"LossScaler({kind}, init_scale={self.init_scale}, growth_interval={self.growth_interval}, "
             f"hysteresis={self.hysteresis})"
         )
+
+
+def coalesce_fp16_sparse(param: torch.Tensor) -> torch.Tensor:
+    """`param.grad`, coalesced first where it is a sparse fp16 gradient (as GradScaler does): values that
+    share an index are summed, and their sum may overflow fp16 where each value alone does not."""
+    grad = param.grad
+    assert grad is not None
+    if grad.is_sparse and grad.dtype is torch.float16:
+        param.grad = grad = grad.coalesce()
+    return grad
 
 
 def scaler_for(policy: Any, scaler: LossScaler | None, device: torch.device) -> LossScaler | None:
