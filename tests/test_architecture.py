@@ -590,6 +590,7 @@ LAYERS = {
     "hardware": 0,
     "errors": 0,
     "precision": 1,
+    "optim": 2,
     "engine": 2,
     "checkpoint": 3,
     "config": 3,

@@ -13,6 +13,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, __getattr__ imports these on first use
+    from ampkit import optim
     from ampkit.accelerator import Accelerator
     from ampkit.config import AcceleratorConfig
     from ampkit.engine.training_state import TrainingState
@@ -46,7 +47,7 @@ _HOMES = {
     "TrainingState": "ampkit.engine.training_state",
 }
 # Public names that are modules: `ampkit.doctor.profile(acc, steps=20)`, `with ampkit.doctor.numerics(acc):`.
-_MODULES = {"doctor": "ampkit.tools.doctor"}
+_MODULES = {"doctor": "ampkit.tools.doctor", "optim": "ampkit.optim"}
 
 __all__ = [
     "Accelerator",
@@ -64,6 +65,7 @@ __all__ = [
     "TrainingState",
     "compare",
     "doctor",
+    "optim",
     "plan",
     "resolve_precision",
 ]
