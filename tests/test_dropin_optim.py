@@ -237,3 +237,25 @@ def test_fp16_weights_get_torchs_update_with_one_warning():
             opt.step()
         ref.step()
     assert torch.equal(ours, theirs) and "compensation" not in opt.state[ours]
+
+
+def test_every_way_of_calling_the_kernel_shares_its_compilation() -> None:
+    """The drop-in passes weights that require grad, bf16-true passes views of its buffers; `1 - dampening` is an
+    int where dampening is 0: none of it may recompile. A recompile per combination reached dynamo's limit (8)
+    within one process in CI and every later bf16-true run fell back to eager ops (an fp32 copy of the model)."""
+    import warnings
+
+    from ampkit.precision import kahan
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():  # as optimizer.step() calls it
+        warnings.simplefilter("always")
+        for i in range(16):  # every combination of: requires grad, int or float sign, decay and dampening
+            weight = nn.Parameter(torch.randn(64).bfloat16(), requires_grad=i & 1 == 1)
+            comp, grad, buf = torch.zeros_like(weight), torch.randn_like(weight), torch.zeros_like(weight)
+            sign, l2, dampening = (1 if i & 2 else 1.0), (0 if i & 4 else 1e-4), (0 if i & 8 else 0.1)
+            kahan.run("sgd", weight, comp, grad, buf, sign, l2, 0.9, 1 - dampening, False, 0.9, 1e-2)
+            moments = buf.clone(), buf.clone()
+            kahan.run("adam", weight, comp, grad, *moments, sign, 1.0, l2, 0.1, 0.999, 0.001, 1, 1e-8, 1e-3)
+    assert [str(w.message) for w in caught if "could not be compiled" in str(w.message)] == []
+    assert kahan.compiled("sgd") and kahan.compiled("adam")

@@ -125,6 +125,7 @@ def run(name: str, *args: Any) -> None:
         return None
     if torch.compiler.is_compiling():  # inside the user's compiled step: traced into its graph
         return eager(*args)
+    args = tuple(_steady(a) for a in args)
     tensors = [t for t in args if isinstance(t, torch.Tensor)]
     STATS.calls += 1
     STATS.bytes += 2 * sum(t.nbytes for t in tensors) - tensors[2].nbytes  # each read and written, the gradient read
@@ -132,6 +133,16 @@ def run(name: str, *args: Any) -> None:
 
     with _disable_current_modes():  # a dispatch mode watching (a profiler, a memory tracker) sees the kernel whole,
         return _call(name, eager, *args)  # not the eager ops it would otherwise run with other rounding
+
+
+def _steady(arg: Any) -> Any:
+    """One argument as the compiled kernel's guards see it the same way every call: a tensor detached (a weight
+    that requires grad and a buffer's view that does not share one compilation), a scalar a float (`1 - 0`
+    is an int), a switch a bool. Else every new combination recompiles, and dynamo's recompile limit (8 per
+    kernel, per process) ends compiling for every optimizer after that."""
+    if isinstance(arg, torch.Tensor):
+        return arg.detach()
+    return arg if isinstance(arg, bool) else float(arg)
 
 
 def _call(name: str, eager: Callable[..., None], *args: Any) -> None:
