@@ -187,11 +187,11 @@ METHODS = [
     ),
     *(method(f"epochs({v!r})", lambda s, v=v: list(s.acc.epochs(v)), V, "epochs") for v in (-1, 2.5, "3", True, None)),
     *(method(f"backward({v!r})", lambda s, v=v: s.acc.backward(v), T, "loss") for v in (1.0, None, "x")),
-    method("prepare(dict)", lambda s: s.acc.prepare({"lr": 0.1}), T, "argument 0"),
+    method("prepare(dict)", lambda s: s.acc.prepare({"lr": 0.1}), T, "argument 1 "),
     method("prepare(model again)", lambda s: s.acc.prepare(s.model), V, "already prepared"),
     method("prepare(prepared optimizer)", lambda s: s.acc.prepare(s.opt), V, "already prepared"),
     method("prepare(model, optimizer of other parameters)", _prepare_fresh_model_with_other_optimizer, V, "optimizer"),
-    method("prepare(model, 5)", lambda s: s.acc.prepare(s.extra_model, 5), T, "argument 1"),
+    method("prepare(model, 5)", lambda s: s.acc.prepare(s.extra_model, 5), T, "argument 2 "),
     method(
         "export(precision='int9')", lambda s: s.acc.export(s.model, torch.randn(2, 8), precision="int9"), V, "precision"
     ),

@@ -200,6 +200,7 @@ def test_a_forward_fake_tensors_cannot_run_is_measured_and_says_so():
 def test_memory_sizes_parse_and_bad_ones_say_the_format(capsys):
     assert parse_memory("24GiB") == 24 * 2**30 and parse_memory("80GB") == 80 * 10**9
     assert parse_memory("512MiB") == 512 * 2**20 and parse_memory(1000) == 1000
+    assert parse_memory("24G") == parse_memory("24g") == 24 * 2**30 and parse_memory("512M") == 512 * 2**20
     for bad in ("24 gigs", "-1GB", "", "GiB"):
         with pytest.raises(ValueError, match='"24GiB", "80GB", "512MiB"'):
             parse_memory(bad)

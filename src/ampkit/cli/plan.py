@@ -34,7 +34,7 @@ def add_parser(sub: Any) -> None:
     pln.add_argument(
         "--memory",
         default=None,
-        help='memory to fit in, e.g. "24GiB", "80GB", "512MiB" (default: the device\'s total memory)',
+        help='memory to fit in, e.g. "24GiB", "80GB", "512MiB", "24G" (default: the device\'s total memory)',
     )
     pln.add_argument(
         "--precisions",

@@ -20,6 +20,7 @@ from ampkit.engine.distributed import agree_on_overflow
 from ampkit.engine.events import Listener
 from ampkit.engine.optim_state import state_problems
 from ampkit.engine.step_context import StepContext
+from ampkit.engine.step_order import why_no_backward
 from ampkit.errors import LossScaleCollapse, StepOrderError
 from ampkit.precision.outcomes import StepOutcomes
 from ampkit.precision.scaler import coalesce_fp16_sparse
@@ -204,10 +205,8 @@ class AmpOptimizer(torch.optim.Optimizer):
                 "acc.backward(loss)"
             )
         if self._stage is READY or self._stage is STEPPED:
-            raise StepOrderError(
-                "optimizer.step() was called but acc.backward(loss) has not run since the last "
-                "optimizer step: replace loss.backward() with acc.backward(loss)"
-            )
+            params = [p for group in self.optimizer.param_groups for p in group["params"]] + self._model_params
+            raise StepOrderError(why_no_backward(self._stage is STEPPED, params))
         events = self._ctx.events
         if events.listeners:
             events.emit(Listener.on_step_start, self)

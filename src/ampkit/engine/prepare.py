@@ -5,7 +5,9 @@ compiled or wrapped for DDP/FSDP; optimizers, loaders and schedulers wrapped), a
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +40,9 @@ _KINDS = (
     ((torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau), "scheduler"),
 )
 _ORDER = [kind for _, kind in _KINDS]  # the order prepare() prepares them in
+# every live Accelerator's that prepared a model, with when it last did (the latest is named first)
+_WITH_MODELS: weakref.WeakKeyDictionary[Prepared, int] = weakref.WeakKeyDictionary()
+_PREPARED_AT = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -59,9 +64,10 @@ class Prepared:
         self.loaders: list[DeviceLoader] = []
         self.fsdp_params: dict[int, nn.Parameter] = {}
         self.clip = Clipper(self.models, self.optimizers, acc.cycle)  # acc.clip_grad_norm_
+        self.told_unprepared = False  # the notice of a backward with no optimizer prepared was given
 
     def prepare(self, *objs: Any) -> Any:
-        kinds = [self._kind(obj, i) for i, obj in enumerate(objs)]
+        kinds = [self._kind(obj, i) for i, obj in enumerate(objs, start=1)]
         self._check_optimizers(objs, kinds)
         out: list[Any] = list(objs)
         for i in sorted(range(len(objs)), key=lambda i: _ORDER.index(kinds[i])):  # models first, ...
@@ -90,7 +96,7 @@ class Prepared:
         if not models:
             return
         mine = {id(p) for m in models for p in m.parameters()} | set(self.fsdp_params)
-        for i, (obj, kind) in enumerate(zip(objs, kinds)):
+        for i, (obj, kind) in enumerate(zip(objs, kinds), start=1):
             if kind == "optimizer" and not any(id(p) in mine for g in obj.param_groups for p in g["params"]):
                 names = ", ".join(sorted({type(self.acc.unwrap(m)).__name__ for m in models}))
                 raise ValueError(
@@ -140,6 +146,7 @@ class Prepared:
             model.forward = CompiledForward(model.forward, acc.compile_options, acc.compile_trial, name, model)
             acc.compile_stats.models.append(name)
         self.originals[id(model)] = _Model(originals)
+        _WITH_MODELS[self] = next(_PREPARED_AT)
         self.models.append(model)
         wrapped = wrap_ddp(model, acc.device) if acc.strategy == "ddp" else model
         # DDP and FSDP read this flag in forward: only the forward whose backward ends an accumulation
@@ -170,7 +177,12 @@ class Prepared:
         for opt in self.optimizers:
             opt.check_backward(counted)
         policy = self.acc.policy
-        if self.optimizers or not (policy.loss_scaling or policy.low_precision_params):
+        if self.optimizers:
+            return
+        if not (policy.loss_scaling or policy.low_precision_params):
+            if not self.told_unprepared:
+                self.told_unprepared = True
+                warnings.warn(self._unprepared_notice(), stacklevel=3)
             return
         # Refused, not supported: a manual update would have to unscale, skip overflowing steps and update
         # the scale (fp16), or update low-precision weights in fp32: the prepared optimizer is that code.
@@ -186,6 +198,33 @@ class Prepared:
             f"acc.prepare(model, optimizer) (torch.optim.SGD(model.parameters(), lr=lr) is the manual update "
             f"p.data.add_(p.grad, alpha=-lr)); or train a manual update with precision='bf16-mixed' or "
             f"'fp32'"
+        )
+
+    def _unprepared_notice(self) -> str:
+        """A backward that trains (or may train) what the Accelerator does not step: said once, not refused (a
+        backward for gradients alone is intended)."""
+        names = ", ".join(type(self.acc.unwrap(m)).__name__ for m in self.models)
+        if self.models:
+            return (
+                f"acc.backward(loss) with {names} prepared but no optimizer: an optimizer left out of acc.prepare "
+                f"trains, but the Accelerator neither accumulates nor counts its steps and save_checkpoint holds "
+                f"none of its state (a resume restarts it). Pass it too: model, optimizer = acc.prepare(model, "
+                f"optimizer); a backward for its gradients alone can ignore this notice"
+            )
+        others = sorted((p for p in _WITH_MODELS if p is not self), key=_WITH_MODELS.__getitem__, reverse=True)
+        elsewhere = (
+            f" Another Accelerator (precision {others[0].acc.policy.name!r}) prepared "
+            f"{', '.join(type(others[0].acc.unwrap(m)).__name__ for m in others[0].models)}: call its "
+            f"acc.backward(loss); keep one Accelerator per process"
+            if others
+            else ""
+        )
+        name = self.acc.policy.name
+        built = "" if name == "fp32" else f", the model trains as it was built, not in precision {name!r}"
+        return (
+            f"acc.backward(loss) on an Accelerator that prepared nothing: it is a plain loss.backward(){built}; "
+            f"nothing is accumulated, clipped or saved. Prepare the model and optimizer: model, optimizer = "
+            f"acc.prepare(model, optimizer).{elsewhere}"
         )
 
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AmpOptimizer:

@@ -118,17 +118,23 @@ MEMORY_UNITS = {
     "mib": 2**20,
     "gib": 2**30,
     "tib": 2**40,
+    # one letter, as SLURM's --mem, docker's --memory and `free -g` write sizes: binary units
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
 }
 
 
 def parse_memory(text: str | int) -> int:
-    """ "24GiB", "80GB", "512MiB" (or a number of bytes) -> bytes; ValueError saying the format otherwise."""
+    """ "24GiB", "80GB", "512MiB", "24G" (one letter: binary, as SLURM and docker read it) or a number of bytes
+    -> bytes; ValueError saying the format otherwise."""
     if isinstance(text, int) and not isinstance(text, bool) and text > 0:
         return text
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if match is None or match.group(2).lower() not in MEMORY_UNITS or float(match.group(1)) <= 0:
         raise ValueError(
             f'memory {text!r} is not a size: expected a number and a unit, e.g. "24GiB", "80GB", '
-            f'"512MiB" (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)'
+            f'"512MiB", "24G" (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; K, M, G, T are KiB, MiB, GiB, TiB)'
         )
     return int(float(match.group(1)) * MEMORY_UNITS[match.group(2).lower()])

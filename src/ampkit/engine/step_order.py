@@ -1,0 +1,27 @@
+"""The message of an optimizer step that no `acc.backward` preceded: what the loop most likely did instead."""
+
+from __future__ import annotations
+
+import torch
+
+
+def why_no_backward(stepped: bool, params: list[torch.Tensor]) -> str:
+    """What the loop did when optimizer.step() finds no acc.backward since the last step (`stepped`) or zero_grad;
+    `params`: the weights the step would update (a gradient there was made by something else)."""
+    if stepped:
+        return (
+            "optimizer.step() was called again with no acc.backward(loss) since the last step: either a second "
+            "step for one backward (a second optimizer.step(), or a leftover scaler.step(optimizer) of "
+            "torch.amp.GradScaler: remove the GradScaler, the Accelerator scales the loss), or loss.backward() "
+            "where acc.backward(loss) belongs"
+        )
+    if any(p.grad is not None for p in params):
+        return (
+            "optimizer.step() found gradients that acc.backward(loss) of this optimizer's Accelerator did not "
+            "make: replace loss.backward() with acc.backward(loss); if a second Accelerator ran the backward, "
+            "keep one Accelerator per process and prepare every model and optimizer with it"
+        )
+    return (
+        "optimizer.step() was called with no backward since the last step or zero_grad: call "
+        "acc.backward(loss) before optimizer.step()"
+    )

@@ -1,0 +1,121 @@
+"""The misuse table: each way a converted loop can go wrong without an error of its own gets one warning or
+error that names what happened and the fix (a warning where the code could be intended). Each row runs the
+misuse on a real tiny model and checks the message."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ampkit
+from conftest import make_model
+
+
+def _loss(model: torch.nn.Module, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+    return F.cross_entropy(model(x).float(), y)
+
+
+def optimizer_left_out_of_prepare() -> None:
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    acc = ampkit.Accelerator(precision="bf16-mixed", device="cpu")
+    model = acc.prepare(model)
+    acc.backward(_loss(model))
+    opt.step()
+
+
+def backward_with_nothing_prepared() -> None:
+    model = make_model()
+    acc = ampkit.Accelerator(precision="bf16-mixed", device="cpu")
+    acc.backward(_loss(model))
+
+
+def backward_of_a_second_accelerator() -> None:
+    model, acc = make_model(), ampkit.Accelerator(precision="bf16-mixed", device="cpu")
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    other = ampkit.Accelerator(precision="fp32", device="cpu")
+    other.backward(_loss(model))
+    opt.step()
+
+
+def optimizer_stepped_twice() -> None:
+    model, acc = make_model(), ampkit.Accelerator(precision="fp32", device="cpu")
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    acc.backward(_loss(model))
+    opt.step()
+    opt.step()
+
+
+def loss_backward_kept() -> None:
+    model, acc = make_model(), ampkit.Accelerator(precision="fp16-mixed", device="cpu")
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    _loss(model).backward()
+    opt.step()
+
+
+def step_without_any_backward() -> None:
+    model, acc = make_model(), ampkit.Accelerator(precision="fp32", device="cpu")
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    opt.step()
+
+
+def second_argument_not_preparable() -> None:
+    ampkit.Accelerator(precision="fp32", device="cpu").prepare(make_model(), 5)
+
+
+# (case, what is raised or warned, the message it must carry)
+TABLE: list[tuple[Callable[[], None], type[Warning | Exception], str]] = [
+    (optimizer_left_out_of_prepare, UserWarning, "prepared but no optimizer: an optimizer left out of acc.prepare"),
+    (backward_with_nothing_prepared, UserWarning, "prepared nothing: it is a plain loss.backward(), the model trains"),
+    (backward_of_a_second_accelerator, UserWarning, "Another Accelerator (precision 'bf16-mixed') prepared Sequential"),
+    (backward_of_a_second_accelerator, ampkit.StepOrderError, "if a second Accelerator ran the backward"),
+    (optimizer_stepped_twice, ampkit.StepOrderError, "a second optimizer.step(), or a leftover scaler.step"),
+    (loss_backward_kept, ampkit.StepOrderError, "replace loss.backward() with acc.backward(loss)"),
+    (step_without_any_backward, ampkit.StepOrderError, "call acc.backward(loss) before optimizer.step()"),
+    (second_argument_not_preparable, TypeError, "prepare() argument 2 is a builtins.int"),
+]
+
+
+@pytest.mark.parametrize(
+    "case, kind, message", TABLE, ids=[f"{case.__name__}-{kind.__name__}" for case, kind, _ in TABLE]
+)
+def test_each_misuse_is_named_with_its_fix(case, kind, message) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        raised: Exception | None = None
+        try:
+            case()
+        except Exception as exc:  # the case may raise after the warning the row checks
+            raised = exc
+    if issubclass(kind, Warning):
+        said = [str(w.message) for w in caught if issubclass(w.category, kind)]
+        assert any(message in s for s in said), said
+    else:
+        assert isinstance(raised, kind), raised
+        assert re.search(re.escape(message), str(raised)), str(raised)
+
+
+def test_a_backward_for_gradients_alone_is_told_once_and_trains_as_before() -> None:
+    """The notice is a warning, said once per Accelerator: the backward itself is unchanged (plain autograd)."""
+    torch.manual_seed(0)
+    model, acc = make_model(), ampkit.Accelerator(precision="fp32", device="cpu")
+    ref = make_model()
+    ref.load_state_dict(model.state_dict())
+    model = acc.prepare(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in range(3):
+            acc.backward(_loss(model, seed))
+    notices = [w for w in caught if "no optimizer" in str(w.message)]
+    assert len(notices) == 1
+    for seed in range(3):
+        _loss(ref, seed).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.grad is not None and torch.equal(p.grad, q.grad)
