@@ -17,7 +17,14 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, __getattr__ i
     from ampkit.accelerator import Accelerator
     from ampkit.config import AcceleratorConfig
     from ampkit.engine.training_state import TrainingState
-    from ampkit.errors import AmpkitError, CheckpointError, LossScaleCollapse, PrecisionError, StepOrderError
+    from ampkit.errors import (
+        AmpkitError,
+        CheckpointError,
+        LossScaleCollapse,
+        NonFiniteWarning,
+        PrecisionError,
+        StepOrderError,
+    )
     from ampkit.precision.policy import PRESETS, Precision, resolve_precision
     from ampkit.precision.scaler import LossScaler
     from ampkit.tools import doctor
@@ -35,6 +42,7 @@ _HOMES = {
     "AmpkitError": "ampkit.errors",
     "CheckpointError": "ampkit.errors",
     "LossScaleCollapse": "ampkit.errors",
+    "NonFiniteWarning": "ampkit.errors",
     "PrecisionError": "ampkit.errors",
     "StepOrderError": "ampkit.errors",
     "Exported": "ampkit.tools.export",
@@ -56,6 +64,7 @@ __all__ = [
     "CheckpointError",
     "LossScaleCollapse",
     "LossScaler",
+    "NonFiniteWarning",
     "PRESETS",
     "Precision",
     "PrecisionError",

@@ -173,9 +173,8 @@ class Accelerator(RankMethods):
         else:
             items = self.items.count(num_items, prepared=bool(self._prepared.optimizers))
             loss = self.items.divide(loss, items)
-        unscaled = None  # with a scaler, kept by the optimizers to explain a loss-scale collapse
+        unscaled = loss.detach()  # kept by the optimizers: it explains a collapse or names a NaN step
         if self.scaler is not None:
-            unscaled = loss.detach()
             loss = self.scaler.scale(loss)
         stats = self.compile_stats
         if micro.attempt is not None:

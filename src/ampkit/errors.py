@@ -1,4 +1,4 @@
-"""The exceptions ampkit raises. Each says what was passed, what was expected and what to do next."""
+"""The exceptions ampkit raises and the warnings it gives: each says what was passed, what was expected, what to do."""
 
 from __future__ import annotations
 
@@ -27,3 +27,8 @@ class StepOrderError(AmpkitError, RuntimeError):
 
 class CheckpointError(AmpkitError, RuntimeError):
     """A checkpoint could not be written or read safely."""
+
+
+class NonFiniteWarning(UserWarning):
+    """An optimizer step applied an update computed from a NaN or inf loss or gradient norm (a preset without a
+    loss scaler, which has nothing to skip such a step with). Given once a run, naming the step."""

@@ -102,10 +102,19 @@ def _check_finite(acc: Accelerator) -> None:
     bad = sorted({name for names in gather_objects(sorted(local)) for name in names})  # all refuse together
     if bad:
         raise CheckpointError(
-            f"refusing to save non-finite weights: {_first(bad)} contain NaN or inf; the previous checkpoint "
-            f"is kept. The run has diverged: resume from the last good checkpoint with a lower learning "
-            f"rate, or find the layer with `ampkit doctor --numerics`"
+            f"refusing to save non-finite weights: {_first(bad)} contain NaN or inf{_first_fault(acc)}; the "
+            f"previous checkpoint is kept. The run has diverged: resume from the last good checkpoint with a lower "
+            f"learning rate, or find the layer with `ampkit doctor --numerics`"
         )
+
+
+def _first_fault(acc: Accelerator) -> str:
+    """Where the run first went non-finite, as far as the optimizers saw it (presets without a scaler)."""
+    for opt in acc.optimizers:
+        if opt.non_finite is not None and (first := opt.non_finite.first_seen()) is not None:
+            step, what, value = first
+            return f" (the {what} was first {value} at optimizer step {step})"
+    return ""
 
 
 def collect(acc: Accelerator, weights: bool = True) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ampkit.engine.cycle import AccumulationCycle
+from ampkit.engine.distributed import local_tensor
 from ampkit.engine.optim import AmpOptimizer
 from ampkit.errors import StepOrderError
 from ampkit.precision.weights import CompensatedWeights
@@ -77,7 +78,11 @@ class Clipper:
         for opt in optimizers:
             opt.unscale_()
         with_grads = [p for p in params if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(with_grads, max_norm, norm_type=norm_type, foreach=True)
+        norm = torch.nn.utils.clip_grad_norm_(with_grads, max_norm, norm_type=norm_type, foreach=True)
+        for opt in optimizers:
+            if opt.non_finite is not None:  # no scaler: a NaN or inf norm is named at its step
+                opt.non_finite.saw_norm(local_tensor(norm.detach()))  # a DTensor under FSDP2
+        return norm
 
     @contextlib.contextmanager
     def unscaled_grads(self, optimizer: Any = None) -> Iterator[list[nn.Parameter]]:

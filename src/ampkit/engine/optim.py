@@ -18,9 +18,10 @@ from torch import nn
 
 from ampkit.engine.distributed import agree_on_overflow
 from ampkit.engine.events import Listener
+from ampkit.engine.faults import NonFiniteWatch, collapse_message
 from ampkit.engine.optim_state import state_problems
 from ampkit.engine.step_context import StepContext
-from ampkit.engine.step_order import why_no_backward
+from ampkit.engine.step_order import why_count_blocks, why_no_backward
 from ampkit.errors import LossScaleCollapse, StepOrderError
 from ampkit.precision.outcomes import StepOutcomes
 from ampkit.precision.scaler import coalesce_fp16_sparse
@@ -72,6 +73,8 @@ class AmpOptimizer(torch.optim.Optimizer):
         )
         self._plain_zero_grad = type(optimizer).zero_grad is torch.optim.Optimizer.zero_grad  # not overridden
         self._outcomes = StepOutcomes(ctx.device) if ctx.scaler is not None else None
+        # without a scaler nothing skips a NaN step: it is named instead (clipping hands it the gradient norm)
+        self.non_finite = NonFiniteWatch(ctx.device, ctx.precision) if ctx.scaler is None else None
         self._model_params = [p for p, _ in weights.pairs] if weights is not None else []
         self.attempted_steps = 0  # optimizer steps run or skipped (host count, exact)
         self.applied_steps = 0  # reconciled outcomes (exact after reconcile(block=True))
@@ -152,6 +155,8 @@ class AmpOptimizer(torch.optim.Optimizer):
         self._stage = Stage(amp["stage"])
         if self._outcomes is not None:
             self._outcomes.clear()
+        if self.non_finite is not None:
+            self.non_finite.clear()
         if self.weights is not None and amp.get("weights") is not None:
             self.weights.load_state_dict(amp["weights"])
 
@@ -214,16 +219,12 @@ class AmpOptimizer(torch.optim.Optimizer):
         if not self._ctx.cycle.at_end:
             if uncounted > 1 and not self._told_blocks and not self._ctx.cycle.blocks_used:
                 self._told_blocks = True
-                warnings.warn(
-                    f"optimizer.step() after {uncounted} acc.backward calls that count as {uncounted} of the "
-                    f"grad_accum_steps={self._ctx.cycle.steps} micro-batches: if one micro-batch has several losses "
-                    f"(or models), wrap it in `with acc.accumulate():` so that it counts once; otherwise the "
-                    f"optimizer steps {uncounted}x too often",
-                    stacklevel=2,
-                )
+                warnings.warn(why_count_blocks(uncounted, self._ctx.cycle.steps), stacklevel=2)
             if events.listeners:
                 events.emit(Listener.on_step_end, self, False)
             return None  # a non-boundary micro-step: gradients keep accumulating
+        if self.non_finite is not None:
+            self.non_finite.stepped(self.attempted_steps + 1)
         result = self._update()
         if events.listeners:
             events.emit(Listener.on_step_end, self, True)
@@ -332,7 +333,10 @@ class AmpOptimizer(torch.optim.Optimizer):
         """A backward completed: the gradients are ready for this step (`loss`: it, detached, unscaled;
         `items`: the items its summed loss adds up, with `num_items=`)."""
         self._stage = BACKWARD
-        self._last_loss = loss
+        if self.non_finite is None:
+            self._last_loss = loss
+        elif loss is not None:
+            self.non_finite.saw_loss(loss)  # held until the step sends it to the host, then let go
         self._backwards += 1
         self._since_step += 1
         if items is not None:
@@ -345,6 +349,8 @@ class AmpOptimizer(torch.optim.Optimizer):
 
     def reconcile(self, block: bool = False) -> None:
         """Count the step outcomes that have landed on the host (all of them if `block`)."""
+        if self.non_finite is not None:
+            self.non_finite.poll(block)
         if self._outcomes is None:
             return
         scaler = self._ctx.scaler
@@ -366,7 +372,17 @@ class AmpOptimizer(torch.optim.Optimizer):
             if outcome.scale <= scaler.floor:
                 self._overflows_at_min += 1
                 if self._overflows_at_min >= scaler.collapse_after:
-                    raise LossScaleCollapse(self._collapse_message(outcome.scale))
+                    raise LossScaleCollapse(
+                        collapse_message(
+                            self._overflows_at_min,
+                            self.skipped_steps,
+                            self.attempted_steps,
+                            outcome.scale,
+                            self._last_loss,
+                            self._last_good_scale,
+                            self._ctx.bf16_runs,
+                        )
+                    )
 
     def latest_outcome(self) -> bool | None:
         """Whether the latest step was applied (True), skipped (False), or is not known yet (None)."""
@@ -375,23 +391,3 @@ class AmpOptimizer(torch.optim.Optimizer):
         if self.applied_steps + self.skipped_steps < self.attempted_steps:
             return None
         return self._latest_applied
-
-    def _collapse_message(self, min_scale: float) -> str:
-        counts = (
-            f"{self._overflows_at_min} optimizer steps in a row overflowed at the minimum scale {min_scale:g} "
-            f"({self.skipped_steps} of {self.attempted_steps} steps skipped in all"
-        )
-        if self._last_loss is not None and not bool(torch.isfinite(self._last_loss).all()):  # sync: once, when raising
-            return (
-                f"loss scale collapsed: {counts}), and the loss itself is NaN or inf before any scaling, which loss "
-                f"scaling cannot help. The forward pass produced it: either the data or the model makes NaN in any "
-                f"precision (check the inputs and the loss, or run once in fp32), or a layer overflows fp16's range "
-                f"(keep it in fp32 with keep_fp32=[...]; `ampkit doctor --numerics` names it)"
-            )
-        good = f"{self._last_good_scale:g}" if self._last_good_scale is not None else "none (no step was ever applied)"
-        bf16 = "bf16-mixed (this device runs bf16)" if self._ctx.bf16_runs else "fp32 or a device with bf16"
-        return (
-            f"loss scale collapsed: {counts}; last applied step used scale {good}). fp16 cannot represent this "
-            f"model's activations or gradients: try precision={bf16}, keep the overflowing layers in fp32 with "
-            f"keep_fp32=[...] (`ampkit doctor --numerics` names them), or a lower learning rate"
-        )

@@ -25,3 +25,12 @@ def why_no_backward(stepped: bool, params: list[torch.Tensor]) -> str:
         "optimizer.step() was called with no backward since the last step or zero_grad: call "
         "acc.backward(loss) before optimizer.step()"
     )
+
+
+def why_count_blocks(uncounted: int, steps: int) -> str:
+    """optimizer.step() found `uncounted` > 1 backwards since the last step() mid-cycle of `steps` micro-batches."""
+    return (
+        f"optimizer.step() after {uncounted} acc.backward calls that count as {uncounted} of the "
+        f"grad_accum_steps={steps} micro-batches: if one micro-batch has several losses (or models), wrap it in "
+        f"`with acc.accumulate():` so that it counts once; otherwise the optimizer steps {uncounted}x too often"
+    )

@@ -1,6 +1,7 @@
 """The host learns whether each optimizer step was applied or skipped, without waiting for it: each
 step's (overflow flag, scale) is copied into a pinned host ring without blocking, an event marking when
-it landed. `poll()` returns the landed outcomes oldest first; `poll(block=True)` waits for all.
+it landed. `poll()` returns the landed outcomes oldest first; `poll(block=True)` waits for all. The ring carries any
+pair of 0-dim values (`poll_pairs`): presets without a scaler send each step's loss and gradient norm through it.
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ class StepOutcomes:
         self._slots = torch.zeros((_RING, 2), dtype=torch.float32) if fake else self._host  # what record() copies into
         self._pending: deque[tuple[int, torch.cuda.Event | None]] = deque()
         self._next = 0
-        self._landed: list[Outcome] = []  # read out of slots that had to be reused before a poll
+        self._landed: list[tuple[float, float]] = []  # read out of slots that had to be reused before a poll
 
-    def record(self, found_inf: torch.Tensor, scale: torch.Tensor) -> None:
-        """Queue the outcome of the step that just ran (0-dim device tensors); blocks only at `_RING`."""
+    def record(self, found_inf: torch.Tensor, scale: torch.Tensor | None) -> None:
+        """Queue the outcome of the step that just ran (0-dim device tensors; `scale` None: a lone value, read
+        back with 0.0 beside it, one copy and no stack); blocks only at `_RING`."""
         if len(self._pending) == _RING:  # the oldest slot is reused: read it first, never lose an outcome
             slot, event = self._pending.popleft()
             if event is not None:
@@ -49,8 +51,12 @@ class StepOutcomes:
             self._landed.append(self._read(slot))
         slot = self._next
         self._next = (self._next + 1) % _RING
-        pair = torch.stack((found_inf.float(), scale.float()))
-        self._slots[slot].copy_(pair, non_blocking=self._cuda)
+        if scale is None:
+            self._view[slot, 1] = 0.0  # plain host memory (no tensor op); the slot was read before its reuse
+            self._slots[slot, :1].copy_(found_inf.reshape(1), non_blocking=self._cuda)
+        else:
+            pair = torch.stack((found_inf.float(), scale.float()))
+            self._slots[slot].copy_(pair, non_blocking=self._cuda)
         event = torch.cuda.Event() if self._events else None
         if event is not None:
             event.record()
@@ -58,6 +64,10 @@ class StepOutcomes:
 
     def poll(self, block: bool = False) -> list[Outcome]:
         """Outcomes that have landed since the last poll, oldest first; all of them if `block`."""
+        return [Outcome(skipped=found > 0, scale=scale) for found, scale in self.poll_pairs(block)]
+
+    def poll_pairs(self, block: bool = False) -> list[tuple[float, float]]:
+        """The recorded pairs that have landed since the last poll, as floats, oldest first; all of them if `block`."""
         landed, self._landed = self._landed, []
         while self._pending:
             slot, event = self._pending[0]
@@ -70,9 +80,9 @@ class StepOutcomes:
             self._pending.popleft()
         return landed
 
-    def _read(self, slot: int) -> Outcome:
-        found, scale = self._view[slot]
-        return Outcome(skipped=bool(found > 0), scale=float(scale))
+    def _read(self, slot: int) -> tuple[float, float]:
+        first, second = self._view[slot]
+        return float(first), float(second)
 
     def clear(self) -> None:
         """Forget the outcomes in flight (a checkpoint was loaded: its counters are the truth)."""
