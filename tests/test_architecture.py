@@ -682,7 +682,8 @@ def test_type_only_imports_up_are_named():
 #: hardware, errors, config, inference and the accelerator are open to them.
 TOOL_BOUNDARY: dict[str, frozenset[str]] = {
     "ampkit.engine.events": frozenset({"Listener", "watch_created"}),  # the engine's events
-    "ampkit.engine.launch": frozenset({"run_as_main"}),  # running a user's script as __main__
+    # running a user's script as __main__, with checkpoints of its own
+    "ampkit.engine.launch": frozenset({"run_as_main", "own_checkpoints"}),
     "ampkit.engine.optim": frozenset({"AmpOptimizer"}),  # the type of acc.optimizers
     "ampkit.engine.data": frozenset({"DeviceLoader"}),  # the type of acc.loaders
     "ampkit.precision.outcomes": frozenset({"Outcome"}),  # what on_outcome receives

@@ -317,7 +317,9 @@ def test_loading_into_another_precision_converts_from_the_fp32_truth(tmp_path, s
     truth = checkpoint.read(path)
     expected = {n: truth["fp32_weights"].get(f"0/{n}", v).float() for n, v in truth["models"][0].items()}
     acc2, model2, opt2 = _tiny(target)
-    acc2.load(path)
+    with pytest.warns(UserWarning, match=rf"saved under precision='{source}' and is loaded under '{target}'") as told:
+        acc2.load(path)
+    assert told[0].filename == __file__  # points at the script's acc.load
     for name, p in model2.named_parameters():
         assert torch.equal(p.float(), expected[name].to(p.dtype).float()), name
     weights = opt2.weights

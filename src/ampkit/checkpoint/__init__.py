@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from ampkit.checkpoint import folder, payload, sharded, state
 from ampkit.engine.distributed import barrier
+from ampkit.engine.launch import checkpoint_place
 from ampkit.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ def save(acc: Accelerator, path: str | Path, overwrite: bool = False) -> Path:
     What is at `path` is replaced only if ampkit wrote it (a checkpoint), or with `overwrite=True`."""
     if not isinstance(overwrite, bool):
         raise TypeError(f"acc.save(path, overwrite={overwrite!r}): expected True or False")
-    path = Path(path)
+    path = checkpoint_place(Path(path))
     if acc.strategy == "fsdp":
         path = path.with_suffix("") if path.suffix == ".pt" else path
         if not overwrite and (path.exists() or path.is_symlink()) and not sharded.is_own_folder(path):
@@ -65,7 +66,7 @@ def read(path: str | Path) -> dict:
 def load(acc: Accelerator, path: str | Path) -> None:
     """Restore `acc` from the checkpoint at `path` (a sharded one into any number of ranks);
     `CheckpointError`, and nothing changed, if it does not fit."""
-    path = Path(path)
+    path = checkpoint_place(Path(path), reading=True)
     data = read(path)
     state.apply(
         acc, data, path, load_shards=sharded.loader(acc, path, data.get("shards")) if data.get("sharded") else None
@@ -74,7 +75,7 @@ def load(acc: Accelerator, path: str | Path) -> None:
 
 def save_checkpoint(acc: Accelerator, directory: str | Path, keep: int = 3) -> Path:
     """Save `step-<applied steps>.pt` in `directory`, record it in the manifest, keep the newest `keep`."""
-    path = folder.save_checkpoint(acc, Path(directory), keep, save)
+    path = folder.save_checkpoint(acc, checkpoint_place(Path(directory)), keep, save)
     barrier()  # no rank goes on (or reads the folder) before the checkpoint is durable
     return path
 
@@ -82,4 +83,4 @@ def save_checkpoint(acc: Accelerator, directory: str | Path, keep: int = 3) -> P
 def resume(acc: Accelerator, directory: str | Path) -> Path | None:
     """Load the newest loadable checkpoint in `directory` (a checkpoint file is loaded as it is); None on a fresh
     start."""
-    return folder.resume(acc, Path(directory), load)
+    return folder.resume(acc, checkpoint_place(Path(directory)), load)

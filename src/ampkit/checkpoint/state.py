@@ -225,6 +225,14 @@ def apply(acc: Accelerator, payload: dict[str, Any], path: Path, load_shards: An
         load_shards()
     elif not exact:
         _convert_weights(acc, payload)
+    if not exact:
+        saved = json.loads(payload["meta"])["precision"]["name"]
+        warnings.warn(
+            f"checkpoint {path} was saved under precision={saved!r} and is loaded under {acc.policy.name!r}: the "
+            f"weights were set from the fp32 values it holds and the optimizer state carries over, so training goes "
+            f"on in another precision; to continue the saved run as it was, use precision={saved!r}",
+            stacklevel=4,
+        )
     for opt, state in zip(acc.optimizers, payload["optimizers"]):
         if load_shards is not None:  # the optimizer state itself came from the shards
             state = dict(opt.optimizer.state_dict(), ampkit=state["ampkit"])

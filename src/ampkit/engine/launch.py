@@ -11,6 +11,11 @@ variables; every `Accelerator` reads them for the arguments its script did not p
 | `AMPKIT_MAX_STEPS`        | (`acc.max_steps`)    | an integer >= 1: training passes end after that many    |
 |                           |                      | optimizer steps (evaluation still runs)                 |
 
+`AMPKIT_CHECKPOINT_ROOT` (a folder) places every checkpoint path of `acc.save`, `acc.save_checkpoint` and
+`acc.resume` under it (`/home/u/run/ckpt` → `<root>/home/u/run/ckpt`; `acc.load` reads there first): the tools
+that run a script several times (`ampkit compare`, `doctor`, `plan`) give each run its own (`own_checkpoints`), so
+no run resumes another's checkpoints.
+
 An argument the script passes wins (`precision="auto"` counts as not passed: "auto" asks ampkit to
 choose, and the launcher's choice is ampkit's). Where a variable is set, one warning per
 Accelerator (on rank 0) says which value came from where. A bad value raises `ValueError` naming
@@ -20,11 +25,14 @@ the variable, before anything is built.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +45,7 @@ ENV = {
     "compile": "AMPKIT_COMPILE",
     "max_steps": "AMPKIT_MAX_STEPS",
 }
+CHECKPOINT_ROOT = "AMPKIT_CHECKPOINT_ROOT"
 DEFAULTS: dict[str, Any] = {"precision": "auto", "grad_accum_steps": 1, "compile": False, "max_steps": None}
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -165,3 +174,44 @@ def run_as_main(script: str | Path, args: Sequence[str] = ()) -> None:
         runpy.run_path(str(script), run_name="__main__")
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
+
+
+def checkpoint_place(path: Path, reading: bool = False) -> Path:
+    """Where a checkpoint path of the script goes: itself, or under AMPKIT_CHECKPOINT_ROOT where that is set
+    (its parent folders made there; `reading`: the placed path only if it exists, e.g. a pretrained file)."""
+    root = os.environ.get(CHECKPOINT_ROOT, "").strip()
+    if not root:
+        return path
+    full, base = path.resolve(), Path(root).resolve()
+    if full.is_relative_to(base):  # placed already (a checkpoint of a placed folder)
+        return path
+    placed = base / full.relative_to(full.anchor)
+    if reading:
+        return placed if placed.exists() else path
+    placed.parent.mkdir(parents=True, exist_ok=True)
+    return placed
+
+
+@dataclasses.dataclass
+class OwnCheckpoints:
+    """The checkpoint folder a tool's run of a script had to itself (`own_checkpoints`)."""
+
+    root: Path
+    used: bool = False  # the script wrote a checkpoint (known once the run ended)
+
+
+@contextlib.contextmanager
+def own_checkpoints(label: str) -> Iterator[OwnCheckpoints]:
+    """Run a script with its checkpoints placed in a new temporary folder, removed afterwards: a run that
+    resumes (`acc.resume(folder)`) starts fresh instead of loading an earlier run's, whatever its precision."""
+    own = OwnCheckpoints(Path(tempfile.mkdtemp(prefix=f"ampkit-{label}-checkpoints-")))
+    saved = os.environ.get(CHECKPOINT_ROOT)
+    os.environ[CHECKPOINT_ROOT] = str(own.root)
+    try:
+        yield own
+    finally:
+        own.used = any(p.is_file() for p in own.root.rglob("*"))  # not only the folders placing made
+        os.environ.pop(CHECKPOINT_ROOT, None)
+        if saved is not None:
+            os.environ[CHECKPOINT_ROOT] = saved
+        shutil.rmtree(own.root, ignore_errors=True)  # made above: nothing in it is the user's

@@ -26,7 +26,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
 from ampkit.engine.events import watch_created
-from ampkit.engine.launch import run_as_main
+from ampkit.engine.launch import own_checkpoints, run_as_main
 from ampkit.hardware.capability import resolve_device
 from ampkit.tools.compare.baseline import compare_to_baseline
 from ampkit.tools.compare.html import REPORT_FILES, write_report
@@ -150,7 +150,7 @@ def measure_script(spec: ScriptSpec, progress: Callable[[int], None]) -> tuple[R
     start = time.perf_counter()
     try:
         try:
-            with watch_created(created):
+            with own_checkpoints(spec.precision) as own, watch_created(created):
                 run_as_main(spec.script, spec.args)
         finally:
             signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # first: a late timer must not stop the cleanup below
@@ -187,6 +187,11 @@ def measure_script(spec: ScriptSpec, progress: Callable[[int], None]) -> tuple[R
     summary["rounds_interleaved"] = False if summary["round_step_times_s"] else None  # one run after another
     peak, raw, kind = rec.memory.read()
     notes = [rec.stopped] if rec.stopped else []
+    if own.used:
+        notes.append(
+            "the script's checkpoints went to a folder of this run's own, removed after it: no run resumed "
+            "another's (its own checkpoint folder was left as it was)"
+        )
     metrics = {name: float(value) for name, (value, _) in rec.metrics.items()}  # sync: once, after the run
     if torch.initial_seed() == process_seed:
         notes.append(

@@ -20,7 +20,7 @@ import torch
 
 from ampkit.accelerator import Accelerator
 from ampkit.engine.events import watch_created
-from ampkit.engine.launch import run_as_main
+from ampkit.engine.launch import own_checkpoints, run_as_main
 from ampkit.tools.doctor.numerics.report import format_text
 from ampkit.tools.doctor.numerics.session import NumericsSession
 from ampkit.tools.doctor.perf import advisor
@@ -141,7 +141,7 @@ def run_script(script: str | Path, args: Sequence[str], start: Callable[[Acceler
             sessions.append(start(acc))
 
     try:
-        with watch_created(created):
+        with own_checkpoints("doctor"), watch_created(created):  # it never resumes a training run's checkpoints
             _train(lambda: run_as_main(Path(script), args), sessions)
     except SystemExit as exc:
         if exc.code not in (None, 0) and not (sessions and sessions[0].result is not None):

@@ -18,7 +18,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils._pytree import tree_leaves
 
 from ampkit.engine.events import Listener, watch_created
-from ampkit.engine.launch import run_as_main
+from ampkit.engine.launch import own_checkpoints, run_as_main
 from ampkit.tools.plan.step import default_loss
 
 
@@ -102,7 +102,7 @@ def capture(script: str | Path, args: list[str]) -> tuple[Any, Any, Any, Any, st
     catch = _Catch()
     hook = register_module_forward_pre_hook(catch.forward_pre)
     try:
-        with watch_created(catch.created):
+        with own_checkpoints("plan"), watch_created(catch.created):  # it never resumes a training run's checkpoints
             run_as_main(path, args)
     except _Seen:
         pass
