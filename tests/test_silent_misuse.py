@@ -4,6 +4,7 @@ misuse on a real tiny model and checks the message."""
 
 from __future__ import annotations
 
+import pickle
 import re
 import warnings
 from collections.abc import Callable
@@ -66,6 +67,15 @@ def step_without_any_backward() -> None:
     opt.step()
 
 
+def autocast_left_under_fp32() -> None:
+    model, acc = make_model(), ampkit.Accelerator(precision="fp32", device="cpu")
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the loop's own, from before the conversion
+        loss = _loss(model)
+    acc.backward(loss)
+    opt.step()
+
+
 def second_argument_not_preparable() -> None:
     ampkit.Accelerator(precision="fp32", device="cpu").prepare(make_model(), 5)
 
@@ -80,6 +90,7 @@ TABLE: list[tuple[Callable[[], None], type[Warning | Exception], str]] = [
     (loss_backward_kept, ampkit.StepOrderError, "replace loss.backward() with acc.backward(loss)"),
     (step_without_any_backward, ampkit.StepOrderError, "call acc.backward(loss) before optimizer.step()"),
     (second_argument_not_preparable, TypeError, "prepare() argument 2 is a builtins.int"),
+    (autocast_left_under_fp32, UserWarning, "torch.autocast('cpu', dtype=bfloat16) region under precision='fp32'"),
 ]
 
 
@@ -119,3 +130,25 @@ def test_a_backward_for_gradients_alone_is_told_once_and_trains_as_before() -> N
         _loss(ref, seed).backward()
     for p, q in zip(model.parameters(), ref.parameters()):
         assert p.grad is not None and torch.equal(p.grad, q.grad)
+
+
+def test_an_fp32_model_outside_autocast_is_the_plain_forward_and_warns_once_inside() -> None:
+    """fp32's forward is the model's own, bit for bit; inside a leftover autocast it says so once, and a model
+    saved with torch.save loads without ampkit (the check is not pickled)."""
+    torch.manual_seed(0)
+    model, ref = make_model(), make_model()
+    ref.load_state_dict(model.state_dict())
+    acc = ampkit.Accelerator(precision="fp32", device="cpu")
+    model = acc.prepare(model)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(model(x), ref(x))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert model(x).dtype == torch.bfloat16 and model(x).dtype == torch.bfloat16
+    assert len(caught) == 1 and caught[0].filename == __file__, [(w.filename, str(w.message)) for w in caught]
+    assert b"ampkit" not in pickle.dumps(model)
+    exported = torch.export.export(model, (x,))  # the model's own signature: export and tracing see it as before
+    assert torch.equal(exported.module()(x), ref(x)) and torch.equal(torch.jit.trace(model, x)(x), ref(x))

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ampkit.engine.compiler import uncompiled
-from ampkit.engine.module import PolicyForward
+from ampkit.engine.module import AutocastCheck, PolicyForward
 from ampkit.errors import AmpkitError
 from ampkit.util.files import atomic_write
 from ampkit.util.version import ampkit_version
@@ -196,7 +196,7 @@ def fp32_copy(model: nn.Module, acc: Any = None) -> nn.Module:
         )
     clean = copy.deepcopy(model)
     for m in clean.modules():  # serve the user's own forward, without the training autocast
-        if isinstance(uncompiled(vars(m).get("forward")), PolicyForward):
+        if isinstance(uncompiled(vars(m).get("forward")), (PolicyForward, AutocastCheck)):
             del vars(m)["forward"]
     clean = clean.float().eval().requires_grad_(False)
     if state is not None:

@@ -8,6 +8,7 @@ computed outside the model runs in fp32, as autocast runs the losses on its fp32
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,6 +62,42 @@ class PolicyForward:
         return clone
 
 
+class AutocastCheck:
+    """The forward of a model prepared without autocast (fp32), as it is, but that says once when it runs
+    inside a `torch.autocast` region: a leftover of the loop before conversion makes the model bf16 or fp16
+    while the Accelerator, its report and a comparison call it fp32."""
+
+    def __init__(self, forward: Any, device_type: str, precision: str) -> None:
+        self.forward, self.device_type, self.precision = forward, device_type, precision
+        self.__wrapped__ = forward  # inspect.signature (torch.export, jit) reads the model's own signature
+        self.told = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.told and torch.is_autocast_enabled(self.device_type):
+            self.told = True
+            dtype = str(torch.get_autocast_dtype(self.device_type)).removeprefix("torch.")
+            warnings.warn(
+                f"the prepared model runs inside a torch.autocast({self.device_type!r}, dtype={dtype}) region under "
+                f"precision={self.precision!r}: its matmuls run in {dtype}, not in what the Accelerator was asked "
+                f"for (a leftover of the loop before conversion?). Remove the `with torch.autocast(...)` and let "
+                f"precision= choose (e.g. precision='bf16-mixed')",
+                stacklevel=4,  # the loop's model(x): past torch's Module._wrapped_call_impl and _call_impl
+            )
+        return self.forward(*args, **kwargs)
+
+    @property
+    def __code__(self) -> Any:  # torch.export reads the forward's code object (its argument names)
+        return self.forward.__code__
+
+    def __reduce__(self) -> Any:
+        return self.forward.__reduce__()  # torch.save(model) writes the plain module, as PolicyForward does
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> AutocastCheck:
+        clone = object.__new__(AutocastCheck)
+        clone.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return clone
+
+
 def _cast(obj: Any, sources: tuple[torch.dtype, ...], target: torch.dtype) -> Any:
     """`obj` with every tensor of a `sources` dtype inside it (tuples, lists, dicts) cast to `target`."""
     if isinstance(obj, torch.Tensor):
@@ -107,11 +144,13 @@ def prepare_module(
                 for buf in module.buffers(recurse=False):
                     if buf.is_floating_point():
                         buf.data = buf.data.to(policy.param_dtype)
-    if policy.autocast and model in roots:
+    if not policy.autocast:
+        model.forward = AutocastCheck(model.forward, device.type, policy.name)
+    elif model in roots:
         # keep_fp32 selected the prepared model itself (its type, its name "" or "*"): a critic, teacher or
         # loss module meant to stay fp32 inside an autocast program. It runs with autocast off.
         model.forward = PolicyForward(model.forward, device.type, policy.compute_dtype, fp32=True)
-    elif policy.autocast:
+    else:
         model.forward = PolicyForward(
             model.forward,
             device.type,
