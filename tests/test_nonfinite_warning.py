@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import ampkit
+from ampkit.engine.faults import NonFiniteWatch
 from ampkit.errors import CheckpointError
 from conftest import make_loader, make_model
 
@@ -124,3 +125,24 @@ def test_loading_a_checkpoint_clears_the_fault_and_warns_again(tmp_path):
             acc.load(tmp_path / "good")
     assert [str(w.message)[:17] for w in caught] == ["optimizer step 2:", "optimizer step 2:"]
     assert opt.non_finite.first is None and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class _Late(NonFiniteWatch):
+    """A device running behind: nothing has landed until the host waits for it (a checkpoint, say)."""
+
+    def poll(self, block: bool = False) -> None:
+        if block:
+            super().poll(block)
+
+
+def test_steps_landing_together_name_the_first_and_later_steps_are_not_read():
+    watch = _Late(torch.device("cpu"), "bf16-mixed")
+    for step, loss in enumerate([1.0, float("inf"), float("nan"), 2.0], start=1):
+        watch.saw_loss(torch.tensor(loss))
+        watch.stepped(step)
+    with pytest.warns(ampkit.NonFiniteWarning, match=r"optimizer step 2: the loss was inf") as told:
+        assert watch.first_seen() == (2, "loss", float("inf"))
+        watch.saw_loss(torch.tensor(float("nan")))
+        watch.stepped(5)
+        watch.poll(block=True)
+    assert len(told) == 1 and watch.first_seen()[0] == 2

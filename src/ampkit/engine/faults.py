@@ -56,11 +56,13 @@ class NonFiniteWatch:
         """Read the pairs that have landed (all of them if `block`); warn at the first non-finite one."""
         for loss, norm in self._ring.poll_pairs(block):
             step = self._steps.popleft()
-            if self.first is not None or (math.isfinite(loss) and math.isfinite(norm)):
+            if math.isfinite(loss) and math.isfinite(norm):
                 continue
             self.first = (step, "loss", loss) if not math.isfinite(loss) else (step, "gradient norm", norm)
+            self._ring.clear()  # the later steps in flight are not read: one warning a run
             self._steps.clear()
             warnings.warn(self._message(), NonFiniteWarning, stacklevel=4)
+            return
 
     def first_seen(self) -> tuple[int, str, float] | None:
         """(optimizer step, "loss" or "gradient norm", its value) of the first non-finite one, or None: waits."""
