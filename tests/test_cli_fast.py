@@ -70,6 +70,17 @@ BAD = [
     (["doctor", "--task", "iris-mlp", "--numerics", "--gpu", "T4"], "--gpu"),
     (["plan", "--batch-size", "0"], "--batch-size 0"),
     (["plan", "--precisions", "fp32,foo"], "'foo'"),
+    # a bad task name or a missing script, before torch is imported (issue 46)
+    (
+        ["compare", "--task", "tiny-ml"],
+        "unknown task; choose one of: digits-cnn, iris-mlp, tiny-lm (did you mean 'tiny-lm'?)",
+    ),
+    (["compare", "missing.py"], "script 'missing.py' not found"),
+    (["export", "--task", "nope"], "--task 'nope': unknown task"),
+    (["doctor", "--task", "iris"], "--task 'iris': unknown task"),
+    (["doctor", "missing.py"], "script 'missing.py' not found"),
+    (["plan", "--task", "lm"], "--task 'lm': unknown task"),
+    (["plan", "missing.py"], "script 'missing.py' not found"),
 ]
 
 
@@ -146,7 +157,7 @@ class First(io.StringIO):
         return super().write(text)
 
 sys.stderr = err = First()
-code = main(["export", "--task", "no-such-task", "--out", sys.argv[1]])
+code = main(["export", "--task", "iris-mlp", "--precisions", "fp33", "--out", sys.argv[1]])
 sys.stderr = sys.__stderr__
 print(code, err.torch_at_first_write)
 print(err.getvalue(), end="")
@@ -163,7 +174,7 @@ def test_export_says_what_it_does_before_it_imports_torch(tmp_path):
     )
     status, first, *rest = done.stdout.splitlines()
     assert status == "2 False", done.stdout + done.stderr[-2000:]
-    assert first.startswith("ampkit export: training no-such-task in fp32") and "unknown task" in rest[-1]
+    assert first.startswith("ampkit export: training iris-mlp in fp32") and "'fp33'" in rest[-1], done.stdout
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,3 +232,10 @@ def test_the_torch_free_preset_names_are_the_presets():
     from ampkit.precision.policy import PRESET_NAMES, PRESETS
 
     assert TORCH_FREE == PRESET_NAMES == (*PRESETS, "auto")
+
+
+def test_the_torch_free_task_names_are_the_tasks():
+    from ampkit.cli.args import TASK_NAMES
+    from ampkit.tools.tasks import TASKS
+
+    assert TASK_NAMES == tuple(sorted(TASKS))

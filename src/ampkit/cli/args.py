@@ -128,6 +128,24 @@ def precision(flag: str, name: str | None) -> str | None:
     return f"{flag} {name!r}: unknown precision; choose one of: {', '.join(PRESET_NAMES)}{suggest(name, PRESET_NAMES)}"
 
 
+#: The built-in tasks' names, known without importing torch (tests/test_cli_fast.py checks them against the tasks).
+TASK_NAMES = ("digits-cnn", "iris-mlp", "tiny-lm")
+
+
+def task(flag: str, name: str) -> str | None:
+    """The one-line problem with a built-in task's name, or None: said before torch is imported."""
+    if name in TASK_NAMES:
+        return None
+    return f"{flag} {name!r}: unknown task; choose one of: {', '.join(TASK_NAMES)}{suggest(name, TASK_NAMES)}"
+
+
+def script(path: str) -> str | None:
+    """The one-line problem with a script to run, or None: said before torch is imported."""
+    if Path(path).is_file():
+        return None
+    return f"script {path!r} not found (from {Path.cwd()})"
+
+
 def out_folder(flag: str, out: str | None) -> str | None:
     """The problem with a folder to write into (it, or a folder above it, is a file), or None."""
     if out is None:

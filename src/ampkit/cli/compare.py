@@ -87,6 +87,8 @@ def handle(args: argparse.Namespace) -> int:
     """`ampkit compare [options]`: the built-in task trained once per precision, and the report."""
     if args.script is not None:  # ampkit compare train.py [args...]
         return _compare_script(args)
+    if problem := flags.task("--task", args.task):
+        return flags.usage("compare", problem)
     try:
         precisions = flags.names("--precisions", args.precisions, presets=True)
     except ValueError as exc:
@@ -170,6 +172,8 @@ def _compare_script(args: argparse.Namespace) -> int:
         precisions = flags.names("--precisions", args.precisions, presets=True)
     except ValueError as exc:
         return flags.usage("compare", exc)
+    if problem := flags.script(args.script):
+        return flags.usage("compare", problem)
     from ampkit.errors import PrecisionError
     from ampkit.tools.compare.script import compare_script  # torch: only once the command line is known to be good
 

@@ -74,7 +74,10 @@ def handle(args: argparse.Namespace) -> int:
         )
     if args.script is not None and (args.precision or args.device or args.batch_size):
         return flags.usage("doctor", "--precision, --device and --batch-size are for --task; a script chooses its own")
-    if problem := flags.precision("--precision", args.precision):
+    if problem := (
+        flags.precision("--precision", args.precision)
+        or (flags.script(args.script) if args.script is not None else flags.task("--task", args.task))
+    ):
         return flags.usage("doctor", problem)
     if args.numerics and args.gpu is not None:
         return flags.usage("doctor", "--gpu is for the performance doctor; --numerics quotes no GPU costs")

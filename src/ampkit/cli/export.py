@@ -35,7 +35,7 @@ def add_parser(sub: Any) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     """`ampkit export [options]`: the task trained in fp32, exported in each precision and measured."""
-    if problem := flags.out_folder("--out", args.out):
+    if problem := flags.out_folder("--out", args.out) or flags.task("--task", args.task):
         return flags.usage("export", problem)
     try:
         precisions = flags.names("--precisions", args.precisions)

@@ -60,7 +60,9 @@ def add_parser(sub: Any) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     """`ampkit plan [options] [train.py [args...]]`: the plan, as a table or JSON (and files with --out)."""
-    if problem := flags.out_folder("--out", args.out):
+    if problem := flags.out_folder("--out", args.out) or (
+        flags.script(args.script) if args.script is not None else flags.task("--task", args.task)
+    ):
         return flags.usage("plan", problem)
     try:
         precisions = flags.names("--precisions", args.precisions, presets=True)
