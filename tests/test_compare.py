@@ -229,7 +229,7 @@ def test_cli_compare(tmp_path, capsys):
     assert json.loads((tmp_path / "r" / "report.json").read_text())["runs"][0]["numerics"] is None
     assert main(["compare", "--task", "nope"]) == 2
     err = capsys.readouterr().err
-    assert err.strip() == "ampkit compare: unknown task 'nope'; choose one of: digits-cnn, iris-mlp, tiny-lm"
+    assert err.strip() == "ampkit compare: --task 'nope': unknown task; choose one of: digits-cnn, iris-mlp, tiny-lm"
     assert main(["compare", "--task", "iris-mlp", "--precisions", "fp32,fp9"]) == 2
     assert "--precisions 'fp32,fp9': unknown precision 'fp9'" in capsys.readouterr().err
 
