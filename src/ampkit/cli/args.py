@@ -139,13 +139,6 @@ def task(flag: str, name: str) -> str | None:
     return f"{flag} {name!r}: unknown task; choose one of: {', '.join(TASK_NAMES)}{suggest(name, TASK_NAMES)}"
 
 
-def script(path: str) -> str | None:
-    """The one-line problem with a script to run, or None: said before torch is imported."""
-    if Path(path).is_file():
-        return None
-    return f"script {path!r} not found (from {Path.cwd()})"
-
-
 def out_folder(flag: str, out: str | None) -> str | None:
     """The problem with a folder to write into (it, or a folder above it, is a file), or None."""
     if out is None:

@@ -11,6 +11,7 @@ from typing import Any
 from ampkit.cli import args as flags
 from ampkit.cli.args import Parser
 from ampkit.precision.names import PRESET_NAMES
+from ampkit.util.validate import missing_script
 
 
 def add_parser(sub: Any) -> None:
@@ -172,7 +173,7 @@ def _compare_script(args: argparse.Namespace) -> int:
         precisions = flags.names("--precisions", args.precisions, presets=True)
     except ValueError as exc:
         return flags.usage("compare", exc)
-    if problem := flags.script(args.script):
+    if problem := missing_script(args.script):
         return flags.usage("compare", problem)
     from ampkit.errors import PrecisionError
     from ampkit.tools.compare.script import compare_script  # torch: only once the command line is known to be good

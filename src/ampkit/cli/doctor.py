@@ -10,6 +10,7 @@ import traceback
 from typing import Any
 
 from ampkit.cli import args as flags
+from ampkit.util.validate import missing_script
 
 
 def add_parser(sub: Any) -> None:
@@ -76,7 +77,7 @@ def handle(args: argparse.Namespace) -> int:
         return flags.usage("doctor", "--precision, --device and --batch-size are for --task; a script chooses its own")
     if problem := (
         flags.precision("--precision", args.precision)
-        or (flags.script(args.script) if args.script is not None else flags.task("--task", args.task))
+        or (missing_script(args.script) if args.script is not None else flags.task("--task", args.task))
     ):
         return flags.usage("doctor", problem)
     if args.numerics and args.gpu is not None:

@@ -9,6 +9,7 @@ from typing import Any
 
 from ampkit.cli import args as flags
 from ampkit.precision.names import PRESET_NAMES
+from ampkit.util.validate import missing_script
 
 
 def add_parser(sub: Any) -> None:
@@ -61,7 +62,7 @@ def add_parser(sub: Any) -> None:
 def handle(args: argparse.Namespace) -> int:
     """`ampkit plan [options] [train.py [args...]]`: the plan, as a table or JSON (and files with --out)."""
     if problem := flags.out_folder("--out", args.out) or (
-        flags.script(args.script) if args.script is not None else flags.task("--task", args.task)
+        missing_script(args.script) if args.script is not None else flags.task("--task", args.task)
     ):
         return flags.usage("plan", problem)
     try:

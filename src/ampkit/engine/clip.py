@@ -81,7 +81,7 @@ class Clipper:
         norm = torch.nn.utils.clip_grad_norm_(with_grads, max_norm, norm_type=norm_type, foreach=True)
         for opt in optimizers:
             if opt.non_finite is not None:  # no scaler: a NaN or inf norm is named at its step
-                opt.non_finite.saw_norm(local_tensor(norm.detach()))  # a DTensor under FSDP2
+                opt.non_finite.saw_norm(local_tensor(norm))  # a DTensor under FSDP2
         return norm
 
     @contextlib.contextmanager

@@ -38,6 +38,7 @@ from typing import Any
 
 from ampkit.errors import PrecisionError
 from ampkit.precision.policy import PRESET_NAMES
+from ampkit.util.validate import missing_script
 
 ENV = {
     "precision": "AMPKIT_PRECISION",
@@ -131,8 +132,8 @@ def launch(
     `torchrun_args` passed to it: --nnodes, --node-rank, --rdzv-endpoint, ...), with `settings`
     (Accelerator argument name -> value, as `ENV` names them) set as AMPKIT_* variables. Returns the
     script's (or torchrun's) exit code; the script's output and traceback are its own."""
-    if not Path(script).is_file():
-        raise FileNotFoundError(f"script {script!r} not found (from {Path.cwd()})")
+    if problem := missing_script(script):
+        raise FileNotFoundError(problem)
     if not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"--nproc {nproc!r}: expected an integer >= 1 (processes on this node)")
     env = dict(os.environ)

@@ -138,3 +138,11 @@ def parse_memory(text: str | int) -> int:
             f'"512MiB", "24G" (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; K, M, G, T are KiB, MiB, GiB, TiB)'
         )
     return int(float(match.group(1)) * MEMORY_UNITS[match.group(2).lower()])
+
+
+def missing_script(script: str | os.PathLike[str]) -> str | None:
+    """The one-line problem with a script to run (it is not a file), or None; torch-free, so the command line
+    refuses it at once."""
+    if os.path.isfile(script):
+        return None
+    return f"script {str(script)!r} not found (from {os.getcwd()})"

@@ -28,6 +28,7 @@ from ampkit.tools.doctor.perf.report import render_report
 from ampkit.tools.doctor.perf.session import DoctorSession
 from ampkit.tools.doctor.watch import DoctorError, Result, StopTraining, Watch, check_counts
 from ampkit.tools.tasks import get_task
+from ampkit.util.validate import missing_script
 
 
 # --- on a loop you already have ---------------------------------------------------------------
@@ -126,8 +127,8 @@ def numerics_script(script: str | Path, args: Sequence[str] = (), *, steps: int 
 
 def check_script(script: str | Path) -> None:
     """FileNotFoundError, before anything runs, for a script that is not there."""
-    if not Path(script).is_file():
-        raise FileNotFoundError(f"script {str(script)!r} not found (from {Path.cwd()})")
+    if problem := missing_script(script):
+        raise FileNotFoundError(problem)
 
 
 def run_script(script: str | Path, args: Sequence[str], start: Callable[[Accelerator], Watch]) -> Watch | None:

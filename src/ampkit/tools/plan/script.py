@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_leaves
 from ampkit.engine.events import Listener, watch_created
 from ampkit.engine.launch import own_checkpoints, run_as_main
 from ampkit.tools.plan.step import default_loss
+from ampkit.util.validate import missing_script
 
 
 class _Seen(BaseException):
@@ -97,8 +98,8 @@ def script_loss(output: Any, targets: Any) -> torch.Tensor:
 def capture(script: str | Path, args: list[str]) -> tuple[Any, Any, Any, Any, str]:
     """Run `script` to its first backward: (model_fn, batch, optimizer_fn, loss_fn, note) for `plan`."""
     path = Path(script)
-    if not path.is_file():
-        raise ScriptPlanError(f"script {str(script)!r} not found (from {Path.cwd()})")
+    if problem := missing_script(path):
+        raise ScriptPlanError(problem)
     catch = _Catch()
     hook = register_module_forward_pre_hook(catch.forward_pre)
     try:
