@@ -19,6 +19,7 @@ from ampkit.cli import info as cli_info
 from ampkit.cli import plan as cli_plan
 from ampkit.cli import run as cli_run
 from ampkit.cli.args import Parser
+from ampkit.util.processes import end_on_sigterm
 
 # The subcommands, in the order `ampkit --help` lists them; each has add_parser(sub) and handle(args).
 COMMANDS = (cli_compare, cli_run, cli_export, cli_info, cli_doctor, cli_plan)
@@ -54,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem := flags.check_numbers(args.command, args):
         return flags.usage(args.command, problem)
     args.argv = argv
+    end_on_sigterm()  # `kill` (a timeout, a scheduler) ends the runs and torchruns this command started
     return args.func(args)
 
 

@@ -28,7 +28,6 @@ import contextlib
 import dataclasses
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import warnings
@@ -38,6 +37,7 @@ from typing import Any
 
 from ampkit.errors import PrecisionError
 from ampkit.precision.policy import PRESET_NAMES
+from ampkit.util.processes import end, popen_owned
 from ampkit.util.validate import missing_script
 
 ENV = {
@@ -156,11 +156,13 @@ def launch(
             script,
             *args,
         ]
-    proc = subprocess.Popen(cmd, env=env)
+    proc = popen_owned(cmd, env=env)  # SIGTERM'd if this process dies; torchrun then ends its ranks
     try:
         return proc.wait()
     except KeyboardInterrupt:  # the child got the Ctrl-C too: let it finish on its own terms
         return proc.wait()
+    finally:
+        end(proc)  # stopped otherwise (SIGTERM: SystemExit): the script or torchrun ends with us
 
 
 def run_as_main(script: str | Path, args: Sequence[str] = ()) -> None:

@@ -37,6 +37,7 @@ from ampkit.tools.compare.budget import ROUNDS, Fit, fit_steps, plan_line, steps
 from ampkit.tools.compare.measure import PROBE_STEPS, RunSpec, run_one
 from ampkit.tools.compare.records import Report, Run
 from ampkit.util.present import console, duration
+from ampkit.util.processes import die_with_parent, end, popen_owned
 
 #: Timed warm-up steps of each full run (a probe: 2) before the plan line; the fastest gives the estimate.
 WARMUP_STEPS = 5
@@ -97,6 +98,13 @@ def run_context(fresh: bool = False) -> Any:
     return ctx
 
 
+def _owned(target: Callable[[Any, Any, bool], None], *args: Any) -> None:
+    """A run's process: ended by the kernel when its parent (this command, or the forkserver that exits with
+    it) dies, even by SIGKILL; then `target(*args)`."""
+    die_with_parent()
+    target(*args)
+
+
 class Worker:
     """One run in a process of its own (`run_context`). Gated, it trains only when told: `advance(target)` trains
     up to step `target`, keeping that chunk's step times in `chunks`; `finish()` ends training and returns the
@@ -107,7 +115,7 @@ class Worker:
     ) -> None:
         ctx = run_context(fresh)
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=target, args=(spec, child, gated), daemon=True)
+        self.proc = ctx.Process(target=_owned, args=(target, spec, child, gated), daemon=True)
         self.proc.start()
         child.close()
         self.gated, self.done, self.chunks = gated, 0, []  # steps done; each chunk's step times (None: none ran)
@@ -192,16 +200,14 @@ def run_torchrun(spec: RunSpec, on_progress: Callable[[int], None]) -> Run:
         ]
         log = Path(tmp, "torchrun.log")  # a file, not a pipe: a pipe read only at the end fills and blocks torchrun
         with log.open("w") as sink:
-            proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, text=True)
+            proc = popen_owned(cmd, stdout=sink, stderr=subprocess.STDOUT, text=True)  # SIGTERM'd if we die
             try:
                 while proc.poll() is None:
                     time.sleep(0.2)
                     with contextlib.suppress(OSError, ValueError):
                         on_progress(int(progress_file.read_text() or 0))
             finally:
-                if proc.poll() is None:
-                    proc.terminate()
-                    proc.wait(timeout=30)
+                end(proc)
         output = log.read_text(errors="replace")
         if proc.returncode != 0 or not out_file.exists():
             lines = output.splitlines()
@@ -214,6 +220,7 @@ def run_torchrun(spec: RunSpec, on_progress: Callable[[int], None]) -> Run:
 
 def torchrun_worker(spec_file: str, out_file: str, progress_file: str) -> None:
     """Entry point of each torchrun process: train; rank 0 writes the run record and progress."""
+    die_with_parent()  # torchrun SIGKILLed: its ranks end too
     spec = pickle.loads(Path(spec_file).read_bytes())
     rank = int(os.environ.get("RANK", "0"))
     run = run_one(spec, throttled(lambda step: rank == 0 and Path(progress_file).write_text(str(step))))

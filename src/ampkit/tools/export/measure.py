@@ -25,6 +25,7 @@ from ampkit.hardware.capability import capability, describe, proc_field
 from ampkit.inference import PRECISIONS, RUNTIME, SUFFIX, Exported, export, load
 from ampkit.tools.export.report import InferenceReport, InferenceRow, check_out, verdict, write
 from ampkit.tools.tasks import get_task
+from ampkit.util.processes import die_with_parent
 
 #: CPU flags of int8 dot-product instructions (VNNI, AMX), as Linux names them in /proc/cpuinfo.
 INT8_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
@@ -91,6 +92,7 @@ MEMORY_METHOD = (
 
 def peak_child(path: str, shape: str, dtype: str, warm: str) -> None:
     """In a fresh process: print the RSS growth (bytes) of loading `path` and running a zero batch."""
+    die_with_parent()
     x = torch.zeros([int(n) for n in shape.split(",")], dtype=getattr(torch, dtype))
     load(warm).run(x[:2])
     status = lambda key: int(proc_field(Path("/proc/self/status").read_text(), key).split()[0]) * 1024  # noqa: E731
