@@ -122,7 +122,8 @@ def test_a_killed_comparison_of_a_script_leaves_no_run(tmp_path):
 @pytest.mark.slow
 def test_a_killed_run_under_torchrun_leaves_no_rank(tmp_path):
     script = tmp_path / "train.py"
-    script.write_text("import time\nimport torch.distributed as dist\ndist.init_process_group('gloo')\n")
-    script.write_text(script.read_text() + "time.sleep(300)\n")
+    script.write_text(
+        "import time\nimport torch.distributed as dist\ndist.init_process_group('gloo')\ntime.sleep(300)\n"
+    )
     cmd = [*AMPKIT, "run", "--nproc", "2", str(script)]
     assert kill_mid_run(cmd, running=3, cwd=tmp_path) == {}  # torchrun and 2 ranks
