@@ -391,7 +391,7 @@ def test_render_table_prints_every_run_verdict_and_policy(sample):
     out = io.StringIO()
     render_table(sample, rich_console.Console(file=out, width=200, color_system=None))
     text = out.getvalue()
-    for header in ("precision", "ms/step", "samples/s", "speed-up", "perplexity", "skipped"):
+    for header in ("precision", "speed-up", "(95% CI)", "perplexity", "skipped", "median ms/step", "timed steps"):
         assert header in text
     for line in ("fp32  ", "1,876", "781 MiB", "0.58×", "+0.7%", "diverged"):
         assert line in text
@@ -404,7 +404,8 @@ def test_render_table_into_a_log_prints_format_text(sample, capsys):
     render_table(sample)  # stdout is captured: no terminal, so no colour and no squeezing to 80 columns
     text = capsys.readouterr().out
     assert text == format_text(sample)
-    assert re.search(r"^ +fp32 +ok +41 +780 ", text, re.MULTILINE)
+    assert re.search(r"^ +fp32 +ok +1× +1.3 GiB ", text, re.MULTILINE)
+    assert re.search(r"^ +fp32 +41 +780 +290 *$", text, re.MULTILINE)  # the step-time section
     assert "  fp16-mixed: 2.4× faster, 0.58× memory, perplexity +0.7%, 3 overflow steps skipped\n" in text
 
 
@@ -674,3 +675,33 @@ def test_the_throughput_bars_say_what_the_paired_speed_up_says(sample, tmp_path)
     labels = [t.get_text() for t in ax.texts]
     assert "1.52×\n(0.96×–2.35×)" in labels
     write_report(report, tmp_path)  # the page draws it
+
+
+def test_a_page_whose_paired_speed_up_and_medians_disagree_cannot_be_read_two_ways(sample, tmp_path):
+    """Issue 46: the headline said 1.41x faster while the same row held 1,111 vs 1,075 ms/step (1.03x). The row
+    now holds only the verdict's figure; each run's own median sits in a section that says it is not it."""
+    report = copy.deepcopy(sample)
+    fp32, fp16 = run_of(report, "fp32"), run_of(report, "fp16-mixed")
+    fp32.update(step_time_median_s=1.111, samples_per_s=28.8)
+    fp16.update(
+        step_time_median_s=1.075, samples_per_s=29.8, speedup_vs_baseline=1.41, speedup_low=1.30, speedup_high=1.52
+    )
+    validate_report(report)
+    text = format_text(report)
+    main, _, rest = text.partition("Step times: each run's own median")
+    step_times, _, verdict_lines = rest.partition("Verdict:")
+    row = next(line for line in main.splitlines() if line.strip().startswith("fp16-mixed"))
+    assert "1.41× (1.3×–1.52×)" in row
+    assert not re.search(r"1,075|1,111|29\.8|28\.8", main)  # no figure of the medians beside the speed-up
+    assert re.search(r"fp16-mixed +1,075 +29\.8 +290", step_times)
+    assert "the ratio of two medians here can differ from them; read speed from the speed-up" in " ".join(
+        step_times.split()
+    )
+    assert "fp16-mixed: 1.41× faster (95% CI 1.3×–1.52×)" in verdict_lines  # the same figure as the row's
+
+    write_report(report, tmp_path)
+    page = (tmp_path / "report.html").read_text()
+    runs_table = page.partition("<h2>Runs</h2>")[2].partition("</table>")[0]
+    assert "1.41× (1.3×–1.52×)" in runs_table and not re.search(r"1,075|1,111|29\.8|28\.8", runs_table)
+    folded = re.search(r"<details><summary>Step times: each run&#x27;s own median</summary>(.*?)</details>", page)
+    assert folded and '<td>fp16-mixed</td><td class="num">1,075</td>' in folded.group(1)

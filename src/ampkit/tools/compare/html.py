@@ -14,7 +14,17 @@ from typing import Any
 
 from ampkit.tools.compare.plots import CAPTIONS, PLOT_FILES, have_matplotlib, write_plots
 from ampkit.tools.compare.records import Report, Run, Task, json_safe, validate_report
-from ampkit.tools.compare.summary import NUMERIC_FROM, columns, notes, rows, title
+from ampkit.tools.compare.summary import (
+    NUMERIC_FROM,
+    STEP_TIME_COLUMNS,
+    STEP_TIMES_TITLE,
+    columns,
+    notes,
+    rows,
+    step_time_rows,
+    step_times_note,
+    title,
+)
 from ampkit.tools.compare.wording import (
     details,
     numerics_findings,
@@ -90,6 +100,23 @@ def _table(report: Report) -> str:
         attributes = ' class="baseline"' if baseline else ""
         body.append(f"<tr{attributes}>{''.join(cells)}</tr>")
     return f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table></div>'
+
+
+def _step_times(report: Report) -> str:
+    """Each run's own median, folded under the runs' table (it is not where speed is read from)."""
+    cells = step_time_rows(report)
+    if not cells:
+        return ""
+    num = ' class="num"'
+    head = "".join(f'<th scope="col"{num if i else ""}>{_e(c)}</th>' for i, c in enumerate(STEP_TIME_COLUMNS))
+    body = "".join(
+        "<tr>" + "".join(f"<td{num if i else ''}>{_e(c)}</td>" for i, c in enumerate(row)) + "</tr>" for row in cells
+    )
+    return (
+        f"<details><summary>{_e(STEP_TIMES_TITLE)}</summary>"
+        f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
+        f'<p class="sub">{_e(step_times_note(report))}</p></details>'
+    )
 
 
 def _verdict_item(run: Run, line: str) -> str:
@@ -168,6 +195,7 @@ def render_html(
 <h2>Runs</h2>
 {_table(report)}
 <ul class="notes">{"".join(f"<li>{_e(n)}</li>" for n in notes(report))}</ul>
+{_step_times(report)}
 <h2>Plots</h2>
 {_figures(plots, missing_reason)}
 {_numerics(report, plots)}

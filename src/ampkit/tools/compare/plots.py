@@ -19,8 +19,8 @@ CAPTIONS = {
     "\u00d7 marks a diverged run's last finite step.",
     "throughput": "Training samples per second after warm-up: the baseline's, and each other run's as its "
     "speed-up over the baseline puts it (labels), error bars that speed-up's 95% interval from the paired "
-    "rounds (as in the verdict; the table's samples/s is each run's own median). Hatched bars are probes "
-    "(a few steps only).",
+    "rounds (as in the verdict and the table; the step-time section's samples/s is each run's own median). "
+    "Hatched bars are probes (a few steps only).",
     "scale_history": "Dynamic loss scale per optimizer step (log\u2082). Each drop is a step skipped "
     "because its gradients overflowed.",
     "memory": "Peak memory of each run's training; the parts counted from its tensors where known "

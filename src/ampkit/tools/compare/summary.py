@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console, Group
 from rich.text import Text
 
-from ampkit.tools.compare.records import MEMORY_KINDS, Report, Task, as_report
+from ampkit.tools.compare.records import MEMORY_KINDS, Report, Run, Task, as_report
 from ampkit.tools.compare.speed import SAME
 from ampkit.tools.compare.wording import (
     details,
@@ -118,9 +118,7 @@ def columns(task: Task | None) -> list[str]:
     return [
         "precision",
         "status",
-        "ms/step",
-        "samples/s",
-        "speed-up",
+        "speed-up (95% CI)",
         "peak memory",
         "memory ratio",
         "final loss",
@@ -146,9 +144,7 @@ def rows(report: Report) -> list[list[str]]:
         [
             run.precision,
             run.status,
-            opt(run.step_time_median_s, lambda s: sig(s * 1e3)),
-            opt(run.samples_per_s, sig),
-            opt(run.speedup_vs_baseline, times),
+            speed_cell(run),
             opt(run.peak_memory_bytes, size),
             opt(run.memory_ratio_vs_baseline, times),
             opt(run.final_train_loss, loss),
@@ -158,6 +154,48 @@ def rows(report: Report) -> list[list[str]]:
         ]
         for run in report.runs
     ]
+
+
+def speed_cell(run: Run) -> str:
+    """ "1.41× (1.30×–1.52×)": the verdict's figure and its interval, the row's only speed figure."""
+    if run.speedup_vs_baseline is None:
+        return NONE
+    low, high = run.speedup_low, run.speedup_high
+    interval = f" ({times(low)}\u2013{times(high)})" if low is not None and high is not None else ""
+    return times(run.speedup_vs_baseline) + interval
+
+
+STEP_TIME_COLUMNS = ["precision", "median ms/step", "median samples/s", "timed steps"]
+STEP_TIMES_TITLE = "Step times: each run's own median"
+
+
+def step_time_rows(report: Report) -> list[list[str]]:
+    """Each run's own median step time and throughput: absolute time, in a section apart from the speed-ups."""
+
+    def opt(value: Any, fmt: Any) -> str:
+        return NONE if value is None else fmt(value)
+
+    return [
+        [
+            run.precision,
+            opt(run.step_time_median_s, lambda s: sig(s * 1e3)),
+            opt(run.samples_per_s, sig),
+            str(max(0, run.steps - run.warmup_steps)),
+        ]
+        for run in report.runs
+        if run.step_time_median_s is not None
+    ]
+
+
+def step_times_note(report: Report) -> str:
+    """Why the step-time section is not where speed is read from, or (without paired rounds) how they agree."""
+    if any(r.speedup_low is not None for r in report.runs):
+        return (
+            "for absolute time only: the speed-up column and the verdicts come from paired rounds (each round's "
+            "ratio, so the machine's drift between rounds cancels), so the ratio of two medians here can differ "
+            "from them; read speed from the speed-up"
+        )
+    return "the speed-up column is the ratio of these medians"
 
 
 def _column(values: list[float | None]) -> Any:
@@ -197,6 +235,7 @@ def _renderables(report: Report) -> Group:
             two_line_headers=True,
             row_styles=["bold" if r.precision == report.baseline else None for r in report.runs],
         ),
+        *_step_times(report),
         Text("Verdict:", style="bold"),
     ]
     for run, line in zip(report.runs, verdicts(report)):
@@ -205,6 +244,23 @@ def _renderables(report: Report) -> Group:
     if policies := policy_lines(report):
         out += [Text("Precision policies:", style="bold"), *(indented(line, 2) for line in policies)]
     return Group(*out)
+
+
+def _step_times(report: Report) -> list[Any]:
+    """The step-time section under the main table: nothing where no run was timed."""
+    cells = step_time_rows(report)
+    if not cells:
+        return []
+    return [
+        table(
+            STEP_TIME_COLUMNS,
+            cells,
+            title=STEP_TIMES_TITLE,
+            caption=step_times_note(report),
+            numeric_from=1,
+            row_styles=["bold" if row[0] == report.baseline else None for row in cells],
+        )
+    ]
 
 
 def _banner(rec: str) -> Text:
