@@ -76,6 +76,32 @@ def autocast_left_under_fp32() -> None:
     opt.step()
 
 
+def _leftover_grad_scaler(precision: str) -> torch.nn.Module:
+    model, acc = make_model(), ampkit.Accelerator(precision=precision, device="cpu")
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = torch.amp.GradScaler("cpu")  # the loop's own, from before the conversion (enabled on CPU too)
+    acc.backward(scaler.scale(_loss(model)))
+    scaler.step(opt)
+    scaler.update()
+    return model
+
+
+def grad_scaler_left_under_fp16() -> None:
+    _leftover_grad_scaler("fp16-mixed")
+
+
+def grad_scaler_left_under_bf16() -> None:
+    _leftover_grad_scaler("bf16-mixed")
+
+
+def grad_scaler_with_plain_backward() -> None:
+    model, acc = make_model(), ampkit.Accelerator(precision="fp16-mixed", device="cpu")
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(_loss(model)).backward()
+    scaler.step(opt)
+
+
 def second_argument_not_preparable() -> None:
     ampkit.Accelerator(precision="fp32", device="cpu").prepare(make_model(), 5)
 
@@ -89,13 +115,19 @@ TABLE: list[tuple[Callable[[], None], type[Warning | Exception], str]] = [
     (optimizer_stepped_twice, ampkit.StepOrderError, "a second optimizer.step(), or a leftover scaler.step"),
     (loss_backward_kept, ampkit.StepOrderError, "replace loss.backward() with acc.backward(loss)"),
     (step_without_any_backward, ampkit.StepOrderError, "call acc.backward(loss) before optimizer.step()"),
+    (grad_scaler_left_under_fp16, ampkit.StepOrderError, "by a torch.amp.GradScaler (scaler.step(optimizer)) left"),
+    (grad_scaler_left_under_fp16, ampkit.StepOrderError, "already scales the loss (precision='fp16-mixed')"),
+    (grad_scaler_left_under_bf16, ampkit.StepOrderError, "precision='bf16-mixed' needs no loss scaling"),
+    (grad_scaler_with_plain_backward, ampkit.StepOrderError, "acc.backward(loss) for acc.backward(scaler.scale"),
     (second_argument_not_preparable, TypeError, "prepare() argument 2 is a builtins.int"),
     (autocast_left_under_fp32, UserWarning, "torch.autocast('cpu', dtype=bfloat16) region under precision='fp32'"),
 ]
 
 
 @pytest.mark.parametrize(
-    "case, kind, message", TABLE, ids=[f"{case.__name__}-{kind.__name__}" for case, kind, _ in TABLE]
+    "case, kind, message",
+    TABLE,
+    ids=[f"{case.__name__}-{kind.__name__}-{i}" for i, (case, kind, _) in enumerate(TABLE)],
 )
 def test_each_misuse_is_named_with_its_fix(case, kind, message) -> None:
     with warnings.catch_warnings(record=True) as caught:
@@ -152,3 +184,22 @@ def test_an_fp32_model_outside_autocast_is_the_plain_forward_and_warns_once_insi
     assert b"ampkit" not in pickle.dumps(model)
     exported = torch.export.export(model, (x,))  # the model's own signature: export and tracing see it as before
     assert torch.equal(exported.module()(x), ref(x)) and torch.equal(torch.jit.trace(model, x)(x), ref(x))
+
+
+def test_a_leftover_grad_scaler_is_refused_before_any_weight_changes() -> None:
+    """scaler.step(optimizer) of a GradScaler left in the loop: the step raises before it updates anything, and
+    the optimizer keeps none of the scaler's attributes (a loop without the scaler then steps as usual)."""
+    torch.manual_seed(0)
+    model, acc = make_model(), ampkit.Accelerator(precision="fp16-mixed", device="cpu")
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler = torch.amp.GradScaler("cpu")
+    acc.backward(scaler.scale(_loss(model)))
+    with pytest.raises(ampkit.StepOrderError, match="left in the loop"):
+        scaler.step(opt)
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
+    opt.zero_grad()
+    acc.backward(_loss(model, seed=1))
+    opt.step()  # the converted loop, without the scaler
+    assert not all(torch.equal(b, p) for b, p in zip(before, model.parameters()))

@@ -21,7 +21,7 @@ from ampkit.engine.events import Listener
 from ampkit.engine.faults import NonFiniteWatch, collapse_message
 from ampkit.engine.optim_state import state_problems
 from ampkit.engine.step_context import StepContext
-from ampkit.engine.step_order import why_count_blocks, why_no_backward
+from ampkit.engine.step_order import why_count_blocks, why_grad_scaler, why_no_backward
 from ampkit.errors import LossScaleCollapse, StepOrderError
 from ampkit.precision.outcomes import StepOutcomes
 from ampkit.precision.scaler import coalesce_fp16_sparse
@@ -51,6 +51,10 @@ class AmpOptimizer(torch.optim.Optimizer):
     counters, stage, and the fp32 truth of low-precision weights); a plain torch optimizer loading
     it ignores that entry.
     """
+
+    #: Read by `torch.amp.GradScaler.step(optimizer)`: with it the scaler calls `step()` with `found_inf` set on
+    #: this object rather than unscaling the gradients first, so `step()` can name a GradScaler left in the loop.
+    _step_supports_amp_scaling = True
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, ctx: StepContext, weights: LowPrecisionWeights | None, index: int = 0
@@ -209,6 +213,10 @@ class AmpOptimizer(torch.optim.Optimizer):
                 "optimizer.step(closure) is not supported by ampkit: compute the loss in the loop and call "
                 "acc.backward(loss)"
             )
+        if "found_inf" in self.__dict__:  # set by torch.amp.GradScaler.step(optimizer) for this call
+            for name in ("found_inf", "grad_scale"):  # the scaler removes them only after a step that returns
+                self.__dict__.pop(name, None)
+            raise StepOrderError(why_grad_scaler(self._ctx.precision))
         if self._stage is READY or self._stage is STEPPED:
             params = [p for group in self.optimizer.param_groups for p in group["params"]] + self._model_params
             raise StepOrderError(why_no_backward(self._stage is STEPPED, params))

@@ -27,6 +27,22 @@ def why_no_backward(stepped: bool, params: list[torch.Tensor]) -> str:
     )
 
 
+def why_grad_scaler(precision: str) -> str:
+    """optimizer.step() called by a `torch.amp.GradScaler` left in the loop (scaler.step(optimizer))."""
+    scales = precision.startswith("fp16")
+    own = (
+        f"the Accelerator already scales the loss (precision={precision!r}), so the GradScaler scaled it a second time"
+        if scales
+        else f"precision={precision!r} needs no loss scaling, so the GradScaler only scaled and unscaled the gradients"
+    )
+    return (
+        f"optimizer.step() was called by a torch.amp.GradScaler (scaler.step(optimizer)) left in the loop: {own}. "
+        "Remove the GradScaler: acc.backward(loss) for acc.backward(scaler.scale(loss)) or "
+        "scaler.scale(loss).backward(), optimizer.step() for scaler.step(optimizer), and no scaler.update() or "
+        "scaler.unscale_(optimizer) (acc.clip_grad_norm_ unscales before clipping); this step changed no weight"
+    )
+
+
 def why_count_blocks(uncounted: int, steps: int) -> str:
     """optimizer.step() found `uncounted` > 1 backwards since the last step() mid-cycle of `steps` micro-batches."""
     return (
