@@ -106,10 +106,8 @@ def test_evaluation_reads_are_reported_apart_from_the_training_steps_and_host_te
     assert syncs["per_step"] == pytest.approx(1.0)  # the training step's own reads only
     titles = [f["title"] for f in session.result["findings"] if f["id"] == "sync"]
     assert any(t.startswith("1 sync per step at ") for t in titles)
-    assert any(
-        t.startswith("3 reads in 1 of 5 watched steps at ") or t.startswith("6 reads in 2 of 5 watched steps at ")
-        for t in titles
-    ), titles
+    # every measured step is watched: the evaluation's 3 reads every 4th step, in 5 of the 20
+    assert any(t.startswith("15 reads in 5 of 20 watched steps at ") for t in titles), titles
 
 
 def test_a_script_without_a_prepared_optimizer_is_told_within_the_first_steps():
@@ -175,3 +173,45 @@ def test_the_numerics_doctor_names_a_loss_divided_twice_under_accumulation(divid
         assert summarize(session.result)["problem"] == found[0]["title"]
     else:
         assert not found and summarize(session.result)["problem"] is None
+
+
+def test_a_read_every_kth_step_is_seen_wherever_it_falls_in_the_measured_steps():
+    """Issue 46: `loss.item()` every 20th step, inside the measured steps, and the doctor said "syncs: none" (it
+    watched only the profiled steps). Every measured step is watched now, so the one read is named."""
+    from ampkit.tools.doctor.perf.report import format_text
+
+    acc, model = ampkit.Accelerator("fp32", device="cpu"), Deep()
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-2))
+    session = DoctorSession(acc, steps=20, warmup=1, bench=False)
+    for it, (x, y) in enumerate(data(21)):
+        loss = F.cross_entropy(model(x), y)
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        if it % 20 == 17:  # a log line every 20th step: in the timed steps, past the 5 profiled ones
+            print(f"step {it} loss {loss.item():.4f}", file=open("/dev/null", "w"))  # sync: log
+    syncs = session.result["syncs"]
+    assert syncs["watched_steps"] == 20
+    (site,) = syncs["sites"]
+    assert site["code"].endswith("# sync: log") and (site["reads"], site["steps_seen"]) == (1, 1)
+    assert not site["every_step"] and syncs["per_step"] == 0
+    text = " ".join(format_text(session.result).split())
+    assert "syncs: none" not in text
+    assert "1 more in code that ran in only some of the 20 watched steps" in text
+
+
+def test_the_phase_clock_leaves_out_what_watching_cost():
+    """The sync watcher's calls cost host time in every watched step: the clock takes `charge()` off each phase."""
+    from ampkit.tools.doctor.perf.session import PhaseClock
+
+    spent = [0.0]
+    clock = PhaseClock(charge=lambda: spent[0])
+    clock.active = True
+    clock.start("backward")
+    spent[0] += 3600.0  # an hour of watching inside the phase, far more than the phase took
+    clock.end("backward")
+    clock.start("optimizer")
+    clock.end("optimizer")
+    seconds, _, _ = clock.take()
+    assert seconds["backward"] == 0.0  # none of the hour
+    assert 0.0 <= seconds["optimizer"] < 1.0

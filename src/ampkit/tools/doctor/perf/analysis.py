@@ -123,10 +123,8 @@ class Analysis:
         self.compute_s = max(1e-9, self.host_s - self.phases["data"] - self.phases["h2d"])
 
         # Kernel share: kernel-op time over step time, both from the profiled steps.
+        # (every row's times are without the sync watcher's own cost: `PhaseClock.now`)
         prof_compute = statistics.fmean(r["host_s"] - r["phases"]["data"] - r["phases"]["h2d"] for r in profiled)
-        if session.syncs.calls:  # the sync watcher's own cost, outside the ops (`SyncWatcher.call_overhead`)
-            watched = session.syncs.calls / len(profiled) * session.syncs.call_overhead()
-            prof_compute = max(prof_compute / 2, prof_compute - watched)
         self.scale = min(1.0, self.compute_s / prof_compute) if prof_compute > 0 else 1.0  # profiler -> timed
         ops = self.ops
         if ops.cuda_kernels is not None and ops.cuda_kernel_us is not None:  # the device's own account
@@ -143,7 +141,7 @@ class Analysis:
 
         syncs = session.syncs
         self.sync_sites = syncs.sites + syncs.cuda_sites
-        self.synced_steps = len(profiled)  # the sync watcher watches the profiled window
+        self.synced_steps = len(profiled) + len(timed)  # the sync watcher watches every measured step
         # A site that read in every watched step (one's slack: a read after a step's end lands in the next)
         # is the training step's; one that read in fewer is evaluation or logging, reported apart.
         self.site_steps = {site: len(syncs.site_steps.get(site, ())) for site in self.sync_sites}

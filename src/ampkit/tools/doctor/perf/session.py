@@ -77,9 +77,11 @@ class PhaseClock(Listener):
 
     The loader's batch wait is *data*, its copy *h2d*; from the first model call after a batch (torch's
     global module hooks) to `acc.backward` *forward*; `acc.backward` *backward*; the optimizers' `step`
-    and `zero_grad` *optimizer*; the rest *other*."""
+    and `zero_grad` *optimizer*; the rest *other*. Its clock (`now()`) is `time.perf_counter()` less `charge()`:
+    the seconds a watcher of the step has cost so far, so that no phase counts the watching."""
 
-    def __init__(self) -> None:
+    def __init__(self, charge: Callable[[], float] = lambda: 0.0) -> None:
+        self.charge = charge
         self.active = False
         self.in_data = False  # inside the data loader: tensor reads there are host-side
         self._started: dict[str, float] = {}  # phase -> when its current span started
@@ -92,6 +94,10 @@ class PhaseClock(Listener):
         self.batch_bytes = 0
         self._forward_start: float | None = None  # a model call not followed by backward: "other"
         self._forward_excluded = 0.0  # data/h2d time that fell inside the forward span
+
+    def now(self) -> float:
+        """Seconds on the clock: `time.perf_counter()` less what watching the step has cost so far."""
+        return time.perf_counter() - self.charge()
 
     def take(self) -> tuple[dict[str, float], int | None, int]:
         """This step's (seconds per phase, samples, batch bytes); the clock starts the next step."""
@@ -113,14 +119,14 @@ class PhaseClock(Listener):
                 self._forward_excluded += seconds
 
     def start(self, phase: str) -> None:
-        self._started[phase] = time.perf_counter()
+        self._started[phase] = self.now()
         if phase != "data":  # a loader that ran out sends no batch-wait end: this is past it
             self.in_data = False
 
     def end(self, phase: str, now: float | None = None) -> None:
         start = self._started.pop(phase, None)
         if start is not None:
-            self.add(phase, (now or time.perf_counter()) - start)
+            self.add(phase, max(0.0, (now or self.now()) - start))
 
     # --- the events -----------------------------------------------------------------------------
     def on_batch_wait_start(self, loader: DeviceLoader) -> None:
@@ -145,7 +151,7 @@ class PhaseClock(Listener):
 
     def on_backward_start(self, acc: Any, loss: torch.Tensor) -> None:
         if self._forward_start is not None:
-            self.add("forward", max(0.0, time.perf_counter() - self._forward_start - self._forward_excluded))
+            self.add("forward", max(0.0, self.now() - self._forward_start - self._forward_excluded))
             self._forward_start = None
         self.start("backward")
 
@@ -164,7 +170,7 @@ class PhaseClock(Listener):
     def _forward_pre(self, module: nn.Module, args: Any) -> None:
         self._module_depth += 1
         if self._module_depth == 1 and self._forward_start is None and self.active:
-            self._forward_start = time.perf_counter()
+            self._forward_start = self.now()
             self._forward_excluded = 0.0
 
     def _forward_post(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -193,8 +199,8 @@ class DoctorSession(Watch):
         self.gpu = advisor.find_gpu(gpu)
         self.profiled_target = max(1, min(MAX_PROFILED_STEPS, steps // 4))
         self.bench = bench
-        self.clock = PhaseClock()
         self.syncs = SyncWatcher(acc.device, ignore=lambda: self.clock.in_data, host_born=True)
+        self.clock = PhaseClock(charge=self.syncs.cost)
         self.profiled_events: list[Any] | None = None  # torch.profiler's, of the profiled steps
         self.rows: dict[str, list[Result]] = {"profiled": [], "timed": []}  # per measured step
         self.cuda_marks: list[torch.cuda.Event] = []  # CUDA events at the timed steps' ends
@@ -207,18 +213,18 @@ class DoctorSession(Watch):
         self.acc.events.add(self.clock)
         self.hooks.callback(self.acc.events.remove, self.clock)
         self.clock.hook(self.hooks)
+        self.hooks.callback(self._stop_watching)
         self.hooks.callback(self._stop_profiler, keep=False)
         if self.warmup == 0:
             self._open("profiled")
 
     def step_ended(self) -> None:
         """End of an optimizer step: close the step's figures, move between windows."""
-        now = time.perf_counter()
+        now = self.clock.now()
         self.clock.end("optimizer", now)
         if self._window in self.rows:
             seconds, samples, batch_bytes = self.clock.take()
-            if self._window == "profiled":
-                self.syncs.step += 1  # the reads from here on belong to the next step
+            self.syncs.step += 1  # the reads from here on belong to the next step
             self.rows[self._window].append(
                 {"host_s": now - self._step_start, "phases": seconds, "samples": samples, "batch_bytes": batch_bytes}
             )
@@ -232,8 +238,9 @@ class DoctorSession(Watch):
         elif self._window == "timed" and len(self.rows["timed"]) >= self.steps - self.profiled_target:
             self._window = "done"
         if self._window == "done":
+            self._stop_watching()
             self.done()
-        self._step_start = time.perf_counter()  # the doctor's own bookkeeping is in no step
+        self._step_start = self.clock.now()  # the doctor's own bookkeeping is in no step
 
     def _open(self, window: str) -> None:
         self._window = window
@@ -255,22 +262,23 @@ class DoctorSession(Watch):
             self.cuda_marks = [_cuda_mark()]
         self.clock.take()
         self.clock.active = True
-        self._step_start = time.perf_counter()
+        self._step_start = self.clock.now()
 
     def _stop_profiler(self, keep: bool = True) -> None:
-        """End the profiled window: the profiler's events (`keep`) and the sync watcher."""
+        """End the profiled window: the profiler's events (`keep`). The sync watcher goes on to the last step."""
+        if self._profiler is not None:
+            profiler, self._profiler = self._profiler, None
+            with warnings.catch_warnings(), quiet_kineto():
+                warnings.simplefilter("ignore")
+                sync_device(self.acc.device)
+                profiler.stop()
+                if keep:
+                    self.profiled_events = list(profiler.events())
+
+    def _stop_watching(self) -> None:
+        """The sync watcher's end (idempotent): it watched every measured step, profiled and timed."""
         self.syncs.active = False
-        try:
-            if self._profiler is not None:
-                profiler, self._profiler = self._profiler, None
-                with warnings.catch_warnings(), quiet_kineto():
-                    warnings.simplefilter("ignore")
-                    sync_device(self.acc.device)
-                    profiler.stop()
-                    if keep:
-                        self.profiled_events = list(profiler.events())
-        finally:
-            self.syncs.uninstall()
+        self.syncs.uninstall()
 
     # --- finishing ----------------------------------------------------------------------------
     def measured(self) -> int:
@@ -278,7 +286,10 @@ class DoctorSession(Watch):
 
     def wrap_up(self) -> None:
         self.clock.active = False
-        self._stop_profiler()
+        try:
+            self._stop_profiler()
+        finally:
+            self._stop_watching()
 
     def build(self) -> Result:
         if not self.rows["profiled"]:

@@ -186,6 +186,7 @@ class SyncWatcher:
         self.ignore = ignore
         self.skip = skip
         self.calls = 0  # tensor functions the mode saw (each pays `call_overhead()` for it)
+        self.per_call_s = 0.0  # that overhead, measured at `install()`
         self.step = 0  # the owner's step index: `site_steps` says in which steps each site read
         self.site_steps: dict[SyncSite, set[int]] = {}
         self.host: dict[int, weakref.ref[torch.Tensor]] | None = {} if device.type == "cpu" and host_born else None
@@ -196,6 +197,7 @@ class SyncWatcher:
     def install(self) -> None:
         if self._mode is not None:
             raise RuntimeError("SyncWatcher.install() was called twice")
+        self.per_call_s = self.call_overhead()  # before the mode: its own calls are not the step's
         self._mode = _Mode(self)
         self._mode.__enter__()
 
@@ -206,6 +208,10 @@ class SyncWatcher:
         if self._mode is not None:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)
+
+    def cost(self) -> float:
+        """Host seconds watching has added so far: the calls seen times `call_overhead()`'s figure."""
+        return self.calls * self.per_call_s
 
     @staticmethod
     def call_overhead(calls: int = 2000) -> float:
