@@ -215,3 +215,33 @@ def test_the_phase_clock_leaves_out_what_watching_cost():
     seconds, _, _ = clock.take()
     assert seconds["backward"] == 0.0  # none of the hour
     assert 0.0 <= seconds["optimizer"] < 1.0
+
+
+def test_the_advice_line_is_one_of_its_tables_figures_on_a_busy_machine(monkeypatch):
+    """Issue 46: "an A100 would be no faster" sat above a table saying 6.64x for every GPU: the verdict judged
+    the step without its threads' wait for cores, the table the step with it. Both use the unstalled step now."""
+    from ampkit.tools.doctor.perf import findings
+    from ampkit.tools.doctor.perf.report import format_text
+    from ampkit.util.present import times
+
+    monkeypatch.setattr(findings, "stall_time", lambda kernel_s, *args, **kwargs: 0.8 * kernel_s)  # a busy CPU
+    acc, model = ampkit.Accelerator("fp32", device="cpu"), Deep()
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-2))
+    session = DoctorSession(acc, steps=8, warmup=1, bench=False)
+    for x, y in data(9):
+        acc.backward(F.cross_entropy(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    advice = session.result["advisor"]
+    assert advice["here"]["steady_s"] < advice["here"]["step_s"]
+    ref = [e for e in advice["estimates"] if e["gpu"] == advice["reference_gpu"]]
+    best = min(ref, key=lambda e: e["step_s"])
+    assert best["speedup"] == pytest.approx(advice["here"]["steady_s"] / best["step_s"])
+    if best["speedup"] >= 1.2:
+        assert f"should be ~{times(best['speedup'])} faster" in advice["verdict"]
+    else:
+        assert "no faster" in advice["verdict"] or "slower" in advice["verdict"]
+    text = format_text(session.result)
+    row = next(line for line in text.splitlines() if line.strip().startswith(advice["reference_gpu"] + " *"))
+    assert row.rstrip().endswith(times(best["speedup"]))  # the table's "vs here" is the verdict's figure
+    assert "unstalled" in text

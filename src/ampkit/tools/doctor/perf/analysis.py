@@ -348,13 +348,16 @@ class Analysis:
             for gpu in advisor.GPUS.values()
             for dtype in ("fp32", advisor.mixed_dtype(gpu))
         ]
-        rows = [{**dataclasses.asdict(e), "speedup": here / e.step_s if e.step_s > 0 else math.inf} for e in estimates]
+        # Judge against what this CPU does once its threads stop waiting for cores, not against the stall: the
+        # table's speed-ups too, so that the verdict is one of its figures.
+        steady = max(1e-9, here - self.stall_s)
+        rows = [
+            {**dataclasses.asdict(e), "speedup": steady / e.step_s if e.step_s > 0 else math.inf} for e in estimates
+        ]
         ref = self.s.gpu
         best = min((r for r in rows if r["gpu"] == ref.name), key=lambda r: r["step_s"])
         here_name = "this GPU" if self.device.type == "cuda" else "this CPU"
-        # Judge against what this CPU does once its threads stop waiting for cores, not against the stall.
-        steady = max(1e-9, here - self.stall_s)
-        ratio = steady / best["step_s"] if best["step_s"] > 0 else math.inf
+        ratio = best["speedup"]
         judged = (
             f"should be ~{times(ratio)} faster"
             if ratio >= 1.2
@@ -374,7 +377,12 @@ class Analysis:
             launches = f"{self.ops.per_step:.0f} kernel launches and the Python around them keep"
             verdict += f" — {'the data loader keeps' if data else launches} the device waiting"
         return {
-            "here": {"device": here_name, "name": describe(self.device)["device_name"], "step_s": here},
+            "here": {
+                "device": here_name,
+                "name": describe(self.device)["device_name"],
+                "step_s": here,
+                "steady_s": steady,
+            },
             "reference_gpu": ref.name,
             "estimates": rows,
             "verdict": verdict,

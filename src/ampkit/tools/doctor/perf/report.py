@@ -138,7 +138,9 @@ def _sync_rows(r: Result) -> list[list[str]]:
 def _advisor_rows(r: Result) -> list[list[str]]:
     """One row per GPU: its fp32 and mixed-precision estimates side by side, after this device's measurement."""
     a = r["advisor"]
-    rows = [[f"{a['here']['device']} (measured)", seconds(a["here"]["step_s"]), "", "", "", "", "1×"]]
+    here, steady = a["here"]["step_s"], a["here"].get("steady_s", a["here"]["step_s"])  # older results: no steady_s
+    measured = seconds(here) + (f" (~{seconds(steady)} unstalled)" if steady < here else "")
+    rows = [[f"{a['here']['device']} (measured)", measured, "", "", "", "", "1×"]]
     by_gpu: dict[str, list[dict[str, Any]]] = {}
     for e in a["estimates"]:
         by_gpu.setdefault(e["gpu"], []).append(e)

@@ -54,7 +54,7 @@ _ESTIMATE = obj(
         "bound": {"enum": ["host", "device"]},
         "speedup": NUM,
     },
-    speedup="Measured step time here over the estimate (> 1: the GPU is faster).",
+    speedup="here.steady_s over the estimate (> 1: the GPU is faster): the figure the verdict judges by.",
 )
 
 _FINDING = obj(
@@ -174,7 +174,10 @@ DOCTOR_SCHEMA: dict[str, Any] = {
             "bound": obj({"kind": {"enum": ["overhead", "compute", "data"]}, "reason": STR}),
             "advisor": obj(
                 {
-                    "here": obj({"device": STR, "name": STR, "step_s": NUM}),
+                    "here": obj(
+                        {"device": STR, "name": STR, "step_s": NUM, "steady_s": NUM},
+                        steady_s="step_s less the time its threads waited for cores (a busy machine); else step_s.",
+                    ),
                     "reference_gpu": STR,
                     "estimates": {"type": "array", "items": _ESTIMATE},
                     "verdict": TEXT,
