@@ -220,7 +220,14 @@ def test_measure_writes_a_checked_report(tmp_path):
     from ampkit.tools.export.measure import int8_flags
     from ampkit.tools.schema import validate
 
-    report = measure("iris-mlp", ["fp32", "fp16"], ["torch"], tmp_path, steps=30, rounds=2, threads=1)
+    said: list[str] = []
+    report = measure(
+        "iris-mlp", ["fp32", "fp16"], ["torch"], tmp_path, steps=30, rounds=2, threads=1, progress=said.append
+    )
+    assert said[0] == "training iris-mlp in fp32: 30 steps"  # each phase as it starts (issue 46: 521 s of silence)
+    assert "exporting fp16 with torch.export (2 of 2) and checking its accuracy" in said
+    assert "timing 2 exports at batch 1 and 30: 2 interleaved rounds" in said
+    assert said[-1] == "peak memory of fp16 (torch.export): a fresh process loads it and runs a batch"
     data = json.loads((tmp_path / "inference.json").read_text())
     validate(data, SCHEMA)
     fp32, fp16 = report.rows
@@ -231,6 +238,32 @@ def test_measure_writes_a_checked_report(tmp_path):
     assert "fp16 (torch.export)" in format_text(report) and "<table>" in render_html_section(report)
     assert int8_flags("flags\t: fpu avx2 avx512_vnni amx_int8\n") == ["avx512_vnni", "amx_int8"]
     assert auto_choice("cpu")[0] in ("fp32", "bf16", "int8")
+
+
+def test_the_hardware_tables_guess_comes_after_the_measurement_and_says_where_they_part(tmp_path):
+    """Issue 46: "auto choice: int8" sat above "measured fastest: fp32". The measurement comes first; the guess
+    after it, with what the measurement made of it."""
+    import dataclasses
+
+    from ampkit.tools.export import format_text
+    from ampkit.tools.export.report import InferenceReport, InferenceRow
+
+    rows = [
+        InferenceRow(precision=p, backend="onnx", runtime="onnxruntime", latency_batch_s=t)
+        for p, t in (("fp32", 0.010), ("int8", 0.012))
+    ]
+    report = InferenceReport(
+        task="iris-mlp", metric="accuracy", higher_is_better=True, device="cpu", device_name="a CPU", threads=1,
+        steps=30, throughput_batch=30, rounds=2, memory_method="RSS", fp32_metric=1.0, auto_precision="int8",
+        auto_reason="CPU has avx512_vnni", measured_best="fp32 (onnxruntime)", rows=rows,
+    )  # fmt: skip
+    text = format_text(report)
+    measured = text.index("measured fastest at batch 30 within tolerance: fp32 (onnxruntime)")
+    guess = text.index("before measuring, the hardware table's choice on a CPU: int8 (CPU has avx512_vnni)")
+    assert measured < guess
+    assert "measured, int8 (onnxruntime) took 1.2× the time of fp32 (onnxruntime) at batch 30: go by" in text
+    agreeing = format_text(dataclasses.replace(report, auto_precision="fp32", auto_reason="no int8 instructions"))
+    assert "the hardware table's choice on a CPU: fp32 (no int8 instructions)\n" in agreeing
 
 
 def test_measure_never_overwrites_inference_files_it_did_not_write(tmp_path):

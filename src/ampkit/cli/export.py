@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import Any
 
 from ampkit.cli import args as flags
@@ -31,6 +32,13 @@ def add_parser(sub: Any) -> None:
     exp.add_argument("--seed", type=int, default=0, help="seed for model init and data order (default: 0)")
     exp.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (default: 7)")
     exp.add_argument("--threads", type=int, default=None, help="intra-op threads of both runtimes (default: torch's)")
+    exp.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="show other libraries' warnings and log lines (torchao, onnx, onnxruntime); by default one line "
+        "counts them",
+    )
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -53,20 +61,34 @@ def handle(args: argparse.Namespace) -> int:
         format_text,
         measure,
     )
+    from ampkit.util.held_back import held_back
 
     try:
-        report = measure(
-            args.task,
-            precisions or list(PRECISIONS),
-            backends,
-            args.out,
-            steps=args.steps,
-            seed=args.seed,
-            rounds=args.rounds,
-            threads=args.threads,
-        )
+        with held_back(show=args.verbose) as held:
+            report = measure(
+                args.task,
+                precisions or list(PRECISIONS),
+                backends,
+                args.out,
+                steps=args.steps,
+                seed=args.seed,
+                rounds=args.rounds,
+                threads=args.threads,
+                progress=_progress(time.monotonic()),
+            )
     except ValueError as exc:
         return flags.usage("export", exc)
+    if summary := held.summary():
+        print(f"ampkit export: {summary}", file=sys.stderr)
     print(format_text(report), end="")
     print(f"inference report: {args.out}/inference.json (and inference.txt; the exported files in {args.out}/exports/)")
     return 0
+
+
+def _progress(start: float) -> Any:
+    """Each phase of the export on stderr, with the seconds since `start`: "ampkit export [  12 s] timing ..."."""
+
+    def say(message: str) -> None:
+        print(f"ampkit export [{time.monotonic() - start:4.0f} s] {message}", file=sys.stderr, flush=True)
+
+    return say

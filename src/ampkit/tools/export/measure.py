@@ -30,6 +30,24 @@ from ampkit.util.processes import die_with_parent
 #: CPU flags of int8 dot-product instructions (VNNI, AMX), as Linux names them in /proc/cpuinfo.
 INT8_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 TOLERANCE = 1.0  # metric change (pp of accuracy, % of perplexity) within which an export counts as lossless
+PROGRESS_EVERY_S = 10.0  # the longest a phase (training, the timing rounds) goes without a progress line
+
+
+def _quiet(message: str) -> None:
+    """`measure`'s default `progress`: say nothing."""
+
+
+class _Ticker:
+    """`progress(message)` at most every `PROGRESS_EVERY_S` seconds (the first call waits that long too)."""
+
+    def __init__(self, progress: Callable[[str], None]) -> None:
+        self.progress = progress
+        self.last = time.monotonic()
+
+    def __call__(self, message: str) -> None:
+        if time.monotonic() - self.last >= PROGRESS_EVERY_S:
+            self.progress(message)
+            self.last = time.monotonic()
 
 
 def int8_flags(cpuinfo: str | None = None) -> list[str] | None:
@@ -69,12 +87,14 @@ def auto_choice(device: torch.device | str = "cpu") -> tuple[str, str]:
     )
 
 
-def _median_times(calls: dict, rounds: int) -> dict:
+def _median_times(calls: dict, rounds: int, progress: Callable[[str], None] = _quiet) -> dict:
     """Median seconds per call of each `(call, repeats)`, timed `repeats` times per round, in turn."""
     for call, _ in calls.values():
         call()  # warm-up
     times: dict = {k: [] for k in calls}
-    for _ in range(rounds):
+    tick = _Ticker(progress)
+    for done in range(rounds):
+        tick(f"timing: round {done + 1} of {rounds}")
         for key, (call, repeats) in calls.items():
             start = time.perf_counter()
             for _ in range(repeats):
@@ -137,6 +157,7 @@ def measure(
     rounds: int = 7,
     throughput_batch: int | None = None,
     threads: int | None = None,
+    progress: Callable[[str], None] = _quiet,
 ) -> InferenceReport:
     """Train `task` in fp32 (`steps`, default the task's), export it in each of `precisions` with each of
     `backends` and measure every export against the same runtime's fp32 export and the fp32 PyTorch model.
@@ -144,7 +165,8 @@ def measure(
     With `out`, writes `out/inference.json` and `out/inference.txt` (and the exports, in `out/exports/`).
     An export that cannot be made (a precision a backend does not run, a missing extra) is a row that
     says why; the others are measured anyway. `threads`: intra-op threads of both runtimes (default:
-    torch's current setting), set for the measurement only.
+    torch's current setting), set for the measurement only. `progress(message)` hears each phase as it starts
+    (training, each export, the timing, each memory probe), and a long one every `PROGRESS_EVERY_S` seconds.
     """
     for name, value in (("rounds", rounds), ("throughput_batch", throughput_batch), ("threads", threads)):
         if value is not None and (not isinstance(value, int) or value < 1):
@@ -152,7 +174,7 @@ def measure(
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or previous)
     try:
-        return _measure(task, precisions, backends, out, steps, seed, rounds, throughput_batch)
+        return _measure(task, precisions, backends, out, steps, seed, rounds, throughput_batch, progress)
     finally:
         torch.set_num_threads(previous)
 
@@ -166,6 +188,7 @@ def _measure(
     seed: int,
     rounds: int,
     throughput_batch: int | None,
+    progress: Callable[[str], None],
 ) -> InferenceReport:
     if not precisions or any(p not in PRECISIONS for p in precisions):
         raise ValueError(f"precisions={list(precisions)!r}: expected some of {', '.join(PRECISIONS)}")
@@ -183,8 +206,10 @@ def _measure(
     data = the_task.make_data(seed, the_task.default_batch_size)
     optimizer = the_task.make_optimizer(model.parameters(), the_task.default_lr)
     model, optimizer, loader = acc.prepare(model, optimizer, data.train_loader)
-    for _, _ in zip(range(steps), the_task.training(acc, model, optimizer, loader)):
-        pass
+    progress(f"training {task} in fp32: {steps} steps")
+    tick = _Ticker(progress)
+    for done, _ in zip(range(steps), the_task.training(acc, model, optimizer, loader)):
+        tick(f"training: step {done + 1} of {steps}")
     folder = Path(out) / "exports" if out is not None else Path(tempfile.mkdtemp(prefix="ampkit-inference-"))
     inputs = data.eval_inputs
     batch_n = min(throughput_batch or 256, len(inputs))
@@ -193,40 +218,43 @@ def _measure(
         eager = _predictions(lambda x: model(x).float(), inputs)
     exports: dict[tuple[str, str], Exported] = {}
     rows: dict[tuple[str, str], InferenceRow] = {}
-    for backend in backends:
-        for precision in order:
-            rows[backend, precision] = row = InferenceRow(
-                precision=precision, backend=backend, runtime=RUNTIME[backend]
+    planned = [(backend, precision) for backend in backends for precision in order]
+    for n, (backend, precision) in enumerate(planned, 1):
+        progress(
+            f"exporting {precision} with {RUNTIME[backend]} ({n} of {len(planned)}) and checking its {the_task.metric}"
+        )
+        rows[backend, precision] = row = InferenceRow(precision=precision, backend=backend, runtime=RUNTIME[backend])
+        try:
+            exported = export(
+                model,
+                inputs[:batch_n],
+                precision,
+                backend,
+                folder / f"{task}-{precision}{SUFFIX[backend]}",
+                acc=acc,
             )
-            try:
-                exported = export(
-                    model,
-                    inputs[:batch_n],
-                    precision,
-                    backend,
-                    folder / f"{task}-{precision}{SUFFIX[backend]}",
-                    acc=acc,
-                )
-            except (ValueError, ImportError) as err:
-                row.error = re.sub(r"\s+", " ", str(err))
-                continue
-            exports[backend, precision] = exported
-            row.size_bytes = exported.size_bytes
-            row.metric = the_task.evaluate(exported.as_module(), data, "cpu")[the_task.metric]
-            ratio = row.metric - reference if the_task.metric == "accuracy" else row.metric / reference - 1
-            row.metric_change = ratio * 100
-            row.agreement = (_predictions(exported.run, inputs) == eager).float().mean().item()  # sync: a report figure
+        except (ValueError, ImportError) as err:
+            row.error = re.sub(r"\s+", " ", str(err))
+            continue
+        exports[backend, precision] = exported
+        row.size_bytes = exported.size_bytes
+        row.metric = the_task.evaluate(exported.as_module(), data, "cpu")[the_task.metric]
+        ratio = row.metric - reference if the_task.metric == "accuracy" else row.metric / reference - 1
+        row.metric_change = ratio * 100
+        row.agreement = (_predictions(exported.run, inputs) == eager).float().mean().item()  # sync: a report figure
     one, many = inputs[:1], inputs[:batch_n]
     calls = {
         (*k, b): ((lambda e=e, x=x: e.run(x)), n)
         for k, e in exports.items()
         for b, x, n in (("1", one, 10), ("n", many, 1))
     }
-    medians = _median_times(calls, rounds)
+    progress(f"timing {len(exports)} exports at batch 1 and {batch_n}: {rounds} interleaved rounds")
+    medians = _median_times(calls, rounds, progress)
     for (backend, precision), row in rows.items():
         if (backend, precision) not in exports:
             continue
         row.latency_b1_s, row.latency_batch_s = medians[backend, precision, "1"], medians[backend, precision, "n"]
+        progress(f"peak memory of {precision} ({RUNTIME[backend]}): a fresh process loads it and runs a batch")
         row.peak_rss_bytes = _peak_rss(
             exports[backend, precision].path, many, exports.get((backend, "fp32"), exports[backend, precision]).path
         )

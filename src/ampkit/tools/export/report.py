@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -142,10 +143,28 @@ def _columns(report: InferenceReport) -> list[str]:
     ]
 
 
+def _guess(report: InferenceReport) -> str:
+    """The hardware table's choice, and where the measurement disagrees, what it measured: the measurement
+    (the line above it) is the one to go by."""
+    auto, n = report.auto_precision, report.throughput_batch
+    line = f"before measuring, the hardware table's choice on {report.device_name}: {auto} ({report.auto_reason})"
+    named = {f"{r.precision} ({r.runtime})": r for r in report.rows}
+    best = named.get(report.measured_best or "")
+    tried = [r for r in report.rows if r.precision == auto and r.latency_batch_s is not None]
+    if best is None or best.precision == auto or not tried or not best.latency_batch_s:
+        return line
+    fastest = min(tried, key=lambda r: r.latency_batch_s or math.inf)
+    ratio = (fastest.latency_batch_s or 0.0) / best.latency_batch_s
+    return (
+        f"{line}; measured, {auto} ({fastest.runtime}) took {present.times(ratio)} the time of "
+        f"{report.measured_best} at batch {n}: go by the measurement"
+    )
+
+
 def _footer(report: InferenceReport) -> list[str]:
     return [
-        f"auto choice on {report.device_name}: {report.auto_precision} ({report.auto_reason})",
         f"measured fastest at batch {report.throughput_batch} within tolerance: {report.measured_best or present.NONE}",
+        _guess(report),
         f"latency: median of {report.rounds} interleaved rounds, {report.threads} threads; "
         f"peak memory: {report.memory_method}",
     ]
