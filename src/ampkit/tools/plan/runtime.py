@@ -31,6 +31,14 @@ _MIB = 2**20
 #: torch 2.13, Linux (glibc): `benchmarks/plan_vs_measured.py --runtime`.
 CPU_FRAMEWORK = {"fp32": 91 * _MIB, "low-precision": 100 * _MIB}
 
+#: Where the runtime part is most of a plan's peak, the line that says how far it can be off: the constants are a
+#: transformer's, and a model of fewer kinds of kernel loads less (benchmarks/RESULTS.md, plan_vs_measured.py).
+RUNTIME_CAVEAT = (
+    "runtime is most of this peak, and it is a constant measured for a small transformer (Intel Xeon,",
+    "  torch 2.13): a model of fewer kinds of kernel loads less (iris-mlp 12-17 MiB less, so its plan came",
+    "  out 12-19% high; digits-cnn within 3-8%), and other machines and torch versions differ",
+)
+
 #: Added by torch.compile's modules and one compiled kernel (bf16-true's fused update), same measurement.
 CPU_COMPILER = 61 * _MIB
 

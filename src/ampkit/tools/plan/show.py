@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import IO
 
 from ampkit.tools.plan.planner import PLAN_SCHEMA, SEARCH_LIMIT, Plan
+from ampkit.tools.plan.runtime import RUNTIME_CAVEAT
 from ampkit.tools.plan.tracker import COMPONENTS
 from ampkit.tools.schema import Invalid, validate
 from ampkit.util import present
@@ -92,6 +93,9 @@ def render_plan(result: Plan, file: IO[str] | None = None) -> None:
         "runtime: torch's libraries, threads and compiler; alloc: freed memory the allocator keeps",
     ):
         out.print(present.indented(line, 2, "dim"))
+    if any(2 * r.runtime > (r.resident_bytes or r.peak_bytes) for r in result.rows):
+        for line in RUNTIME_CAVEAT:
+            out.print(present.indented(line, 2, "yellow"))
     for r in result.rows:
         if r.note:
             out.print(present.indented(f"{r.precision}: {r.note}", 2, "yellow"))
