@@ -11,7 +11,16 @@ from typing import Any
 
 from ampkit.precision.policy import PRESETS
 from ampkit.tools.compare.records import Report, Run, Task
-from ampkit.tools.compare.speed import RERUN, interval, measured, qualifiers, run_outcome, speed_words, unclear_reason
+from ampkit.tools.compare.speed import (
+    RERUN,
+    SEQUENTIAL,
+    interval,
+    measured,
+    qualifiers,
+    run_outcome,
+    speed_words,
+    unclear_reason,
+)
 from ampkit.tools.schema import build
 from ampkit.util.present import sig, signed, size, times
 
@@ -114,8 +123,12 @@ def recommendation(report: Report) -> str | None:
             "\u2014 speed and memory decided"
         )
     else:
+        low, high = best.speedup_low, best.speedup_high
+        parts = [f"95% CI {times(1 / high)}\u2013{times(1 / low)} the time"] if low and high else []
+        parts += [SEQUENTIAL] if best.rounds_interleaved is False else []
+        cost = f" ({'; '.join(parts)})" if parts else ""
         why = (
-            f"{best.precision} costs {times(1 / (best.speedup_vs_baseline or 1))} the time {where}{ci} "
+            f"{best.precision} costs {times(1 / (best.speedup_vs_baseline or 1))} the time {where}{cost} "
             "\u2014 speed decided"
         )
     return f"Use {base.precision}: {why}"

@@ -1,9 +1,10 @@
 """`DoctorSession`: watch an Accelerator for a few steps, then say where the step time goes.
 
 Three windows: **warm-up** (nothing measured while caches settle); **profiled** (a few steps:
-`torch.profiler` records ops with FLOPs and shapes, the sync watcher names the tensor reads — only
-counts and ratios are taken from these slowed steps); **timed** (the rest: step and phase times,
-host times from `PhaseClock`: on CUDA they say where the Python thread spends the step). Then
+`torch.profiler` records ops with FLOPs and shapes — only counts and ratios are taken from these slowed
+steps); **timed** (the rest: step and phase times, host times from `PhaseClock`: on CUDA they say where
+the Python thread spends the step). The sync watcher names the tensor reads in both measured windows, so
+that a read every k-th step is seen; `PhaseClock` takes its cost off every phase. Then
 `analysis.Analysis` builds the result (`DOCTOR_SCHEMA`).
 """
 
