@@ -52,8 +52,7 @@ class AmpOptimizer(torch.optim.Optimizer):
     it ignores that entry.
     """
 
-    #: Read by `torch.amp.GradScaler.step(optimizer)`: with it the scaler calls `step()` with `found_inf` set on
-    #: this object rather than unscaling the gradients first, so `step()` can name a GradScaler left in the loop.
+    #: For `torch.amp.GradScaler.step(self)`: it then sets `found_inf` and calls `step()`, which names the scaler.
     _step_supports_amp_scaling = True
 
     def __init__(

@@ -10,6 +10,7 @@ so the device time is a lower bound.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -44,6 +45,12 @@ __all__ = [
     "mixed_dtype",
     "sync_cost",
 ]
+
+
+def datasheets() -> list[dict[str, Any]]:
+    """Each GPU's figures the estimates use, with their source (a result's `advisor.gpus`)."""
+    fields = ("name", "fp32_tflops", "bf16_tflops", "fp16_tflops", "memory_gbps", "launch_us", "source")
+    return [{f: getattr(g, f) for f in fields} for g in GPUS.values()]
 
 
 def _key(name: str) -> str:

@@ -391,16 +391,5 @@ class Analysis:
                 f" on the host, and on the device max(FLOPs/peak, bytes/bandwidth, {advisor.MIN_KERNEL_US:g} µs) at"
                 f" datasheet peaks (a lower bound); a sync per step adds host and device instead of overlapping them"
             ),
-            "gpus": [
-                {
-                    "name": g.name,
-                    "fp32_tflops": g.fp32_tflops,
-                    "bf16_tflops": g.bf16_tflops,
-                    "fp16_tflops": g.fp16_tflops,
-                    "memory_gbps": g.memory_gbps,
-                    "launch_us": g.launch_us,
-                    "source": g.source,
-                }
-                for g in advisor.GPUS.values()
-            ],
+            "gpus": advisor.datasheets(),
         }
