@@ -242,6 +242,39 @@ def test_a_second_live_writer_of_a_folder_is_refused(tmp_path):
     assert sorted(json.loads((ck / "ampkit-checkpoints.json").read_text())["checkpoints"]) == ["step-00000002.pt"]
 
 
+def test_the_writer_lock_is_taken_again_when_the_folder_is_deleted_mid_run(tmp_path):
+    """Issue 45: a folder deleted mid-run lost its lock for good (the process thought it still held it), so a
+    second writer got in. Each save checks that the lock is still this process's: gone, it is taken again; taken
+    by another live process, the save is refused."""
+    import shutil
+    import socket
+    import subprocess
+    import sys
+
+    acc, model, opt = _tiny()
+    ck = tmp_path / "ck"
+    acc.save_checkpoint(ck)
+    lock = ck / "ampkit-checkpoints.lock"
+    shutil.rmtree(ck)  # the user (or a cleanup job) removes the folder while the run goes on
+    acc.backward(model(torch.randn(5, 4)).square().mean())
+    opt.step()
+    acc.save_checkpoint(ck)
+    assert lock.read_text().split() == [str(os.getpid()), socket.gethostname()]  # this run's again
+
+    shutil.rmtree(ck)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ck.mkdir()
+        lock.write_text(f"{other.pid} {socket.gethostname()}\n")  # a second writer got in meanwhile
+        before = _snapshot(model, opt)
+        with pytest.raises(ampkit.CheckpointError, match=f"being written by another process \\(pid {other.pid}"):
+            acc.save_checkpoint(ck)
+        assert _unchanged(before, model, opt) and sorted(p.name for p in ck.iterdir()) == [lock.name]
+    finally:
+        other.kill()
+        other.wait()
+
+
 # --- 2. ampkit deletes only what it wrote ----------------------------------------------------------
 def test_pruning_deletes_only_ampkits_own_checkpoints(tmp_path):
     user_files = {

@@ -136,7 +136,10 @@ def _lock(folder: Path) -> None:
     writers would overwrite each other's `step-N` files and leave checkpoints no manifest lists."""
     path, me = folder / LOCK, (os.getpid(), socket.gethostname())
     if path.resolve() in _HELD:
-        return
+        if _holder(path, folder) == me:
+            return
+        # deleted (the folder removed mid-run) or replaced since: take it again, or be told who holds it now
+        _HELD.discard(path.resolve())
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
@@ -159,6 +162,15 @@ def _lock(folder: Path) -> None:
             f.write(f"{me[0]} {me[1]}\n")
     _HELD.add(path.resolve())
     atexit.register(_unlock, path)
+
+
+def _holder(path: Path, folder: Path) -> tuple[int, str] | None:
+    """(pid, host) the lock at `path` names; None where it is missing or not a lock ampkit wrote."""
+    try:
+        pid_text, host = files.read_regular(path, files.SMALL_FILE, inside=folder).decode().split()
+        return int(pid_text), host
+    except (OSError, ValueError, CheckpointError):
+        return None
 
 
 def _unlock(path: Path) -> None:
