@@ -102,6 +102,48 @@ def grad_scaler_with_plain_backward() -> None:
     scaler.step(opt)
 
 
+def _prepared(freeze: bool = False) -> tuple[ampkit.Accelerator, torch.nn.Module]:
+    model = make_model()
+    for p in model.parameters() if freeze else ():
+        p.requires_grad_(False)
+    acc = ampkit.Accelerator(precision="bf16-mixed", device="cpu")
+    model, _ = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return acc, model
+
+
+def unreduced_loss() -> None:
+    acc, model = _prepared()
+    acc.backward(F.cross_entropy(model(torch.randn(16, 8)).float(), torch.randint(0, 4, (16,)), reduction="none"))
+
+
+def detached_loss() -> None:
+    acc, model = _prepared()
+    acc.backward(torch.tensor(_loss(model).item()))
+
+
+def every_parameter_frozen() -> None:
+    acc, model = _prepared(freeze=True)
+    acc.backward(_loss(model))
+
+
+def integer_loss() -> None:
+    acc, model = _prepared()
+    acc.backward((model(torch.randn(16, 8)).argmax(-1) == 0).sum())
+
+
+def loss_under_no_grad() -> None:
+    acc, model = _prepared()
+    with torch.no_grad():  # an evaluation block the training step ended up in
+        loss = _loss(model)
+    acc.backward(loss)
+
+
+def backward_under_inference_mode() -> None:
+    acc, model = _prepared()
+    with torch.inference_mode():
+        acc.backward(_loss(model))
+
+
 def second_argument_not_preparable() -> None:
     ampkit.Accelerator(precision="fp32", device="cpu").prepare(make_model(), 5)
 
@@ -119,6 +161,16 @@ TABLE: list[tuple[Callable[[], None], type[Warning | Exception], str]] = [
     (grad_scaler_left_under_fp16, ampkit.StepOrderError, "already scales the loss (precision='fp16-mixed')"),
     (grad_scaler_left_under_bf16, ampkit.StepOrderError, "precision='bf16-mixed' needs no loss scaling"),
     (grad_scaler_with_plain_backward, ampkit.StepOrderError, "acc.backward(loss) for acc.backward(scaler.scale"),
+    (unreduced_loss, ampkit.LossError, "needs the loss as one number; got a tensor of shape (16,): reduce it"),
+    (
+        detached_loss,
+        ampkit.LossError,
+        "depends on no parameter that trains: it was computed under torch.no_grad(), detached (.detach(), torch.tensor(loss.item())",
+    ),
+    (every_parameter_frozen, ampkit.LossError, "every one of the 4 parameter tensors of the prepared model(s) is"),
+    (integer_loss, ampkit.LossError, "got a torch.int64 loss, which has no gradient"),
+    (loss_under_no_grad, ampkit.LossError, "it was computed under torch.no_grad(), detached"),
+    (backward_under_inference_mode, ampkit.LossError, "computed with gradients off (under torch.inference_mode())"),
     (second_argument_not_preparable, TypeError, "prepare() argument 2 is a builtins.int"),
     (autocast_left_under_fp32, UserWarning, "torch.autocast('cpu', dtype=bfloat16) region under precision='fp32'"),
 ]

@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, __getattr__ i
     from ampkit.errors import (
         AmpkitError,
         CheckpointError,
+        LossError,
         LossScaleCollapse,
         NonFiniteWarning,
         PrecisionError,
@@ -41,6 +42,7 @@ _HOMES = {
     "AcceleratorConfig": "ampkit.config",
     "AmpkitError": "ampkit.errors",
     "CheckpointError": "ampkit.errors",
+    "LossError": "ampkit.errors",
     "LossScaleCollapse": "ampkit.errors",
     "NonFiniteWarning": "ampkit.errors",
     "PrecisionError": "ampkit.errors",
@@ -62,6 +64,7 @@ __all__ = [
     "AcceleratorConfig",
     "AmpkitError",
     "CheckpointError",
+    "LossError",
     "LossScaleCollapse",
     "LossScaler",
     "NonFiniteWarning",

@@ -32,12 +32,14 @@ from ampkit.engine.distributed import DistributedContext, RankMethods, choose_st
 from ampkit.engine.events import Events, Listener, created
 from ampkit.engine.items import ItemWeights
 from ampkit.engine.launch import check_metric, launch_settings, max_steps_reached
+from ampkit.engine.loss_check import loss_problem, needs_check
 from ampkit.engine.metrics import MetricTracker
 from ampkit.engine.micro import MicroBatcher
 from ampkit.engine.optim import AmpOptimizer
 from ampkit.engine.prepare import Prepared
 from ampkit.engine.scheduler import AmpScheduler
 from ampkit.engine.training_state import TrainingState
+from ampkit.errors import LossError
 from ampkit.hardware.capability import capability, resolve_device
 from ampkit.inference import export
 from ampkit.precision.fp8 import MIN_WEIGHT, fp8_training
@@ -161,6 +163,8 @@ class Accelerator(RankMethods):
                 f"acc.backward(loss) expects the loss tensor the model's output produced; "
                 f"got a {type(loss).__name__} ({loss!r})"
             )
+        if needs_check(loss, kwargs):  # metadata only: autograd would raise, without saying which mistake
+            raise LossError(loss_problem(loss, self._prepared.models))
         micro = self.micro
         if micro.discarding:  # inside acc.split, this micro-batch ran out of memory: the batch reruns
             return

@@ -16,6 +16,11 @@ class PrecisionError(AmpkitError, ValueError):
     """An unknown precision name, or a preset the chosen device cannot run."""
 
 
+class LossError(AmpkitError, ValueError, RuntimeError):
+    """`acc.backward(loss)` got a loss it cannot differentiate (not one number, gradients off, every parameter
+    frozen, detached): the message names which. A RuntimeError too, as autograd's own error was."""
+
+
 class LossScaleCollapse(AmpkitError, RuntimeError):
     """The loss scale sits at its minimum and gradients still overflow: every step is skipped. The
     message carries the diagnosis (steps skipped, last good scale, what to try)."""
