@@ -163,11 +163,11 @@ class Accelerator(RankMethods):
                 f"acc.backward(loss) expects the loss tensor the model's output produced; "
                 f"got a {type(loss).__name__} ({loss!r})"
             )
-        if needs_check(loss, kwargs):  # metadata only: autograd would raise, without saying which mistake
-            raise LossError(loss_problem(loss, self._prepared.models))
         micro = self.micro
         if micro.discarding:  # inside acc.split, this micro-batch ran out of memory: the batch reruns
             return
+        if needs_check(loss, kwargs):  # metadata only: autograd would raise, without saying which mistake
+            raise LossError(loss_problem(loss, self._prepared.models))
         self._prepared.check_backward(num_items is not None)
         if self.events.listeners:
             self.events.emit(Listener.on_backward_start, self, loss)
