@@ -1,6 +1,6 @@
 """`ampkit plan`'s peak against what a user measures (issue 35 item 4), per preset. Prints a markdown table.
 
-    PYTHONPATH=src python benchmarks/plan_vs_measured.py [MODEL ...]     # mlp-lm tiny-lm tiny-lm-small (digits-cnn iris-mlp)
+    PYTHONPATH=src python benchmarks/plan_vs_measured.py [MODEL ...]  # mlp-lm tiny-lm tiny-lm-small digits-cnn iris-mlp
     PYTHONPATH=src python benchmarks/plan_vs_measured.py --fixed [MODEL ...]   # glibc's thresholds fixed
     PYTHONPATH=src python benchmarks/plan_vs_measured.py --runtime       # re-measure plan/runtime.py's constants
 

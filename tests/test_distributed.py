@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import ampkit
+from ampkit.util.processes import end, popen_owned
 from conftest import assert_bitwise_equal
 from ddp_run import B, data, make_optimizer, model
 
@@ -36,7 +37,16 @@ def torchrun(mode: str, out: Path, *extra: str, env: dict | None = None) -> subp
     ]
     env = {**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})}  # a C++ abort shows its Python stack
     start = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    # Owned, and ended with SIGTERM on a timeout: torchrun then ends its ranks (a SIGKILL of torchrun alone, as
+    # subprocess.run's timeout sends, left both ranks running as orphans)
+    runner = popen_owned(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        stdout, stderr = runner.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        end(runner, grace_s=15)
+        stdout, stderr = runner.communicate()
+        raise AssertionError(f"torchrun {mode} ran past 240 s:\n{stdout[-3000:]}{stderr[-6000:]}") from None
+    proc = subprocess.CompletedProcess(cmd, runner.returncode, stdout, stderr)
     done = all((out / f"rank{r}.pt").exists() and (out / f"rank{r}.pt").stat().st_mtime >= start for r in range(2))
     if proc.returncode != 0 and done and _GLOO_ABORT in proc.stderr:
         # Both ranks finished and wrote their results; one then aborted while the interpreter tore
