@@ -165,7 +165,7 @@ TABLE: list[tuple[Callable[[], None], type[Warning | Exception], str]] = [
     (
         detached_loss,
         ampkit.LossError,
-        "no parameter that trains: it was computed under torch.no_grad(), detached (.detach(), torch.tensor(",
+        "no parameter that trains: it was computed under torch.no_grad(), detached (.detach(), a Python float",
     ),
     (every_parameter_frozen, ampkit.LossError, "every one of the 4 parameter tensors of the prepared model(s) is"),
     (integer_loss, ampkit.LossError, "got a torch.int64 loss, which has no gradient"),

@@ -174,8 +174,9 @@ def _holder(path: Path, folder: Path) -> tuple[int, str] | None:
 
 
 def _unlock(path: Path) -> None:
-    with contextlib.suppress(OSError, ValueError, IndexError, CheckpointError):
-        if files.read_regular(path, files.SMALL_FILE, inside=path.parent).decode().split()[0] == str(os.getpid()):
+    holder = _holder(path, path.parent)
+    with contextlib.suppress(OSError):
+        if holder is not None and holder[0] == os.getpid():
             path.unlink()
     _HELD.discard(path.resolve())
 

@@ -47,6 +47,6 @@ def loss_problem(loss: torch.Tensor, models: Sequence[nn.Module]) -> str:
         )
     return (
         "acc.backward(loss) got a loss that depends on no parameter that trains: it was computed under "
-        "torch.no_grad(), detached (.detach(), torch.tensor(loss.item()), a NumPy round trip) or computed from the "
-        "inputs alone; compute it from the model's output with gradients on"
+        "torch.no_grad(), detached (.detach(), a Python float made a tensor again, a NumPy round trip) or computed "
+        "from the inputs alone; compute it from the model's output with gradients on"
     )

@@ -113,6 +113,10 @@ def _largest_batches(report: Report) -> str | None:
     )
 
 
+def _opt(value: Any, fmt: Any) -> str:
+    return NONE if value is None else fmt(value)
+
+
 def columns(task: Task | None) -> list[str]:
     metric = metric_name(task)
     return [
@@ -134,9 +138,6 @@ NUMERIC_FROM = 2  # columns from here on hold numbers and are right-aligned
 def rows(report: Report) -> list[list[str]]:
     """The table's cells, shared by the terminal and the HTML page."""
 
-    def opt(value: Any, fmt: Any) -> str:
-        return NONE if value is None else fmt(value)
-
     baseline, task = report.baseline_run(), report.task
     loss = _column([run.final_train_loss for run in report.runs])
     metric = (lambda x: metric_value(x, task)) if is_accuracy(task) else _column([run.metric for run in report.runs])
@@ -145,10 +146,10 @@ def rows(report: Report) -> list[list[str]]:
             run.precision,
             run.status,
             speed_cell(run),
-            opt(run.peak_memory_bytes, size),
-            opt(run.memory_ratio_vs_baseline, times),
-            opt(run.final_train_loss, loss),
-            opt(run.metric, metric),
+            _opt(run.peak_memory_bytes, size),
+            _opt(run.memory_ratio_vs_baseline, times),
+            _opt(run.final_train_loss, loss),
+            _opt(run.metric, metric),
             metric_delta(run, baseline, task) or NONE,
             str(run.skipped_steps),
         ]
@@ -172,14 +173,11 @@ STEP_TIMES_TITLE = "Step times: each run's own median"
 def step_time_rows(report: Report) -> list[list[str]]:
     """Each run's own median step time and throughput: absolute time, in a section apart from the speed-ups."""
 
-    def opt(value: Any, fmt: Any) -> str:
-        return NONE if value is None else fmt(value)
-
     return [
         [
             run.precision,
-            opt(run.step_time_median_s, lambda s: sig(s * 1e3)),
-            opt(run.samples_per_s, sig),
+            _opt(run.step_time_median_s, lambda s: sig(s * 1e3)),
+            _opt(run.samples_per_s, sig),
             str(max(0, run.steps - run.warmup_steps)),
         ]
         for run in report.runs
