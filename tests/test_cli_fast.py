@@ -143,10 +143,10 @@ def test_the_module_entry_point_answers_help():
     assert "ampkit.cli.compare" in imported and not any(m.split(".")[0] == "torch" for m in imported)
 
 
-# Records, on the first write to stderr, whether torch was imported yet; then runs `ampkit export` on a
-# task that does not exist (it fails after torch is imported, before any training).
-EXPORT_PROGRESS = """
-import io, sys
+# Records, on the first write to stderr, whether torch was imported yet; then runs the command of argv[1] (JSON),
+# one that fails after torch is imported, before any training.
+FIRST_WRITE = """
+import io, json, sys
 from ampkit.cli.main import main
 
 class First(io.StringIO):
@@ -157,16 +157,27 @@ class First(io.StringIO):
         return super().write(text)
 
 sys.stderr = err = First()
-code = main(["export", "--task", "iris-mlp", "--precisions", "fp33", "--out", sys.argv[1]])
+code = main(json.loads(sys.argv[1]))
 sys.stderr = sys.__stderr__
 print(code, err.torch_at_first_write)
 print(err.getvalue(), end="")
 """
 
+# Each command that trains, failing once torch is loaded; its first line on stderr, and what its last names.
+FIRST_LINES = [
+    (["export", "--precisions", "fp33"], "ampkit export: training iris-mlp in fp32", "'fp33'"),
+    (["compare", "--device", "cuda:7"], "ampkit compare: training iris-mlp once per precision", "cuda:7"),
+    (["doctor", "--device", "cuda:7"], "ampkit doctor: running iris-mlp to measure its speed", "cuda:7"),
+    (["plan", "--device", "cuda:7"], "ampkit plan: measuring a step of iris-mlp in each precision", "cuda:7"),
+]
 
-def test_export_says_what_it_does_before_it_imports_torch(tmp_path):
+
+@pytest.mark.parametrize("argv, first_line, named", FIRST_LINES, ids=[a[0] for a, _, _ in FIRST_LINES])
+def test_a_command_that_trains_says_what_it_does_before_it_imports_torch(tmp_path, argv, first_line, named):
+    out = ["--out", str(tmp_path / "out")] if argv[0] in ("export", "compare") else []
+    command = [argv[0], "--task", "iris-mlp", *argv[1:], *out]
     done = subprocess.run(
-        [sys.executable, "-c", EXPORT_PROGRESS, str(tmp_path / "out")],
+        [sys.executable, "-c", FIRST_WRITE, json.dumps(command)],
         capture_output=True,
         text=True,
         env=ENV,
@@ -174,7 +185,7 @@ def test_export_says_what_it_does_before_it_imports_torch(tmp_path):
     )
     status, first, *rest = done.stdout.splitlines()
     assert status == "2 False", done.stdout + done.stderr[-2000:]
-    assert first.startswith("ampkit export: training iris-mlp in fp32") and "'fp33'" in rest[-1], done.stdout
+    assert first.startswith(first_line) and named in rest[-1], done.stdout
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,3 +250,10 @@ def test_the_torch_free_task_names_are_the_tasks():
     from ampkit.tools.tasks import TASKS
 
     assert TASK_NAMES == tuple(sorted(TASKS))
+
+
+def test_the_torch_free_compare_state_folder_is_the_runners():
+    from ampkit.cli.args import COMPARE_STATE_DIR
+    from ampkit.tools.compare.state import STATE_DIR
+
+    assert COMPARE_STATE_DIR == STATE_DIR

@@ -155,6 +155,9 @@ def test_report_files_from_a_real_comparison(tmp_path, capsys):
         "Verdict"
     )
     assert report["plan"].startswith("fp32 (15 steps), fp16-mixed (15 steps): 8 rounds")
+    # never silent for long: each phase is announced as it starts, in the order it runs
+    phases = ["starting 2 runs, each in its own process", "8 rounds taking turns", "numerics pass: ", "sizing each"]
+    assert [printed.index(p) for p in phases] == sorted(printed.index(p) for p in phases)
     assert all(
         len(r["round_step_times_s"]) == ROUNDS and all(t > 0 for t in r["round_step_times_s"]) for r in report["runs"]
     )
@@ -227,6 +230,7 @@ def test_cli_compare(tmp_path, capsys):
     )
     assert (tmp_path / "r" / "report.html").exists()
     assert json.loads((tmp_path / "r" / "report.json").read_text())["runs"][0]["numerics"] is None
+    capsys.readouterr()
     assert main(["compare", "--task", "nope"]) == 2
     err = capsys.readouterr().err
     assert err.strip() == "ampkit compare: --task 'nope': unknown task; choose one of: digits-cnn, iris-mlp, tiny-lm"
@@ -303,7 +307,9 @@ def test_an_out_that_cannot_be_written_is_refused_before_any_training(tmp_path, 
         )
         printed = capsys.readouterr()
         assert printed.out == ""  # no progress bar, no table: nothing was trained
-        assert printed.err.startswith("ampkit compare: cannot write the report into ") and printed.err.count("\n") == 1
+        started, refused = printed.err.splitlines()  # what it set out to do, then why it did not
+        assert started.startswith("ampkit compare: training iris-mlp once per precision")
+        assert refused.startswith("ampkit compare: cannot write the report into ")
         assert str(out) in printed.err and "name a folder" in printed.err
     assert a_file.read_text() == "the user's"
 
@@ -338,7 +344,7 @@ def test_resume_with_a_corrupt_finished_run_names_the_file(tmp_path, capsys):
             == 2
         )
         printed = capsys.readouterr()
-        assert printed.out == "" and printed.err.count("\n") == 1
+        assert printed.out == "" and printed.err.count("\n") == 2  # what it set out to do, then why it did not
         assert f"cannot resume: {record} is not a finished run's record" in printed.err and "delete it" in printed.err
 
 

@@ -229,9 +229,13 @@ def test_cli_json_and_png(tmp_path, capsys):
         ]
     )
     assert code == 0
-    printed = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    printed = json.loads(captured.out)
     validate(printed, PLAN_SCHEMA)
     assert [r["precision"] for r in printed["rows"]] == ["fp32", "bf16-true"]
+    # never silent: stderr says what is measured, one preset at a time, with the seconds since the start
+    said = [line.split("] ", 1)[1] for line in captured.err.splitlines() if line.startswith("ampkit plan [")]
+    assert said == [f"{p}: the peak at batch 16, then the largest batch that fits" for p in ("fp32", "bf16-true")]
     assert json.loads((tmp_path / "plan.json").read_text()) == printed
     assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

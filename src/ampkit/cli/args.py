@@ -8,6 +8,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,21 @@ def usage(command: str, problem: object) -> int:
     """Say what is wrong with the command line (or what it asked for) on stderr; exit status 2."""
     print(f"ampkit {command}: {problem}", file=sys.stderr)
     return 2
+
+
+def starting(command: str, what: str) -> None:
+    """The first second's answer on stderr, before torch loads: what the command is about to do."""
+    print(f"ampkit {command}: {what}...", file=sys.stderr, flush=True)
+
+
+def clock(command: str) -> Callable[[str], None]:
+    """A phase's line on stderr with the seconds since now: "ampkit export [  12 s] timing ..."."""
+    start = time.monotonic()
+
+    def say(message: str) -> None:
+        print(f"ampkit {command} [{time.monotonic() - start:4.0f} s] {message}", file=sys.stderr, flush=True)
+
+    return say
 
 
 def subcommand(
@@ -130,6 +146,9 @@ def precision(flag: str, name: str | None) -> str | None:
 
 #: The built-in tasks' names, known without importing torch (tests/test_cli_fast.py checks them against the tasks).
 TASK_NAMES = ("digits-cnn", "iris-mlp", "tiny-lm")
+
+#: The folder in a comparison's --out that `--resume` continues from, known without importing torch (as above).
+COMPARE_STATE_DIR = ".compare"
 
 
 def task(flag: str, name: str) -> str | None:

@@ -94,19 +94,19 @@ def handle(args: argparse.Namespace) -> int:
         precisions = flags.names("--precisions", args.precisions, presets=True)
     except ValueError as exc:
         return flags.usage("compare", exc)
-    from ampkit.errors import PrecisionError
-    from ampkit.tools.compare import compare  # torch: only once the command line is known to be good
-    from ampkit.tools.compare.runner import STATE_DIR
-
-    state = Path(args.out) / STATE_DIR
+    if problem := flags.nproc(args.nproc, args.device, args.oversubscribe):
+        return flags.usage("compare", problem)
+    state = Path(args.out) / flags.COMPARE_STATE_DIR
     if args.resume and not (state.is_dir() and any(state.iterdir())):
         return flags.usage(
             "compare",
-            f"--resume: nothing to resume in {args.out}/ (no {STATE_DIR}/ of an interrupted "
+            f"--resume: nothing to resume in {args.out}/ (no {flags.COMPARE_STATE_DIR}/ of an interrupted "
             f"comparison): drop --resume to start a new one, or give its --out",
         )
-    if problem := flags.nproc(args.nproc, args.device, args.oversubscribe):
-        return flags.usage("compare", problem)
+    flags.starting("compare", f"training {args.task} once per precision, each run in its own process")
+    from ampkit.errors import PrecisionError
+    from ampkit.tools.compare import compare  # torch: only once the command line is known to be good
+
     command = "ampkit " + shlex.join(args.argv)
     try:
         compare(
@@ -175,6 +175,7 @@ def _compare_script(args: argparse.Namespace) -> int:
         return flags.usage("compare", exc)
     if problem := missing_script(args.script):
         return flags.usage("compare", problem)
+    flags.starting("compare", f"running {args.script} once per precision; its output goes to {args.out}/logs/")
     from ampkit.errors import PrecisionError
     from ampkit.tools.compare.script import compare_script  # torch: only once the command line is known to be good
 

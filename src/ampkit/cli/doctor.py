@@ -82,6 +82,8 @@ def handle(args: argparse.Namespace) -> int:
         return flags.usage("doctor", problem)
     if args.numerics and args.gpu is not None:
         return flags.usage("doctor", "--gpu is for the performance doctor; --numerics quotes no GPU costs")
+    kind = "numerics" if args.numerics else "speed"
+    flags.starting("doctor", f"running {args.script or args.task} to measure its {kind}, step by step")
     from ampkit.tools.doctor import (  # torch: only once the command line is known to be good
         DoctorError,
         diagnose_script,

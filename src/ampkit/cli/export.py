@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from typing import Any
 
 from ampkit.cli import args as flags
@@ -50,11 +49,10 @@ def handle(args: argparse.Namespace) -> int:
         backends = flags.names("--backends", args.backends) or ["torch", "onnx"]
     except ValueError as exc:
         return flags.usage("export", exc)
-    # The first second's answer: loading torch and training take a while before any export is measured.
-    print(
-        f"ampkit export: training {args.task} in fp32, then exporting "
-        f"{', '.join(precisions) if precisions else 'each precision'} with {', '.join(backends)} and timing each...",
-        file=sys.stderr,
+    flags.starting(
+        "export",
+        f"training {args.task} in fp32, then exporting "
+        f"{', '.join(precisions) if precisions else 'each precision'} with {', '.join(backends)} and timing each",
     )
     from ampkit.tools.export import (  # torch: only once the command line is known to be good
         PRECISIONS,
@@ -74,7 +72,7 @@ def handle(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 rounds=args.rounds,
                 threads=args.threads,
-                progress=_progress(time.monotonic()),
+                progress=flags.clock("export"),
             )
     except ValueError as exc:
         return flags.usage("export", exc)
@@ -83,12 +81,3 @@ def handle(args: argparse.Namespace) -> int:
     print(format_text(report), end="")
     print(f"inference report: {args.out}/inference.json (and inference.txt; the exported files in {args.out}/exports/)")
     return 0
-
-
-def _progress(start: float) -> Any:
-    """Each phase of the export on stderr, with the seconds since `start`: "ampkit export [  12 s] timing ..."."""
-
-    def say(message: str) -> None:
-        print(f"ampkit export [{time.monotonic() - start:4.0f} s] {message}", file=sys.stderr, flush=True)
-
-    return say

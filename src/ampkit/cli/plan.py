@@ -9,7 +9,7 @@ from typing import Any
 
 from ampkit.cli import args as flags
 from ampkit.precision.names import PRESET_NAMES
-from ampkit.util.validate import missing_script
+from ampkit.util.validate import missing_script, parse_memory
 
 
 def add_parser(sub: Any) -> None:
@@ -65,22 +65,24 @@ def handle(args: argparse.Namespace) -> int:
         missing_script(args.script) if args.script is not None else flags.task("--task", args.task)
     ):
         return flags.usage("plan", problem)
+    if args.script is not None and args.batch_size is not None:
+        return flags.usage("plan", "--batch-size is for --task; a script's batch is its own")
     try:
         precisions = flags.names("--precisions", args.precisions, presets=True)
+        memory = parse_memory(args.memory) if args.memory is not None else None
     except ValueError as exc:
         return flags.usage("plan", exc)
+    flags.starting("plan", f"measuring a step of {args.script or args.task} in each precision")
+    say = flags.clock("plan")
     from ampkit.errors import PrecisionError  # and torch, below: only once the command line is known to be good
-    from ampkit.tools.plan import check_out, parse_memory, plan, plan_task, render_plan, write_plan
+    from ampkit.tools.plan import check_out, plan, plan_task, render_plan, write_plan
 
     sharding = {"strategy": "none" if args.nproc is None else "fsdp", "nproc": 1 if args.nproc is None else args.nproc}
     try:
-        memory = parse_memory(args.memory) if args.memory is not None else None
         check_out(args.out)
         if args.script is not None:  # the script's first prepared model, optimizer and batch
             from ampkit.tools.plan.script import capture
 
-            if args.batch_size is not None:
-                return flags.usage("plan", "--batch-size is for --task; a script's batch is its own")
             model_fn, batch, optimizer_fn, loss_fn, note = capture(args.script, args.script_args)
             print(f"ampkit plan: {args.script}: {note}", file=sys.stderr)
             result = plan(
@@ -93,6 +95,7 @@ def handle(args: argparse.Namespace) -> int:
                 loss_fn=loss_fn,
                 search=not args.no_search,
                 **sharding,
+                progress=say,
             )
         else:
             result = plan_task(
@@ -104,6 +107,7 @@ def handle(args: argparse.Namespace) -> int:
                 memory=memory,
                 search=not args.no_search,
                 **sharding,
+                progress=say,
             )
     except (PrecisionError, ValueError) as exc:
         return flags.usage("plan", exc)

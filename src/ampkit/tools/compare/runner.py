@@ -11,6 +11,7 @@ import inspect
 import json
 import pickle
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -231,8 +232,11 @@ def compare(
     compare_to_baseline(report)
     extra_plots, sections = {}, []
     if out is not None and task is not None and not report.interrupted:
-        extra_plots = _planned(report, task, size, seed, batch_size, dev, Path(out))
+        progress.say("sizing each precision's largest batch (ampkit plan)...")
+        extra_plots = _planned(report, task, size, seed, batch_size, dev, Path(out), progress.say)
         try:  # `ampkit export`: the task's fp32-trained model in each precision and backend, measured
+            if inference:
+                progress.say("exporting the fp32-trained model in each precision and timing it (ampkit export)...")
             result = measure_inference(task, out=Path(out), seed=seed) if inference else None
             if show and result is not None:
                 print(format_inference(result), end="")
@@ -326,7 +330,14 @@ def new_report(command: str, task: Task, dev: torch.device, baseline: str) -> Re
 
 
 def _planned(
-    report: Report, task: str, size: str | None, seed: int, batch_size: int | None, dev: torch.device, out: Path
+    report: Report,
+    task: str,
+    size: str | None,
+    seed: int,
+    batch_size: int | None,
+    dev: torch.device,
+    out: Path,
+    say: Callable[[str], None],
 ) -> dict[str, Path]:
     """{"plan": out/plan.png}: the peak `ampkit plan` predicted for each precision that ran, by part, and each
     run's `largest_batch` (the plan's search within the device's memory); {} where planning or plotting fails
@@ -338,7 +349,15 @@ def _planned(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the runs already said what is slow here
-            result = plan_task(task, precisions, size=size, seed=seed, batch_size=batch_size, device=dev)
+            result = plan_task(
+                task,
+                precisions,
+                size=size,
+                seed=seed,
+                batch_size=batch_size,
+                device=dev,
+                progress=lambda line: say(f"  {line}"),
+            )
         largest = {row.precision: row.max_batch_size for row in result.rows}
         for run in report.runs:
             run.largest_batch = largest.get(run.precision.split(" ")[0])

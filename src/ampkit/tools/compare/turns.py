@@ -282,6 +282,7 @@ def interleaved(
                 runs[name] = blank_run(name, "failed", str(exc).strip() or "failed", dev)
                 workers.pop(name).close()
 
+    progress.say(f"starting {len(specs)} runs, each in its own process; their warm-up steps time the plan...")
     try:
         for name, spec in specs.items():
             if (why := unrunnable(spec.precision, dev)) is not None:
@@ -319,6 +320,8 @@ def interleaved(
             )
             progress.update(runs[name].steps)
 
+        if extra:
+            progress.say("numerics pass: a few more steps of each full run, not timed...")
         each(finish)
     finally:
         for worker in workers.values():

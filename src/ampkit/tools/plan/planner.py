@@ -121,6 +121,7 @@ def plan(
     search: bool = True,
     strategy: str = "none",
     nproc: int = 1,
+    progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """Predict each preset's peak training memory without allocating it, and the largest batch that fits.
 
@@ -129,7 +130,8 @@ def plan(
     `optimizer_fn(params)` the optimizer. The loss is `loss_fn(output, targets)`, or the model's own
     (a scalar output, `output.loss`), or cross-entropy / mean squared error. `memory` ("24GiB", bytes;
     default: the device's total memory) decides `fits` and `max_batch_size` (`search=False`: no search).
-    `strategy="fsdp"` with `nproc=N`: each row is one rank's share under FSDP2 (`fsdp_share`).
+    `strategy="fsdp"` with `nproc=N`: each row is one rank's share under FSDP2 (`fsdp_share`). `progress(line)`
+    hears each preset as its measurement starts.
     """
     if (
         strategy not in ("none", "fsdp")
@@ -162,6 +164,8 @@ def plan(
     unit = max((sum(p.numel() for p in u.parameters()) for u in fsdp_units(meta)), default=count)
     rows = []
     for name in names:
+        if progress is not None:
+            progress(f"{name}: the peak at batch {size}{', then the largest batch that fits' * search}")
         shard = (lambda m, name=name: fsdp_share(m, nproc, unit, PRESETS[name])) if strategy == "fsdp" else None
         peak_at = _Peaks(model_fn, batch, optimizer_fn, name, dev, loss_fn, shard)
         first = peak_at.measured(size)
@@ -210,6 +214,7 @@ def plan_task(
     search: bool = True,
     strategy: str = "none",
     nproc: int = 1,
+    progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """`plan` for a built-in task (`ampkit.tools.tasks`) at its default batch size and learning rate; `size`: the
     model size (default: the one `ampkit compare` runs on the device)."""
@@ -226,6 +231,7 @@ def plan_task(
         search=search,
         strategy=strategy,
         nproc=nproc,
+        progress=progress,
     )
 
 
