@@ -166,7 +166,6 @@ print(err.getvalue(), end="")
 # Each command that trains, failing once torch is loaded; its first line on stderr, and what its last names.
 FIRST_LINES = [
     (["export", "--precisions", "fp33"], "ampkit export: training iris-mlp in fp32", "'fp33'"),
-    (["compare", "--device", "cuda:7"], "ampkit compare: training iris-mlp once per precision", "cuda:7"),
     (["doctor", "--device", "cuda:7"], "ampkit doctor: running iris-mlp to measure its speed", "cuda:7"),
     (["plan", "--device", "cuda:7"], "ampkit plan: measuring a step of iris-mlp in each precision", "cuda:7"),
 ]

@@ -88,3 +88,17 @@ def test_ampkit_export_says_one_line_for_other_libraries_and_all_with_v(tmp_path
     assert "Failed to load" not in quiet and "Skipping torchvision" not in quiet
     loud = export("-v")
     assert "held back" not in loud
+
+
+@pytest.mark.slow
+def test_ampkit_compare_inference_holds_the_exports_messages_back_and_says_its_phases(tmp_path):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("torchao")
+    cmd = [sys.executable, "-m", "ampkit.cli.main", "compare", "--task", "iris-mlp", "--steps", "20"]
+    cmd += ["--precisions", "fp32,bf16-mixed", "--no-numerics", "--inference", "--out", str(tmp_path / "r")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={"PYTHONPATH": SRC, "PATH": ""})
+    assert done.returncode == 0, done.stderr
+    printed = done.stdout + done.stderr
+    assert "exporting the fp32-trained model in each precision" in printed and "  timing " in printed
+    assert "held back " in printed and "-v shows them" in printed
+    assert "Failed to load" not in printed and "Skipping torchvision" not in printed

@@ -74,6 +74,13 @@ def add_parser(sub: Any) -> None:
         "onnxruntime) and measure latency, size, memory and accuracy (see `ampkit export`)",
     )
     cmp.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="with --inference: show other libraries' warnings and log lines (torchao, onnx, onnxruntime); "
+        "by default one line counts them",
+    )
+    cmp.add_argument(
         "script",
         nargs="?",
         default=None,
@@ -103,7 +110,6 @@ def handle(args: argparse.Namespace) -> int:
             f"--resume: nothing to resume in {args.out}/ (no {flags.COMPARE_STATE_DIR}/ of an interrupted "
             f"comparison): drop --resume to start a new one, or give its --out",
         )
-    flags.starting("compare", f"training {args.task} once per precision, each run in its own process")
     from ampkit.errors import PrecisionError
     from ampkit.tools.compare import compare  # torch: only once the command line is known to be good
 
@@ -123,6 +129,7 @@ def handle(args: argparse.Namespace) -> int:
             numerics=not args.no_numerics,
             size=args.size,
             inference=args.inference,
+            verbose=args.verbose,
         )
     except (PrecisionError, ValueError) as exc:
         return flags.usage("compare", exc)
@@ -161,6 +168,7 @@ def _compare_script(args: argparse.Namespace) -> int:
         ("--task", args.task, "tiny-lm"),
         ("--size", args.size, None),
         ("--inference", args.inference, False),
+        ("--verbose", args.verbose, False),
         ("--no-numerics", args.no_numerics, False),
     ):
         if value != default:

@@ -26,7 +26,7 @@ from ampkit.tools.compare.baseline import compare_to_baseline
 from ampkit.tools.compare.html import REPORT_FILES, write_report
 from ampkit.tools.compare.measure import NUMERICS_STEPS, PROBE_STEPS, RunSpec, TrainFn
 from ampkit.tools.compare.records import Report, Task, json_safe
-from ampkit.tools.compare.state import STATE_DIR, check_writable, finished_runs, forget_runs
+from ampkit.tools.compare.state import STATE_DIR, check_writable, file_stem, finished_runs, forget_runs
 from ampkit.tools.compare.summary import render_table
 from ampkit.tools.compare.turns import RunProgress, blank_run, interleaved, run_planned
 from ampkit.tools.export import format_text as format_inference
@@ -36,6 +36,7 @@ from ampkit.tools.load import check_load, worst
 from ampkit.tools.plan import plan_task, plot_png
 from ampkit.tools.tasks import default_size, get_task
 from ampkit.util.files import OwnedFiles, atomic_write
+from ampkit.util.held_back import held_back
 from ampkit.util.version import ampkit_version
 
 
@@ -77,6 +78,7 @@ def compare(
     metric_direction: str | None = None,
     size: str | None = None,
     inference: bool = False,
+    verbose: bool = False,
 ) -> dict[str, Any]:
     """Run `train_fn` (or a built-in `task`) once per precision and return the report dict.
 
@@ -110,6 +112,8 @@ def compare(
             {"grad_accum_steps": 4, "fp16-mixed": {"keep_fp32": ["head"]}}.
         inference: afterwards (a task, with `out`), export the task's fp32-trained model in each precision
             and backend and measure it (`ampkit export`): out/inference.json and a page section.
+        verbose: with `inference`, let the export's other libraries' warnings through (torchao, onnxruntime);
+            by default one line counts them.
 
     With a task and `out`, the page also shows the peak memory `ampkit plan` predicted per precision.
     """
@@ -176,7 +180,7 @@ def compare(
             probe=probe,
             numerics_steps=0 if probe or " " in name else base.numerics_steps,
             accelerator_kwargs=kwargs_of(name.split(" ")[0]),
-            checkpoints=str(state_dir / f"{name}.ckpt")
+            checkpoints=str(state_dir / f"{file_stem(name)}.ckpt")
             if state_dir is not None and task is not None and not probe
             else None,
         )
@@ -212,10 +216,10 @@ def compare(
                 task_info.metric = metric = next(iter(run.eval))
             report.runs.append(run)
             if state_dir is not None and run.status != "failed":
-                owned.claim([STATE_DIR, f"{STATE_DIR}/{name}.json"])
+                owned.claim([STATE_DIR, f"{STATE_DIR}/{file_stem(name)}.json"])
                 state_dir.mkdir(parents=True, exist_ok=True)
                 record = json.dumps(json_safe(dataclasses.asdict(run))).encode()
-                atomic_write(state_dir / f"{name}.json", lambda f, record=record: f.write(record))
+                atomic_write(state_dir / f"{file_stem(name)}.json", lambda f, record=record: f.write(record))
                 if spec.checkpoints is not None:
                     remove_folder(Path(spec.checkpoints))
     except KeyboardInterrupt:
@@ -234,15 +238,7 @@ def compare(
     if out is not None and task is not None and not report.interrupted:
         progress.say("sizing each precision's largest batch (ampkit plan)...")
         extra_plots = _planned(report, task, size, seed, batch_size, dev, Path(out), progress.say)
-        try:  # `ampkit export`: the task's fp32-trained model in each precision and backend, measured
-            if inference:
-                progress.say("exporting the fp32-trained model in each precision and timing it (ampkit export)...")
-            result = measure_inference(task, out=Path(out), seed=seed) if inference else None
-            if show and result is not None:
-                print(format_inference(result), end="")
-            sections = [render_html_section(result)] if result is not None else []
-        except (ImportError, ValueError, RuntimeError, OSError) as exc:  # the comparison stands without it
-            warnings.warn(f"no inference section in the report: ampkit export failed: {exc}", stacklevel=2)
+        sections = _exported(task, Path(out), seed, progress, verbose) if inference else []
     if out is not None:
         try:
             write_report(report, out, extra_plots, sections)
@@ -367,3 +363,20 @@ def _planned(
     except (ImportError, ValueError, RuntimeError, AmpkitError) as exc:
         warnings.warn(f"no predicted-memory plot in the report: ampkit plan failed: {exc}", stacklevel=3)
         return {}
+
+
+def _exported(task: str, out: Path, seed: int, progress: RunProgress, verbose: bool) -> list[str]:
+    """`ampkit export` after the runs: the task's fp32-trained model in each precision and backend, measured,
+    as the page's section ([] where it fails: a warning says why, the comparison stands)."""
+    progress.say("exporting the fp32-trained model in each precision and timing it (ampkit export)...")
+    try:
+        with held_back(show=verbose) as held:
+            result = measure_inference(task, out=out, seed=seed, progress=lambda line: progress.say(f"  {line}"))
+    except (ImportError, ValueError, RuntimeError, OSError) as exc:
+        warnings.warn(f"no inference section in the report: ampkit export failed: {exc}", stacklevel=3)
+        return []
+    if summary := held.summary():
+        progress.say(summary)
+    if progress.show:
+        print(format_inference(result), end="")
+    return [render_html_section(result)]

@@ -8,6 +8,7 @@ reads back, checked before any training is spent.
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 from pathlib import Path
 
@@ -16,6 +17,12 @@ from ampkit.tools.compare.records import Run, validate_run
 from ampkit.util.files import OwnedFiles
 
 STATE_DIR = ".compare"  # in `out`: each finished run's record and each running one's checkpoints
+
+
+def file_stem(run: str) -> str:
+    """A run's name as its files in `STATE_DIR` are named: "fp32 (seed 1)" -> "fp32-seed-1". Only letters,
+    digits and `_.+-`, the names `OwnedFiles` records (a space or a bracket is a name it refuses)."""
+    return re.sub(r"[^A-Za-z0-9_.+-]+", "-", run).strip("-")
 
 
 def forget_runs(owned: OwnedFiles) -> None:
@@ -49,7 +56,7 @@ def finished_runs(state_dir: Path, names: list[str]) -> dict[str, Run]:
     """The runs an interrupted comparison finished, read before any training so a bad file stops it first."""
     kept = {}
     for name in names:
-        path = state_dir / f"{name}.json"
+        path = state_dir / f"{file_stem(name)}.json"
         if path.exists():
             try:
                 kept[name] = validate_run(json.loads(path.read_bytes()))
