@@ -250,3 +250,28 @@ def test_disabled_it_is_the_optimizer_alone_and_bad_settings_are_named():
         GradScaler("cpu", collapse_after=0)
     with pytest.raises(RuntimeError, match="Closure use is not currently supported"):  # torch's own refusals
         GradScaler("cpu").step(opt, closure=lambda: 0.0)
+
+
+def test_lightning_fabric_takes_it_as_its_scaler_and_trains_bitwise_as_with_torchs():
+    """Lightning Fabric's `MixedPrecision("16-mixed", scaler=...)` steps it through its own optimizer wrapper
+    (fp16 autocast on the CPU): the same weights as with torch's scaler, and the skipped steps are known."""
+    from lightning_fabric import Fabric
+    from lightning_fabric.plugins.precision import MixedPrecision
+
+    def run(scaler: Any) -> list[torch.Tensor]:
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+        model = _model()
+        model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        data = torch.Generator().manual_seed(7)
+        for step in range(8):
+            x, y = torch.randn(16, 8, generator=data), torch.randn(16, 4, generator=data)
+            fabric.backward(_loss(model, x, y, step))
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    want = run(torch.amp.GradScaler("cpu", **SCALER))
+    ours = GradScaler("cpu", **SCALER)
+    got = run(ours)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert ours.outcomes() == {"attempted": 8, "applied": 8 - len(BAD & set(range(8))), "skipped": 3}
