@@ -612,6 +612,7 @@ TYPE_ONLY_UP: dict[tuple[str, str], str] = {
     ("ampkit.checkpoint.sharded", "ampkit.accelerator"): "DCP's state comes from its models and optimizers",
     ("ampkit.checkpoint.state", "ampkit.accelerator"): "collect/apply read the training objects from it",
     ("ampkit.engine.events", "ampkit.accelerator"): "watch_created hands listeners the new Accelerator",
+    ("ampkit.engine.tracking", "ampkit.accelerator"): "its Listener's events hand it the Accelerator",
     ("ampkit.engine.micro", "ampkit.accelerator"): "the micro-batch planner sizes the Accelerator's step",
     ("ampkit.engine.prepare", "ampkit.accelerator"): "Prepared reads the Accelerator's settings",
     ("ampkit.engine.training_state", "ampkit.accelerator"): "acc.state reads its counters",

@@ -16,7 +16,7 @@ import contextlib
 import datetime
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +36,10 @@ from ampkit.engine.loss_check import loss_problem, needs_check
 from ampkit.engine.metrics import MetricTracker
 from ampkit.engine.micro import MicroBatcher
 from ampkit.engine.optim import AmpOptimizer
+from ampkit.engine.optim_state import fp32_state_dict
 from ampkit.engine.prepare import Prepared
 from ampkit.engine.scheduler import AmpScheduler
+from ampkit.engine.tracking import start_tracking
 from ampkit.engine.training_state import TrainingState
 from ampkit.errors import LossError
 from ampkit.hardware.capability import capability, resolve_device
@@ -81,6 +83,9 @@ class Accelerator(RankMethods):
         fp8_min_weight: int = MIN_WEIGHT,
         micro_batch: int | str | None = None,
         memory: str | int | None = None,
+        log_to: str | Sequence[str] | None = None,
+        log_every: int = 50,
+        log_dir: str | Path = "runs/ampkit",
     ) -> None:
         # What the script did not pass comes from the launcher (AMPKIT_* variables, `ampkit.engine.launch`).
         given = {"precision": precision, "grad_accum_steps": grad_accum_steps, "compile": compile}
@@ -107,11 +112,12 @@ class Accelerator(RankMethods):
             fp8_min_weight=fp8_min_weight,
             micro_batch=micro_batch,
             memory=memory,
+            log_to=log_to,
+            log_every=log_every,
+            log_dir=log_dir,
         )
         self.distributed = DistributedContext.from_env()
-        if self.distributed.enabled and str(device) in ("auto", "cuda") and torch.cuda.is_available():
-            device = torch.device("cuda", self.distributed.local_rank % torch.cuda.device_count())  # per rank
-        self.device = resolve_device(device)
+        self.device = resolve_device(self.distributed.device_for(device))  # under torchrun: this rank's GPU
         self.policy = resolve_precision(config.precision, self.device, fp8_emulate=fp8_emulate)
         self.fp8 = fp8_training(self.policy, fp8_recipe, fp8_emulate, fp8_min_weight)  # None unless fp8-mixed
         self.distributed.init(self.device, backend, config.timeout_s)
@@ -122,6 +128,7 @@ class Accelerator(RankMethods):
         # acc.backward(loss_sum, num_items=n): ampkit's DDP/FSDP average gradients over the ranks, a count sums them
         self.items = ItemWeights(self.device, self.world_size if self.strategy != "none" else 1)
         self.events = Events()  # listeners: ampkit.engine.events.Listener
+        start_tracking(self.events, config.log_to, config.log_every, config.log_dir, self.distributed.rank)
         self.micro = MicroBatcher(self, config.micro_batch, config.memory_bytes)  # acc.split(batch)
         self.compile_options = compile_setup(self.device, config.compile, cuda_graphs)  # torch.compile kwargs
         self.cuda_graphs = cuda_graphs and self.compile_options is not None
@@ -263,9 +270,7 @@ class Accelerator(RankMethods):
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """The policy's autocast, for computation outside the prepared model (e.g. a loss)."""
-        if not self.policy.autocast:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.policy.compute_dtype)
+        return self.policy.autocast_region(self.device)
 
     def save(self, path: str | Path, overwrite: bool = False) -> Path:
         """Write the whole training state to one file, atomically (replacing only a checkpoint ampkit wrote,
@@ -370,11 +375,7 @@ class Accelerator(RankMethods):
     def fp32_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """`model`'s state_dict in fp32, each low-precision weight replaced by the fp32 value it stands
         for (its master copy, or bf16 weight plus Kahan compensation): the truth to export or serve."""
-        truth = {id(p): v for opt in self.optimizers for p, v in opt.fp32_values()}
-        return {
-            k: (truth.get(id(t), t).detach().float() if t.is_floating_point() else t.detach()).clone()
-            for k, t in self.unwrap(model).state_dict(keep_vars=True).items()
-        }
+        return fp32_state_dict(self.unwrap(model), self.optimizers)
 
     def export(
         self,

@@ -10,6 +10,7 @@ import dataclasses
 import datetime
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 from ampkit.engine.cycle import EPOCH_END
 from ampkit.engine.distributed import check_backend
 from ampkit.engine.micro import parse_micro_batch
+from ampkit.engine.tracking import check_tracking
 from ampkit.precision.fp8 import MIN_WEIGHT
 from ampkit.precision.policy import Precision
 from ampkit.util import validate as check
@@ -80,6 +82,11 @@ class AcceleratorConfig:
             out-of-memory error inside a split halves it and reruns the batch. The micro-batches of one batch
             are one step's gradient, so grad_accum_steps stays 1 (make the loader's batch larger instead).
         memory: the budget micro_batch="auto" fits ("2GiB", "512MB" or bytes; default: the device's free memory).
+        log_to: trackers that log the run's precision health every `log_every` optimizer steps on rank 0
+            (`ampkit.engine.tracking`): "jsonl" (`log_dir/metrics.jsonl`), "tensorboard" (event files in
+            `log_dir`), or a list of them; None (default): none. Loss, learning rate, loss scale, skipped steps,
+            steps/s and samples/s; one host read per record, none per step. A tuple once checked.
+        log_every, log_dir: optimizer steps between records (default 50); their folder (default "runs/ampkit").
     """
 
     precision: str | Precision = "auto"
@@ -102,8 +109,13 @@ class AcceleratorConfig:
     fp8_min_weight: int = MIN_WEIGHT
     micro_batch: int | str | None = None
     memory: str | int | None = None
+    log_to: str | Sequence[str] | None = None  # a tuple once checked
+    log_every: int = 50
+    log_dir: str | Path = "runs/ampkit"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "log_to", tuple(check_tracking(self.log_to, self.log_every)))
+        check.path("Accelerator", "log_dir", self.log_dir, "the trackers' folder", "runs/ampkit")  # before any run
         steps = self.grad_accum_steps
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise ValueError(f"grad_accum_steps={steps!r}: expected an integer >= 1")
@@ -162,6 +174,10 @@ class AcceleratorConfig:
                 value = str(value)
             elif field.name == "keep_fp32":
                 value = [v if isinstance(v, str) else f"{v.__module__}.{v.__qualname__}" for v in value]
+            elif field.name == "log_to":
+                value = list(value)
+            elif isinstance(value, Path):
+                value = str(value)
             elif isinstance(value, Mapping):
                 value = {
                     str(k): v if isinstance(v, (bool, int, float, str, type(None))) else repr(v)

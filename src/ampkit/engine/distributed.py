@@ -53,6 +53,13 @@ class DistributedContext:
     def enabled(self) -> bool:
         return self.world_size > 1
 
+    def device_for(self, device: str | torch.device) -> str | torch.device:
+        """The device this rank trains on: under torchrun, "auto" or "cuda" means its own GPU (local rank modulo
+        the GPUs); anything else, and a single process, as given."""
+        if self.enabled and str(device) in ("auto", "cuda") and torch.cuda.is_available():
+            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
+        return device
+
     def init(self, device: torch.device, backend: str | None, timeout: float | None = None) -> None:
         """Create the default process group (if torchrun did not; collectives wait `timeout` seconds, None:
         torch's default) and destroy it at exit."""

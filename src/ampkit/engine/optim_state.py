@@ -48,3 +48,13 @@ def _state_keys(state: dict[str, Any], mine: dict[str, Any]) -> list[str]:
         if set(values) != expected:
             return [f"parameter {index} has state {sorted(values)}, this optimizer keeps {sorted(expected)}"]
     return []
+
+
+def fp32_state_dict(model: torch.nn.Module, optimizers: Any) -> dict[str, torch.Tensor]:
+    """`model`'s state_dict in fp32, each low-precision weight replaced by the fp32 value it stands for in one of
+    the prepared `optimizers` (`fp32_values()`: its master copy, or bf16 weight plus Kahan compensation)."""
+    truth = {id(p): v for opt in optimizers for p, v in opt.fp32_values()}
+    return {
+        k: (truth.get(id(t), t).detach().float() if t.is_floating_point() else t.detach()).clone()
+        for k, t in model.state_dict(keep_vars=True).items()
+    }

@@ -6,6 +6,7 @@ dtypes, how the update is kept accurate, loss scaling, fp8 matmuls); the presets
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import warnings
@@ -46,6 +47,11 @@ class Precision:
     def autocast(self) -> bool:
         """Whether forward passes run under `torch.autocast`."""
         return self.compute_dtype != torch.float32
+
+    def autocast_region(self, device: torch.device) -> contextlib.AbstractContextManager[None]:
+        """This policy's `torch.autocast` on `device`, for computation outside the prepared model (a loss); a
+        null context where the policy computes in fp32."""
+        return torch.autocast(device.type, dtype=self.compute_dtype) if self.autocast else contextlib.nullcontext()
 
     @property
     def low_precision_params(self) -> bool:
