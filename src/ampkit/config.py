@@ -74,9 +74,10 @@ class AcceleratorConfig:
             and is faulted in again at the next step (benchmarks/RESULTS.md); on a GPU freeing costs nothing.
         cast_outputs: cast a prepared model's bf16/fp16 outputs to fp32, so that a loss computed outside
             the model runs in fp32. False: as the model made them (for a model that computes its loss).
-        fp8_recipe, fp8_emulate, fp8_min_weight: for precision="fp8-mixed" only (see `ampkit.precision.fp8`):
-            torchao's scaling, "tensorwise" (default) or "rowwise"; True runs torchao's emulation on
-            any device (tests; no speed-up); the smallest in·out features of a Linear run in fp8.
+        fp8_recipe: for precision="fp8-mixed" only (see `ampkit.precision.fp8`), as the next two: torchao's
+            scaling, "tensorwise" (default) or "rowwise".
+        fp8_emulate: True runs torchao's emulation on any device (tests; no speed-up).
+        fp8_min_weight: the smallest in·out features of a Linear run in fp8.
         micro_batch: how many rows of each batch `acc.split(batch)` runs at once (`ampkit.engine.micro`): "auto", the
             largest that fits `memory` by `ampkit.plan`; an int; None (default), the batch whole. An
             out-of-memory error inside a split halves it and reruns the batch. The micro-batches of one batch
@@ -86,7 +87,8 @@ class AcceleratorConfig:
             (`ampkit.engine.tracking`): "jsonl" (`log_dir/metrics.jsonl`), "tensorboard" (event files in
             `log_dir`), or a list of them; None (default): none. Loss, learning rate, loss scale, skipped steps,
             steps/s and samples/s; one host read per record, none per step. A tuple once checked.
-        log_every, log_dir: optimizer steps between records (default 50); their folder (default "runs/ampkit").
+        log_every: optimizer steps between the trackers' records (default 50).
+        log_dir: the trackers' folder (default "runs/ampkit").
     """
 
     precision: str | Precision = "auto"

@@ -38,7 +38,8 @@ class GradScaler(torch.amp.GradScaler):
     """`torch.amp.GradScaler(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)`, plus:
 
     Args:
-        min_scale, max_scale: bounds the scale is clamped to after each `update()` (None: unbounded, as torch).
+        min_scale: the bound below which `update()` never lets the scale fall, on the device (None: none, as torch).
+        max_scale: the bound above which it never lets the scale grow (None: none, as torch).
         collapse_after: raise `ampkit.LossScaleCollapse` once this many `step()` calls in a row were skipped
             (None: never, as torch). It is raised by the `update()` after the host learns of the last of them.
     """
