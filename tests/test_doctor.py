@@ -351,7 +351,8 @@ def test_cli_a_script_that_fails_shows_its_traceback_and_says_it_failed(tmp_path
     rc = main(["doctor", *(["--numerics"] if numerics else []), "train.py"])
     err = capsys.readouterr().err
     assert rc == 1, err  # as `python train.py` exits: the script failed, not ampkit (2)
-    first, *rest = err.splitlines()
+    started, first, *rest = err.splitlines()  # what the doctor set out to do, then what went wrong
+    assert started.startswith("ampkit doctor: running train.py to measure its")
     assert first.startswith(f"ampkit doctor: train.py failed: {error}: ")
     assert rest[0] == "Traceback (most recent call last):"
     assert 'train.py", line 8, in <module>' in err and 'train.py", line 5, in load' in err  # its own frames
