@@ -7,6 +7,7 @@ import contextlib
 import json
 import sys
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from ampkit.cli import args as flags
@@ -97,6 +98,8 @@ def handle(args: argparse.Namespace) -> int:
 
     warmup = args.warmup if args.warmup is not None else (0 if args.numerics else 5)
     options = {"steps": args.steps, "warmup": warmup} | ({} if args.numerics else {"gpu": args.gpu or "A100"})
+    diagnose: Callable[..., dict[str, Any]]
+    target: tuple[Any, ...]
     if args.task is not None:
         diagnose, target = (numerics_task if args.numerics else diagnose_task), (args.task,)
         options |= {

@@ -77,7 +77,10 @@ def handle(args: argparse.Namespace) -> int:
     from ampkit.errors import PrecisionError  # and torch, below: only once the command line is known to be good
     from ampkit.tools.plan import check_out, plan, plan_task, render_plan, write_plan
 
-    sharding = {"strategy": "none" if args.nproc is None else "fsdp", "nproc": 1 if args.nproc is None else args.nproc}
+    sharding: dict[str, Any] = {
+        "strategy": "none" if args.nproc is None else "fsdp",
+        "nproc": 1 if args.nproc is None else args.nproc,
+    }
     try:
         check_out(args.out)
         if args.script is not None:  # the script's first prepared model, optimizer and batch

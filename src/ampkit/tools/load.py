@@ -16,7 +16,7 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -134,6 +134,7 @@ def check_load(device: torch.device | None = None, *, own: float = 0.0, measure:
     others = None if avg is None else max(0.0, avg - own)
     now = busy_cores() if others is not None and others > BUSY_SHARE * (os.cpu_count() or 1) else None
     if now is not None:  # looked at only where the average alone would call the machine busy
+        assert others is not None  # `now` is only looked at where `others` is known
         others = min(others, now)
     slowdown = matmul_slowdown(device) if measure else None
     if slowdown is not None and slowdown >= SLOWDOWN_BUSY:  # a moment's hiccup, or busy: a second burst says which
@@ -142,6 +143,10 @@ def check_load(device: torch.device | None = None, *, own: float = 0.0, measure:
     return judge(others, os.cpu_count() or 1, torch.get_num_threads(), slowdown)
 
 
+@overload
+def worst(first: MachineLoad, /, *looks: MachineLoad | None) -> MachineLoad: ...
+@overload
+def worst(*looks: MachineLoad | None) -> MachineLoad | None: ...
 def worst(*looks: MachineLoad | None) -> MachineLoad | None:
     """The busier of several looks (before and after a timing): the figures of the busiest moment seen."""
     seen = [look for look in looks if look is not None]

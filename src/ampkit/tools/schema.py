@@ -35,6 +35,11 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def _is_record(tp: Any) -> typing.TypeGuard[type]:
+    """Whether the hint `tp` is a record: a dataclass (hints name classes, never instances)."""
+    return dataclasses.is_dataclass(tp)
+
+
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     if typing.get_origin(tp) in (Union, types.UnionType):
         inner = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -88,9 +93,9 @@ def schema_of(cls: type) -> dict[str, Any]:
 def build(cls: Any, value: Any) -> Any:
     """`value` (JSON already checked against `schema_of(cls)`) as records of type `cls`."""
     tp, _ = _unwrap_optional(cls)
-    if value is None or (dataclasses.is_dataclass(tp) and isinstance(value, tp)):
+    if value is None or (_is_record(tp) and isinstance(value, tp)):
         return value
-    if dataclasses.is_dataclass(tp):
+    if _is_record(tp):
         hints = _hints(tp)
         return tp(**{f.name: build(hints[f.name], value[f.name]) for f in dataclasses.fields(tp) if f.name in value})
     origin, args = typing.get_origin(tp), typing.get_args(tp)

@@ -11,7 +11,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -22,7 +22,7 @@ from ampkit.hardware.capability import resolve_device
 from ampkit.precision.outcomes import Outcome
 from ampkit.precision.policy import PRESETS, dtype_name
 from ampkit.tools.compare.memory import Memory
-from ampkit.tools.compare.records import Numerics, Policy, Run
+from ampkit.tools.compare.records import MemoryKind, Numerics, Policy, Run
 from ampkit.tools.schema import build
 from ampkit.tools.tasks import get_task
 
@@ -170,7 +170,7 @@ def run_one(spec: RunSpec, progress: Callable[[int], None] | None = None, gate: 
         skipped_steps=skipped,
         # every process trains a batch per step: the job's throughput is nproc times one rank's
         samples_per_s=spec.samples_per_step * spec.nproc / median if spec.samples_per_step and median else None,
-        memory_kind=kind,
+        memory_kind=cast(MemoryKind, kind),  # Memory.read() names one of MEMORY_KINDS
         peak_memory_bytes=peak,
         peak_rss_bytes=raw,
         memory_parts=parts,

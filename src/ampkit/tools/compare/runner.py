@@ -13,7 +13,7 @@ import pickle
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -152,6 +152,7 @@ def compare(
     state_dir = None if out is None else Path(out) / STATE_DIR
     owned = None if out is None else OwnedFiles(out)
     if state_dir is not None:
+        assert owned is not None  # both are there with `out`
         check_writable(state_dir.parent)
         owned.check([*REPORT_FILES, "plan.png", "report.unvalidated.json", STATE_DIR])  # before any training
         if not resume:
@@ -216,10 +217,15 @@ def compare(
                 task_info.metric = metric = next(iter(run.eval))
             report.runs.append(run)
             if state_dir is not None and run.status != "failed":
+                assert owned is not None
                 owned.claim([STATE_DIR, f"{STATE_DIR}/{file_stem(name)}.json"])
                 state_dir.mkdir(parents=True, exist_ok=True)
                 record = json.dumps(json_safe(dataclasses.asdict(run))).encode()
-                atomic_write(state_dir / f"{file_stem(name)}.json", lambda f, record=record: f.write(record))
+
+                def write_record(f: BinaryIO, record: bytes = record) -> None:
+                    f.write(record)
+
+                atomic_write(state_dir / f"{file_stem(name)}.json", write_record)
                 if spec.checkpoints is not None:
                     remove_folder(Path(spec.checkpoints))
     except KeyboardInterrupt:
@@ -244,6 +250,7 @@ def compare(
             write_report(report, out, extra_plots, sections)
         except ValueError as exc:  # never lose a finished comparison to a report bug
             raw = Path(out) / "report.unvalidated.json"
+            assert owned is not None
             owned.claim([raw.name])
             raw.write_text(json.dumps(report.to_dict(), indent=2, default=str))
             warnings.warn(f"{exc}; the raw figures are in {raw}", stacklevel=2)

@@ -19,7 +19,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -32,7 +32,7 @@ from ampkit.tools.compare.baseline import compare_to_baseline
 from ampkit.tools.compare.html import REPORT_FILES, write_report
 from ampkit.tools.compare.measure import Recorder, seed_everything
 from ampkit.tools.compare.memory import Memory
-from ampkit.tools.compare.records import Policy, Report, Run, Task
+from ampkit.tools.compare.records import MemoryKind, Policy, Report, Run, Task
 from ampkit.tools.compare.runner import default_precisions, new_report, plan_runs
 from ampkit.tools.compare.summary import render_table
 from ampkit.tools.compare.turns import RunFailed, RunProgress, blank_run, run_isolated, throttled, unrunnable
@@ -192,6 +192,7 @@ def measure_script(spec: ScriptSpec, progress: Callable[[int], None]) -> tuple[R
             "the script's checkpoints went to a folder of this run's own, removed after it: no run resumed "
             "another's (its own checkpoint folder was left as it was)"
         )
+    metrics: dict[str, float | None]  # Run.eval's type
     metrics = {name: float(value) for name, (value, _) in rec.metrics.items()}  # sync: once, after the run
     if torch.initial_seed() == process_seed:
         notes.append(
@@ -207,7 +208,7 @@ def measure_script(spec: ScriptSpec, progress: Callable[[int], None]) -> tuple[R
         **summary,
         skipped_steps=skipped,
         samples_per_s=per_step / median if per_step and median else None,
-        memory_kind=kind,
+        memory_kind=cast(MemoryKind, kind),  # Memory.read() names one of MEMORY_KINDS
         peak_memory_bytes=peak,
         peak_rss_bytes=raw,
         eval=metrics,
@@ -315,6 +316,7 @@ def _compared(report: Report) -> None:
     """Ratios and deltas against the baseline, and a note where a run did not start where it did."""
     base = compare_to_baseline(report)
     for run in report.runs if base is not None else ():
+        assert base is not None
         first, first_base = (r.loss_curve[0] if r.loss_curve else None for r in (run, base))
         if (
             first is not None

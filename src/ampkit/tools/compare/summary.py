@@ -215,7 +215,7 @@ _STATUS_STYLE = {
 
 
 def _renderables(report: Report) -> Group:
-    cells = rows(report)
+    cells: list[list[Any]] = rows(report)  # strings, and the status cell styled below
     for run, row in zip(report.runs, cells):
         row[1] = Text(row[1], style=_STATUS_STYLE.get(run.status, ""))
     rec = recommendation(report)

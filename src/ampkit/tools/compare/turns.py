@@ -35,7 +35,7 @@ from ampkit.errors import PrecisionError
 from ampkit.precision.policy import resolve_precision
 from ampkit.tools.compare.budget import ROUNDS, Fit, fit_steps, plan_line, steps_left
 from ampkit.tools.compare.measure import PROBE_STEPS, RunSpec, run_one
-from ampkit.tools.compare.records import Report, Run
+from ampkit.tools.compare.records import MemoryKind, Report, Run, Status
 from ampkit.util.present import console, duration
 from ampkit.util.processes import die_with_parent, end, popen_owned
 
@@ -50,7 +50,7 @@ class RunFailed(Exception):
     """A run's process failed or died; the message is what the report says of it."""
 
 
-def throttled(send: Callable[[int], None], last_step: int | None = None) -> Callable[[int], None]:
+def throttled(send: Callable[[int], object], last_step: int | None = None) -> Callable[[int], None]:
     """`send` at most five times a second (and at `last_step`): progress is for people, pipes cost."""
     last = [0.0]
 
@@ -109,6 +109,8 @@ class Worker:
     """One run in a process of its own (`run_context`). Gated, it trains only when told: `advance(target)` trains
     up to step `target`, keeping that chunk's step times in `chunks`; `finish()` ends training and returns the
     `Run`."""
+
+    chunks: list[list[float] | None]
 
     def __init__(
         self, spec: Any, gated: bool, target: Callable[[Any, Any, bool], None] = _child, fresh: bool = False
@@ -228,8 +230,8 @@ def torchrun_worker(spec_file: str, out_file: str, progress_file: str) -> None:
         Path(out_file).write_bytes(pickle.dumps(run))
 
 
-def blank_run(precision: str, status: str, reason: str, device: torch.device) -> Run:
-    kind = "cuda_max_allocated" if device.type == "cuda" else "cpu_peak_rss_delta"
+def blank_run(precision: str, status: Status, reason: str, device: torch.device) -> Run:
+    kind: MemoryKind = "cuda_max_allocated" if device.type == "cuda" else "cpu_peak_rss_delta"
     return Run(precision=precision, status=status, reason=reason, memory_kind=kind)
 
 

@@ -15,15 +15,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Literal, cast
 
 import torch
 
 from ampkit.accelerator import Accelerator
 from ampkit.hardware.capability import capability, describe, proc_field
 from ampkit.inference import PRECISIONS, RUNTIME, SUFFIX, Exported, export, load
-from ampkit.tools.export.report import InferenceReport, InferenceRow, check_out, verdict, write
+from ampkit.tools.export.report import InferenceReport, InferenceRow, Precision, check_out, verdict, write
 from ampkit.tools.tasks import get_task
 from ampkit.util.processes import die_with_parent
 
@@ -31,6 +32,7 @@ from ampkit.util.processes import die_with_parent
 INT8_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 TOLERANCE = 1.0  # metric change (pp of accuracy, % of perplexity) within which an export counts as lossless
 PROGRESS_EVERY_S = 10.0  # the longest a phase (training, the timing rounds) goes without a progress line
+_Key = tuple[str, str, str]  # (backend, precision, "1" or "n"): a timed call
 
 
 def _quiet(message: str) -> None:
@@ -61,7 +63,7 @@ def int8_flags(cpuinfo: str | None = None) -> list[str] | None:
     return None if flags is None else [f for f in INT8_FLAGS if f in flags.split()]
 
 
-def auto_choice(device: torch.device | str = "cpu") -> tuple[str, str]:
+def auto_choice(device: torch.device | str = "cpu") -> tuple[Precision, str]:
     """The precision to serve in on `device`, and why, from the capability table: int8 on CPUs with
     VNNI/AMX int8 instructions, else bf16 where bf16 is fast, else fp16/bf16 on GPUs, else fp32."""
     device = torch.device(device)
@@ -87,11 +89,13 @@ def auto_choice(device: torch.device | str = "cpu") -> tuple[str, str]:
     )
 
 
-def _median_times(calls: dict, rounds: int, progress: Callable[[str], None] = _quiet) -> dict:
+def _median_times(
+    calls: Mapping[_Key, tuple[Callable[[], object], int]], rounds: int, progress: Callable[[str], None] = _quiet
+) -> dict[_Key, float]:
     """Median seconds per call of each `(call, repeats)`, timed `repeats` times per round, in turn."""
     for call, _ in calls.values():
         call()  # warm-up
-    times: dict = {k: [] for k in calls}
+    times: dict[_Key, list[float]] = {k: [] for k in calls}
     tick = _Ticker(progress)
     for done in range(rounds):
         tick(f"timing: round {done + 1} of {rounds}")
@@ -115,7 +119,12 @@ def peak_child(path: str, shape: str, dtype: str, warm: str) -> None:
     die_with_parent()
     x = torch.zeros([int(n) for n in shape.split(",")], dtype=getattr(torch, dtype))
     load(warm).run(x[:2])
-    status = lambda key: int(proc_field(Path("/proc/self/status").read_text(), key).split()[0]) * 1024  # noqa: E731
+
+    def status(key: str) -> int:
+        value = proc_field(Path("/proc/self/status").read_text(), key)
+        assert value is not None  # Linux's /proc/self/status has VmRSS and VmHWM
+        return int(value.split()[0]) * 1024
+
     before = status("VmRSS")
     load(path).run(x)
     print(status("VmHWM") - before)
@@ -223,7 +232,11 @@ def _measure(
         progress(
             f"exporting {precision} with {RUNTIME[backend]} ({n} of {len(planned)}) and checking its {the_task.metric}"
         )
-        rows[backend, precision] = row = InferenceRow(precision=precision, backend=backend, runtime=RUNTIME[backend])
+        rows[backend, precision] = row = InferenceRow(
+            precision=cast(Precision, precision),  # checked against PRECISIONS and RUNTIME above
+            backend=cast(Literal["torch", "onnx"], backend),
+            runtime=RUNTIME[backend],
+        )
         try:
             exported = export(
                 model,
@@ -241,7 +254,8 @@ def _measure(
         row.metric = the_task.evaluate(exported.as_module(), data, "cpu")[the_task.metric]
         ratio = row.metric - reference if the_task.metric == "accuracy" else row.metric / reference - 1
         row.metric_change = ratio * 100
-        row.agreement = (_predictions(exported.run, inputs) == eager).float().mean().item()  # sync: a report figure
+        one_output = cast(Callable[[torch.Tensor], torch.Tensor], exported.run)  # a task's model returns one tensor
+        row.agreement = (_predictions(one_output, inputs) == eager).float().mean().item()  # sync: a report figure
     one, many = inputs[:1], inputs[:batch_n]
     calls = {
         (*k, b): ((lambda e=e, x=x: e.run(x)), n)
@@ -260,6 +274,7 @@ def _measure(
         )
         base = rows[backend, "fp32"]
         if base.latency_b1_s is not None and precision != "fp32":
+            assert base.latency_batch_s is not None and base.size_bytes is not None and row.size_bytes is not None
             row.speedup_b1 = base.latency_b1_s / row.latency_b1_s
             row.speedup_batch = base.latency_batch_s / row.latency_batch_s
             row.smaller = base.size_bytes / row.size_bytes
@@ -267,10 +282,11 @@ def _measure(
         r
         for r in rows.values()
         if r.latency_batch_s is not None
+        and r.metric_change is not None  # a timed row was exported and evaluated
         and math.isfinite(r.metric_change)
         and (-r.metric_change if the_task.higher_is_better else r.metric_change) <= TOLERANCE
     ]
-    best = min(tolerable, key=lambda r: r.latency_batch_s, default=None)
+    best = min(tolerable, key=lambda r: cast(float, r.latency_batch_s), default=None)  # tolerable rows were timed
     auto, reason = auto_choice("cpu")
     report = InferenceReport(
         task=task,

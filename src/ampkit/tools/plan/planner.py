@@ -13,7 +13,7 @@ import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ from ampkit.tools.tasks import default_size, get_task
 from ampkit.util.present import size as size_of
 from ampkit.util.validate import parse_memory
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Literal[1] = 1
 SEARCH_LIMIT = 1 << 16  # the largest batch size the search tries
 
 
@@ -195,7 +195,7 @@ def plan(
         parameter_count=count,
         rows=rows,
         recommendation=recommend(rows, dev, budget, count, search),
-        strategy=strategy,
+        strategy=cast(Literal["none", "fsdp"], strategy),  # checked above
         nproc=nproc,
     )
     validate(result.as_dict(), PLAN_SCHEMA)
@@ -245,6 +245,8 @@ class _Peaks:
     """One preset's peak at any batch size: fake steps, or (where the forward cannot run on fake
     tensors) real steps at batch sizes 1 and 2 extrapolated linearly, per component."""
 
+    fallback: list[Measured] | None  # the real steps at batch sizes 1 and 2, once fake tensors failed
+
     def __init__(
         self,
         model_fn: Callable[[], nn.Module],
@@ -289,7 +291,8 @@ class _Peaks:
             return self._scaled(size)
 
     def _scaled(self, size: int) -> Measured:
-        one, two = self.fallback  # type: ignore[misc]
+        assert self.fallback is not None  # set before the first scaled figure
+        one, two = self.fallback
         parts = {
             k: max(0, one.components[k] + (size - 1) * (two.components[k] - one.components[k])) for k in COMPONENTS
         }

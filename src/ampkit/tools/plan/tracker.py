@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
@@ -93,7 +93,12 @@ class LiveBytes(TorchDispatchMode):
             old = held[0] if held else 0
             if held is not None and old == nbytes:
                 continue
-            ref = held[1] if held else weakref.ref(storage, lambda _, key=key: self._freed(key))
+            # cast: mypy cannot infer a lambda with a default argument where a callback goes (python/mypy#15459)
+            ref = (
+                held[1]
+                if held
+                else weakref.ref(storage, cast(Callable[[Any], None], lambda _, key=key: self._freed(key)))
+            )
             self.live[key] = (nbytes, ref)
             self.total += nbytes - old
             grew = grew or nbytes > old

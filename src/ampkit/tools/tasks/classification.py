@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -98,7 +99,7 @@ def evaluate_accuracy(model: nn.Module, data: TaskData, device: torch.device | s
 
 
 def classification_task(
-    name: str, load: str, inputs: Callable[[np.ndarray, np.ndarray], np.ndarray], **fields: object
+    name: str, load: str, inputs: Callable[[np.ndarray, np.ndarray], np.ndarray], **fields: Any
 ) -> Task:
     """A `Task` on `sklearn.datasets.<load>` (features as `inputs(x, x_train)`), scored by accuracy,
     trained with `adamw` on `cross_entropy`."""
@@ -112,7 +113,7 @@ def classification_task(
         loss_fn=cross_entropy,
         evaluate=evaluate_accuracy,
         **fields,
-    )  # type: ignore[arg-type]
+    )
 
 
 def iris_model(seed: int) -> nn.Module:

@@ -149,7 +149,9 @@ class TinyLM(nn.Module):
                 nn.init.zeros_(module.bias)
         # each residual branch adds to the stream; keep its sum's variance depth-independent
         for block in self.blocks:
+            assert isinstance(block, Block)  # a ModuleList yields plain Modules to the type checker
             for proj in (block.attn.proj, block.mlp[2]):
+                assert isinstance(proj, nn.Linear)
                 nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * n_layers))
 
     def forward(self, idx: Tensor) -> Tensor:

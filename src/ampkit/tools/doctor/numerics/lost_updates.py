@@ -41,10 +41,14 @@ class LostUpdateDetector:
         self.optimizer, weights = optimizer, optimizer.weights
         self.effective = weights.kind if weights is not None else "param"
         # optimizer param -> (model param, effective weight getter)
-        stand_in = {
-            id(stand): (param, functools.partial(weights.fp32_value, i))
-            for i, (param, stand) in enumerate(weights.pairs if weights is not None else [])
-        }
+        stand_in = (
+            {
+                id(stand): (param, functools.partial(weights.fp32_value, i))
+                for i, (param, stand) in enumerate(weights.pairs)
+            }
+            if weights is not None
+            else {}
+        )
         # (group index, model param, getter) for every parameter the optimizer steps
         self._params: list[tuple[int, nn.Parameter, Any]] = []
         for index, group in enumerate(optimizer.param_groups):
@@ -90,7 +94,8 @@ class LostUpdateDetector:
                 moved.setdefault(index, []).append((update != 0).any())
             for index, counts in step.items():  # a group no element of which moved: an update of exactly 0
                 total = torch.stack(counts).sum(0) * torch.stack(moved[index]).any()
-                self._counts[index] = total if self._counts[index] is None else self._counts[index] + total
+                held = self._counts[index]
+                self._counts[index] = total if held is None else held + total
 
     def result(self) -> dict[str, Any]:
         """Per-group shares and a recommendation (one read of the device counters)."""

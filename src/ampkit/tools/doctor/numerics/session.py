@@ -18,6 +18,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from ampkit.accelerator import Accelerator
+from ampkit.engine.data import DeviceLoader
 from ampkit.engine.optim import AmpOptimizer
 from ampkit.errors import LossScaleCollapse
 from ampkit.precision.outcomes import Outcome
@@ -99,7 +100,14 @@ class NumericsSession(Watch):
             self.hooks.callback(model.register_forward_hook(self._returned_loss).remove)
             self.hooks.callback(model.register_forward_pre_hook(self._accumulation.forward).remove)
 
-    started = on_batch_wait_start = on_zero_grad_start = _maybe_open  # moments to hook on, between steps
+    # moments to hook on, between steps: attached, waiting for a batch, zeroing the gradients
+    started = _maybe_open
+
+    def on_batch_wait_start(self, loader: DeviceLoader) -> None:
+        self._maybe_open(loader)
+
+    def on_zero_grad_start(self, optimizer: AmpOptimizer) -> None:
+        self._maybe_open(optimizer)
 
     def _snapshot(self, *_: Any) -> None:
         replaying = self._census is None or not self._census.enabled

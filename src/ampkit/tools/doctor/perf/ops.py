@@ -153,7 +153,7 @@ class OpStats:
     def top(self, n: int = 8) -> list[dict[str, Any]]:
         """The `n` kernel ops with the most time per step, aggregated by name (median durations)."""
         total = self.typical_us_per_step or 1.0
-        rows = []
+        rows: list[dict[str, Any]] = []
         for name, ks in self._by_name().items():
             median = statistics.median(k.us for k in ks)
             per_step = len(ks) / self.steps

@@ -108,7 +108,7 @@ def locate(frame: FrameType | None, call: str, skip: tuple[str, ...] = (DOCTOR_D
         return None
     name = frame.f_code.co_filename
     via = f"ampkit/{name[len(_AMPKIT_DIR) :]}:{frame.f_lineno}" if name.startswith(_AMPKIT_DIR) else None
-    user = frame
+    user: FrameType | None = frame
     while user is not None and _is_library(user.f_code.co_filename):
         user = user.f_back
     if user is None:  # nothing outside libraries: report the first frame outside torch and ampkit
@@ -155,10 +155,11 @@ class _Mode(TorchFunctionMode):
             warned = log is not None and len(log) > logged
             if counted or warned:
                 frame = _caller(sys._getframe(1), getattr(func, "__name__", ""))
-                site = locate(frame, name, watcher.skip) if counted else None
+                site = locate(frame, name, watcher.skip) if counted and name is not None else None
                 if site is not None:
                     watcher.record(site)
                 if warned:
+                    assert log is not None  # `warned` says the log grew
                     watcher.cuda_syncs(log, logged, frame, quiet=counted or watcher.ignore())
 
 
