@@ -241,7 +241,8 @@ def test_disabled_it_is_the_optimizer_alone_and_bad_settings_are_named():
     loss.backward()
     scaler.step(opt)
     scaler.update()
-    assert scaler.outcomes() == {"attempted": 0, "applied": 0, "skipped": 0} and scaler.last_step_applied is None
+    # nothing skips: the step was applied, and a scheduler that follows the outcomes steps with it
+    assert scaler.outcomes() == {"attempted": 1, "applied": 1, "skipped": 0} and scaler.last_step_applied is True
     with pytest.raises(ValueError, match="min_scale"):
         GradScaler("cpu", min_scale=-1.0)
     with pytest.raises(ValueError, match=r"min_scale=64.0: expected <= max_scale \(8.0\)"):
@@ -275,3 +276,32 @@ def test_lightning_fabric_takes_it_as_its_scaler_and_trains_bitwise_as_with_torc
     got = run(ours)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert ours.outcomes() == {"attempted": 8, "applied": 8 - len(BAD & set(range(8))), "skipped": 3}
+
+
+def test_one_optimizer_that_always_overflows_beside_a_healthy_one_is_a_collapse():
+    """torch backs the shared scale off for either optimizer's overflow: opt0 never steps again, though opt1
+    does. The streak is counted per optimizer, and the outcomes after the raising one are still counted."""
+    models = [_model(0), _model(1)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    scaler = GradScaler("cpu", collapse_after=4, **SCALER)
+    x = torch.ones(2, 8)
+    with pytest.raises(ampkit.LossScaleCollapse, match="4 optimizer steps in a row were skipped"):
+        for _ in range(10):
+            scaler.scale(models[0](x).sum() * math.nan).backward()
+            scaler.scale(models[1](x).sum()).backward()
+            scaler.step(opts[0])
+            scaler.step(opts[1])
+            scaler.update()
+    assert scaler.outcomes() == {"attempted": 8, "applied": 4, "skipped": 4}
+
+
+def test_a_pickled_scaler_is_torchs_state_and_counts_again_from_zero():
+    import pickle
+
+    _, _, scaler = train(GradScaler, plain, OPTIMIZERS["adamw"])
+    scaler.watch_outcomes(lambda index, skipped: None)  # a lambda: not picklable, and not carried
+    copy = pickle.loads(pickle.dumps(scaler))
+    assert copy.get_scale() == scaler.get_scale() and copy.state_dict() == scaler.state_dict()
+    assert copy.outcomes() == {"attempted": 0, "applied": 0, "skipped": 0}
+    scales, _, copy = train(GradScaler, plain, OPTIMIZERS["adamw"], scaler=copy, steps=2)
+    assert copy.outcomes()["attempted"] == 2

@@ -29,6 +29,7 @@ class StepOutcomes:
 
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
+        self._device = device  # its stream runs the copies; their events are recorded there
         # Prepared on fake tensors (`ampkit plan`; the CUDA path traced on a CPU-only torch, tests/test_fake_cuda.py)
         # no outcome is real: record() copies into a fake ring, and no pinned memory or CUDA event (real CUDA calls).
         fake = active_fake_mode() is not None
@@ -58,8 +59,8 @@ class StepOutcomes:
             pair = torch.stack((found_inf.float(), scale.float()))
             self._slots[slot].copy_(pair, non_blocking=self._cuda)
         event = torch.cuda.Event() if self._events else None
-        if event is not None:
-            event.record()
+        if event is not None:  # on the copy's stream: the current device may be another GPU
+            event.record(torch.cuda.current_stream(self._device))
         self._pending.append((slot, event))
 
     def poll(self, block: bool = False) -> list[Outcome]:
