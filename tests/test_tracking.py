@@ -110,3 +110,47 @@ def test_bad_settings_are_named_before_anything_is_made(tmp_path):
     with pytest.raises(TypeError, match="log_to=3"):
         ampkit.Accelerator(device="cpu", log_to=3)
     assert not (tmp_path / "r").exists()
+
+
+def test_a_resumed_run_goes_on_numbering_and_nothing_is_made_before_the_first_record(tmp_path):
+    def run(resume_from=None):
+        torch.manual_seed(0)
+        model = nn.Linear(8, 3)
+        acc = ampkit.Accelerator(device="cpu", log_to="jsonl", log_every=2, log_dir=tmp_path / "runs")
+        model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        assert not (tmp_path / "runs").exists() or resume_from is not None  # no file until a record
+        if resume_from is not None:
+            acc.load(resume_from)
+        for _ in range(4):
+            acc.backward(model(torch.randn(4, 8)).pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+        return acc.save(tmp_path / "ckpt.pt")
+
+    run(resume_from=run())
+    records = [json.loads(line) for line in (tmp_path / "runs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4, 6, 8]
+
+
+def test_a_tool_running_the_script_keeps_its_records_out_of_the_users_folder(tmp_path, monkeypatch):
+    """`ampkit compare/doctor/plan train.py` place the script's checkpoints in a folder of their own
+    (AMPKIT_CHECKPOINT_ROOT): the trackers' records go there too."""
+    root = tmp_path / "tool-run"
+    root.mkdir()
+    monkeypatch.setenv("AMPKIT_CHECKPOINT_ROOT", str(root))
+    users = tmp_path / "users-runs"
+    torch.manual_seed(0)
+    model = nn.Linear(8, 3)
+    acc = ampkit.Accelerator(device="cpu", log_to="jsonl", log_every=1, log_dir=users)
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    acc.backward(model(torch.randn(4, 8)).pow(2).mean())
+    opt.step()
+    assert not users.exists()
+    assert [p.name for p in root.rglob("metrics.jsonl")] == ["metrics.jsonl"]
+
+
+def test_a_log_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "runs").write_text("the user's")
+    with pytest.raises(ValueError, match="is a file: expected a folder"):
+        ampkit.Accelerator(device="cpu", log_to="jsonl", log_dir=tmp_path / "runs")
+    assert (tmp_path / "runs").read_text() == "the user's"

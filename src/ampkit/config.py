@@ -117,7 +117,9 @@ class AcceleratorConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "log_to", tuple(check_tracking(self.log_to, self.log_every)))
-        check.path("Accelerator", "log_dir", self.log_dir, "the trackers' folder", "runs/ampkit")  # before any run
+        log_dir = check.path("Accelerator", "log_dir", self.log_dir, "the trackers' folder", "runs/ampkit")
+        if log_dir.exists() and not log_dir.is_dir():
+            raise ValueError(f"log_dir={str(log_dir)!r} is a file: expected a folder for the trackers' records")
         steps = self.grad_accum_steps
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise ValueError(f"grad_accum_steps={steps!r}: expected an integer >= 1")

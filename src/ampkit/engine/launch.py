@@ -12,9 +12,9 @@ variables; every `Accelerator` reads them for the arguments its script did not p
 |                           |                      | optimizer steps (evaluation still runs)                 |
 
 `AMPKIT_CHECKPOINT_ROOT` (a folder) places every checkpoint path of `acc.save`, `acc.save_checkpoint` and
-`acc.resume` under it (`/home/u/run/ckpt` → `<root>/home/u/run/ckpt`; `acc.load` reads there first): the tools
-that run a script several times (`ampkit compare`, `doctor`, `plan`) give each run its own (`own_checkpoints`), so
-no run resumes another's checkpoints.
+`acc.resume`, and the trackers' `log_dir`, under it (`/home/u/run/ckpt` → `<root>/home/u/run/ckpt`; `acc.load`
+reads there first): the tools that run a script several times (`ampkit compare`, `doctor`, `plan`) give each run
+its own (`own_checkpoints`), so no run resumes another's checkpoints or writes into the user's logs.
 
 An argument the script passes wins (`precision="auto"` counts as not passed: "auto" asks ampkit to
 choose, and the launcher's choice is ampkit's). Where a variable is set, one warning per

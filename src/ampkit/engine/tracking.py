@@ -1,8 +1,10 @@
 """`Accelerator(log_to=..., log_every=N, log_dir=...)`: a run's precision health, logged as it trains.
 
-Every `log_every` optimizer steps of the first prepared optimizer, rank 0 writes one record: the mean loss of the
-backwards since the last record, the learning rate, the loss scale and the steps skipped so far (presets that
-scale the loss), optimizer steps/s and samples/s (rows of the batches a prepared DataLoader handed over). Nothing
+Every `log_every` optimizer steps of the first prepared optimizer to step (numbered by its own step count, which a
+resume continues), rank 0 writes one record: the mean loss of the backwards since the last record (with
+`num_items=`, of the summed losses as passed), the learning rate, the loss scale and the steps skipped so far
+(presets that scale the loss), optimizer steps/s and samples/s (rank 0's: rows of the training batches a prepared
+DataLoader handed over, an evaluation under no_grad not counted). Nothing
 is read from the device per step: the losses add up on the device (one add per backward) and the record's one
 host read is their sum; the scale and the skips come from the step outcomes the engine already sends to the host.
 
@@ -16,13 +18,14 @@ import json
 import math
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ampkit.engine.events import Events, Listener
+from ampkit.engine.launch import checkpoint_place
 
 if TYPE_CHECKING:
     from ampkit.accelerator import Accelerator
@@ -34,27 +37,31 @@ TRACKERS = ("jsonl", "tensorboard")
 
 
 class JsonLines:
-    """Records appended to `folder/metrics.jsonl`, a line each, flushed as written."""
+    """Records appended to `folder/metrics.jsonl`, a line each: the file is opened, written and closed per record
+    (one every `log_every` steps), so nothing is made before the first record and nothing is left open."""
 
     def __init__(self, folder: Path) -> None:
-        folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / "metrics.jsonl"
-        self._file = self.path.open("a", encoding="utf-8")
 
     def write(self, step: int, values: dict[str, float | None]) -> None:
-        self._file.write(json.dumps({"step": step, **values}, allow_nan=False) + "\n")
-        self._file.flush()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as file:
+            file.write(json.dumps({"step": step, **values}, allow_nan=False) + "\n")
 
 
 class TensorBoard:
-    """Scalars under `ampkit/<name>` in TensorBoard event files in `folder`, flushed as written."""
+    """Scalars under `ampkit/<name>` in TensorBoard event files in `folder`, flushed as written (the writer, and
+    its file, made at the first record)."""
 
     def __init__(self, folder: Path) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package (checked by the caller)
-
-        self._writer = SummaryWriter(log_dir=str(folder))
+        self.folder = folder
+        self._writer: Any = None
 
     def write(self, step: int, values: dict[str, float | None]) -> None:
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package (checked before)
+
+            self._writer = SummaryWriter(log_dir=str(self.folder))
         for name, value in values.items():
             if value is not None:
                 self._writer.add_scalar(f"ampkit/{name}", value, step)
@@ -84,6 +91,7 @@ def start_tracking(
     names = check_tracking(log_to, log_every)
     if rank != 0 or not names:
         return
+    log_dir = checkpoint_place(Path(log_dir))  # `ampkit compare/doctor train.py`: into the run's own folder
     writers: list[JsonLines | TensorBoard] = []
     for name in names:
         if name == "tensorboard":
@@ -93,7 +101,7 @@ def start_tracking(
                 warnings.warn(
                     "log_to='tensorboard': the tensorboard package is not installed, so nothing is logged "
                     "there: pip install ampkit[tensorboard]",
-                    stacklevel=4,
+                    stacklevel=3,
                 )
                 continue
             writers.append(TensorBoard(Path(log_dir)))
@@ -109,31 +117,32 @@ class Tracking(Listener):
     def __init__(self, writers: list[JsonLines | TensorBoard], every: int) -> None:
         self.writers, self.every = writers, every
         self._loss_sum: torch.Tensor | None = None
-        self._backwards = self._samples = self._steps = self._skipped = 0
+        self._backwards = self._samples = 0
         self._scale: float | None = None
-        self._first: AmpOptimizer | None = None
+        self._first: AmpOptimizer | None = None  # the first prepared optimizer to step: its steps are counted
         self._since = time.perf_counter()
         self._steps_since = 0
 
     def on_backward_start(self, acc: Accelerator, loss: torch.Tensor) -> None:
         loss = loss.detach().float()
-        self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+        # a copy to start from: the loss may be a CUDA graph's output, overwritten by the next replay
+        self._loss_sum = loss.clone() if self._loss_sum is None else self._loss_sum + loss
         self._backwards += 1
 
     def on_batch_wait_end(self, loader: DeviceLoader, batch: Any) -> None:
-        self._samples += _rows(batch)
+        if torch.is_grad_enabled():  # a training batch; an evaluation loop runs under no_grad
+            self._samples += _rows(batch)
 
     def on_outcome(self, optimizer: AmpOptimizer, outcome: Outcome) -> None:
-        self._skipped += outcome.skipped
-        self._scale = outcome.scale
+        if optimizer is self._first:
+            self._scale = outcome.scale
 
     def on_step_end(self, optimizer: AmpOptimizer, stepped: bool) -> None:
         if not stepped or (self._first is not None and optimizer is not self._first):
             return
         self._first = optimizer
-        self._steps += 1
         self._steps_since += 1
-        if self._steps % self.every == 0:
+        if optimizer.attempted_steps % self.every == 0:  # its own count: a resumed run goes on numbering
             self._record(optimizer)
 
     def _record(self, optimizer: AmpOptimizer) -> None:
@@ -144,13 +153,13 @@ class Tracking(Listener):
             "loss": total / max(self._backwards, 1),
             "lr": float(lr) if not isinstance(lr, torch.Tensor) else None,  # a device lr would be a read
             "loss_scale": self._scale,
-            "skipped_steps": float(self._skipped) if self._scale is not None else None,
+            "skipped_steps": float(optimizer.skipped_steps) if self._scale is not None else None,
             "steps_per_s": self._steps_since / elapsed,
             "samples_per_s": self._samples / elapsed if self._samples else None,
         }
         values = {k: v if v is None or math.isfinite(v) else None for k, v in values.items()}
         for writer in self.writers:
-            writer.write(self._steps, values)
+            writer.write(optimizer.attempted_steps, values)
         self._loss_sum, self._backwards, self._samples, self._steps_since = None, 0, 0, 0
         self._since = time.perf_counter()
 
@@ -159,5 +168,5 @@ def _rows(batch: Any) -> int:
     """The rows of a batch (its first tensor's first dimension; metadata, no read), 0 where there is none."""
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.dim() else 0
-    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
     return next((n for n in map(_rows, items) if n), 0)
