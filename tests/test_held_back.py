@@ -102,3 +102,15 @@ def test_ampkit_compare_inference_holds_the_exports_messages_back_and_says_its_p
     assert "exporting the fp32-trained model in each precision" in printed and "  timing " in printed
     assert "held back " in printed and "-v shows them" in printed
     assert "Failed to load" not in printed and "Skipping torchvision" not in printed
+
+
+def test_ampkits_own_warnings_pass_on_when_the_block_raises():
+    import ampkit.util.present as inside_ampkit
+
+    with warnings.catch_warnings(record=True) as outside:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match="the export failed"), held_back():
+            warnings.warn_explicit("ampkit's own warning", UserWarning, inside_ampkit.__file__, 1)
+            warnings.warn("a library's", FutureWarning, stacklevel=1)
+            raise RuntimeError("the export failed")
+    assert [str(w.message) for w in outside] == ["ampkit's own warning"]

@@ -68,21 +68,30 @@ def held_back(show: bool = False) -> Iterator[Held]:
         lg for lg in logging.root.manager.loggerDict.values() if isinstance(lg, logging.Logger) and lg.handlers
     ]
     saved = [(lg, lg.handlers) for lg in loggers]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("default")
-        for lg in loggers:
-            lg.handlers = [capture]  # a library's own handler (torch's) and the root's alike
-        try:
-            yield held
-        finally:
-            for lg, handlers in saved:
-                lg.handlers = handlers
+    caught: list[warnings.WarningMessage] = []
+    try:
+        with warnings.catch_warnings(record=True) as caught_here:
+            warnings.simplefilter("default")
+            for lg in loggers:
+                lg.handlers = [capture]  # a library's own handler (torch's) and the root's alike
+            try:
+                yield held
+            finally:
+                for lg, handlers in saved:
+                    lg.handlers = handlers
+                caught = list(caught_here)
+    finally:  # ampkit's own warnings and records pass on, also when the block raised
+        _pass_on(caught, capture.records, held)
+
+
+def _pass_on(caught: list[warnings.WarningMessage], records: list[logging.LogRecord], held: Held) -> None:
+    """Re-emit ampkit's own warnings and records; count the others' into `held`."""
     for w in caught:
         if w.filename.startswith(_AMPKIT_DIR) or type(w.message).__module__.startswith("ampkit"):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         else:
             held.sources[w.category.__name__] += 1
-    for record in capture.records:
+    for record in records:
         if _ours(record.name):
             logging.getLogger(record.name).handle(record)
         else:

@@ -284,7 +284,8 @@ def interleaved(
                 runs[name] = blank_run(name, "failed", str(exc).strip() or "failed", dev)
                 workers.pop(name).close()
 
-    progress.say(f"starting {len(specs)} runs, each in its own process; their warm-up steps time the plan...")
+    if specs:  # none where --resume found every run finished
+        progress.say(f"starting {len(specs)} runs, each in its own process; their warm-up steps time the plan...")
     try:
         for name, spec in specs.items():
             if (why := unrunnable(spec.precision, dev)) is not None:
