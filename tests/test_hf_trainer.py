@@ -1,0 +1,57 @@
+"""Hugging Face's `Trainer` with `ampkit.optim.AdamW` on bf16 weights (issue 48): a tiny GPT-2 built from a config
+(no hub), checkpointed and resumed by the Trainer itself, equals the uninterrupted run bit for bit, because the
+compensation is optimizer state the Trainer saves; and the compensated update is not plain bf16 AdamW's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+import ampkit.optim
+
+transformers = pytest.importorskip("transformers")  # in the test extra: CI runs this
+
+pytestmark = pytest.mark.slow  # three Trainer runs, ~15 s
+
+
+class Tokens(Dataset):
+    def __init__(self) -> None:
+        self.ids = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def train(out: str, steps: int, optimizer: type, resume: str | None = None) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    model = transformers.GPT2LMHeadModel(config).to(torch.bfloat16)
+    opt = optimizer(model.parameters(), lr=1e-3)
+    args = transformers.TrainingArguments(
+        output_dir=out,
+        max_steps=steps,
+        per_device_train_batch_size=8,
+        save_steps=4,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        disable_tqdm=True,
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=(opt, sched))
+    trainer.train(resume_from_checkpoint=resume)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_the_trainer_resumes_the_drop_in_bit_for_bit(tmp_path):
+    whole = train(str(tmp_path / "whole"), 8, ampkit.optim.AdamW)
+    train(str(tmp_path / "halves"), 4, ampkit.optim.AdamW)
+    resumed = train(str(tmp_path / "halves"), 8, ampkit.optim.AdamW, resume=str(tmp_path / "halves/checkpoint-4"))
+    assert all(torch.equal(a, b) for a, b in zip(whole, resumed))
+    plain = train(str(tmp_path / "plain"), 8, torch.optim.AdamW)
+    assert not all(torch.equal(a, b) for a, b in zip(whole, plain))  # the compensation kept updates
