@@ -86,7 +86,8 @@ class GradScaler(torch.amp.GradScaler):
         if flags:  # torch's own per-device flags of this step (none: an optimizer that took the scaler itself)
             scale = self._scale
             assert scale is not None, "torch's step() made the scale"
-            found = torch.stack([f.to(scale.device, non_blocking=True) for f in flags]).sum()
+            moved = [f.to(scale.device, non_blocking=True) for f in flags]
+            found = moved[0] if len(moved) == 1 else torch.stack(moved).sum()  # one device: no stack, no sum
             if self._outcomes is None:
                 self._outcomes = StepOutcomes(scale.device)
             self._outcomes.record(found, scale)
