@@ -687,6 +687,8 @@ TOOL_BOUNDARY: dict[str, frozenset[str]] = {
     "ampkit.engine.launch": frozenset({"run_as_main", "own_checkpoints"}),
     "ampkit.engine.optim": frozenset({"AmpOptimizer"}),  # the type of acc.optimizers
     "ampkit.engine.data": frozenset({"DeviceLoader"}),  # the type of acc.loaders
+    # the lost-update detector: the trackers sample it, the numerics doctor watches every step with it
+    "ampkit.engine.lost_updates": frozenset({"LOST_SHARE_ALARM", "LostUpdateDetector"}),
     "ampkit.precision.outcomes": frozenset({"Outcome"}),  # what on_outcome receives
     "ampkit.precision.policy": frozenset({"PRESETS", "dtype_name", "short_dtype_name", "fp8_problem"})
     | frozenset({"resolve_precision"}),  # presets as data

@@ -19,8 +19,8 @@ from torch.nn import functional as F
 import ampkit
 import ampkit.tools.doctor
 from ampkit.cli.main import main
+from ampkit.engine.lost_updates import half_ulp
 from ampkit.tools.doctor import NUMERICS_SCHEMA, NumericsSession, numerics, summarize, validate_numerics
-from ampkit.tools.doctor.numerics.lost_updates import half_ulp
 from ampkit.tools.doctor.numerics.report import format_text, render_html_section
 from ampkit.tools.doctor.perf.sync import SyncWatcher
 from conftest import assert_bitwise_equal, make_model

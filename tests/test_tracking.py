@@ -76,7 +76,8 @@ class HostReads(TorchDispatchMode):
         self.reads = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.reads += func is torch.ops.aten._local_scalar_dense.default
+        to_host = func is torch.ops.aten._to_copy.default and str((kwargs or {}).get("device")) == "cpu"
+        self.reads += func is torch.ops.aten._local_scalar_dense.default or to_host
         return func(*args, **(kwargs or {}))
 
 

@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, __getattr__ i
     from ampkit import optim
     from ampkit.accelerator import Accelerator
     from ampkit.config import AcceleratorConfig
+    from ampkit.engine.tracker import Tracker
     from ampkit.engine.training_state import TrainingState
     from ampkit.errors import (
         AmpkitError,
@@ -55,6 +56,7 @@ _HOMES = {
     "resolve_precision": "ampkit.precision.policy",
     "LossScaler": "ampkit.precision.scaler",
     "TrainingState": "ampkit.engine.training_state",
+    "Tracker": "ampkit.engine.tracker",
 }
 # Public names that are modules: `ampkit.doctor.profile(acc, steps=20)`, `with ampkit.doctor.numerics(acc):`.
 _MODULES = {"doctor": "ampkit.tools.doctor", "optim": "ampkit.optim"}
@@ -75,6 +77,7 @@ __all__ = [
     "Exported",
     "export",
     "TrainingState",
+    "Tracker",
     "compare",
     "doctor",
     "optim",

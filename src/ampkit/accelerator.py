@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -187,16 +186,11 @@ class Accelerator(RankMethods):
         unscaled = loss.detach()  # kept by the optimizers: it explains a collapse or names a NaN step
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
-        stats = self.compile_stats
         if micro.attempt is not None:
             if not micro.backward(loss, kwargs):  # out of memory: the batch reruns with smaller micro-batches
                 return
-        elif stats.first_forward_s is None or stats.first_backward_s is not None:
-            loss.backward(**kwargs) if kwargs else loss.backward()  # a call through an empty **{} costs ~0.5 µs
-        else:  # the compiled graph's backward is generated in its first call: time it
-            start = time.perf_counter()
-            loss.backward(**kwargs)
-            stats.first_backward_s = time.perf_counter() - start
+        else:
+            self.compile_stats.backward(loss, kwargs)
         self.cycle.advance()
         for opt in self._prepared.optimizers:
             opt.on_backward(unscaled, items)
@@ -354,6 +348,8 @@ class Accelerator(RankMethods):
         """Accumulate `value` into the running mean `name` on the device (no sync)."""
         check.name_of("acc.track", "name", name, "acc.track('loss', loss)")
         self._metrics.track(name, value)
+        if self.events.listeners:
+            self.events.emit(Listener.on_track, self, name, value)
 
     def metrics(self) -> dict[str, float]:
         """Means of everything tracked since the last call (over all ranks), as floats; then reset.

@@ -56,6 +56,9 @@ class Listener:
         """`acc.report_metric(name, value, higher_is_better)`: a result of the run (`value` as passed:
         a tensor stays on the device; a listener that reads it syncs, and says so)."""
 
+    def on_track(self, acc: Accelerator, name: str, value: torch.Tensor | float) -> None:
+        """`acc.track(name, value)`: a value of the run's running means (`value` as passed, on the device)."""
+
     def on_zero_grad_start(self, optimizer: AmpOptimizer) -> None:
         """`optimizer.zero_grad()` was called on a prepared optimizer."""
 

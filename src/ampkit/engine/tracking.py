@@ -1,31 +1,44 @@
 """`Accelerator(log_to=..., log_every=N, log_dir=...)`: a run's precision health, logged as it trains.
 
 Every `log_every` optimizer steps of the first prepared optimizer to step (numbered by its own step count, which a
-resume continues), rank 0 writes one record: the mean loss of the backwards since the last record (with
-`num_items=`, of the summed losses as passed), the learning rate, the loss scale and the steps skipped so far
-(presets that scale the loss), optimizer steps/s and samples/s (rank 0's: rows of the training batches a prepared
-DataLoader handed over, an evaluation under no_grad not counted). Nothing
-is read from the device per step: the losses add up on the device (one add per backward) and the record's one
-host read is their sum; the scale and the skips come from the step outcomes the engine already sends to the host.
+resume continues), rank 0 writes one record to each tracker (`ampkit.engine.writers`: jsonl, tensorboard, wandb,
+mlflow):
 
-    "jsonl"        one JSON object per record in `log_dir/metrics.jsonl` (non-finite figures as null)
-    "tensorboard"  TensorBoard event files in `log_dir` (`pip install ampkit[tensorboard]`)
+    loss               the mean of the losses passed to `acc.backward` since the last record (with `num_items=`,
+                       of the summed losses as passed)
+    lr                 the first parameter group's learning rate (None where it is a tensor: reading it would wait)
+    loss_scale         the scale of the latest step whose outcome has reached the host (presets that scale)
+    skipped_steps      the steps skipped for inf/NaN gradients so far (presets that scale)
+    lost_update_share  of the weight elements with a nonzero gradient, the share the last step of the interval
+                       left unchanged (weights stored in bf16/fp16, their Kahan compensation counted; None where
+                       they are fp32 or have fp32 masters): above ~0.1, updates are rounding away
+    steps_per_s, samples_per_s, tokens_per_s
+                       rank 0's rates over the interval: samples are the rows of the training batches a prepared
+                       DataLoader handed over (an evaluation under no_grad not counted), tokens the elements of
+                       each batch's first integer tensor of two or more dimensions (token ids, padding included)
+    track/<name>       the mean of each `acc.track(name, value)` since the last record (rank 0's)
+
+Nothing is read from the device per step: the sums stay on the device and a record's one host read takes them
+all; the scale and the skips come from the step outcomes the engine already sends to the host. The lost-update
+share costs one fp32 copy of the weights at the last step of each interval, where it is measured.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
-import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from ampkit.engine.events import Events, Listener
 from ampkit.engine.launch import checkpoint_place
+from ampkit.engine.lost_updates import LostUpdateDetector
+from ampkit.engine.metrics import MetricTracker
+from ampkit.engine.writers import TRACKERS, Writer, writers_for
 
 if TYPE_CHECKING:
     from ampkit.accelerator import Accelerator
@@ -33,39 +46,8 @@ if TYPE_CHECKING:
     from ampkit.engine.optim import AmpOptimizer
     from ampkit.precision.outcomes import Outcome
 
-TRACKERS = ("jsonl", "tensorboard")
-
-
-class JsonLines:
-    """Records appended to `folder/metrics.jsonl`, a line each: the file is opened, written and closed per record
-    (one every `log_every` steps), so nothing is made before the first record and nothing is left open."""
-
-    def __init__(self, folder: Path) -> None:
-        self.path = folder / "metrics.jsonl"
-
-    def write(self, step: int, values: dict[str, float | None]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a", encoding="utf-8") as file:
-            file.write(json.dumps({"step": step, **values}, allow_nan=False) + "\n")
-
-
-class TensorBoard:
-    """Scalars under `ampkit/<name>` in TensorBoard event files in `folder`, flushed as written (the writer, and
-    its file, made at the first record)."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self._writer: Any = None
-
-    def write(self, step: int, values: dict[str, float | None]) -> None:
-        if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package (checked before)
-
-            self._writer = SummaryWriter(log_dir=str(self.folder))
-        for name, value in values.items():
-            if value is not None:
-                self._writer.add_scalar(f"ampkit/{name}", value, step)
-        self._writer.flush()
+_LOW = (torch.bfloat16, torch.float16)
+_LOST, _WANTED = "\0lost", "\0wanted"  # the detector's counts among the window's sums (names no user can track)
 
 
 def check_tracking(log_to: str | Sequence[str] | None, log_every: int) -> list[str]:
@@ -92,81 +74,122 @@ def start_tracking(
     if rank != 0 or not names:
         return
     log_dir = checkpoint_place(Path(log_dir))  # `ampkit compare/doctor train.py`: into the run's own folder
-    writers: list[JsonLines | TensorBoard] = []
-    for name in names:
-        if name == "tensorboard":
-            try:
-                import tensorboard  # noqa: F401 - torch.utils.tensorboard needs it
-            except ImportError:
-                warnings.warn(
-                    "log_to='tensorboard': the tensorboard package is not installed, so nothing is logged "
-                    "there: pip install ampkit[tensorboard]",
-                    stacklevel=3,
-                )
-                continue
-            writers.append(TensorBoard(Path(log_dir)))
-        else:
-            writers.append(JsonLines(Path(log_dir)))
+    writers = writers_for(names, Path(log_dir), run_id="", stacklevel=4)
     if writers:
         events.add(Tracking(writers, log_every))
+
+
+class Window:
+    """What one record sums up: values on the device (one host read for all of them), the rows and tokens of
+    the batches (host counts, from shapes), the steps and the time since the last record."""
+
+    def __init__(self) -> None:
+        self.sums = MetricTracker()
+        self.samples = self.tokens = self.steps = 0
+        self.since = time.perf_counter()
+
+    def batch(self, batch: Any) -> None:
+        leaves = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim()]
+        self.samples += leaves[0].shape[0] if leaves else 0
+        ids = [t for t in leaves if t.dim() >= 2 and not t.is_floating_point() and t.dtype != torch.bool]
+        self.tokens += ids[0].numel() if ids else 0
+
+    def lost(self, counts: torch.Tensor) -> None:
+        """One measured step's [wanted, lost] counts (on the device)."""
+        self.sums.track(_WANTED, counts[0])
+        self.sums.track(_LOST, counts[1])
+
+    def take(self) -> dict[str, float | None]:
+        """The window's figures (loss, the rates, the lost share, `track/<name>`), then a new window."""
+        elapsed = max(time.perf_counter() - self.since, 1e-9)
+        means: dict[str, float | None] = dict(self.sums.read())  # sync: the one read per record
+        wanted, lost = means.pop(_WANTED, None), means.pop(_LOST, None)
+        values = {
+            "loss": means.pop("loss", None),
+            "lost_update_share": lost / wanted if lost is not None and wanted else None,
+            "steps_per_s": self.steps / elapsed,
+            "samples_per_s": self.samples / elapsed if self.samples else None,
+            "tokens_per_s": self.tokens / elapsed if self.tokens else None,
+            **{name: value for name, value in means.items() if name.startswith("track/")},
+        }
+        self.samples = self.tokens = self.steps = 0
+        self.since = time.perf_counter()
+        return values
+
+
+def write_record(writers: list[Writer], step: int, values: dict[str, float | None]) -> None:
+    """One record to every writer, each non-finite figure as None (JSON's null, left out by the others)."""
+    finite = {k: v if v is None or math.isfinite(v) else None for k, v in values.items()}
+    for writer in writers:
+        writer.write(step, finite)
+
+
+def first_lr(param_groups: list[dict[str, Any]]) -> float | None:
+    lr = param_groups[0]["lr"]
+    return float(lr) if not isinstance(lr, torch.Tensor) else None  # a device lr would be a read
+
+
+def lost_counts(detector: LostUpdateDetector) -> torch.Tensor | None:
+    """The [wanted, lost] counts of the step the detector just measured, summed over its groups (on the device)."""
+    counts = detector.take_counts()
+    return counts[:2] if counts is not None else None
 
 
 class Tracking(Listener):
     """The listener behind `log_to=`: sums on the device, one host read per record."""
 
-    def __init__(self, writers: list[JsonLines | TensorBoard], every: int) -> None:
+    def __init__(self, writers: list[Writer], every: int) -> None:
         self.writers, self.every = writers, every
-        self._loss_sum: torch.Tensor | None = None
-        self._backwards = self._samples = 0
+        self.window = Window()
         self._scale: float | None = None
         self._first: AmpOptimizer | None = None  # the first prepared optimizer to step: its steps are counted
-        self._since = time.perf_counter()
-        self._steps_since = 0
+        self._detector: LostUpdateDetector | None = None
 
     def on_backward_start(self, acc: Accelerator, loss: torch.Tensor) -> None:
-        loss = loss.detach().float()
-        # a copy to start from: the loss may be a CUDA graph's output, overwritten by the next replay
-        self._loss_sum = loss.clone() if self._loss_sum is None else self._loss_sum + loss
-        self._backwards += 1
+        self.window.sums.track("loss", loss)  # one add on the device
+        for writer in self.writers:  # the run's id, known once a resume has loaded it: W&B/MLflow runs go on
+            writer.run_id = acc.run_id
+
+    def on_track(self, acc: Accelerator, name: str, value: torch.Tensor | float) -> None:
+        self.window.sums.track(f"track/{name}", value)
 
     def on_batch_wait_end(self, loader: DeviceLoader, batch: Any) -> None:
         if torch.is_grad_enabled():  # a training batch; an evaluation loop runs under no_grad
-            self._samples += _rows(batch)
+            self.window.batch(batch)
 
     def on_outcome(self, optimizer: AmpOptimizer, outcome: Outcome) -> None:
         if optimizer is self._first:
             self._scale = outcome.scale
 
+    def on_step_start(self, optimizer: AmpOptimizer) -> None:
+        if (self._first is None or optimizer is self._first) and (optimizer.attempted_steps + 1) % self.every == 0:
+            if self._detector is None and stored_low(optimizer):
+                self._detector = LostUpdateDetector(optimizer)
+            if self._detector is not None and not self._detector.has_snapshot:  # kept over micro-steps
+                self._detector.snapshot()
+
     def on_step_end(self, optimizer: AmpOptimizer, stepped: bool) -> None:
         if not stepped or (self._first is not None and optimizer is not self._first):
             return
         self._first = optimizer
-        self._steps_since += 1
+        self.window.steps += 1
+        if self._detector is not None and self._detector.has_snapshot:
+            self._detector.measure(applied=True)  # a step skipped on the device moved nothing: counted as 0
+            if (counts := lost_counts(self._detector)) is not None:
+                self.window.lost(counts)
         if optimizer.attempted_steps % self.every == 0:  # its own count: a resumed run goes on numbering
-            self._record(optimizer)
-
-    def _record(self, optimizer: AmpOptimizer) -> None:
-        elapsed = max(time.perf_counter() - self._since, 1e-9)
-        total = self._loss_sum.item() if self._loss_sum is not None else math.nan  # sync: one per record
-        lr = optimizer.param_groups[0]["lr"]
-        values = {
-            "loss": total / max(self._backwards, 1),
-            "lr": float(lr) if not isinstance(lr, torch.Tensor) else None,  # a device lr would be a read
-            "loss_scale": self._scale,
-            "skipped_steps": float(optimizer.skipped_steps) if self._scale is not None else None,
-            "steps_per_s": self._steps_since / elapsed,
-            "samples_per_s": self._samples / elapsed if self._samples else None,
-        }
-        values = {k: v if v is None or math.isfinite(v) else None for k, v in values.items()}
-        for writer in self.writers:
-            writer.write(optimizer.attempted_steps, values)
-        self._loss_sum, self._backwards, self._samples, self._steps_since = None, 0, 0, 0
-        self._since = time.perf_counter()
+            values = self.window.take()
+            values.update(
+                lr=first_lr(optimizer.param_groups),
+                loss_scale=self._scale,
+                skipped_steps=float(optimizer.skipped_steps) if self._scale is not None else None,
+            )
+            write_record(self.writers, optimizer.attempted_steps, values)
 
 
-def _rows(batch: Any) -> int:
-    """The rows of a batch (its first tensor's first dimension; metadata, no read), 0 where there is none."""
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() else 0
-    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
-    return next((n for n in map(_rows, items) if n), 0)
+def stored_low(optimizer: AmpOptimizer) -> bool:
+    """Whether the optimizer's weights are stored in bf16/fp16 without fp32 masters (where updates can round
+    away; the Kahan compensation of bf16-true counts as part of the weight)."""
+    if optimizer.weights is not None:
+        return optimizer.weights.kind == "compensated"
+    return any(p.dtype in _LOW for group in optimizer.param_groups for p in group["params"])

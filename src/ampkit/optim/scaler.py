@@ -13,7 +13,8 @@ trajectory, the same skipped steps, checkpoints either class loads. What torch's
 the device, this one learns as it lands (`ampkit.precision.outcomes`: a non-blocking copy into pinned memory):
 
 - whether each `step()` was applied or skipped (`last_step_applied`, `applied_steps`, `skipped_steps`, and
-  `watch_outcomes(callback)`, for a scheduler that should follow the applied steps only);
+  `watch_outcomes(callback)`, for a scheduler that should follow the applied steps only), and the scale it used
+  (`landed_scale`: the latest landed step's; what `ampkit.Tracker` logs);
 - a collapse: `collapse_after` skipped steps in a row (of one optimizer) raise `ampkit.LossScaleCollapse` with
   what to try, where torch's scale halves towards 0 and the run trains nothing, silently;
 - optional bounds: `min_scale` / `max_scale` clamp the scale on the device after each update (None: none, as torch).
@@ -144,6 +145,7 @@ class GradScaler(torch.amp.GradScaler):
         self.attempted_steps = 0  # step() calls (host count, exact)
         self.applied_steps = 0  # of those, the outcomes landed so far: applied ...
         self.skipped_steps = 0  # ... and skipped
+        self.landed_scale: float | None = None  # the scale of the latest step whose outcome has landed
         self._latest: bool | None = None
         self._last_good_scale: float | None = None
         self._order: deque[int] = deque()
@@ -164,6 +166,7 @@ class GradScaler(torch.amp.GradScaler):
     def _landed(self, key: int, skipped: bool, scale: float | None) -> bool:
         """One step's outcome on the host; True where its optimizer has now skipped `collapse_after` in a row."""
         self._latest = not skipped
+        self.landed_scale = scale if scale is not None else self.landed_scale
         if skipped:
             self.skipped_steps += 1
             self._in_a_row[key] = self._in_a_row.get(key, 0) + 1

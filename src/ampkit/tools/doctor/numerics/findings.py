@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from ampkit.accelerator import Accelerator
+from ampkit.engine.lost_updates import LOST_SHARE_ALARM
 from ampkit.precision.policy import dtype_name
-from ampkit.tools.doctor.numerics.lost_updates import LOST_SHARE_ALARM
 from ampkit.tools.doctor.numerics.report import label, num
 
 Result = dict[str, Any]

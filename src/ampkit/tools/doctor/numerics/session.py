@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_leaves
 
 from ampkit.accelerator import Accelerator
 from ampkit.engine.data import DeviceLoader
+from ampkit.engine.lost_updates import LostUpdateDetector
 from ampkit.engine.optim import AmpOptimizer
 from ampkit.errors import LossScaleCollapse
 from ampkit.precision.outcomes import Outcome
@@ -27,7 +28,6 @@ from ampkit.tools.doctor.numerics.accumulation import AccumulationCheck
 from ampkit.tools.doctor.numerics.census import RangeCensus
 from ampkit.tools.doctor.numerics.findings import findings, loss_scale_health, with_recommendation
 from ampkit.tools.doctor.numerics.localizer import BatchKeeper, replay
-from ampkit.tools.doctor.numerics.lost_updates import LostUpdateDetector
 from ampkit.tools.doctor.watch import DoctorError, Result, Watch, check_counts
 from ampkit.util.version import ampkit_version
 

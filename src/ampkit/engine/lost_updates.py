@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,9 +38,16 @@ def half_ulp(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class LostUpdateDetector:
     """Counts lost and below-half-ulp updates per parameter group of `optimizer`."""
 
-    def __init__(self, optimizer: AmpOptimizer) -> None:
-        self.optimizer, weights = optimizer, optimizer.weights
-        self.effective = weights.kind if weights is not None else "param"
+    def __init__(
+        self,
+        optimizer: AmpOptimizer | torch.optim.Optimizer,
+        value: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """`value(p)`: a plain optimizer's effective fp32 value of its parameter `p` (the drop-ins' `fp32_value`:
+        bf16 plus compensation); a prepared optimizer's come from its weight store."""
+        self.optimizer = optimizer
+        weights = optimizer.weights if isinstance(optimizer, AmpOptimizer) else None
+        self.effective = weights.kind if weights is not None else "param" if value is None else "compensated"
         # optimizer param -> (model param, effective weight getter)
         stand_in = (
             {
@@ -53,7 +61,8 @@ class LostUpdateDetector:
         self._params: list[tuple[int, nn.Parameter, Any]] = []
         for index, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
-                param, get = stand_in.get(id(p), (p, lambda p=p: p.detach()))
+                own = functools.partial(value, p) if value is not None else p.detach
+                param, get = stand_in.get(id(p), (p, own))
                 self._params.append((index, param, get))
         self._groups = len(optimizer.param_groups)
         self._counts: list[torch.Tensor | None] = [None] * self._groups  # [wanted, lost, below half ulp]
@@ -96,6 +105,13 @@ class LostUpdateDetector:
                 total = torch.stack(counts).sum(0) * torch.stack(moved[index]).any()
                 held = self._counts[index]
                 self._counts[index] = total if held is None else held + total
+
+    def take_counts(self) -> torch.Tensor | None:
+        """The [wanted, lost, below half ulp] counts since the last take, summed over the groups (on the device,
+        no read); then none. None where no step was counted."""
+        present = [c for c in self._counts if c is not None]
+        self._counts = [None] * self._groups
+        return torch.stack(present).sum(0) if present else None
 
     def result(self) -> dict[str, Any]:
         """Per-group shares and a recommendation (one read of the device counters)."""
