@@ -157,3 +157,55 @@ def test_a_missing_package_is_one_warning_naming_the_extra(tmp_path, monkeypatch
     with pytest.warns(UserWarning, match=r"log_to='wandb': the wandb package is not installed.*ampkit\[wandb\]"):
         acc = ampkit.Accelerator(device="cpu", log_to=["wandb", "jsonl"], log_dir=tmp_path / "runs")
     assert len(acc.events) == 1  # jsonl still listens
+
+
+def test_fp8_mixed_logs_the_share_of_elements_fp8_flushes_to_zero(tmp_path):
+    """One outlier of 1e6 in the fp8 layer's weight: scaled by it, every other weight (~0.1) falls below
+    e4m3's smallest subnormal and becomes 0, which the share shows; without it, nothing is flushed."""
+    pytest.importorskip("torchao")
+    shares = {}
+    for name, outlier in (("plain", None), ("outlier", 1e6)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+        if outlier is not None:
+            with torch.no_grad():
+                model[2].weight[0, 0] = outlier
+        acc = ampkit.Accelerator(
+            "fp8-mixed",
+            device="cpu",
+            fp8_emulate=True,
+            fp8_min_weight=0,
+            log_to="jsonl",
+            log_every=EVERY,
+            log_dir=tmp_path / name,
+        )
+        model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))
+        assert [n for n, why in acc.fp8.layers if why is None] == ["2"]  # the middle layer runs in fp8
+        for _ in range(STEPS):
+            acc.backward(model(torch.randn(8, 16)).float().pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():  # an evaluation forward between steps is not sampled
+                model(torch.randn(8, 16))
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        shares[name] = [json.loads(line)["fp8_underflow_share"] for line in lines]
+    assert shares["plain"] == [0.0, 0.0]
+    # the weight's 1023 other elements, of its 1024 and the input's nonzero elements (ReLU zeroes about half)
+    assert all(0.75 < s < 0.95 for s in shares["outlier"]), shares
+
+
+def test_mfu_is_six_flops_per_weight_and_token_over_the_gpus_datasheet_peak(tmp_path, monkeypatch):
+    import ampkit.engine.tracking as tracking
+    from ampkit.hardware.capability import GPU_MODELS, gpu_for_device, peak_tflops
+
+    train_lm(tmp_path / "cpu", log_to="jsonl", log_every=EVERY)  # a CPU: no datasheet, no MFU
+    assert all(json.loads(line)["mfu"] is None for line in (tmp_path / "cpu" / "runs" / "metrics.jsonl").open())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    a100 = gpu_for_device(torch.device("cuda", 0))
+    assert a100 is GPU_MODELS["A100"] and peak_tflops(a100, torch.bfloat16) == 312.0
+    monkeypatch.setattr(tracking, "device_peak", lambda device, dtype: 312e12 if dtype == torch.bfloat16 else None)
+    acc = train_lm(tmp_path / "gpu", "bf16-mixed", log_to="jsonl", log_every=EVERY)  # as if on that A100
+    weights = sum(p.numel() for p in acc.models[0].parameters())
+    for line in (tmp_path / "gpu" / "runs" / "metrics.jsonl").open():
+        r = json.loads(line)
+        assert r["mfu"] == pytest.approx(6 * weights * r["tokens_per_s"] / 312e12, rel=1e-9)

@@ -117,7 +117,8 @@ class Accelerator(RankMethods):
         )
         self.distributed = DistributedContext.from_env()
         self.device = resolve_device(self.distributed.device_for(device))  # under torchrun: this rank's GPU
-        self.policy = resolve_precision(config.precision, self.device, fp8_emulate=fp8_emulate)
+        rank0 = self.distributed.rank == 0
+        self.policy = resolve_precision(config.precision, self.device, fp8_emulate=fp8_emulate, announce=rank0)
         self.fp8 = fp8_training(self.policy, fp8_recipe, fp8_emulate, fp8_min_weight)  # None unless fp8-mixed
         self.distributed.init(self.device, backend, config.timeout_s)
         self.strategy = choose_strategy(self.distributed, strategy, self.policy.name, config.keep_fp32)

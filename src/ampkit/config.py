@@ -85,8 +85,9 @@ class AcceleratorConfig:
         memory: the budget micro_batch="auto" fits ("2GiB", "512MB" or bytes; default: the device's free memory).
         log_to: trackers that log the run's precision health every `log_every` optimizer steps on rank 0
             (`ampkit.engine.tracking`): "jsonl" (`log_dir/metrics.jsonl`), "tensorboard" (event files in
-            `log_dir`), or a list of them; None (default): none. Loss, learning rate, loss scale, skipped steps,
-            steps/s and samples/s; one host read per record, none per step. A tuple once checked.
+            `log_dir`), "wandb", "mlflow" (`ampkit.engine.writers`), or a list of them; None (default): none.
+            Loss, learning rate, loss scale, skipped steps, lost-update share, steps/s, samples/s, tokens/s and
+            `acc.track`'s values; one host read per record, none per step. A tuple once checked.
         log_every: optimizer steps between the trackers' records (default 50).
         log_dir: the trackers' folder (default "runs/ampkit").
     """

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ampkit.engine.lost_updates import LostUpdateDetector
-from ampkit.engine.tracking import Window, check_tracking, first_lr, lost_counts, write_record
+from ampkit.engine.tracking import Window, check_tracking, first_lr, take_lost, write_record
 from ampkit.engine.writers import writers_for
 from ampkit.util import validate as check
 
@@ -133,9 +133,7 @@ class Tracker:
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         detector = self._detector
         if detector is not None and detector.has_snapshot:
-            detector.measure(applied=True)  # a step skipped on the device moved nothing: counted as 0
-            if (counts := lost_counts(detector)) is not None:
-                self.window.lost(counts)
+            take_lost(detector, self.window)
 
 
 def _stored_low(optimizer: torch.optim.Optimizer) -> bool:

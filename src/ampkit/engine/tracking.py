@@ -16,6 +16,12 @@ mlflow):
                        rank 0's rates over the interval: samples are the rows of the training batches a prepared
                        DataLoader handed over (an evaluation under no_grad not counted), tokens the elements of
                        each batch's first integer tensor of two or more dimensions (token ids, padding included)
+    fp8_underflow_share
+                       under fp8-mixed, the share of the fp8 layers' nonzero input and weight elements that fp8
+                       turns into 0 (`ampkit.engine.fp8_sample`, one forward per interval)
+    mfu                on a CUDA GPU of the capability table, where tokens are counted: 6 × the trained weights ×
+                       tokens/s over the datasheet's dense peak for the preset's matmul dtype (rank 0's GPU; the
+                       dense-model estimate, attention's own FLOPs not counted)
     track/<name>       the mean of each `acc.track(name, value)` since the last record (rank 0's)
 
 Nothing is read from the device per step: the sums stay on the device and a record's one host read takes them
@@ -35,10 +41,12 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ampkit.engine.events import Events, Listener
+from ampkit.engine.fp8_sample import Fp8Sample
 from ampkit.engine.launch import checkpoint_place
 from ampkit.engine.lost_updates import LostUpdateDetector
 from ampkit.engine.metrics import MetricTracker
 from ampkit.engine.writers import TRACKERS, Writer, writers_for
+from ampkit.hardware.capability import gpu_for_device, peak_tflops
 
 if TYPE_CHECKING:
     from ampkit.accelerator import Accelerator
@@ -47,7 +55,7 @@ if TYPE_CHECKING:
     from ampkit.precision.outcomes import Outcome
 
 _LOW = (torch.bfloat16, torch.float16)
-_LOST, _WANTED = "\0lost", "\0wanted"  # the detector's counts among the window's sums (names no user can track)
+_SHARES = ("lost_update_share", "fp8_underflow_share")  # counted as [part, whole] among the window's sums
 
 
 def check_tracking(log_to: str | Sequence[str] | None, log_every: int) -> list[str]:
@@ -94,19 +102,22 @@ class Window:
         ids = [t for t in leaves if t.dim() >= 2 and not t.is_floating_point() and t.dtype != torch.bool]
         self.tokens += ids[0].numel() if ids else 0
 
-    def lost(self, counts: torch.Tensor) -> None:
-        """One measured step's [wanted, lost] counts (on the device)."""
-        self.sums.track(_WANTED, counts[0])
-        self.sums.track(_LOST, counts[1])
+    def share(self, name: str, part: torch.Tensor, whole: torch.Tensor) -> None:
+        """Counts (on the device) of the share `name`: `part` of `whole` elements."""
+        self.sums.track(f"\0{name}", part)  # "\0": no name `acc.track` can give
+        self.sums.track(f"\0{name}/whole", whole)
 
     def take(self) -> dict[str, float | None]:
         """The window's figures (loss, the rates, the lost share, `track/<name>`), then a new window."""
         elapsed = max(time.perf_counter() - self.since, 1e-9)
         means: dict[str, float | None] = dict(self.sums.read())  # sync: the one read per record
-        wanted, lost = means.pop(_WANTED, None), means.pop(_LOST, None)
+        shares = {}
+        for name in _SHARES:  # both counts are tracked together: the ratio of their means is that of their sums
+            part, whole = means.pop(f"\0{name}", None), means.pop(f"\0{name}/whole", None)
+            shares[name] = part / whole if part is not None and whole else None
         values = {
             "loss": means.pop("loss", None),
-            "lost_update_share": lost / wanted if lost is not None and wanted else None,
+            **shares,
             "steps_per_s": self.steps / elapsed,
             "samples_per_s": self.samples / elapsed if self.samples else None,
             "tokens_per_s": self.tokens / elapsed if self.tokens else None,
@@ -129,10 +140,11 @@ def first_lr(param_groups: list[dict[str, Any]]) -> float | None:
     return float(lr) if not isinstance(lr, torch.Tensor) else None  # a device lr would be a read
 
 
-def lost_counts(detector: LostUpdateDetector) -> torch.Tensor | None:
-    """The [wanted, lost] counts of the step the detector just measured, summed over its groups (on the device)."""
-    counts = detector.take_counts()
-    return counts[:2] if counts is not None else None
+def take_lost(detector: LostUpdateDetector, window: Window) -> None:
+    """The lost updates of the step the detector just measured, summed over its groups, into `window`."""
+    detector.measure(applied=True)  # a step skipped on the device moved nothing: counted as 0
+    if (counts := detector.take_counts()) is not None:
+        window.share("lost_update_share", counts[1], counts[0])
 
 
 class Tracking(Listener):
@@ -144,9 +156,19 @@ class Tracking(Listener):
         self._scale: float | None = None
         self._first: AmpOptimizer | None = None  # the first prepared optimizer to step: its steps are counted
         self._detector: LostUpdateDetector | None = None
+        self._fp8: Fp8Sample | None = None
+        self._started = False
+        self._flops_per_token: float | None = None  # 6 × trained weights, over the device's peak FLOP/s
 
     def on_backward_start(self, acc: Accelerator, loss: torch.Tensor) -> None:
         self.window.sums.track("loss", loss)  # one add on the device
+        if not self._started:  # the models are prepared (and converted to fp8) by the first backward
+            self._started = True
+            if acc.fp8 is not None:
+                self._fp8 = Fp8Sample(acc.models, rowwise=acc.fp8.recipe == "rowwise")
+            if (peak := device_peak(acc.device, acc.policy.compute_dtype)) is not None:
+                trained = sum(p.numel() for model in acc.models for p in model.parameters() if p.requires_grad)
+                self._flops_per_token = 6.0 * trained / peak  # forward + backward of a dense model: 6 per weight
         for writer in self.writers:  # the run's id, known once a resume has loaded it: W&B/MLflow runs go on
             writer.run_id = acc.run_id
 
@@ -174,17 +196,29 @@ class Tracking(Listener):
         self._first = optimizer
         self.window.steps += 1
         if self._detector is not None and self._detector.has_snapshot:
-            self._detector.measure(applied=True)  # a step skipped on the device moved nothing: counted as 0
-            if (counts := lost_counts(self._detector)) is not None:
-                self.window.lost(counts)
+            take_lost(self._detector, self.window)
+        if self._fp8 is not None and (optimizer.attempted_steps + 1) % self.every == 0:
+            self._fp8.arm()  # the next step's first forward: the last step of the interval
         if optimizer.attempted_steps % self.every == 0:  # its own count: a resumed run goes on numbering
+            if self._fp8 is not None and (counts := self._fp8.take()) is not None:
+                self.window.share("fp8_underflow_share", counts[0], counts[1])
             values = self.window.take()
+            tokens, per_token = values["tokens_per_s"], self._flops_per_token
             values.update(
+                mfu=tokens * per_token if tokens is not None and per_token is not None else None,
                 lr=first_lr(optimizer.param_groups),
                 loss_scale=self._scale,
                 skipped_steps=float(optimizer.skipped_steps) if self._scale is not None else None,
             )
             write_record(self.writers, optimizer.attempted_steps, values)
+
+
+def device_peak(device: torch.device, compute_dtype: torch.dtype) -> float | None:
+    """The device's datasheet peak for matmuls in `compute_dtype`, in FLOP/s: a CUDA GPU of the capability
+    table (`ampkit.hardware.device_table`); None elsewhere (a CPU, a GPU the table lacks)."""
+    gpu = gpu_for_device(device)
+    peak = peak_tflops(gpu, compute_dtype) if gpu is not None else None
+    return peak * 1e12 if peak is not None else None
 
 
 def stored_low(optimizer: AmpOptimizer) -> bool:

@@ -58,6 +58,8 @@ __all__ = [
     "cpu_name",
     "describe",
     "device_capabilities",
+    "gpu_for_device",
+    "peak_tflops",
     "gpu_capabilities",
     "parse_cpu_flags",
     "proc_field",
@@ -226,3 +228,22 @@ def describe(device: torch.device) -> dict[str, Any]:
         "cpu_flags": flags,
         "gpu": gpu,
     }
+
+
+def gpu_for_device(device: torch.device) -> GPUModel | None:
+    """The table row for a CUDA device by its name ("NVIDIA A100-SXM4-80GB" -> A100), or None."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).replace(" ", "").lower()
+    return next((g for g in GPU_MODELS.values() if g.name.replace(" ", "").lower() in name), None)
+
+
+def peak_tflops(gpu: GPUModel, compute_dtype: torch.dtype) -> float | None:
+    """The datasheet's dense peak for matmuls in `compute_dtype` (fp32 on Tensor Cores where torch allows tf32;
+    fp8's matmuls against the bf16 peak, the table having no fp8 column), None where the GPU lacks the unit."""
+    if compute_dtype == torch.bfloat16:
+        return gpu.bf16_tflops
+    if compute_dtype == torch.float16:
+        return gpu.fp16_tflops
+    tf32 = torch.backends.cuda.matmul.allow_tf32 and gpu.tf32_tflops is not None
+    return gpu.tf32_tflops if tf32 else gpu.fp32_tflops

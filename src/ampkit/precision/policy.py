@@ -16,6 +16,7 @@ import torch
 
 from ampkit.errors import PrecisionError
 from ampkit.hardware.capability import FIRST_IN, auto_precision, capability, device_capabilities, rocm_arch
+from ampkit.util import log
 from ampkit.util.validate import suggest
 
 #: Module types kept in fp32 by the presets that store parameters in low precision: their
@@ -97,8 +98,11 @@ PRESETS: dict[str, Precision] = {
 PRESET_NAMES: tuple[str, ...] = (*PRESETS, "auto")
 
 
-def resolve_precision(precision: str | Precision, device: torch.device, *, fp8_emulate: bool = False) -> Precision:
-    """Return the policy for `precision` ("auto", a preset name or a `Precision`) on `device`.
+def resolve_precision(
+    precision: str | Precision, device: torch.device, *, fp8_emulate: bool = False, announce: bool = False
+) -> Precision:
+    """Return the policy for `precision` ("auto", a preset name or a `Precision`) on `device`; `announce`: log
+    what "auto" chose, and why, at INFO on the "ampkit" logger (`ampkit.util.log`; the Accelerator's rank 0).
 
     Raises `PrecisionError` for an unknown name or a preset the device cannot run. fp16 on a CPU
     without fp16 instructions warns: it is far slower than fp32, and some CPU kernels lack it.
@@ -113,6 +117,8 @@ def resolve_precision(precision: str | Precision, device: torch.device, *, fp8_e
         )
     elif precision == "auto":
         name, reason = auto_precision(device)
+        if announce:
+            log.info(f"precision='auto' chose {name!r} on {device}: {reason}")
         return dataclasses.replace(PRESETS[name], reason=f"auto: {reason}")
     elif precision in PRESETS:
         policy = dataclasses.replace(PRESETS[precision], reason="requested")

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ampkit.hardware.capability import GPU_MODELS, LAUNCH_US, GPUModel
+from ampkit.hardware.capability import GPU_MODELS, LAUNCH_US, GPUModel, gpu_for_device
 from ampkit.tools.doctor.perf.ops import OpStats
 
 #: The shortest a kernel takes on the device, µs (NVIDIA's "Getting Started with CUDA Graphs",
@@ -63,13 +63,6 @@ def find_gpu(name: str) -> GPUSpec:
     if gpu is None:
         raise ValueError(f"gpu={name!r} is not in the doctor's table; choose one of: {', '.join(GPUS)}")
     return gpu
-
-
-def gpu_for_device(device: torch.device) -> GPUSpec | None:
-    """The table row for a CUDA device by its name ("NVIDIA A100-SXM4-80GB" -> A100), or None."""
-    if device.type != "cuda":
-        return None
-    return next((g for g in GPUS.values() if _key(g.name) in _key(torch.cuda.get_device_name(device))), None)
 
 
 @dataclass(frozen=True, kw_only=True)
