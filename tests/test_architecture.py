@@ -611,11 +611,9 @@ TYPE_ONLY_UP: dict[tuple[str, str], str] = {
     ("ampkit.checkpoint.folder", "ampkit.accelerator"): "the folder's writer is the Accelerator's run",
     ("ampkit.checkpoint.sharded", "ampkit.accelerator"): "DCP's state comes from its models and optimizers",
     ("ampkit.checkpoint.state", "ampkit.accelerator"): "collect/apply read the training objects from it",
-    ("ampkit.engine.events", "ampkit.accelerator"): "watch_created hands listeners the new Accelerator",
-    ("ampkit.engine.tracking", "ampkit.accelerator"): "its Listener's events hand it the Accelerator",
+    ("ampkit.engine.events", "ampkit.accelerator"): "watch_created hands the doctor the script's Accelerator",
     ("ampkit.engine.micro", "ampkit.accelerator"): "the micro-batch planner sizes the Accelerator's step",
     ("ampkit.engine.prepare", "ampkit.accelerator"): "Prepared reads the Accelerator's settings",
-    ("ampkit.engine.training_state", "ampkit.accelerator"): "acc.state reads its counters",
 }
 
 
@@ -682,7 +680,7 @@ def test_type_only_imports_up_are_named():
 #: What a tool may import from the layers below the face (precision, engine, checkpoint); util,
 #: hardware, errors, config, inference and the accelerator are open to them.
 TOOL_BOUNDARY: dict[str, frozenset[str]] = {
-    "ampkit.engine.events": frozenset({"Listener", "watch_created"}),  # the engine's events
+    "ampkit.engine.events": frozenset({"Listener", "Run", "watch_created"}),  # the engine's events, their view
     # running a user's script as __main__, with checkpoints of its own
     "ampkit.engine.launch": frozenset({"run_as_main", "own_checkpoints"}),
     "ampkit.engine.optim": frozenset({"AmpOptimizer"}),  # the type of acc.optimizers

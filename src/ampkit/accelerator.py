@@ -142,8 +142,8 @@ class Accelerator(RankMethods):
         self.grad_accum_steps = config.grad_accum_steps
         self.keep_fp32 = list(config.keep_fp32)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
-        self.state = TrainingState(self)
         self._prepared = Prepared(self)
+        self.state = TrainingState(self._prepared.optimizers, self.scaler)
         self._epochs = EpochCounter(self._prepared.loaders)  # acc.epochs(), acc.epoch
         # One training run, across resumes and ranks (rank 0's id): a checkpoint folder belongs to one run.
         self.run_id = gather_objects(uuid.uuid4().hex)[0] if self.distributed.enabled else uuid.uuid4().hex

@@ -15,7 +15,6 @@ from ampkit.engine.cycle import AccumulationCycle
 from ampkit.engine.distributed import local_tensor
 from ampkit.engine.optim import AmpOptimizer
 from ampkit.errors import StepOrderError
-from ampkit.precision.weights import CompensatedWeights
 from ampkit.util import validate as check
 
 CALL = "acc.clip_grad_norm_"
@@ -159,7 +158,7 @@ class Clipper:
 def _compensated_values(opt: AmpOptimizer) -> list[tuple[nn.Parameter, torch.Tensor]]:
     """(stand-in, the fp32 value of its weight) for bf16-true's weights; empty for other presets."""
     weights = opt.weights
-    if not isinstance(weights, CompensatedWeights):
+    if weights is None or weights.stand_ins_hold_values:
         return []
     stands = dict(weights.pairs)
     return [(stands[p], value) for p, value in weights.fp32_values()]

@@ -20,24 +20,54 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
 
     from ampkit.accelerator import Accelerator
+    from ampkit.engine.cycle import AccumulationCycle
     from ampkit.engine.data import DeviceLoader
     from ampkit.engine.optim import AmpOptimizer
+    from ampkit.precision.fp8 import Float8Training
     from ampkit.precision.outcomes import Outcome
+    from ampkit.precision.policy import Precision
+
+
+class Run(Protocol):
+    """What an event hands a listener of the run (the Accelerator is one): read-only, and all a listener reads
+    of it. The one handed the whole Accelerator is `watch_created`'s callback, which attaches to it."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def policy(self) -> Precision: ...
+
+    @property
+    def cycle(self) -> AccumulationCycle: ...
+
+    @property
+    def models(self) -> tuple[nn.Module, ...]: ...
+
+    @property
+    def optimizers(self) -> tuple[AmpOptimizer, ...]: ...
+
+    @property
+    def run_id(self) -> str: ...
+
+    @property
+    def fp8(self) -> Float8Training | None: ...
 
 
 class Listener:
     """Base class for observers: override the events you need; the rest do nothing."""
 
-    def on_backward_start(self, acc: Accelerator, loss: torch.Tensor) -> None:
+    def on_backward_start(self, acc: Run, loss: torch.Tensor) -> None:
         """`acc.backward(loss)` was called (`loss` before accumulation division and scaling)."""
 
-    def on_backward_end(self, acc: Accelerator) -> None:
+    def on_backward_end(self, acc: Run) -> None:
         """The backward pass of `acc.backward` returned."""
 
     def on_step_start(self, optimizer: AmpOptimizer) -> None:
@@ -50,13 +80,11 @@ class Listener:
     def on_outcome(self, optimizer: AmpOptimizer, outcome: Outcome) -> None:
         """A loss-scaled step's outcome (applied or skipped, and its scale) reached the host."""
 
-    def on_metric(
-        self, acc: Accelerator, name: str, value: torch.Tensor | float, higher_is_better: bool | None
-    ) -> None:
+    def on_metric(self, acc: Run, name: str, value: torch.Tensor | float, higher_is_better: bool | None) -> None:
         """`acc.report_metric(name, value, higher_is_better)`: a result of the run (`value` as passed:
         a tensor stays on the device; a listener that reads it syncs, and says so)."""
 
-    def on_track(self, acc: Accelerator, name: str, value: torch.Tensor | float) -> None:
+    def on_track(self, acc: Run, name: str, value: torch.Tensor | float) -> None:
         """`acc.track(name, value)`: a value of the run's running means (`value` as passed, on the device)."""
 
     def on_zero_grad_start(self, optimizer: AmpOptimizer) -> None:

@@ -25,7 +25,7 @@ from ampkit.engine.step_order import why_count_blocks, why_grad_scaler, why_no_b
 from ampkit.errors import LossScaleCollapse, StepOrderError
 from ampkit.precision.outcomes import StepOutcomes
 from ampkit.precision.scaler import coalesce_fp16_sparse
-from ampkit.precision.weights import CompensatedWeights, LowPrecisionWeights, MasterWeights
+from ampkit.precision.weights import WeightStore
 
 
 class Stage(enum.Enum):
@@ -56,7 +56,7 @@ class AmpOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, ctx: StepContext, weights: LowPrecisionWeights | None, index: int = 0
+        self, optimizer: torch.optim.Optimizer, ctx: StepContext, weights: WeightStore | None, index: int = 0
     ) -> None:
         # No super().__init__: param_groups and state are the wrapped optimizer's own objects.
         self.optimizer = optimizer
@@ -259,36 +259,33 @@ class AmpOptimizer(torch.optim.Optimizer):
         return result
 
     def _lowp_or_scaled_update(self) -> Any:
-        weights, scaler = self.weights, self._ctx.scaler
+        weights = self.weights
         # bf16-true reads the model's gradients itself (unless clipping brought them in already); the
         # -master presets' gradients come in whole (one foreach copy), their masters stepped in one call
-        compensated = isinstance(weights, CompensatedWeights)
-        if not compensated or self._stage is not BACKWARD or self._items is not None or self._ctx.cycle.rescale:
+        reads_own = weights is not None and weights.reads_own_grads
+        if not reads_own or self._stage is not BACKWARD or self._items is not None or self._ctx.cycle.rescale:
             self.unscale_()
+        update = self.optimizer.step if self._ctx.scaler is None else self._scaled_step
+        return weights.step(update) if weights is not None else update()
+
+    def _scaled_step(self) -> Any:
+        """The user's step, skipped for inf/NaN gradients: on the device where the optimizer can, else after
+        one read of the flag; the outcome is queued for the host, the scale update owed to the cycle."""
+        scaler, found_inf = self._ctx.scaler, self._found_inf
+        assert scaler is not None and found_inf is not None
         result = None
-        if scaler is None:
-            if compensated:
-                result = weights.step(self.optimizer.step)  # type: ignore[union-attr]
-            else:
+        if self._skips_on_device:
+            self.optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+            self.optimizer.grad_scale = None  # type: ignore[attr-defined]  # grads already unscaled
+            try:
                 result = self.optimizer.step()
-        else:
-            found_inf = self._found_inf
-            assert found_inf is not None
-            if self._skips_on_device:
-                self.optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-                self.optimizer.grad_scale = None  # type: ignore[attr-defined]  # grads already unscaled
-                try:
-                    result = self.optimizer.step()
-                finally:
-                    del self.optimizer.found_inf, self.optimizer.grad_scale  # type: ignore[attr-defined]
-            elif not found_inf.item():  # sync: this optimizer cannot skip on the device (use fused=True)
-                result = self.optimizer.step()
-            assert self._outcomes is not None
-            self._outcomes.record(found_inf, scaler.scale_tensor)  # the scale this step used
-            self._ctx.cycle.owe_scale_update(self._index, found_inf)
-        if isinstance(weights, MasterWeights):
-            weights.weights_out()
-            weights.release()
+            finally:
+                del self.optimizer.found_inf, self.optimizer.grad_scale  # type: ignore[attr-defined]
+        elif not found_inf.item():  # sync: this optimizer cannot skip on the device (use fused=True)
+            result = self.optimizer.step()
+        assert self._outcomes is not None
+        self._outcomes.record(found_inf, scaler.scale_tensor)  # the scale this step used
+        self._ctx.cycle.owe_scale_update(self._index, found_inf)
         return result
 
     def unscale_(self) -> None:

@@ -28,7 +28,7 @@ from ampkit.engine.scheduler import AmpScheduler
 from ampkit.engine.step_context import StepContext
 from ampkit.errors import PrecisionError, StepOrderError
 from ampkit.precision.policy import dtype_name
-from ampkit.precision.weights import CompensatedWeights, LowPrecisionWeights, MasterWeights
+from ampkit.precision.weights import CompensatedWeights, MasterWeights, WeightStore
 
 if TYPE_CHECKING:
     from ampkit.accelerator import Accelerator
@@ -260,7 +260,7 @@ class Prepared:
             bf16_runs=acc.bf16_runs,
         )
 
-    def _low_precision_weights(self, optimizer: torch.optim.Optimizer) -> LowPrecisionWeights:
+    def _low_precision_weights(self, optimizer: torch.optim.Optimizer) -> WeightStore:
         """Point `optimizer` at fp32 parameters standing in for the model's low-precision ones."""
         policy = self.acc.policy
         params = [p for g in optimizer.param_groups for p in g["params"]]

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ampkit.engine.events import Events, Listener
+from ampkit.engine.events import Events, Listener, Run
 from ampkit.engine.fp8_sample import Fp8Sample
 from ampkit.engine.launch import checkpoint_place
 from ampkit.engine.lost_updates import LostUpdateDetector
@@ -49,7 +49,6 @@ from ampkit.engine.writers import TRACKERS, Writer, writers_for
 from ampkit.hardware.capability import gpu_for_device, peak_tflops
 
 if TYPE_CHECKING:
-    from ampkit.accelerator import Accelerator
     from ampkit.engine.data import DeviceLoader
     from ampkit.engine.optim import AmpOptimizer
     from ampkit.precision.outcomes import Outcome
@@ -160,7 +159,7 @@ class Tracking(Listener):
         self._started = False
         self._flops_per_token: float | None = None  # 6 × trained weights, over the device's peak FLOP/s
 
-    def on_backward_start(self, acc: Accelerator, loss: torch.Tensor) -> None:
+    def on_backward_start(self, acc: Run, loss: torch.Tensor) -> None:
         self.window.sums.track("loss", loss)  # one add on the device
         if not self._started:  # the models are prepared (and converted to fp8) by the first backward
             self._started = True
@@ -172,7 +171,7 @@ class Tracking(Listener):
         for writer in self.writers:  # the run's id, known once a resume has loaded it: W&B/MLflow runs go on
             writer.run_id = acc.run_id
 
-    def on_track(self, acc: Accelerator, name: str, value: torch.Tensor | float) -> None:
+    def on_track(self, acc: Run, name: str, value: torch.Tensor | float) -> None:
         self.window.sums.track(f"track/{name}", value)
 
     def on_batch_wait_end(self, loader: DeviceLoader, batch: Any) -> None:

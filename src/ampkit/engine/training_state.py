@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ampkit.accelerator import Accelerator
     from ampkit.engine.optim import AmpOptimizer
+    from ampkit.precision.scaler import LossScaler
 
 
 class TrainingState:
-    """Step counters and the loss scale, read lazily (each read may wait for the device)."""
+    """Step counters and the loss scale, read lazily (each read may wait for the device).
 
-    def __init__(self, acc: Accelerator) -> None:
-        self._acc = acc
+    `optimizers`: the prepared optimizers as they are prepared (the Accelerator's list, which grows);
+    `scaler`: its loss scaler, None for presets without loss scaling."""
+
+    def __init__(self, optimizers: Sequence[AmpOptimizer], scaler: LossScaler | None) -> None:
+        self._optimizers, self._scaler = optimizers, scaler
 
     def _optimizer(self) -> AmpOptimizer | None:
-        opts = self._acc.optimizers
+        opts = self._optimizers
         if opts:
             opts[0].reconcile(block=True)
         return opts[0] if opts else None
@@ -36,9 +40,9 @@ class TrainingState:
     @property
     def scale(self) -> float | None:
         """The current loss scale, or None for presets without loss scaling."""
-        if self._acc.scaler is None:
+        if self._scaler is None:
             return None
-        return self._acc.scaler.get_scale()  # the scale the next backward uses (see ampkit.engine.cycle)
+        return self._scaler.get_scale()  # the scale the next backward uses (see ampkit.engine.cycle)
 
     def __repr__(self) -> str:
         return (

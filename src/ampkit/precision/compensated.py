@@ -47,6 +47,8 @@ class CompensatedWeights(ExactState):
     """
 
     kind = "compensated"
+    reads_own_grads = True  # the fused kernel reads the bf16 gradients (fp32 ones only where clipping made them)
+    stand_ins_hold_values = False  # the stand-ins are empty between steps: the value is weight + compensation
 
     def __init__(
         self,

@@ -3,7 +3,8 @@ see `ampkit.precision.weights`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,6 +47,14 @@ class MasterWeights(ExactState):
             self._masters[i].grad = view
         return views
 
+    def step(self, update: Callable[[], Any]) -> Any:
+        """`update()` steps the masters; then they are rounded into the model's weights and their gradients
+        dropped."""
+        result = update()
+        self.weights_out()
+        self.release()
+        return result
+
     def weights_out(self) -> None:
         """Round the (possibly updated) masters into the model's parameters, in one foreach copy."""
         if self._params:
@@ -63,6 +72,8 @@ class MasterWeights(ExactState):
 
     # --- state ----------------------------------------------------------------------------------
     kind = "master"
+    reads_own_grads = False  # the masters step on the fp32 gradients `grads_in` gave them
+    stand_ins_hold_values = True  # the masters are the fp32 values
 
     def fp32_value(self, i: int) -> torch.Tensor:
         """The fp32 value the i-th low-precision weight stands for: its master copy."""

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ampkit.accelerator import Accelerator
-from ampkit.engine.events import Listener
+from ampkit.engine.events import Listener, Run
 from ampkit.engine.optim import AmpOptimizer
 
 Result = dict[str, Any]
@@ -107,7 +107,7 @@ class Watch(Listener):
         raise NotImplementedError
 
     # --- events -------------------------------------------------------------------------------
-    def on_backward_end(self, acc: Accelerator) -> None:
+    def on_backward_end(self, acc: Run) -> None:
         self.backwards += 1
         if self.acc.optimizers or self.backwards != NO_OPTIMIZER_AFTER * self.acc.cycle.steps:
             return

@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_leaves
 
 from ampkit.accelerator import Accelerator
 from ampkit.engine.data import DeviceLoader
+from ampkit.engine.events import Run
 from ampkit.engine.lost_updates import LostUpdateDetector
 from ampkit.engine.optim import AmpOptimizer
 from ampkit.errors import LossScaleCollapse
@@ -128,7 +129,7 @@ class NumericsSession(Watch):
         losses = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dim() == 0 and t.requires_grad]
         self._model_loss = losses[0] if len(losses) == 1 else None
 
-    def on_backward_start(self, acc: Accelerator, loss: torch.Tensor) -> None:
+    def on_backward_start(self, acc: Run, loss: torch.Tensor) -> None:
         """Each loss passed to `acc.backward`: without loss scaling, flag an inf/NaN one (on the device);
         under accumulation, flag a loss that is the model's own divided by k (ampkit divides it again)."""
         model_loss, self._model_loss = self._model_loss, None
@@ -154,7 +155,7 @@ class NumericsSession(Watch):
         if self._watching():
             self._accumulation.batch(batch)
 
-    def on_backward_end(self, acc: Accelerator) -> None:
+    def on_backward_end(self, acc: Run) -> None:
         super().on_backward_end(acc)
         if self._watching():
             self._accumulation.backward_ended()
