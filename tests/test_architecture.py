@@ -607,12 +607,7 @@ LAYER_EXCEPTIONS: dict[tuple[str, str], str] = {}
 #: Type-only imports that point up: annotations of the object a helper is handed. Each is a seam still
 #: to narrow (ARCHITECTURE.md names them); the list may shrink, never grow.
 TYPE_ONLY_UP: dict[tuple[str, str], str] = {
-    ("ampkit.checkpoint", "ampkit.accelerator"): "save/resume gather the training objects from it",
-    ("ampkit.checkpoint.folder", "ampkit.accelerator"): "the folder's writer is the Accelerator's run",
-    ("ampkit.checkpoint.sharded", "ampkit.accelerator"): "DCP's state comes from its models and optimizers",
-    ("ampkit.checkpoint.state", "ampkit.accelerator"): "collect/apply read the training objects from it",
     ("ampkit.engine.events", "ampkit.accelerator"): "watch_created hands the doctor the script's Accelerator",
-    ("ampkit.engine.micro", "ampkit.accelerator"): "the micro-batch planner sizes the Accelerator's step",
     ("ampkit.engine.prepare", "ampkit.accelerator"): "Prepared reads the Accelerator's settings",
 }
 

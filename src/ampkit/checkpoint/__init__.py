@@ -17,12 +17,12 @@ from ampkit.engine.launch import checkpoint_place
 from ampkit.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from ampkit.accelerator import Accelerator
+    from ampkit.checkpoint.training import Training
 
 __all__ = ["save", "load", "read", "save_checkpoint", "resume"]
 
 
-def save(acc: Accelerator, path: str | Path, overwrite: bool = False) -> Path:
+def save(acc: Training, path: str | Path, overwrite: bool = False) -> Path:
     """Write a checkpoint of `acc`'s whole training state to `path`, atomically. Under torchrun every
     rank calls it (their random states are gathered); rank 0 writes; all return once it is durable.
     What is at `path` is replaced only if ampkit wrote it (a checkpoint), or with `overwrite=True`."""
@@ -63,7 +63,7 @@ def read(path: str | Path) -> dict:
     return data
 
 
-def load(acc: Accelerator, path: str | Path) -> None:
+def load(acc: Training, path: str | Path) -> None:
     """Restore `acc` from the checkpoint at `path` (a sharded one into any number of ranks);
     `CheckpointError`, and nothing changed, if it does not fit."""
     path = checkpoint_place(Path(path), reading=True)
@@ -73,14 +73,14 @@ def load(acc: Accelerator, path: str | Path) -> None:
     )
 
 
-def save_checkpoint(acc: Accelerator, directory: str | Path, keep: int = 3) -> Path:
+def save_checkpoint(acc: Training, directory: str | Path, keep: int = 3) -> Path:
     """Save `step-<applied steps>.pt` in `directory`, record it in the manifest, keep the newest `keep`."""
     path = folder.save_checkpoint(acc, checkpoint_place(Path(directory)), keep, save)
     barrier()  # no rank goes on (or reads the folder) before the checkpoint is durable
     return path
 
 
-def resume(acc: Accelerator, directory: str | Path) -> Path | None:
+def resume(acc: Training, directory: str | Path) -> Path | None:
     """Load the newest loadable checkpoint in `directory` (a checkpoint file is loaded as it is); None on a fresh
     start."""
     return folder.resume(acc, checkpoint_place(Path(directory)), load)

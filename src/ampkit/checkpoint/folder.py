@@ -24,7 +24,7 @@ from ampkit.errors import CheckpointError
 from ampkit.util import files
 
 if TYPE_CHECKING:
-    from ampkit.accelerator import Accelerator
+    from ampkit.checkpoint.training import Training
 
 MANIFEST = "ampkit-checkpoints.json"
 LATEST = "latest"  # the newest checkpoint's name, for people and older tools
@@ -92,7 +92,7 @@ def candidates(folder: Path) -> list[Path]:
     return [named] if named in found else found[:1]
 
 
-def save_checkpoint(acc: Accelerator, folder: Path, keep: int, save: Any) -> Path:
+def save_checkpoint(acc: Training, folder: Path, keep: int, save: Any) -> Path:
     """Save `step-<applied steps>` in `folder` with `save(acc, path)`, record it, then prune to `keep`."""
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
         raise ValueError(f"keep={keep!r}: expected an integer >= 1 (how many checkpoints to keep)")
@@ -246,7 +246,7 @@ def _remove_stale_temp_files(folder: Path) -> None:
                 path.unlink()
 
 
-def resume(acc: Accelerator, folder: Path, load: Any) -> Path | None:
+def resume(acc: Training, folder: Path, load: Any) -> Path | None:
     """Load the newest checkpoint of `folder` that loads, with `load(acc, path)`; None on a fresh start.
     A broken one is skipped with a warning; if all fail, a `CheckpointError` lists each and why."""
     if folder.is_file():

@@ -20,7 +20,7 @@ from ampkit.errors import CheckpointError, first_line
 from ampkit.util import files
 
 if TYPE_CHECKING:
-    from ampkit.accelerator import Accelerator
+    from ampkit.checkpoint.training import Training
 
 META = "ampkit.pt"
 DCP_META = ".metadata"
@@ -106,7 +106,7 @@ def _reader_and_planner(path: Path) -> tuple[Any, Any]:
     return SafeReader(str(path)), SafePlanner()
 
 
-def save(acc: Accelerator, path: Path, payload: dict[str, Any], write_meta: Any) -> Path:
+def save(acc: Training, path: Path, payload: dict[str, Any], write_meta: Any) -> Path:
     """Write the shards of `acc`'s one model and its optimizers, then `write_meta(tmp / META)`."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -179,7 +179,7 @@ def verify(path: Path, shards: Any) -> None:
             )
 
 
-def loader(acc: Accelerator, path: Path, shards: Any = None) -> Any:
+def loader(acc: Training, path: Path, shards: Any = None) -> Any:
     """A function that loads the shards at `path` into `acc`'s model and optimizers (resharding), once
     every shard is verified against `shards`, the digests recorded at save."""
     verify(path, shards)  # refuse a damaged, edited or code-carrying checkpoint before anything changes

@@ -23,7 +23,7 @@ from ampkit.errors import CheckpointError
 from ampkit.util.version import ampkit_version
 
 if TYPE_CHECKING:
-    from ampkit.accelerator import Accelerator
+    from ampkit.checkpoint.training import Training
 
 
 def _cpu(obj: Any) -> Any:
@@ -74,7 +74,7 @@ def _tuples(o: Any) -> Any:
     return tuple(_tuples(v) for v in o) if isinstance(o, list) else o
 
 
-def _names(acc: Accelerator) -> dict[int, str]:
+def _names(acc: Training) -> dict[int, str]:
     """id(parameter) -> "<model index>/<parameter name>", to key per-parameter values by name."""
     return {id(p): f"{i}/{n}" for i, m in enumerate(acc.models) for n, p in m.named_parameters()}
 
@@ -92,7 +92,7 @@ def _first(names: list[str]) -> str:
     return f"{', '.join(names[:10])}{' ...' if len(names) > 10 else ''}"
 
 
-def _check_finite(acc: Accelerator) -> None:
+def _check_finite(acc: Training) -> None:
     several = len(acc.models) > 1
     local = _non_finite(
         (f"model {i}: {n}" if several else n, local_tensor(p.detach()))
@@ -108,7 +108,7 @@ def _check_finite(acc: Accelerator) -> None:
         )
 
 
-def _first_fault(acc: Accelerator) -> str:
+def _first_fault(acc: Training) -> str:
     """Where the run first went non-finite, as far as the optimizers saw it (presets without a scaler)."""
     for opt in acc.optimizers:
         if opt.non_finite is not None and (first := opt.non_finite.first_seen()) is not None:
@@ -117,7 +117,7 @@ def _first_fault(acc: Accelerator) -> str:
     return ""
 
 
-def collect(acc: Accelerator, weights: bool = True) -> dict[str, Any]:
+def collect(acc: Training, weights: bool = True) -> dict[str, Any]:
     """Everything that decides the next training step, as tensors and plain data; `weights=False`
     leaves out models and optimizer state (FSDP checkpoints store them sharded)."""
     _check_finite(acc)
@@ -153,7 +153,7 @@ def collect(acc: Accelerator, weights: bool = True) -> dict[str, Any]:
     }
 
 
-def _model_problems(acc: Accelerator, saved_models: list[dict[str, Any]]) -> list[str]:
+def _model_problems(acc: Training, saved_models: list[dict[str, Any]]) -> list[str]:
     problems = []
     for i, (model, saved) in enumerate(zip(acc.models, saved_models)):
         mine = model.state_dict()
@@ -173,12 +173,12 @@ def _model_problems(acc: Accelerator, saved_models: list[dict[str, Any]]) -> lis
     return problems
 
 
-def same_preset(acc: Accelerator, payload: dict[str, Any]) -> bool:
+def same_preset(acc: Training, payload: dict[str, Any]) -> bool:
     """The checkpoint was saved under this Accelerator's preset: it loads bit for bit, no conversion."""
     return json.loads(payload["meta"])["precision"]["name"] == acc.policy.name
 
 
-def validate(acc: Accelerator, payload: dict[str, Any], path: Path, sharded: bool = False) -> None:
+def validate(acc: Training, payload: dict[str, Any], path: Path, sharded: bool = False) -> None:
     """One `CheckpointError` naming every way `payload` does not fit `acc`'s setup; changes nothing."""
     problems = fields.problems(payload)  # first: the counts below read these records
     if problems:
@@ -214,7 +214,7 @@ def validate(acc: Accelerator, payload: dict[str, Any], path: Path, sharded: boo
         )
 
 
-def apply(acc: Accelerator, payload: dict[str, Any], path: Path, load_shards: Any = None) -> None:
+def apply(acc: Training, payload: dict[str, Any], path: Path, load_shards: Any = None) -> None:
     """Put a checkpoint into `acc` and everything it prepared, once `validate` passes: exactly under
     the same preset, else the weights from the fp32 truth it holds (fp32 → bf16-master, ...)."""
     validate(acc, payload, path, sharded=load_shards is not None)
@@ -257,7 +257,7 @@ def apply(acc: Accelerator, payload: dict[str, Any], path: Path, load_shards: An
     set_rng_state(mine["rng"])
 
 
-def _convert_weights(acc: Accelerator, payload: dict[str, Any]) -> None:
+def _convert_weights(acc: Training, payload: dict[str, Any]) -> None:
     """Set every weight from the best fp32 value the checkpoint has; rebuild masters or Kahan buffers."""
     truth = payload["fp32_weights"]
     names = _names(acc)

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from ampkit.accelerator import Accelerator
     from ampkit.engine.cycle import AccumulationCycle
     from ampkit.engine.data import DeviceLoader
+    from ampkit.engine.items import ItemWeights
     from ampkit.engine.optim import AmpOptimizer
     from ampkit.precision.fp8 import Float8Training
     from ampkit.precision.outcomes import Outcome
@@ -36,8 +37,9 @@ if TYPE_CHECKING:
 
 
 class Run(Protocol):
-    """What an event hands a listener of the run (the Accelerator is one): read-only, and all a listener reads
-    of it. The one handed the whole Accelerator is `watch_created`'s callback, which attaches to it."""
+    """The read-only view of the run (the Accelerator is one): what an event hands a listener, and what
+    `acc.split`'s recovery and micro_batch="auto"'s sizer read (`ampkit.engine.micro`). The one handed the whole
+    Accelerator is `watch_created`'s callback, which attaches to it."""
 
     @property
     def device(self) -> torch.device: ...
@@ -53,6 +55,15 @@ class Run(Protocol):
 
     @property
     def optimizers(self) -> tuple[AmpOptimizer, ...]: ...
+
+    @property
+    def items(self) -> ItemWeights: ...
+
+    @property
+    def strategy(self) -> str: ...
+
+    @property
+    def world_size(self) -> int: ...
 
     @property
     def run_id(self) -> str: ...

@@ -41,13 +41,13 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ampkit.errors import AmpkitError
 
 if TYPE_CHECKING:
-    from ampkit.accelerator import Accelerator
+    from ampkit.engine.events import Run
 
 MARGIN = 0.10  # the planned peak may be this much under the measured one (benchmarks/notes/plan.md: within 6.2%)
 
 # How micro_batch="auto" is sized: ampkit.plan registers its planner here on import
 # (`ampkit.tools.plan.fit`); the engine does not import the tool layer, which runs the engine to trace a step.
-Sizer = Callable[["Accelerator", Any, int], tuple[int, str]]
+Sizer = Callable[["Run", Any, int], tuple[int, str]]
 _sizers: list[Sizer] = []
 
 
@@ -107,7 +107,7 @@ class _Attempt:
 class _Start:
     """What a rerun of the batch restores: the RNG, the norm layers' running statistics, the cycle's position."""
 
-    def __init__(self, acc: Accelerator) -> None:
+    def __init__(self, acc: Run) -> None:
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state(acc.device) if acc.device.type == "cuda" else None
         self.norms = [
@@ -120,7 +120,7 @@ class _Start:
         self.position = acc.cycle.mark()
         self.divisor_unset = acc.items.divisor is None
 
-    def restore(self, acc: Accelerator) -> None:
+    def restore(self, acc: Run) -> None:
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state(self.cuda_rng, acc.device)
@@ -139,7 +139,7 @@ class _Start:
 class MicroBatcher:
     """`acc.split(batch)` and the out-of-memory recovery around it (module doc)."""
 
-    def __init__(self, acc: Accelerator, micro_batch: int | str | None, memory: int | None) -> None:
+    def __init__(self, acc: Run, micro_batch: int | str | None, memory: int | None) -> None:
         self.acc = acc
         self.setting = micro_batch
         self.memory = memory  # the budget in bytes, or None: the device's free memory when sized
@@ -305,7 +305,7 @@ class MicroBatcher:
         self.halvings, self.batches = int(state.get("halvings", 0)), int(state.get("batches", 0))
 
 
-def free_memory(acc: Accelerator) -> int:
+def free_memory(acc: Run) -> int:
     """The default budget: the device's free memory plus what this process already holds of it (the plan counts
     the parameters and the optimizer's state it finds in place)."""
     held = sum(t.numel() * t.element_size() for m in acc.models for t in [*m.parameters(), *m.buffers()])

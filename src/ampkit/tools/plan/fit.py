@@ -11,8 +11,9 @@ keeps moves by ±15 MiB between identical runs).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ampkit.engine.events import Run
 from ampkit.engine.micro import MARGIN, BatchDoesNotFitError, rows_of, tensor_bytes, use_sizer
 from ampkit.precision.policy import PRESETS
 from ampkit.tools.plan.planner import plan
@@ -21,11 +22,8 @@ from ampkit.tools.plan.script import meta_copy, model_fn, optimizer_fn, script_l
 from ampkit.tools.plan.step import resized
 from ampkit.util.present import size as size_of
 
-if TYPE_CHECKING:
-    from ampkit.accelerator import Accelerator
 
-
-def largest_micro_batch(acc: Accelerator, batch: Any, budget: int) -> tuple[int, str]:
+def largest_micro_batch(acc: Run, batch: Any, budget: int) -> tuple[int, str]:
     """(rows per micro-batch, what the plan said) for `batch` within `budget` bytes."""
     name = acc.policy.name
     if name not in PRESETS or len(acc.models) != 1 or len(acc.optimizers) != 1:
