@@ -121,6 +121,12 @@ def detached_loss() -> None:
     acc.backward(torch.tensor(_loss(model).item()))
 
 
+def loss_of_an_unprepared_model() -> None:
+    acc, _ = _prepared()
+    copy = make_model()  # a second model, or a copy the loop made before prepare
+    acc.backward(_loss(copy))
+
+
 def every_parameter_frozen() -> None:
     acc, model = _prepared(freeze=True)
     acc.backward(_loss(model))
@@ -167,6 +173,7 @@ TABLE: list[tuple[Callable[[], None], type[Warning | Exception], str]] = [
         ampkit.LossError,
         "no parameter that trains: it was computed under torch.no_grad(), detached (.detach(), a Python float",
     ),
+    (loss_of_an_unprepared_model, ampkit.LossError, "the loss reached none of the 4 trainable parameter tensors"),
     (every_parameter_frozen, ampkit.LossError, "every one of the 4 parameter tensors of the prepared model(s) is"),
     (integer_loss, ampkit.LossError, "got a torch.int64 loss, which has no gradient"),
     (loss_under_no_grad, ampkit.LossError, "it was computed under torch.no_grad(), detached"),
@@ -255,3 +262,18 @@ def test_a_leftover_grad_scaler_is_refused_before_any_weight_changes() -> None:
     acc.backward(_loss(model, seed=1))
     opt.step()  # the converted loop, without the scaler
     assert not all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_a_loss_of_an_unprepared_model_is_refused_before_it_counts_as_a_micro_step() -> None:
+    """The refused backward leaves the cycle where it was: the loop, fixed, accumulates its two micro-batches
+    and steps once, as if the refused one had never run."""
+    model = make_model()
+    acc = ampkit.Accelerator(precision="fp32", device="cpu", grad_accum_steps=2)
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ampkit.LossError, match="reached none of the 4 trainable parameter tensors"):
+        acc.backward(_loss(make_model()))
+    for seed in (1, 2):
+        acc.backward(_loss(model, seed))
+        opt.step()
+        opt.zero_grad()
+    assert acc.state.applied_steps == 1

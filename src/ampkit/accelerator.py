@@ -192,9 +192,7 @@ class Accelerator(RankMethods):
                 return
         else:
             self.compile_stats.backward(loss, kwargs)
-        self.cycle.advance()
-        for opt in self._prepared.optimizers:
-            opt.on_backward(unscaled, items)
+        self._prepared.backward_done(unscaled, items)  # the first checks that the loss reached a prepared weight
         if self.compile_trial.timing:  # the compile trial's timed step ends here (see CompileTrial)
             self.compile_trial.backward_ended()
         if self.events.listeners:

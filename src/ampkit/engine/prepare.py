@@ -26,7 +26,7 @@ from ampkit.engine.module import prepare_module
 from ampkit.engine.optim import AmpOptimizer
 from ampkit.engine.scheduler import AmpScheduler
 from ampkit.engine.step_context import StepContext
-from ampkit.errors import PrecisionError, StepOrderError
+from ampkit.errors import LossError, PrecisionError, StepOrderError
 from ampkit.precision.policy import dtype_name
 from ampkit.precision.weights import CompensatedWeights, MasterWeights, WeightStore
 
@@ -65,6 +65,7 @@ class Prepared:
         self.fsdp_params: dict[int, nn.Parameter] = {}
         self.clip = Clipper(self.models, self.optimizers, acc.cycle)  # acc.clip_grad_norm_
         self.told_unprepared = False  # the notice of a backward with no optimizer prepared was given
+        self.reach_checked = False  # the first backward's gradients were looked for on the prepared models
 
     def prepare(self, *objs: Any) -> Any:
         kinds = [self._kind(obj, i) for i, obj in enumerate(objs, start=1)]
@@ -170,6 +171,17 @@ class Prepared:
                 f"acc.{what}() needs the prepared objects to restore into: "
                 f"call acc.prepare(model, optimizer, ...) first"
             )
+
+    def backward_done(self, unscaled: torch.Tensor, items: torch.Tensor | None) -> None:
+        """After a backward: on the first, raise if it reached none of the prepared models' trainable weights;
+        then the cycle's micro-step, and each optimizer's count of it."""
+        if not self.reach_checked:
+            self.reach_checked = True
+            if problem := unreached(self.models, self.acc.strategy):
+                raise LossError(problem)
+        self.acc.cycle.advance()
+        for opt in self.optimizers:
+            opt.on_backward(unscaled, items)
 
     def check_backward(self, counted: bool = False) -> None:
         """Raise if a backward now could not give the update the loop means (before it runs); `counted`: the
@@ -359,3 +371,18 @@ def _refuse_sparse_gradients(model: nn.Module, precision: str) -> None:
             f"buffer): build the layer with sparse=False, or use precision='bf16-mixed' or 'fp16-mixed', which "
             f"keep sparse gradients as torch's GradScaler does"
         )
+
+
+def unreached(models: list[nn.Module], strategy: str) -> str | None:
+    """Why a backward that ran trains nothing: it left no gradient on any trainable weight of the prepared models
+    (host metadata: `.grad is None`). Not under FSDP, where an accumulating micro-step leaves the sharded
+    weights' gradients unset."""
+    trainable = [p for model in models for p in model.parameters() if p.requires_grad]
+    if strategy == "fsdp" or not trainable or any(p.grad is not None for p in trainable):
+        return None
+    return (
+        f"acc.backward(loss): the loss reached none of the {len(trainable)} trainable parameter tensors of the "
+        f"prepared model(s), so nothing trains: was it computed by a model that was not passed to acc.prepare (a "
+        f"second model, or a copy made before prepare)? Compute it from the model acc.prepare returned, or prepare "
+        f"the other model too"
+    )
