@@ -437,7 +437,7 @@ def test_documented_leniencies():
     assert ampkit.LossScaler(init_scale=2.0**25).init_scale == 2.0**25  # clamped to max_scale at the first update
     assert ampkit.LossScaler(min_scale=None, max_scale=None).floor == 2.0**-126
     acc = ampkit.Accelerator("fp32", device="cpu", backend="cpu:gloo,cuda:nccl", keep_fp32=("head", torch.nn.LayerNorm))
-    assert acc.keep_fp32 == ["head", torch.nn.LayerNorm]
+    assert acc.config.keep_fp32 == ("head", torch.nn.LayerNorm)
 
 
 def test_exported_run_takes_a_tuple_of_inputs(tmp_path):

@@ -156,7 +156,7 @@ def test_the_accelerator_reads_the_launch_settings(no_env):
     no_env.setenv("AMPKIT_GRAD_ACCUM_STEPS", "2")
     with pytest.warns(UserWarning, match="precision='bf16-mixed' from AMPKIT_PRECISION"):
         acc = ampkit.Accelerator(device="cpu")
-    assert (acc.policy.name, acc.grad_accum_steps, acc.max_steps) == ("bf16-mixed", 2, None)
+    assert (acc.policy.name, acc.config.grad_accum_steps, acc.max_steps) == ("bf16-mixed", 2, None)
     with pytest.warns(UserWarning, match="precision='fp32' from the script"):
         assert ampkit.Accelerator("fp32", 1, device="cpu").policy.name == "fp32"
     no_env.setenv("AMPKIT_PRECISION", "fp17")

@@ -314,7 +314,7 @@ def lm_train_fn(acc):
         opt.zero_grad()
     with torch.no_grad():
         val = sum(lm_loss(model(x), y).item() for x, y in batches(2, seed=9)) / 2
-    return {"val_loss": val, "accum": float(acc.grad_accum_steps), "cast": float(acc.cast_outputs)}
+    return {"val_loss": val, "accum": float(acc.config.grad_accum_steps), "cast": float(acc.config.cast_outputs)}
 
 
 def test_compare_passes_accelerator_arguments_and_knows_the_metrics_direction(monkeypatch):

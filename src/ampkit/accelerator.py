@@ -137,11 +137,7 @@ class Accelerator(RankMethods):
         self.compile_trial = CompileTrial(self.compile_stats, self.device, config.compile, self.cuda_graphs)
         if free_step_buffers is None:  # measured: benchmarks/RESULTS.md, "free_step_buffers"
             free_step_buffers = not (self.device.type == "cpu" and self.policy.master_weights)
-        self.channels_last, self.free_step_buffers = channels_last, free_step_buffers
-        self.cast_outputs = cast_outputs
-        self.grad_accum_steps = config.grad_accum_steps
-        self.keep_fp32 = list(config.keep_fp32)
-        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.free_step_buffers = free_step_buffers  # resolved here; the other settings: acc.config.x only
         self._prepared = Prepared(self)
         self.state = TrainingState(self._prepared.optimizers, self.scaler)
         self._epochs = EpochCounter(self._prepared.loaders)  # acc.epochs(), acc.epoch
@@ -391,5 +387,5 @@ class Accelerator(RankMethods):
     def __repr__(self) -> str:
         return (
             f"Accelerator(precision={self.policy.name!r}, device={str(self.device)!r}, "
-            f"grad_accum_steps={self.grad_accum_steps}, rank={self.rank}/{self.world_size})"
+            f"grad_accum_steps={self.config.grad_accum_steps}, rank={self.rank}/{self.world_size})"
         )

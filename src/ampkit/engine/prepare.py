@@ -127,11 +127,11 @@ class Prepared:
         if acc.strategy == "fsdp":  # FSDP's MixedPrecisionPolicy does the casts
             model.to(acc.device)
         else:
-            originals = prepare_module(model, acc.policy, acc.device, acc.keep_fp32, acc.cast_outputs)
+            originals = prepare_module(model, acc.policy, acc.device, acc.config.keep_fp32, acc.config.cast_outputs)
         if acc.fp8 is not None:  # before sharding: FSDP2 then shards the Float8Linear weights
-            acc.fp8.convert(model, acc.keep_fp32, acc.device, acc.compile_options is not None)
+            acc.fp8.convert(model, acc.config.keep_fp32, acc.device, acc.compile_options is not None)
             acc.policy = dataclasses.replace(acc.policy, reason=acc.fp8.reason)
-        if acc.channels_last:
+        if acc.config.channels_last:
             if not any(p.dim() == 4 for p in model.parameters()):
                 warnings.warn(
                     f"channels_last=True: {type(model).__name__} has no 4-D (convolution) weights, "
@@ -153,7 +153,7 @@ class Prepared:
         # DDP and FSDP read this flag in forward: only the forward whose backward ends an accumulation
         # cycle all-reduces (no_sync on the others), so there is one all-reduce per optimizer step.
         # Without accumulation the flag stays the script's (its own no_sync() micro-steps work).
-        if acc.strategy != "none" and (acc.grad_accum_steps > 1 or acc.micro.enabled):
+        if acc.strategy != "none" and (acc.config.grad_accum_steps > 1 or acc.micro.enabled):
             wrapped.register_forward_pre_hook(self._set_grad_sync)
         return wrapped
 
@@ -327,11 +327,11 @@ class Prepared:
         wrapped = DeviceLoader(
             loader,
             self.acc.device,
-            torch.channels_last if self.acc.channels_last else None,
+            torch.channels_last if self.acc.config.channels_last else None,
             self.acc.events,
             stop,
             ranks_step_together=self.acc.strategy != "none",
-            before_batch=self.acc.cycle.batches_left if self.acc.grad_accum_steps > 1 else None,
+            before_batch=self.acc.cycle.batches_left if self.acc.config.grad_accum_steps > 1 else None,
         )
         self.loaders.append(wrapped)
         return wrapped
@@ -340,7 +340,7 @@ class Prepared:
         target = scheduler.optimizer
         for opt in self.optimizers:
             if opt.optimizer is target or opt is target:
-                wrapped = AmpScheduler(scheduler, opt, per_step=self.acc.step_scheduler_with_optimizer)
+                wrapped = AmpScheduler(scheduler, opt, per_step=self.acc.config.step_scheduler_with_optimizer)
                 self.schedulers.append(wrapped)
                 return wrapped
         raise StepOrderError(

@@ -199,7 +199,7 @@ def measure_script(spec: ScriptSpec, progress: Callable[[int], None]) -> tuple[R
             f"the script does not seed torch itself: every run started from the same seed, set by ampkit "
             f"(--seed {spec.seed}) before the script ran"
         )
-    median, per_step = summary["step_time_median_s"], (rec.batch_size or 0) * acc.grad_accum_steps
+    median, per_step = summary["step_time_median_s"], (rec.batch_size or 0) * acc.config.grad_accum_steps
     return Run(
         precision=spec.precision,
         status="ok",
