@@ -6,6 +6,7 @@ test_tracker_dropins.py."""
 from __future__ import annotations
 
 import json
+import re
 import struct
 import warnings
 
@@ -29,7 +30,7 @@ class TinyLM(nn.Module):
         return self.head(torch.tanh(self.embed(ids)))
 
 
-def train_lm(tmp_path, precision="fp32", lr=0.1, resume=False, **kwargs):
+def train_lm(tmp_path, precision="fp32", lr=0.1, resume=False, ckpt="ckpt", **kwargs):
     """A tiny LM over token-id batches through a prepared DataLoader, STEPS steps, `acc.track`ing its
     accuracy; with `resume`, a second run that resumes the first's checkpoint and trains STEPS more."""
     torch.manual_seed(0)
@@ -39,7 +40,7 @@ def train_lm(tmp_path, precision="fp32", lr=0.1, resume=False, **kwargs):
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model, opt, loader = acc.prepare(model, opt, DataLoader(TensorDataset(ids), BATCH))
     if resume:
-        acc.resume(tmp_path / "ckpt")
+        acc.resume(tmp_path / ckpt)
     for (x,) in loader:
         logits = model(x[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), x[:, 1:].reshape(-1))
@@ -47,7 +48,7 @@ def train_lm(tmp_path, precision="fp32", lr=0.1, resume=False, **kwargs):
         acc.backward(loss)
         opt.step()
         opt.zero_grad()
-    acc.save_checkpoint(tmp_path / "ckpt")
+    acc.save_checkpoint(tmp_path / ckpt)
     return acc
 
 
@@ -59,6 +60,12 @@ def test_the_records_carry_tokens_per_second_and_the_tracked_values(tmp_path):
         assert r["tokens_per_s"] / r["samples_per_s"] == pytest.approx(SEQ)  # the batches' token ids
         assert 0 <= r["track/accuracy"] <= 1
         assert r["lost_update_share"] is None  # fp32 weights: not measured
+
+
+def test_two_fresh_runs_into_one_folder_are_told_apart_by_their_run(tmp_path):
+    runs = [train_lm(tmp_path, ckpt=f"ckpt{i}", log_to="jsonl", log_every=EVERY).run_id for i in range(2)]
+    records = [json.loads(line) for line in (tmp_path / "runs" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["run"], r["step"]) for r in records] == [(runs[0], 4), (runs[0], 8), (runs[1], 4), (runs[1], 8)]
 
 
 def test_the_lost_update_share_shows_what_bf16_weights_round_away_and_bf16_true_keeps(tmp_path):
@@ -111,7 +118,10 @@ def test_wandb_offline_run_reads_back_and_a_resumed_run_writes_on_in_the_same_ru
     assert [r["_step"] for r in rows] == [4, 8, 12, 16]  # the resumed run goes on numbering
     assert all(r["ampkit/loss_scale"] > 0 and "ampkit/skipped_steps" in r for r in rows)
     assert all("ampkit/tokens_per_s" in r and "ampkit/track/accuracy" in r for r in rows)
-    runs = {p.name.split("-")[-1] for p in (tmp_path / "runs").glob("wandb/offline-run-*")}
+    # offline-run-<date>_<time>-<run id>, with "-1", "-2" where W&B made another folder in the same second
+    runs = {
+        re.match(r"offline-run-\d+_\d+-([0-9a-f]+)", p.name)[1] for p in (tmp_path / "runs").glob("wandb/offline-run-*")
+    }
     assert runs == {first.run_id}  # both processes' records in one W&B run, named by the training run
 
 
@@ -132,6 +142,7 @@ def test_mlflow_file_store_reads_back_and_a_resumed_run_writes_on_in_the_same_ru
     history = client.get_metric_history(run.info.run_id, "ampkit/loss")
     records = [json.loads(line) for line in (tmp_path / "runs" / "metrics.jsonl").read_text().splitlines()]
     assert [m.step for m in history] == [r["step"] for r in records] == [4, 8, 12, 16]
+    assert {r["run"] for r in records} == {first.run_id}  # the resumed run's records name the same run
     assert [m.value for m in history] == pytest.approx([r["loss"] for r in records], rel=1e-6)
     scale = client.get_metric_history(run.info.run_id, "ampkit/loss_scale")
     assert [m.value for m in scale] == [r["loss_scale"] for r in records]

@@ -73,7 +73,8 @@ class Writer:
 
 class JsonLines(Writer):
     """`folder/metrics.jsonl`, opened, appended and closed per record (one every `log_every` steps), so nothing
-    is left open; the figures a record lacks (None) are written as null."""
+    is left open; the figures a record lacks (None) are written as null. Each record names its training run
+    (`"run"`, the run's id: a resumed run keeps it), so runs that share a folder can be told apart."""
 
     name = "jsonl"
 
@@ -81,7 +82,7 @@ class JsonLines(Writer):
         path = self.folder / "metrics.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a", encoding="utf-8") as file:
-            file.write(json.dumps({"step": step, **values}, allow_nan=False) + "\n")
+            file.write(json.dumps({"step": step, "run": self.run_id, **values}, allow_nan=False) + "\n")
 
 
 class TensorBoard(Writer):
