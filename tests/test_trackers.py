@@ -214,6 +214,9 @@ def test_mfu_is_six_flops_per_weight_and_token_over_the_gpus_datasheet_peak(tmp_
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     a100 = gpu_for_device(torch.device("cuda", 0))
     assert a100 is GPU_MODELS["A100"] and peak_tflops(a100, torch.bfloat16) == 312.0
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")  # the lent machine's
+    assert gpu_for_device(torch.device("cuda", 0)) is GPU_MODELS["H200"]
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     monkeypatch.setattr(tracking, "device_peak", lambda device, dtype: 312e12 if dtype == torch.bfloat16 else None)
     acc = train_lm(tmp_path / "gpu", "bf16-mixed", log_to="jsonl", log_every=EVERY)  # as if on that A100
     weights = sum(p.numel() for p in acc.models[0].parameters())

@@ -88,8 +88,8 @@ class GPUModel:
 
 
 #: Known GPU models by name (the doctor's `--gpu` choices). Sources: NVIDIA's datasheets at
-#: nvidia.com/en-us/data-center/{tesla-t4,l4,a100,h100}/ (dense figures: half the "with sparsity"
-#: ones; A100 SXM4 80GB, H100 SXM5) and the Ada Lovelace whitepaper's appendix table (RTX 4090).
+#: nvidia.com/en-us/data-center/{tesla-t4,l4,a100,h100,h200}/ (dense figures: half the "with sparsity"
+#: ones; A100 SXM4 80GB, H100 SXM5, H200 SXM) and the Ada Lovelace whitepaper's appendix table (RTX 4090).
 GPU_MODELS: dict[str, GPUModel] = {
     g.name: g
     for g in (
@@ -143,6 +143,16 @@ GPU_MODELS: dict[str, GPUModel] = {
             fp16_tflops=989.5,
             memory_gbps=3350.0,
             source="NVIDIA H100 datasheet (SXM, dense = sparse / 2)",
+        ),
+        GPUModel(
+            name="H200",
+            compute_capability=(9, 0),
+            fp32_tflops=67.0,
+            tf32_tflops=494.5,
+            bf16_tflops=989.5,
+            fp16_tflops=989.5,
+            memory_gbps=4800.0,
+            source="NVIDIA H200 datasheet (SXM, dense = sparse / 2; the H100's compute with HBM3e)",
         ),
     )
 }
