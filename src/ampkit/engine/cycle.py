@@ -1,10 +1,8 @@
-"""Where the loop is inside one gradient-accumulation cycle, and the loss-scale update it owes.
+"""Where the loop is inside one gradient-accumulation cycle.
 
 A micro-batch is one `acc.backward`, or every backward inside one `with acc.accumulate():` block (a micro-batch
-with several losses: two models, `retain_graph=True`). Several optimizers sharing the scaler owe one scale update
-per iteration, as `scaler.step(opt0); scaler.step(opt1); scaler.update()`: it runs on the device once every
-prepared optimizer has stepped since the last one (or one steps a second time first), so the scale the next
-backward uses is always the scaler's current one (`get_scale()` is never stale).
+with several losses: two models, `retain_graph=True`). The scale update that optimizers sharing the scaler owe is
+the scaler's (`LossScaler.owe_update`); a checkpoint keeps its owed flags with the cycle's position.
 """
 
 from __future__ import annotations
@@ -44,8 +42,6 @@ class AccumulationCycle:
         self.divide_loss = divide_loss is not False
         self._tell = divide_loss is None and steps > 1  # say once that the loss is divided
         self.position = 0
-        self.sharing = 0  # prepared optimizers stepping on this scale (each owes one update per iteration)
-        self._owed: dict[int, torch.Tensor] = {}  # optimizer index -> found_inf of its step since the last update
         self._in_block = False  # inside acc.accumulate()
         self._counted = False  # that block's first backward has advanced the position
         self.blocks_used = False  # the loop marks its micro-batches with acc.accumulate()
@@ -152,29 +148,12 @@ class AccumulationCycle:
             )
         return loss / length
 
-    def owe_scale_update(self, index: int, found_inf: torch.Tensor) -> None:
-        """Optimizer `index` (of the `sharing` prepared ones) stepped with this overflow flag: update the scale
-        once each has (torch's `scaler.update()` after the last `scaler.step`), or first if this one had."""
-        if index in self._owed:
-            self.flush_scale_update()
-        self._owed[index] = found_inf
-        if len(self._owed) >= self.sharing:
-            self.flush_scale_update()
-
-    def flush_scale_update(self) -> None:
-        """Apply the owed scale update now (on the device: no sync): one backoff if any step overflowed."""
-        if self._owed and self.scaler is not None:
-            flags = list(self._owed.values())
-            self.scaler.update(sum(flags[1:], flags[0]))
-        self._owed.clear()
-
     def state_dict(self) -> dict[str, Any]:
         """The position and the overflow flags of steps whose scale update is still owed."""
-        owed = {i: float(flag) for i, flag in self._owed.items()}  # sync: a checkpoint reads once, outside the step
         return {
             "steps": self.steps,
             "position": self.position,
-            "owed": owed,
+            "owed": self.scaler.owed_state() if self.scaler is not None else {},
             "length": self.length,
             "next_length": self._next_length,
             "rescale": self.rescale,
@@ -197,11 +176,8 @@ class AccumulationCycle:
         self.length = int(state.get("length", self.steps)) if same else self.steps
         self._next_length = state.get("next_length") if same else None
         self.rescale = state.get("rescale") if same else None
-        self._owed.clear()
         if self.scaler is not None:
-            device = self.scaler.scale_tensor.device
-            for index, flag in state.get("owed", {}).items():
-                self._owed[int(index)] = torch.full((), float(flag), dtype=torch.float32, device=device)
+            self.scaler.load_owed(state.get("owed", {}))
 
 
 def warn_pending_at_exit(cycle: AccumulationCycle) -> None:

@@ -270,7 +270,7 @@ class AmpOptimizer(torch.optim.Optimizer):
 
     def _scaled_step(self) -> Any:
         """The user's step, skipped for inf/NaN gradients: on the device where the optimizer can, else after
-        one read of the flag; the outcome is queued for the host, the scale update owed to the cycle."""
+        one read of the flag; the outcome is queued for the host, the scale update owed to the scaler."""
         scaler, found_inf = self._ctx.scaler, self._found_inf
         assert scaler is not None and found_inf is not None
         result = None
@@ -285,7 +285,7 @@ class AmpOptimizer(torch.optim.Optimizer):
             result = self.optimizer.step()
         assert self._outcomes is not None
         self._outcomes.record(found_inf, scaler.scale_tensor)  # the scale this step used
-        self._ctx.cycle.owe_scale_update(self._index, found_inf)
+        scaler.owe_update(self._index, found_inf)
         return result
 
     def unscale_(self) -> None:

@@ -254,7 +254,8 @@ class Prepared:
             optimizer.load_state_dict(optimizer.state_dict())
         fuse_for_device_skips(optimizer, self.acc.device, self.acc.scaler is not None)
         wrapped = AmpOptimizer(optimizer, self._step_context(), weights, index=len(self.optimizers))
-        self.acc.cycle.sharing += 1  # one more optimizer on the shared loss-scale update
+        if self.acc.scaler is not None:
+            self.acc.scaler.sharing += 1  # one more optimizer on the shared loss-scale update
         self.optimizers.append(wrapped)
         return wrapped
 

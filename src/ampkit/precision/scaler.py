@@ -74,6 +74,8 @@ class LossScaler:
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
         self._hysteresis_left: torch.Tensor | None = None
+        self.sharing = 0  # prepared optimizers stepping on this scale (each owes one update per iteration)
+        self._owed: dict[int, torch.Tensor] = {}  # optimizer index -> found_inf of its step since the last update
 
     def to(self, device: torch.device) -> LossScaler:
         """Create (or move) the scale's device tensors on `device`."""
@@ -83,6 +85,7 @@ class LossScaler:
             self._hysteresis_left = torch.full((), self.hysteresis, dtype=torch.int32, device=device)
         else:
             self._scale, self._growth_tracker, self._hysteresis_left = (t.to(device) for t in self._device_state())
+            self._owed = {i: flag.to(device) for i, flag in self._owed.items()}
         return self
 
     def _device_state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -160,6 +163,34 @@ class LossScaler:
         scale.copy_(new_scale)
         tracker.copy_(torch.where(grow, torch.zeros_like(counted), counted))
         left.copy_(torch.where(back_off | grow, torch.full_like(left, self.hysteresis), left_after))
+
+    # --- the update several optimizers owe: one per iteration, as torch's scaler.update() after the steps ------
+    def owe_update(self, index: int, found_inf: torch.Tensor) -> None:
+        """Optimizer `index` (of the `sharing` prepared ones) stepped with this overflow flag: update the scale
+        once each has (torch's `scaler.update()` after the last `scaler.step`), or first if this one had. So
+        the scale the next backward uses is always the current one (`get_scale()` is never stale)."""
+        if index in self._owed:
+            self.flush_owed()
+        self._owed[index] = found_inf
+        if len(self._owed) >= self.sharing:
+            self.flush_owed()
+
+    def flush_owed(self) -> None:
+        """Apply the owed update now (on the device: no sync): one backoff if any of the steps overflowed."""
+        if self._owed:
+            flags = list(self._owed.values())
+            self.update(sum(flags[1:], flags[0]))
+        self._owed.clear()
+
+    def owed_state(self) -> dict[int, float]:
+        """The overflow flags of the steps whose update is still owed (a checkpoint's, with the cycle's position)."""
+        return {i: float(flag) for i, flag in self._owed.items()}  # sync: a checkpoint reads once, outside the step
+
+    def load_owed(self, owed: dict[Any, float]) -> None:
+        self._owed = {
+            int(i): torch.full((), float(flag), dtype=torch.float32, device=self.scale_tensor.device)
+            for i, flag in owed.items()
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """Settings and device state as plain Python values (JSON-able). Reads the device: not per step."""
