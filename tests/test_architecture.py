@@ -683,6 +683,7 @@ TOOL_BOUNDARY: dict[str, frozenset[str]] = {
     # the lost-update detector: the trackers sample it, the numerics doctor watches every step with it
     "ampkit.engine.lost_updates": frozenset({"LOST_SHARE_ALARM", "LostUpdateDetector"}),
     "ampkit.precision.outcomes": frozenset({"Outcome"}),  # what on_outcome receives
+    "ampkit.precision.fp8": frozenset({"E4M3_FLUSH", "E5M2_FLUSH"}),  # what scaling to fp8 rounds to 0
     "ampkit.precision.policy": frozenset({"PRESETS", "dtype_name", "short_dtype_name", "fp8_problem"})
     | frozenset({"resolve_precision"}),  # presets as data
     "ampkit.checkpoint.folder": frozenset({"remove_folder"}),  # removing only what ampkit wrote

@@ -464,3 +464,23 @@ def test_the_census_counts_what_fp8_scaling_flushes():
     counts, amax = measure(x)
     got = dict(zip(COUNTS, counts.tolist()))
     assert amax.item() == 448.0 and got["flush_e4m3"] == 2 and got["flush_e5m2"] == 1
+
+
+def test_the_flush_thresholds_are_what_torchs_fp8_casts_round_to_zero():
+    """E4M3_FLUSH/E5M2_FLUSH against torch's own casts: scaled by its amax onto the format's largest value, an
+    element becomes 0 exactly where the census and the trackers count it flushed (the tie at half the smallest
+    subnormal included)."""
+    from ampkit.engine.fp8_sample import flushed
+    from ampkit.precision.fp8 import E4M3_FLUSH, E5M2_FLUSH
+
+    g = torch.Generator().manual_seed(0)
+    spread = 10.0 ** torch.randint(-9, 1, (4096,), generator=g)  # magnitudes over nine decades below the amax
+    x = torch.cat([torch.randn(4096, generator=g).clamp(-0.99, 0.99) * spread, torch.tensor([1.0])])  # amax 1
+    x = torch.cat([x, torch.tensor([E4M3_FLUSH, E5M2_FLUSH, 2 * E4M3_FLUSH])])  # the ties and one just above
+    amax = x.abs().max()
+    assert amax == 1.0
+    for dtype, flush in ((torch.float8_e4m3fn, E4M3_FLUSH), (torch.float8_e5m2, E5M2_FLUSH)):
+        cast = (x * (torch.finfo(dtype).max / amax)).to(dtype).float()
+        zero = ((cast == 0) & (x != 0)).sum().item()
+        assert zero == ((x.abs() <= amax * flush) & (x != 0)).sum().item() and zero > 0
+    assert flushed(x, rowwise=False).tolist() == [((x.abs() <= amax * E4M3_FLUSH) & (x != 0)).sum().item(), 4100]

@@ -2,11 +2,12 @@
 
 torchao's recipes scale each tensor (or each row, "rowwise") by its own amax at every step, so the amax always
 maps to float8_e4m3fn's largest value, 448: there is no amax headroom to run out of, and nothing overflows. What
-can go wrong is the other end. An element smaller than half of e4m3's smallest subnormal (2**-10), once scaled,
-becomes 0: any value below amax · 2**-10 / 448 (about 2**-18.8 of the amax). A tensor with outliers (one large
-activation) flushes the rest. The share logged is, over the fp8 layers' inputs and weights at one forward of the
-interval's last step, the nonzero elements that fp8 turns into 0; a few percent or more says that the fp8
-layers lose information bf16 kept (try `fp8_recipe="rowwise"`, or keep those layers in bf16).
+can go wrong is the other end. An element at or below half of e4m3's smallest subnormal (2**-10), once scaled,
+becomes 0: any value up to amax · 2**-10 / 448, about 2**-18.8 of the amax (`ampkit.precision.fp8.E4M3_FLUSH`).
+A tensor with outliers (one large activation) flushes the rest. The share logged is, over the fp8 layers' inputs
+and weights at one forward of the interval's last step, the nonzero elements that fp8 turns into 0; a few percent
+or more says that the fp8 layers lose information bf16 kept (try `fp8_recipe="rowwise"`, or keep those layers in
+bf16).
 
 The forward is sampled by one-shot forward pre-hooks, registered for the step and removed by their first call
 (in grad mode: an evaluation forward is not sampled), so the other steps run no hook. The counts stay on the
@@ -20,10 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-_E4M3 = torch.finfo(torch.float8_e4m3fn)
-FLUSH = _E4M3.smallest_normal * 2.0**-4 / _E4M3.max
-"""The magnitude, relative to its scaling amax, below which an element becomes 0 in e4m3 (half the smallest
-subnormal, 2**-10, over the largest value, 448)."""
+from ampkit.precision.fp8 import E4M3_FLUSH
 
 
 def flushed(t: torch.Tensor, rowwise: bool) -> torch.Tensor:
@@ -32,7 +30,7 @@ def flushed(t: torch.Tensor, rowwise: bool) -> torch.Tensor:
     a = t.detach().abs().float()
     amax = a.amax(dim=-1, keepdim=True) if rowwise and a.dim() > 1 else a.amax()
     nonzero = a != 0
-    return torch.stack([(nonzero & (a < amax * FLUSH)).sum(), nonzero.sum()])
+    return torch.stack([(nonzero & (a <= amax * E4M3_FLUSH)).sum(), nonzero.sum()])
 
 
 class Fp8Sample:

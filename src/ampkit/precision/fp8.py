@@ -33,6 +33,12 @@ from ampkit.precision.policy import Precision
 
 MIN_WEIGHT = 2048 * 2048
 """Smallest in_features·out_features of an nn.Linear that runs in fp8 (see the module docstring)."""
+#: What scaling to fp8 turns into 0: torchao scales a tensor (or a row) by its amax onto the format's largest
+#: value, so an element with |x| <= amax · FLUSH rounds to 0 (at or below half the smallest subnormal; the tie
+#: rounds to even, 0). e4m3 (forward: inputs, weights): largest 448, smallest subnormal 2**-9; e5m2 (gradients):
+#: 57344 and 2**-16. The numerics doctor's census and the trackers' fp8_underflow_share count with these.
+E4M3_FLUSH = 2.0**-10 / 448.0
+E5M2_FLUSH = 2.0**-17 / 57344.0
 RECIPES = ("tensorwise", "rowwise")
 """torchao's scaling recipes: one scale per tensor (fastest), or one per row (more accurate, slower)."""
 

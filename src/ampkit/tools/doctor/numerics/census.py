@@ -4,7 +4,8 @@ Forward hooks on every module measure its inputs and outputs, tensor hooks the g
 back into them. Per module and kind it keeps on the device (read once, in `result()`) the largest
 finite |value| and the `COUNTS`: over fp16 (> 65504 or inf; NaN apart, so a NaN flowing downstream
 is not a new overflow), below fp16's smallest normal (2**-14) and subnormal (2**-24: flushed to 0),
-over or below bf16's range, NaN, and what per-tensor scaling to fp8 (e4m3, e5m2) would flush to 0.
+over or below bf16's range, NaN, and what per-tensor scaling to fp8 (e4m3, e5m2) would round to 0
+(`ampkit.precision.fp8.E4M3_FLUSH`).
 Loss-scaled gradients are measured as seen and divided by the step's scale (the true gradients).
 """
 
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from ampkit.precision.fp8 import E4M3_FLUSH, E5M2_FLUSH
 from ampkit.precision.policy import dtype_name
 
 FP16_MAX = 65504.0
@@ -25,10 +27,6 @@ FP16_MIN_NORMAL = 2.0**-14
 FP16_MIN_SUBNORMAL = 2.0**-24
 BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 BF16_MIN_NORMAL = float(torch.finfo(torch.bfloat16).tiny)
-#: fp8: a tensor scaled so its largest |value| lands on the format's largest (torchao's dynamic scaling)
-#: flushes what falls below the smallest subnormal: e4m3 (448, 2**-9), e5m2 for gradients (57344, 2**-16).
-E4M3_FLUSH = 2.0**-9 / 448.0
-E5M2_FLUSH = 2.0**-16 / 57344.0
 
 #: The counters kept per module and kind, in this order (see the module docstring).
 COUNTS = ("over_fp16", "under_fp16", "flush_fp16", "over_bf16", "under_bf16", "nan", "flush_e4m3", "flush_e5m2")
@@ -60,8 +58,8 @@ def measure(t: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.T
             (a > BF16_MAX).sum() if scale is None else ((a > BF16_MAX) & torch.isfinite(a)).sum(),
             (nonzero & (a < BF16_MIN_NORMAL)).sum(),
             torch.isnan(x).sum(),
-            (nonzero & (a < finite_max * E4M3_FLUSH)).sum(),
-            (nonzero & (a < finite_max * E5M2_FLUSH)).sum(),
+            (nonzero & (a <= finite_max * E4M3_FLUSH)).sum(),  # scaled by the amax to fp8, they round to 0
+            (nonzero & (a <= finite_max * E5M2_FLUSH)).sum(),
         ]
     )
     return counts, finite_max

@@ -45,9 +45,11 @@ _TALLY["anyOf"][0]["properties"].update(  # fp8-mixed's census (newer than the r
     flush_e4m3_share=dict(
         _SHARE,
         description="Share of nonzero values that scaling the tensor's largest |value| "
-        "to e4m3's 448 leaves below its smallest subnormal, 2**-9 (flushed).",
+        "to e4m3's 448 leaves at or below half its smallest subnormal, 2**-10 (they round to 0).",
     ),
-    flush_e5m2_share=dict(_SHARE, description="The same for e5m2 (gradients in fp8): largest 57344, subnormal 2**-16."),
+    flush_e5m2_share=dict(
+        _SHARE, description="The same for e5m2 (gradients in fp8): largest 57344, half its smallest subnormal 2**-17."
+    ),
 )
 _CULPRIT = _nullable(
     obj(
