@@ -5,7 +5,6 @@ ratios against the baseline (`baseline.py`) and hand the `Report` to the table a
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import inspect
 import json
@@ -13,29 +12,27 @@ import pickle
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
 from ampkit.accelerator import Accelerator
-from ampkit.checkpoint.folder import remove_folder
 from ampkit.errors import AmpkitError, PrecisionError
 from ampkit.hardware.capability import auto_precision, capability, describe, resolve_device
 from ampkit.precision.policy import PRESETS, fp8_problem
 from ampkit.tools.compare.baseline import compare_to_baseline
-from ampkit.tools.compare.html import REPORT_FILES, write_report
-from ampkit.tools.compare.measure import NUMERICS_STEPS, PROBE_STEPS, RunSpec, TrainFn
-from ampkit.tools.compare.records import Report, Task, json_safe
-from ampkit.tools.compare.state import STATE_DIR, check_writable, file_stem, finished_runs, forget_runs
+from ampkit.tools.compare.html import write_report
+from ampkit.tools.compare.measure import NUMERICS_STEPS, RunSpec, TrainFn
+from ampkit.tools.compare.records import Report, Task
+from ampkit.tools.compare.stages import describe_task, open_out, run_all, specs_for
 from ampkit.tools.compare.summary import render_table
-from ampkit.tools.compare.turns import RunProgress, blank_run, interleaved, run_planned
+from ampkit.tools.compare.turns import RunProgress
 from ampkit.tools.export import format_text as format_inference
 from ampkit.tools.export import measure as measure_inference
 from ampkit.tools.export import render_html_section
 from ampkit.tools.load import check_load, worst
 from ampkit.tools.plan import plan_task, plot_png
-from ampkit.tools.tasks import default_size, get_task
-from ampkit.util.files import OwnedFiles, atomic_write
+from ampkit.util.files import OwnedFiles
 from ampkit.util.held_back import held_back
 from ampkit.util.version import ampkit_version
 
@@ -124,40 +121,14 @@ def compare(
     if size is not None and task is None:
         raise ValueError(f"size={size!r} sizes a built-in task; a train_fn builds its own model")
     dev = resolve_device(device)
-    if task is not None:
-        size = size or default_size(task, dev)
-        t = get_task(task, size)
-        metric, samples_per_step = t.metric, batch_size or t.default_batch_size
-        task_info = Task(
-            name=t.name,
-            metric=t.metric,
-            higher_is_better=t.higher_is_better,
-            steps=steps or t.default_steps,
-            batch_size=samples_per_step,
-            seed=seed,
-            size=size,
-        )
-    else:  # steps 0: the loop decides how many it runs
-        task_info = Task(
-            name=getattr(train_fn, "__name__", "train_fn"),
-            metric=metric,
-            steps=steps or 0,
-            seed=seed,
-            higher_is_better=None if metric_direction is None else metric_direction == "higher",
-            batch_size=samples_per_step,
-        )
+    task_info, size, samples_per_step = describe_task(
+        train_fn, task, size, steps, batch_size, seed, metric, metric_direction, samples_per_step, dev
+    )
+    metric = task_info.metric
     plan = plan_runs(precisions, dev)
     if precisions is None and task is not None:  # the default experiment also measures its own noise
         plan.insert(1, (f"{plan[0][0]} (seed {seed + 1})", False))
-    state_dir = None if out is None else Path(out) / STATE_DIR
-    owned = None if out is None else OwnedFiles(out)
-    if state_dir is not None:
-        assert owned is not None  # both are there with `out`
-        check_writable(state_dir.parent)
-        owned.check([*REPORT_FILES, "plan.png", "report.unvalidated.json", STATE_DIR])  # before any training
-        if not resume:
-            forget_runs(owned)  # a new comparison: forget an old one's runs (only what ampkit wrote)
-    kept = finished_runs(state_dir, [p for p, _ in plan]) if resume and state_dir is not None else {}
+    state_dir, owned, kept = open_out(out, resume, plan)
     report = new_report(command or "ampkit.compare(...)", task_info, dev, plan[0][0])
     base = RunSpec(
         precision="",
@@ -172,72 +143,11 @@ def compare(
         nproc=nproc,
         numerics_steps=NUMERICS_STEPS if numerics else 0,
     )
+    specs = specs_for(plan, base, kept, kwargs_of, state_dir, owned)
     progress = RunProgress(show)
-    specs = {
-        name: dataclasses.replace(  # "fp32 (seed 1)": the noise run, fp32 again from the next seed
-            base,
-            precision=name.split(" ")[0],
-            seed=seed + (" " in name),
-            probe=probe,
-            numerics_steps=0 if probe or " " in name else base.numerics_steps,
-            accelerator_kwargs=kwargs_of(name.split(" ")[0]),
-            checkpoints=str(state_dir / f"{file_stem(name)}.ckpt")
-            if state_dir is not None and task is not None and not probe
-            else None,
-        )
-        for name, probe in plan
-        if name not in kept
-    }
-    if owned is not None:  # the checkpoint folders each run writes while it trains, recorded before it starts
-        owned.claim([STATE_DIR, *(f"{STATE_DIR}/{Path(s.checkpoints).name}" for s in specs.values() if s.checkpoints)])
     turns = isolate and task is not None and nproc == 1
     before = check_load(dev)  # the machine as the runs found it; again after them, and the busier look is kept
-    try:
-        taken = interleaved(specs, report, dev, progress, fit=steps is None) if turns else {}
-        if not turns:
-            report.plan = "; ".join(
-                f"{n} ({'probe, ' * s.probe}{s.steps or 'its own'} steps)" for n, s in specs.items()
-            )
-            progress.say(f"{report.plan}: one after another")
-        for name, _ in plan:
-            if name in kept:
-                report.runs.append(kept[name])
-                continue
-            spec = specs[name]
-            # a train_fn's step count is known once one run has finished: every run trains the same loop
-            known = task_info.steps or next((r.steps for r in report.runs if r.status == "ok" and r.steps), None)
-            run = (
-                taken[name]
-                if turns
-                else run_planned(spec, dev, isolate, progress, PROBE_STEPS if spec.probe else known)
-            )
-            run.precision = name
-            run.finish(metric)
-            if task_info.metric is None and run.eval:
-                task_info.metric = metric = next(iter(run.eval))
-            report.runs.append(run)
-            if state_dir is not None and run.status != "failed":
-                assert owned is not None
-                owned.claim([STATE_DIR, f"{STATE_DIR}/{file_stem(name)}.json"])
-                state_dir.mkdir(parents=True, exist_ok=True)
-                record = json.dumps(json_safe(dataclasses.asdict(run))).encode()
-
-                def write_record(f: BinaryIO, record: bytes = record) -> None:
-                    f.write(record)
-
-                atomic_write(state_dir / f"{file_stem(name)}.json", write_record)
-                if spec.checkpoints is not None:
-                    remove_folder(Path(spec.checkpoints))
-    except KeyboardInterrupt:
-        report.interrupted = True
-        done = {r.precision for r in report.runs}
-        report.runs += [
-            blank_run(p, "interrupted", "interrupted (Ctrl-C) before this run finished", dev)
-            for p, _ in plan
-            if p not in done
-        ]
-    finally:
-        progress.stop()
+    run_all(plan, specs, kept, report, metric, dev, isolate, progress, turns, steps is None, (state_dir, owned))
     report.machine["load"] = worst(before, check_load(dev, own=torch.get_num_threads() * nproc)).as_dict()
     compare_to_baseline(report)
     extra_plots, sections = {}, []
