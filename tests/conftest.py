@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 # The processes the tests start (a fresh interpreter each: torchrun ranks, a resumed run, a comparison's runs)
@@ -27,6 +28,20 @@ def make_model(seed: int = 0, width: int = 16, norm: bool = False) -> nn.Module:
         layers.append(nn.LayerNorm(width))
     layers += [nn.GELU(), nn.Linear(width, 4)]
     return nn.Sequential(*layers)
+
+
+class HostReads(TorchDispatchMode):
+    """Reads of a value by the host: `.item()` and the like (aten._local_scalar_dense), and a copy to the host
+    (`.tolist()` of a device tensor copies it first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        to_host = func is torch.ops.aten._to_copy.default and str((kwargs or {}).get("device")) == "cpu"
+        self.reads += func is torch.ops.aten._local_scalar_dense.default or to_host
+        return func(*args, **(kwargs or {}))
 
 
 def make_loader(seed: int = 0, n: int = 256, batch_size: int = 16, shuffle: bool = True) -> DataLoader:

@@ -11,30 +11,16 @@ import math
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampkit
 from ampkit.optim import GradScaler
+from conftest import HostReads
 
 STEPS, EVERY, BAD = 12, 4, {1, 5, 6}
 
 
 def _records(folder):
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-
-
-class HostReads(TorchDispatchMode):
-    """Reads of a value by the host: `.item()` and the like, and a copy to the host (`.tolist()` of a device
-    tensor copies it first)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        to_host = func is torch.ops.aten._to_copy.default and str((kwargs or {}).get("device")) == "cpu"
-        self.reads += func is torch.ops.aten._local_scalar_dense.default or to_host
-        return func(*args, **(kwargs or {}))
 
 
 def _scaled_loop(tracker_for, steps=STEPS):

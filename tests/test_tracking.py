@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 import ampkit
+from conftest import HostReads
 
 STEPS, EVERY, BATCH = 12, 4, 8
 
@@ -68,17 +68,6 @@ def test_tensorboard_event_files_read_back(tmp_path):
     loss = events.Scalars("ampkit/loss")
     assert [e.step for e in loss] == [4, 8, 12]
     assert loss[0].value == pytest.approx(sum(losses[:EVERY]) / EVERY, rel=1e-6)
-
-
-class HostReads(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        to_host = func is torch.ops.aten._to_copy.default and str((kwargs or {}).get("device")) == "cpu"
-        self.reads += func is torch.ops.aten._local_scalar_dense.default or to_host
-        return func(*args, **(kwargs or {}))
 
 
 def test_tracking_reads_the_device_once_per_record_and_never_per_step(tmp_path):
