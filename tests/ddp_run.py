@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ampkit
 from ampkit.util import files as ampkit_files
+from oom import plant_oom  # tests/oom.py: this script's folder is on sys.path
 
 B = 8  # per-rank batch
 
@@ -239,9 +240,9 @@ def micro(out: Path, inject: bool) -> dict:
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
     m, opt, loader = acc.prepare(m, opt, DataLoader(data(), batch_size=16))
     if inject and acc.rank == 0:
-        acc.micro.inject_oom(0, 0, "backward")
+        plant_oom(acc, m, 0, 0, "backward")
     if inject and acc.rank == 1:
-        acc.micro.inject_oom(2, 0, "forward")  # batch 2: the first of its 2 micro-batches of 4
+        plant_oom(acc, m, 2, 0, "forward")  # batch 2: the first of its 2 micro-batches of 4
     sizes, seen = [], []
     torch.manual_seed(1 + acc.rank)
     for b, (x, y) in zip(range(4), loader):

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ampkit
 from ampkit.tools.plan.resident import high_water, resident_now
+from oom import plant_oom  # tests/oom.py: this script's folder is on sys.path
 
 BUDGET = 300 * 2**20
 STEPS = 2
@@ -92,7 +93,7 @@ def resume(precision: str, ckpt: Path, out: Path, kill_after: int | None) -> Non
     acc = ampkit.Accelerator(precision=precision, device="cpu", micro_batch=8)
     model, opt, loader = acc.prepare(model, opt, loader)
     if acc.resume(ckpt) is None:
-        acc.micro.inject_oom(0, 1, "backward")  # batch 0 halves the micro-batch to 4: the state must keep it
+        plant_oom(acc, model, 0, 1, "backward")  # batch 0 halves the micro-batch to 4: the state must keep it
     done = acc.state.applied_steps
     for _ in acc.epochs(2):
         for xb, yb in loader:

@@ -16,6 +16,7 @@ from torch import nn
 import ampkit
 from ampkit.engine.micro import BatchDoesNotFitError
 from conftest import assert_bitwise_equal
+from oom import plant_oom
 
 RUN = Path(__file__).with_name("micro_run.py")
 
@@ -36,7 +37,7 @@ def train(micro, precision="fp32", *, dropout=0.0, norm=False, inject=(), rows=6
     model = net(dropout, norm)
     model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     for args in inject:
-        acc.micro.inject_oom(*args)
+        plant_oom(acc, model, *args)
     torch.manual_seed(5)
     for b, (x, y) in enumerate(batches(rows=rows)):
         if sizes is not None:
@@ -99,7 +100,7 @@ def test_repeated_out_of_memory_errors_halve_down_to_one_row_then_say_what_does_
     acc = ampkit.Accelerator(device="cpu", micro_batch=1)
     model = net()
     model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    acc.micro.inject_oom(0, 0, "backward")
+    plant_oom(acc, model, 0, 0, "backward")
     x, y = batches(1)[0]
     with pytest.raises(BatchDoesNotFitError, match="out of memory with a micro-batch of 1 row"):
         for mx, my in acc.split((x, y)):

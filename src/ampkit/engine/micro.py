@@ -149,23 +149,10 @@ class MicroBatcher:
         self.batches = 0  # batches split so far
         self.attempt: _Attempt | None = None  # the micro-batch being run, inside a split
         self.rows = self.retries = 0  # the batch being split, and its reruns so far
-        self._inject: set[tuple[int, int, str]] = set()
 
     @property
     def enabled(self) -> bool:
         return self.setting is not None
-
-    def inject_oom(self, batch: int, micro: int, phase: str = "backward") -> None:
-        """A test hook: raise torch.OutOfMemoryError in micro-batch `micro` of split batch `batch` (0-based,
-        counted over the run), in its "forward" (a prepared model's) or its "backward" (`acc.backward`)."""
-        if phase not in ("forward", "backward"):
-            raise ValueError(f"inject_oom(phase={phase!r}): expected 'forward' or 'backward'")
-        self._inject.add((batch, micro, phase))
-
-    def check_injected(self, phase: str) -> None:
-        if self.attempt is not None and (key := (self.batches, self.attempt.index, phase)) in self._inject:
-            self._inject.discard(key)
-            raise torch.OutOfMemoryError(f"injected by inject_oom(batch={key[0]}, micro={key[1]}, phase={phase!r})")
 
     @property
     def discarding(self) -> bool:
@@ -254,7 +241,6 @@ class MicroBatcher:
     def backward(self, loss: torch.Tensor, kwargs: dict[str, Any]) -> bool:
         """Run the micro-batch's backward; False if it ran out of memory (the batch reruns)."""
         try:
-            self.check_injected("backward")
             loss.backward(**kwargs)
             return True
         except torch.OutOfMemoryError as exc:
@@ -331,7 +317,6 @@ class RecoveringForward:
         if micro.attempt.failed:  # a second forward of the failed micro-batch (two models, say)
             return self.stand_in(args, kwargs)
         try:
-            micro.check_injected("forward")
             return self.forward(*args, **kwargs)
         except torch.OutOfMemoryError as exc:
             micro.failed(exc, "forward")
