@@ -103,6 +103,9 @@ def test_a_loaded_tracker_goes_on_numbering_and_bad_arguments_are_named(tmp_path
         ampkit.Tracker([], log_dir=tmp_path)
     with pytest.raises(ValueError, match="'csv' is not a tracker"):
         ampkit.Tracker("csv", log_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"Tracker.load_state_dict: expected tracker.state_dict\(\)'s"):
+        second.load_state_dict({"steps": "6"})
+    assert second.steps == 6  # refused before anything changed
     with pytest.raises(TypeError, match=r"Tracker.add\(loss='1.0'\): expected a tensor or a number"):
         first.step("1.0")
 

@@ -123,7 +123,13 @@ class Tracker:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Go on from a saved tracker: its step count and run id (before the first record of this process)."""
-        self.steps, self.run_id = int(state["steps"]), str(state["run_id"])
+        steps, run_id = (state.get("steps"), state.get("run_id")) if isinstance(state, dict) else (None, None)
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0 or not isinstance(run_id, str):
+            raise ValueError(
+                f"Tracker.load_state_dict: expected tracker.state_dict()'s {{'steps': int >= 0, 'run_id': str}}, "
+                f"got {state!r}"
+            )
+        self.steps, self.run_id = steps, run_id
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         detector = self._detector
