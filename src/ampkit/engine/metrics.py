@@ -48,8 +48,8 @@ class MetricTracker:
         both = torch.cat([sums, counts])
         if reduce is not None:
             both = reduce(both)
-        # sync: the one read per logging window, by design (an explicit copy: a dispatch mode sees it on any device)
-        values = both.to("cpu", copy=True).tolist()
+        # An explicit copy to the host, so a dispatch mode counting host reads sees it on any device (CPU too).
+        values = both.to("cpu", copy=True).tolist()  # sync: the one read per logging window, by design
         result = {n: s / c for n, s, c in zip(names, values[: len(names)], values[len(names) :])}
         self._sums.clear()
         self._counts.clear()
