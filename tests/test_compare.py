@@ -197,7 +197,7 @@ def test_the_default_comparison_measures_its_own_noise_and_recommends_from_it(mo
     # the probe explains it, never the noise run; and fp32 only from a speed the interval settles
     from ampkit.tools.compare.records import Run
     from ampkit.tools.compare.speed import run_outcome
-    from ampkit.tools.schema import build
+    from ampkit.tools.records import build
 
     fate = run_outcome(build(Run, probe), report["machine"]["load"])
     if fate == "unclear":  # e.g. a busy machine: it says so rather than "Use fp32"

@@ -218,7 +218,7 @@ def test_load_refuses_a_pt2_whose_pickles_could_run_code(tmp_path):
 def test_measure_writes_a_checked_report(tmp_path):
     from ampkit.tools.export import SCHEMA, auto_choice, format_text, measure, render_html_section
     from ampkit.tools.export.measure import int8_flags
-    from ampkit.tools.schema import validate
+    from ampkit.tools.records import validate
 
     said: list[str] = []
     report = measure(

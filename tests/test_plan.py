@@ -16,7 +16,7 @@ from ampkit.cli.main import main
 from ampkit.tools.plan import PLAN_SCHEMA, parse_memory
 from ampkit.tools.plan.runtime import allocator_bytes, runtime_bytes
 from ampkit.tools.plan.step import measure
-from ampkit.tools.schema import validate
+from ampkit.tools.records import validate
 from ampkit.tools.tasks import get_task
 from ampkit.tools.tasks.tiny_lm import TinyLM
 

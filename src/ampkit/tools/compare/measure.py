@@ -23,7 +23,7 @@ from ampkit.precision.outcomes import Outcome
 from ampkit.precision.policy import PRESETS, dtype_name
 from ampkit.tools.compare.memory import Memory
 from ampkit.tools.compare.records import MemoryKind, Numerics, Policy, Run
-from ampkit.tools.schema import build
+from ampkit.tools.records import build
 from ampkit.tools.tasks import get_task
 
 TrainFn = Callable[[Accelerator], dict[str, float]]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, get_args
 
 from ampkit.tools.doctor.numerics.report import NUMERICS_SCHEMA
-from ampkit.tools.schema import Invalid, build, field, schema_of, validate
+from ampkit.tools.records import Invalid, build, field, schema_of, validate
 
 Status = Literal["ok", "diverged", "skipped", "failed", "interrupted", "probe"]
 STATUSES: tuple[str, ...] = get_args(Status)

@@ -21,7 +21,7 @@ from ampkit.tools.compare.speed import (
     speed_words,
     unclear_reason,
 )
-from ampkit.tools.schema import build
+from ampkit.tools.records import build
 from ampkit.util.present import sig, signed, size, times
 
 

@@ -1,4 +1,4 @@
-"""The inference report: typed records (JSON schema from `ampkit.tools.schema`), verdict lines, a text
+"""The inference report: typed records (JSON schema from `ampkit.tools.records`), verdict lines, a text
 table and an HTML section, all from the same `InferenceReport`."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from ampkit.tools.schema import Invalid, field, schema_of, validate
+from ampkit.tools.records import Invalid, field, schema_of, validate
 from ampkit.util import present
 from ampkit.util.files import atomic_write
 

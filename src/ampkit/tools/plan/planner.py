@@ -24,7 +24,7 @@ from ampkit.precision.policy import PRESETS, fp8_problem, resolve_precision
 from ampkit.tools.plan.runtime import allocator_bytes, runtime_bytes
 from ampkit.tools.plan.step import FAKE_FAILURES, Measured, batch_size_of, measure
 from ampkit.tools.plan.tracker import COMPONENTS
-from ampkit.tools.schema import field, schema_of, validate
+from ampkit.tools.records import field, schema_of, validate
 from ampkit.tools.tasks import default_size, get_task
 from ampkit.util.present import size as size_of
 from ampkit.util.validate import parse_memory

@@ -9,7 +9,7 @@ from typing import IO
 from ampkit.tools.plan.planner import PLAN_SCHEMA, SEARCH_LIMIT, Plan
 from ampkit.tools.plan.runtime import RUNTIME_CAVEAT
 from ampkit.tools.plan.tracker import COMPONENTS
-from ampkit.tools.schema import Invalid, validate
+from ampkit.tools.records import Invalid, validate
 from ampkit.util import present
 from ampkit.util.files import atomic_write
 
