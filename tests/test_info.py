@@ -19,8 +19,17 @@ from ampkit.hardware.capability import (
     read_cpu_flags,
 )
 from ampkit.tools.info.bench import agreement
-from ampkit.tools.info.collect import INFO_SCHEMA, bench_matmul, collect_info, format_info_text
+from ampkit.tools.info.collect import (
+    INFO_SCHEMA,
+    bench_matmul,
+    collect_info,
+    format_info_text,
+    read_info,
+    validate_info,
+)
 from ampkit.tools.info.text import agreement_words
+from ampkit.tools.records import Invalid
+from oracle import assert_agrees_with_jsonschema
 from test_hardware import OLD, SAPPHIRE_RAPIDS, ZEN4, fake_rocm
 
 BUSY = {"load_average": 12.3, "cores": 2, "threads": 2, "matmul_slowdown": 3.1, "busy": True}
@@ -29,10 +38,8 @@ ARM = "processor\t: 0\nBogoMIPS\t: 243.75\nFeatures\t: fp asimd evtstrm aes pmul
 
 
 def _validate(info: dict) -> None:
-    """Check `info` against INFO_SCHEMA. Without jsonschema the test skips here: callers check the JSON's
-    content first, so that part runs anyway."""
-    jsonschema = pytest.importorskip("jsonschema")
-    jsonschema.Draft202012Validator(INFO_SCHEMA).validate(info)
+    validate_info(info)
+    assert read_info(info).recommended.preset == info["recommended"]["preset"]  # the typed records read it back
 
 
 def supported(facts: dict[str, Fact]) -> tuple[bool | None, ...]:
@@ -137,8 +144,7 @@ def test_info_json_validates_against_its_schema_on_this_machine(capsys):
     if flags is not None:  # Linux x86: each flag a boolean under exactly its Linux name
         assert list(flags) == list(CPU_FLAGS)
         assert all(isinstance(on, bool) for on in flags.values())
-    jsonschema = pytest.importorskip("jsonschema")
-    jsonschema.Draft202012Validator.check_schema(INFO_SCHEMA)
+    assert INFO_SCHEMA["properties"]["cpu"]["properties"]["flags"]["required"] == list(CPU_FLAGS)
     _validate(info)
 
 
@@ -155,11 +161,10 @@ def test_info_json_with_unreadable_flags_says_null_and_unknown(capsys, monkeypat
 
 
 def test_the_schema_rejects_a_flag_that_is_not_a_boolean():
-    jsonschema = pytest.importorskip("jsonschema")
     info = collect_info(device="cpu")
     info["cpu"]["flags"] = dict.fromkeys(CPU_FLAGS, "yes")
-    with pytest.raises(jsonschema.ValidationError, match="'yes' is not of type 'boolean'"):
-        jsonschema.Draft202012Validator(INFO_SCHEMA).validate(info)
+    with pytest.raises(Invalid, match=r"^cpu\.flags\.\w+: 'yes' is not of type 'boolean'"):
+        validate_info(info)
 
 
 def test_recommendation_is_the_auto_choice(monkeypatch):
@@ -214,6 +219,7 @@ def test_info_bench_json_validates_and_compares_each_dtype_with_the_table(capsys
     assert set(load) == {"load_average", "cores", "threads", "matmul_slowdown", "busy"}
     assert load["cores"] >= 1 and load["matmul_slowdown"] >= 1.0 and isinstance(load["busy"], bool)
     _validate(info)
+    assert assert_agrees_with_jsonschema(INFO_SCHEMA, info, validate_info) > 500  # jsonschema as the oracle
 
 
 # ----- whether the bench can tell: one rule, driven by synthetic figures --------------------------

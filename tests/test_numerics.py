@@ -24,6 +24,7 @@ from ampkit.tools.doctor import NUMERICS_SCHEMA, NumericsSession, numerics, summ
 from ampkit.tools.doctor.numerics.report import format_text, render_html_section
 from ampkit.tools.doctor.perf.sync import SyncWatcher
 from conftest import assert_bitwise_equal, make_model
+from oracle import assert_agrees_with_jsonschema
 
 PLANTED_SCRIPT = Path(__file__).parent / "numerics_scripts" / "planted_overflow.py"
 
@@ -101,6 +102,7 @@ def test_planted_overflow_is_localized_ranked_first_and_keep_fp32_fixes_it():
     result = session.result
     assert result is not None and result["steps"]["complete"]
     validate_numerics(result)
+    assert assert_agrees_with_jsonschema(NUMERICS_SCHEMA, result, validate_numerics) > 500
     assert no_hooks_left(model) and not acc.events  # hooks on, then off
 
     culprit = result["localizer"]["forward"]

@@ -22,7 +22,7 @@ _SCALARS = {str: "string", int: "integer", float: "number", bool: "boolean"}
 
 def field(description: str = "", default: Any = dataclasses.MISSING, *, optional: bool = False, **bounds: Any) -> Any:
     """A record field: its JSON description and bounds (minimum, maximum, exclusiveMinimum, minLength,
-    pattern; `items={...}` for a list's items; `schema={...}` to replace the generated schema).
+    pattern, minItems, maxItems; `items={...}` for a list's items; `schema={...}` to replace the generated schema).
     `optional=True`: files may leave it out (one written before the field existed)."""
     metadata = {"description": description, "optional": optional, **bounds}
     if isinstance(default, (list, dict)):
@@ -90,6 +90,16 @@ def schema_of(cls: type) -> dict[str, Any]:
     return schema
 
 
+def contract(record: type, name: str, title: str) -> dict[str, Any]:
+    """The JSON Schema of `record` under its `$id` (`name`) and title."""
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": f"https://ampkit.invalid/schemas/{name}.json",
+        "title": title,
+        **schema_of(record),
+    }
+
+
 def build(cls: Any, value: Any) -> Any:
     """`value` (JSON already checked against `schema_of(cls)`) as records of type `cls`."""
     tp, _ = _unwrap_optional(cls)
@@ -139,8 +149,8 @@ def _fits(value: Any, schema: dict[str, Any]) -> bool:
 
 def validate(value: Any, schema: dict[str, Any], path: list[Any] | None = None, noun: str = "known") -> None:
     """Raise `Invalid` at the first place `value` breaks `schema`; numbers must also be finite (JSON has
-    no NaN). Keywords: type, const, enum, properties, required, additionalProperties, items, anyOf,
-    minimum, maximum, exclusiveMinimum, minLength, pattern."""
+    no NaN). Keywords: type, const, enum, properties, required, additionalProperties, items, minItems,
+    maxItems, anyOf, minimum, maximum, exclusiveMinimum, minLength, pattern."""
     path = path or []
     if "anyOf" in schema:  # the branch of the value's type says what is wrong, if there is one
         branches = [b for b in schema["anyOf"] if _fits(value, b)] or schema["anyOf"]
@@ -166,6 +176,11 @@ def validate(value: Any, schema: dict[str, Any], path: list[Any] | None = None, 
             problem = f"{value!r} is too short"
         elif "pattern" in schema and not re.search(schema["pattern"], value):
             problem = f"{value!r} does not match {schema['pattern']!r}"
+    elif isinstance(value, list):
+        if len(value) < schema.get("minItems", 0):
+            problem = f"{len(value)} items are fewer than the minimum of {schema['minItems']}"
+        elif len(value) > schema.get("maxItems", math.inf):
+            problem = f"{len(value)} items are more than the maximum of {schema['maxItems']}"
     if problem:
         raise Invalid(path, f": {problem}")
     if isinstance(value, list) and "items" in schema:

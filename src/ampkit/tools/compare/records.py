@@ -10,7 +10,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, get_args
 
-from ampkit.tools.doctor.numerics.report import NUMERICS_SCHEMA
+from ampkit.tools.doctor.numerics.schema import NUMERICS_SCHEMA
 from ampkit.tools.records import Invalid, build, field, schema_of, validate
 
 Status = Literal["ok", "diverged", "skipped", "failed", "interrupted", "probe"]

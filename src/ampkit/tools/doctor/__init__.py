@@ -4,17 +4,17 @@
 Entry points: `run`; both sessions listen on one base (`watch`). Performance: the session
 (`session`, its phase clock), profiler ops (`ops`), syncs (`sync`), the device advisor
 (`advisor`), analysis and findings (`analysis`, `findings`; per sync site `sync_findings`; their
-record `finding`), report and schema (`report`, `schema`).
+record `finding`), report and contract (`report`; `schema`: the typed records of `--json`).
 Numerics (`numerics/`): `census`, `localizer`, `lost_updates`, `accumulation`, the session (`session`), its verdicts
-(`findings`) and report (`report`). Performance modules are in `perf/`.
+(`findings`), report (`report`) and contract (`schema`). Performance modules are in `perf/`.
 """
 
 from ampkit.tools.doctor.numerics.findings import summarize
-from ampkit.tools.doctor.numerics.report import NUMERICS_SCHEMA, validate_numerics
+from ampkit.tools.doctor.numerics.schema import NUMERICS_SCHEMA, NumericsResult, read_numerics, validate_numerics
 from ampkit.tools.doctor.numerics.session import NumericsSession
 from ampkit.tools.doctor.perf.advisor import GPUS, GPUSpec, estimate, find_gpu
 from ampkit.tools.doctor.perf.report import format_text, render_html_section, render_report
-from ampkit.tools.doctor.perf.schema import DOCTOR_SCHEMA, validate_result
+from ampkit.tools.doctor.perf.schema import DOCTOR_SCHEMA, DoctorResult, read_result, validate_result
 from ampkit.tools.doctor.perf.session import DoctorSession
 from ampkit.tools.doctor.run import (
     diagnose_script,
@@ -31,10 +31,12 @@ from ampkit.tools.doctor.watch import DoctorError, StopTraining
 __all__ = [
     "DOCTOR_SCHEMA",
     "DoctorError",
+    "DoctorResult",
     "DoctorSession",
     "GPUS",
     "GPUSpec",
     "NUMERICS_SCHEMA",
+    "NumericsResult",
     "NumericsSession",
     "StopTraining",
     "diagnose_script",
@@ -47,6 +49,8 @@ __all__ = [
     "numerics_task",
     "numerics_train_fn",
     "profile",
+    "read_numerics",
+    "read_result",
     "render_html_section",
     "render_report",
     "script_traceback",

@@ -3,7 +3,7 @@ a matmul micro-benchmark that checks the capability table against measured speed
 
 `collect_info` gathers one dict (`INFO_SCHEMA`, what `--json` prints) from `ampkit.hardware.capability`'s facts;
 `render_info` and `format_info_text` (`ampkit.tools.info.text`) only present it; the benchmark is
-`ampkit.tools.info.bench`, the schema `ampkit.tools.info.schema`.
+`ampkit.tools.info.bench`, the contract (typed records) `ampkit.tools.info.schema`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from ampkit.hardware import capability as hardware
 from ampkit.tools.info.bench import BENCH_DTYPES, FAST_RATIO, bench_matmul
-from ampkit.tools.info.schema import INFO_SCHEMA, Info
+from ampkit.tools.info.schema import INFO_SCHEMA, Info, InfoReport, read_info, validate_info
 from ampkit.tools.info.text import format_info_text, render_info
 from ampkit.util.version import versions
 
@@ -25,10 +25,13 @@ __all__ = [
     "FAST_RATIO",
     "INFO_SCHEMA",
     "Info",
+    "InfoReport",
     "bench_matmul",
     "collect_info",
     "format_info_text",
+    "read_info",
     "render_info",
+    "validate_info",
 ]
 
 

@@ -1,216 +1,258 @@
-"""`DOCTOR_SCHEMA`: the contract of `ampkit doctor --json` (and of what `DoctorSession` returns)."""
+"""The contract of `ampkit doctor --json` (and of what `DoctorSession` returns) as typed records:
+`DOCTOR_SCHEMA` is generated from `DoctorResult`, and `validate_result` checks a result against it with
+the standard library alone (`ampkit.tools.records`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+from ampkit.tools.records import build, contract, field, validate
 
 #: The measured phases of a step, in step order ("other" is the step time not covered by them).
-PHASES: tuple[str, ...] = ("data", "h2d", "forward", "backward", "optimizer")
-
-NUM = {"type": "number", "minimum": 0}
-NUM_OR_NULL = {"type": ["number", "null"], "minimum": 0}
-STR = {"type": "string"}
-TEXT = {"type": "string", "minLength": 1}
-INT = {"type": "integer", "minimum": 0}
+Phase = Literal["data", "h2d", "forward", "backward", "optimizer"]
+PHASES: tuple[str, ...] = get_args(Phase)
+FindingId = Literal["data-wait", "busy-threads", "overhead-bound", "small-batch", "micro-batch", "precision", "sync"]
+Dtype = Literal["fp32", "bf16", "fp16"]
 
 
-def obj(required: dict[str, Any], **described: str) -> dict[str, Any]:
-    props = {k: (dict(v, description=described[k]) if k in described else v) for k, v in required.items()}
-    return {"type": "object", "additionalProperties": False, "required": list(required), "properties": props}
+@dataclass(kw_only=True)
+class Subject:
+    """What ran under the doctor: a script (its argv), a built-in task, or a training loop in this process."""
+
+    kind: Literal["script", "task", "loop"] = field()
+    name: str = field()
+    argv: list[str] = field()
 
 
-SUBJECT = obj({"kind": {"enum": ["script", "task", "loop"]}, "name": STR, "argv": {"type": "array", "items": STR}})
+@dataclass(kw_only=True)
+class Device:
+    """Where the step ran, and the precision it ran in."""
 
-_SITE = obj(
-    {
-        "file": STR,
-        "line": INT,
-        "code": STR,
-        "call": STR,
-        "via": {"type": ["string", "null"]},
-        "per_step": NUM,
-        "reads": {"type": "integer", "minimum": 1},
-        "steps_seen": INT,
-        "every_step": {"type": "boolean"},
-    },
-    file="The user's file that caused the sync.",
-    code="The source line there.",
-    call="The Tensor method that read the value (item, __float__, __format__, ...) or 'cuda-sync'.",
-    via="The library line that made the read on the user's behalf (e.g. ampkit/engine/optim.py:245); null: the user's.",
-    per_step="Its reads over the watched steps, per step.",
-    reads="Its reads in the watched steps.",
-    steps_seen="In how many of the watched steps it read.",
-    every_step="It read in (about) every watched step: the training step's own; false: evaluation or logging "
-    "that runs every few steps.",
-)
+    device: str = field()
+    name: str = field()
+    threads: int = field(minimum=1)
+    precision: str = field()
+    precision_reason: str = field()
+    bf16_fast: bool = field()
 
-_ESTIMATE = obj(
-    {
-        "gpu": STR,
-        "dtype": {"enum": ["fp32", "bf16", "fp16"]},
-        "step_s": NUM,
-        "host_s": NUM,
-        "device_s": NUM,
-        "bound": {"enum": ["host", "device"]},
-        "speedup": NUM,
-    },
-    speedup="here.steady_s over the estimate (> 1: the GPU is faster): the figure the verdict judges by.",
-)
 
-_FINDING = obj(
-    {
-        "id": {
-            "enum": ["data-wait", "busy-threads", "overhead-bound", "small-batch", "micro-batch", "precision", "sync"]
-        },
-        "title": TEXT,
-        "evidence": TEXT,
-        "fix": TEXT,
-        "saved_s": NUM,
-        "saved_share": NUM,
-        "saved_on_gpu_s": NUM_OR_NULL,
-    },
-    saved_s="Estimated seconds saved per step on this device (0: the issue costs nothing here).",
-    saved_on_gpu_s="Estimated seconds saved per step on the reference GPU, where that differs.",
-)
+@dataclass(kw_only=True)
+class Steps:
+    """How many optimizer steps were warm-up, profiled and timed."""
 
-DOCTOR_SCHEMA: dict[str, Any] = {
-    "$schema": "https://json-schema.org/draft/2020-12/schema",
-    "$id": "https://ampkit.invalid/schemas/doctor-v1.json",
-    "title": "ampkit doctor",
-    "description": "`ampkit doctor --json`: where a training step's time goes, and what to change.",
-    **obj(
-        {
-            "schema_version": {"const": 1},
-            "ampkit_version": STR,
-            "torch": STR,
-            "subject": SUBJECT,
-            "device": obj(
-                {
-                    "device": STR,
-                    "name": STR,
-                    "threads": {"type": "integer", "minimum": 1},
-                    "precision": STR,
-                    "precision_reason": STR,
-                    "bf16_fast": {"type": "boolean"},
-                }
-            ),
-            "steps": obj(
-                {
-                    "warmup": INT,
-                    "profiled": {"type": "integer", "minimum": 1},
-                    "timed": INT,
-                    "requested": {"type": "integer", "minimum": 1},
-                    "complete": {"type": "boolean"},
-                }
-            ),
-            "step": obj(
-                {"time_s": NUM, "host_s": NUM, "samples": NUM_OR_NULL, "samples_per_s": NUM_OR_NULL},
-                time_s="Median step time (on CUDA from device events; else the host clock).",
-                host_s="Median host time per step; the phases (medians too) add up to it.",
-                samples="Samples per step from the prepared DataLoader's batches; null: unknown.",
-            ),
-            "phases": {
-                "type": "array",
-                "minItems": len(PHASES) + 1,
-                "maxItems": len(PHASES) + 1,
-                "items": obj({"name": {"enum": [*PHASES, "other"]}, "seconds": NUM, "share": NUM}),
-            },
-            "ops": obj(
-                {
-                    "per_step": NUM,
-                    "mean_us": NUM,
-                    "floor_us": NUM,
-                    "seconds_per_step": NUM,
-                    "work_s_per_step": NUM_OR_NULL,
-                    "kernel_share": NUM,
-                    "flops_per_step": NUM,
-                    "bytes_per_step": NUM,
-                    "matmul_share": NUM,
-                    "profiler_scale": NUM,
-                    "cuda_kernels_per_step": NUM_OR_NULL,
-                    "cuda_kernel_mean_us": NUM_OR_NULL,
-                    "top": {
-                        "type": "array",
-                        "items": obj(
-                            {
-                                "name": STR,
-                                "per_step": NUM,
-                                "us_per_step": NUM,
-                                "median_us": NUM,
-                                "share": NUM,
-                                "matmul": {"type": "boolean"},
-                            }
-                        ),
-                    },
-                },
-                per_step=(
-                    "Kernel ops per step: the outermost ops that do work on a backend (about one GPU kernel each)."
-                ),
-                kernel_share="Share of the compute time (data wait excluded) spent inside kernels.",
-                work_s_per_step="Seconds the kernels' FLOPs and bytes need at this device's measured matmul peak and "
-                "copy bandwidth; null: not measured.",
-                profiler_scale="Factor applied to profiled op times to match the unprofiled step.",
-            ),
-            "syncs": obj(
-                {
-                    "per_step": NUM,
-                    "method": {"enum": ["tensor-reads", "cuda-sync-debug"]},
-                    "real": {"type": "boolean"},
-                    "watched_steps": {"type": "integer", "minimum": 1},
-                    "sites": {"type": "array", "items": _SITE},
-                    "cuda_debug": {"type": ["string", "null"]},
-                },
-                per_step="Syncs per training step, of the sites that read in every watched step.",
-                real="True on a GPU (the syncs happened); false on a CPU (they would happen on a GPU).",
-            ),
-            "utilisation": obj(
-                {
-                    "achieved_flops_per_s": NUM,
-                    "peak_flops_per_s": NUM_OR_NULL,
-                    "fraction": NUM_OR_NULL,
-                    "peak_source": STR,
-                }
-            ),
-            "bound": obj({"kind": {"enum": ["overhead", "compute", "data"]}, "reason": STR}),
-            "advisor": obj(
-                {
-                    "here": obj(
-                        {"device": STR, "name": STR, "step_s": NUM, "steady_s": NUM},
-                        steady_s="step_s less the time its threads waited for cores (a busy machine); else step_s.",
-                    ),
-                    "reference_gpu": STR,
-                    "estimates": {"type": "array", "items": _ESTIMATE},
-                    "verdict": TEXT,
-                    "assumptions": STR,
-                    "gpus": {
-                        "type": "array",
-                        "items": obj(
-                            {
-                                "name": STR,
-                                "fp32_tflops": NUM,
-                                "bf16_tflops": NUM_OR_NULL,
-                                "fp16_tflops": NUM,
-                                "memory_gbps": NUM,
-                                "launch_us": NUM,
-                                "source": STR,
-                            }
-                        ),
-                    },
-                }
-            ),
-            "findings": {
-                "type": "array",
-                "items": _FINDING,
-                "description": "Ranked: most time saved on this device first, then most saved on the GPU.",
-            },
-            "notes": {"type": "array", "items": STR},
-        }
-    ),
-}
+    warmup: int = field(minimum=0)
+    profiled: int = field(minimum=1)
+    timed: int = field(minimum=0)
+    requested: int = field(minimum=1)
+    complete: bool = field()
+
+
+@dataclass(kw_only=True)
+class Step:
+    """One step's time and samples."""
+
+    time_s: float = field("Median step time (on CUDA from device events; else the host clock).", minimum=0)
+    host_s: float = field("Median host time per step; the phases (medians too) add up to it.", minimum=0)
+    samples: float | None = field("Samples per step from the prepared DataLoader's batches; null: unknown.", minimum=0)
+    samples_per_s: float | None = field(minimum=0)
+
+
+@dataclass(kw_only=True)
+class PhaseTime:
+    """One phase's share of the step."""
+
+    name: Literal[Phase, "other"] = field()
+    seconds: float = field(minimum=0)
+    share: float = field(minimum=0)
+
+
+@dataclass(kw_only=True)
+class TopOp:
+    """One of the kernel ops that took the most time."""
+
+    name: str = field()
+    per_step: float = field(minimum=0)
+    us_per_step: float = field(minimum=0)
+    median_us: float = field(minimum=0)
+    share: float = field(minimum=0)
+    matmul: bool = field()
+
+
+@dataclass(kw_only=True)
+class Ops:
+    """The profiled kernel ops."""
+
+    per_step: float = field(
+        "Kernel ops per step: the outermost ops that do work on a backend (about one GPU kernel each).", minimum=0
+    )
+    mean_us: float = field(minimum=0)
+    floor_us: float = field(minimum=0)
+    seconds_per_step: float = field(minimum=0)
+    work_s_per_step: float | None = field(
+        "Seconds the kernels' FLOPs and bytes need at this device's measured matmul peak and copy bandwidth; "
+        "null: not measured.",
+        minimum=0,
+    )
+    kernel_share: float = field("Share of the compute time (data wait excluded) spent inside kernels.", minimum=0)
+    flops_per_step: float = field(minimum=0)
+    bytes_per_step: float = field(minimum=0)
+    matmul_share: float = field(minimum=0)
+    profiler_scale: float = field("Factor applied to profiled op times to match the unprofiled step.", minimum=0)
+    cuda_kernels_per_step: float | None = field(minimum=0)
+    cuda_kernel_mean_us: float | None = field(minimum=0)
+    top: list[TopOp] = field()
+
+
+@dataclass(kw_only=True)
+class SyncSite:
+    """One line of the user's program that read a device value on the host."""
+
+    file: str = field("The user's file that caused the sync.")
+    line: int = field(minimum=0)
+    code: str = field("The source line there.")
+    call: str = field("The Tensor method that read the value (item, __float__, __format__, ...) or 'cuda-sync'.")
+    via: str | None = field(
+        "The library line that made the read on the user's behalf (e.g. ampkit/engine/optim.py:245); null: the user's."
+    )
+    per_step: float = field("Its reads over the watched steps, per step.", minimum=0)
+    reads: int = field("Its reads in the watched steps.", minimum=1)
+    steps_seen: int = field("In how many of the watched steps it read.", minimum=0)
+    every_step: bool = field(
+        "It read in (about) every watched step: the training step's own; false: evaluation or logging "
+        "that runs every few steps."
+    )
+
+
+@dataclass(kw_only=True)
+class Syncs:
+    """Host reads of device values (syncs on a GPU)."""
+
+    per_step: float = field("Syncs per training step, of the sites that read in every watched step.", minimum=0)
+    method: Literal["tensor-reads", "cuda-sync-debug"] = field()
+    real: bool = field("True on a GPU (the syncs happened); false on a CPU (they would happen on a GPU).")
+    watched_steps: int = field(minimum=1)
+    sites: list[SyncSite] = field()
+    cuda_debug: str | None = field()
+
+
+@dataclass(kw_only=True)
+class Utilisation:
+    """The FLOPs achieved against the device's peak."""
+
+    achieved_flops_per_s: float = field(minimum=0)
+    peak_flops_per_s: float | None = field(minimum=0)
+    fraction: float | None = field(minimum=0)
+    peak_source: str = field()
+
+
+@dataclass(kw_only=True)
+class Bound:
+    """What bounds the step, and why."""
+
+    kind: Literal["overhead", "compute", "data"] = field()
+    reason: str = field()
+
+
+@dataclass(kw_only=True)
+class Here:
+    """The step as measured on this device."""
+
+    device: str = field()
+    name: str = field()
+    step_s: float = field(minimum=0)
+    steady_s: float = field(
+        "step_s less the time its threads waited for cores (a busy machine); else step_s.", minimum=0
+    )
+
+
+@dataclass(kw_only=True)
+class Estimate:
+    """The step estimated on one GPU in one dtype."""
+
+    gpu: str = field()
+    dtype: Dtype = field()
+    step_s: float = field(minimum=0)
+    host_s: float = field(minimum=0)
+    device_s: float = field(minimum=0)
+    bound: Literal["host", "device"] = field()
+    speedup: float = field(
+        "here.steady_s over the estimate (> 1: the GPU is faster): the figure the verdict judges by.", minimum=0
+    )
+
+
+@dataclass(kw_only=True)
+class Gpu:
+    """One datasheet row of the advisor's GPU table."""
+
+    name: str = field()
+    fp32_tflops: float = field(minimum=0)
+    bf16_tflops: float | None = field(minimum=0)
+    fp16_tflops: float = field(minimum=0)
+    memory_gbps: float = field(minimum=0)
+    launch_us: float = field(minimum=0)
+    source: str = field()
+
+
+@dataclass(kw_only=True)
+class Advisor:
+    """Would this step run faster on a GPU?"""
+
+    here: Here = field()
+    reference_gpu: str = field()
+    estimates: list[Estimate] = field()
+    verdict: str = field(minLength=1)
+    assumptions: str = field()
+    gpus: list[Gpu] = field()
+
+
+@dataclass(kw_only=True)
+class Finding:
+    """One thing to change, with the time it would save."""
+
+    id: FindingId = field()
+    title: str = field(minLength=1)
+    evidence: str = field(minLength=1)
+    fix: str = field(minLength=1)
+    saved_s: float = field(
+        "Estimated seconds saved per step on this device (0: the issue costs nothing here).", minimum=0
+    )
+    saved_share: float = field(minimum=0)
+    saved_on_gpu_s: float | None = field(
+        "Estimated seconds saved per step on the reference GPU, where that differs.", minimum=0
+    )
+
+
+@dataclass(kw_only=True)
+class DoctorResult:
+    """`ampkit doctor --json`: where a training step's time goes, and what to change."""
+
+    schema_version: Literal[1] = field()
+    ampkit_version: str = field()
+    torch: str = field()
+    subject: Subject = field()
+    device: Device = field()
+    steps: Steps = field()
+    step: Step = field()
+    phases: list[PhaseTime] = field(minItems=len(PHASES) + 1, maxItems=len(PHASES) + 1)
+    ops: Ops = field()
+    syncs: Syncs = field()
+    utilisation: Utilisation = field()
+    bound: Bound = field()
+    advisor: Advisor = field()
+    findings: list[Finding] = field("Ranked: most time saved on this device first, then most saved on the GPU.")
+    notes: list[str] = field()
+
+
+DOCTOR_SCHEMA: dict[str, Any] = contract(DoctorResult, "doctor-v1", "ampkit doctor")
 
 
 def validate_result(result: dict[str, Any], schema: dict[str, Any] = DOCTOR_SCHEMA) -> None:
-    """Raise `jsonschema.ValidationError` if `result` breaks `schema` (needs jsonschema)."""
-    import jsonschema
+    """Raise `ampkit.tools.records.Invalid` (a ValueError naming the field) if `result` breaks `schema`."""
+    validate(result, schema, noun="result")
 
-    jsonschema.validate(result, schema, cls=jsonschema.Draft202012Validator)
+
+def read_result(result: dict[str, Any]) -> DoctorResult:
+    """`result` (checked) as typed records."""
+    validate_result(result)
+    return build(DoctorResult, result)
