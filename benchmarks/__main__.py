@@ -10,7 +10,7 @@ cell and the others still run:
 1. speed-up over fp32, and step time against the hand-written loop at the same precision:
    `benchmarks/peers.py` (the MLP and the transformer, 1 thread, eager; rounds interleaved, medians);
 2. peak memory of a training step per preset against fp32: `benchmarks/step_memory.py`, one fresh
-   process per preset;
+   process per preset (`--quick`: its 3M-parameter stack, whose bf16 steps stay seconds on a CPU without bf16);
 3. `ampkit compare`'s verdict (its first line) on the default task, and how long the command took.
 
 The row is keyed by the CPU (or GPU) and its bf16 flags, so a rerun on the same hardware replaces
@@ -84,7 +84,8 @@ def memory(quick: bool) -> str:
     """Peak step memory of each preset against fp32 (one fresh process each, step_memory.py's warm figure)."""
     peaks: dict[str, float] = {}
     for preset in ("fp32", *PRESETS):
-        stdout, why = run([sys.executable, str(HERE / "step_memory.py"), "--child", f"{preset}:warm"], 600)
+        small = ["--small"] if quick else []  # 3M parameters: bf16 steps stay seconds on a CPU without bf16
+        stdout, why = run([sys.executable, str(HERE / "step_memory.py"), "--child", f"{preset}:warm", *small], 600)
         if stdout is None:
             return f"step_memory.py {preset}: {why}"
         peaks[preset] = json.loads(stdout.strip().splitlines()[-1])["peak_mib"]

@@ -65,13 +65,16 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
-def child(preset: str, warm: bool = True) -> dict[str, float]:
+def child(preset: str, warm: bool = True, small: bool = False) -> dict[str, float]:
+    """One preset's figures in this process; `small`: the stack at vocabulary 1024 and width 512 (3M parameters),
+    for `python -m benchmarks --quick`, whose bf16 steps would otherwise take minutes on a CPU without bf16."""
     import gc
 
     import ampkit
 
+    vocab, width = (1024, 512) if small else (VOCAB, WIDTH)
     torch.manual_seed(0)
-    x, y = torch.randint(0, VOCAB, (BATCH,)), torch.randint(0, VOCAB, (BATCH,))
+    x, y = torch.randint(0, vocab, (BATCH,)), torch.randint(0, vocab, (BATCH,))
     if warm:  # the kernels' first-use memory goes into the baseline (see the docstring)
         tiny, tiny_acc = model(vocab=64, width=64), ampkit.Accelerator(preset, device="cpu")
         tiny, tiny_opt = tiny_acc.prepare(tiny, torch.optim.AdamW(tiny.parameters(), lr=1e-4))
@@ -82,7 +85,7 @@ def child(preset: str, warm: bool = True) -> dict[str, float]:
         del tiny, tiny_acc, tiny_opt
         gc.collect()
     before = proc_status("VmRSS") or 0
-    net = model()
+    net = model(vocab, width)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
     acc = ampkit.Accelerator(preset, device="cpu")
     net, opt = acc.prepare(net, opt)
@@ -210,6 +213,7 @@ def main() -> None:
     parser.add_argument("--traffic", action="store_true", help="print the bytes one optimizer step moves per parameter")
     parser.add_argument("--live", action="store_true", help="print live tensor bytes at the peak (fake tensors, fast)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # --child at 3M parameters
     args = parser.parse_args()
     if args.live:
         print(f"live tensor bytes at the peak, 50M stack, AdamW, batch {BATCH} ({machine()}):")
@@ -225,7 +229,7 @@ def main() -> None:
         return
     if args.child:
         preset, _, kind = args.child.partition(":")
-        print(json.dumps(child(preset, warm=kind != "cold")))
+        print(json.dumps(child(preset, warm=kind != "cold", small=args.small)))
         return
     rows, peaks, colds = {}, {}, {}
     for preset in args.presets.split(","):

@@ -12,9 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from ampkit.tools.plan import Plan, PlanRow, plan_task, render_plan
+from ampkit.hardware.capability import capability, cpu_flags
+from ampkit.tools.plan import Plan, PlanRow, plan_task, render_plan, runtime
 from ampkit.tools.plan.planner import SEARCH_LIMIT
-from ampkit.tools.plan.runtime import FIXED_BY, GLIBC_KEPT, allocator_bytes, glibc_keeps_freed, runtime_bytes
+from ampkit.tools.plan.runtime import (
+    CPU_RUNTIME,
+    FIXED_BY,
+    GLIBC_KEPT,
+    allocator_bytes,
+    glibc_keeps_freed,
+    runtime_bytes,
+)
 from ampkit.tools.tasks import default_size, get_task
 
 CPU = torch.device("cpu")
@@ -90,8 +98,16 @@ def test_the_runtime_and_allocator_parts_follow_device_preset_and_glibcs_setting
     assert not glibc_keeps_freed()
     cuda = torch.device("cuda")  # max_memory_allocated counts live blocks only: neither part applies
     assert allocator_bytes(10**8, cuda) == 0 and runtime_bytes("bf16-true", cuda) == 0
-    assert runtime_bytes("bf16-true", CPU) > runtime_bytes("bf16-mixed", CPU) > runtime_bytes("fp32", CPU) > 0
-    assert runtime_bytes("bf16-master", CPU) == runtime_bytes("bf16-mixed", CPU)
+    for kind, row in CPU_RUNTIME.items():  # each kind of CPU's measured row, the compiler's part for bf16-true alone
+        monkeypatch.setattr(runtime, "cpu_kind", lambda kind=kind: kind)
+        assert runtime_bytes("fp32", CPU) == row.fp32 and runtime_bytes("fp16-mixed", CPU) == row.low_precision
+        assert runtime_bytes("bf16-master", CPU) == runtime_bytes("bf16-mixed", CPU) == row.low_precision
+        assert runtime_bytes("bf16-true", CPU) == row.low_precision + row.compiler
+
+
+def test_the_runtime_row_is_this_cpus_kind():
+    bf16 = capability(CPU).bf16_fast or cpu_flags() is None
+    assert runtime.cpu_kind() == ("bf16 instructions" if bf16 else "no bf16 instructions")
 
 
 def test_the_table_fits_100_columns_and_the_search_limit_is_said_once():

@@ -6,7 +6,8 @@ live tensors `ampkit.tools.plan.tracker` counts:
 
 - **runtime**: what the first training steps load and never give back: libtorch's code pages, the thread pools,
   oneDNN's primitive cache, and, where a preset compiles its update (bf16-true's fused Kahan step), torch.compile's
-  modules and kernel. Measured constants per device (`benchmarks/plan_vs_measured.py --runtime`).
+  modules and kernel. Measured constants per device and kind of CPU (`CPU_RUNTIME`;
+  `benchmarks/plan_vs_measured.py --runtime`).
 - **allocator**: freed memory the allocator keeps mapped. glibc serves blocks under its dynamic mmap threshold
   (up to 32 MiB once a step has freed one that large) from its heaps and keeps their freed pages, so a steady
   step's RSS stands above its live bytes by an amount that depends on the order of allocations. Estimated as a
@@ -19,28 +20,50 @@ from __future__ import annotations
 
 import os
 import platform
+from dataclasses import dataclass
 
 import torch
 
+from ampkit.hardware.capability import capability, cpu_flags
 from ampkit.precision.policy import PRESETS
 
 _MIB = 2**20
 
+
+@dataclass(frozen=True)
+class Runtime:
+    """The runtime part on one kind of CPU, and where it was measured."""
+
+    fp32: int  # fp32 compute
+    low_precision: int  # bf16 or fp16 compute (autocast or true)
+    compiler: int  # added by torch.compile's modules and one compiled kernel (bf16-true's fused update)
+    measured_on: str
+
+
 #: RSS high-water mark of a steady-state step above the pre-model baseline, in a fresh process, for a one-layer
-#: tiny-lm of a few thousand parameters (a transformer's kernels, no tensor of note; AdamW); Intel Xeon (AMX),
-#: torch 2.13, Linux (glibc): `benchmarks/plan_vs_measured.py --runtime`.
-CPU_FRAMEWORK = {"fp32": 91 * _MIB, "low-precision": 100 * _MIB}
+#: tiny-lm of a few thousand parameters (a transformer's kernels, no tensor of note; AdamW), Linux (glibc):
+#: `benchmarks/plan_vs_measured.py --runtime`. Keyed by whether the CPU has bf16 instructions: oneDNN's bf16
+#: kernels (AMX, AVX512-BF16) load more than the conversions a CPU without them runs its bf16 ops through.
+CPU_RUNTIME = {
+    "bf16 instructions": Runtime(91 * _MIB, 100 * _MIB, 61 * _MIB, "Intel Xeon (AMX), torch 2.13"),
+    "no bf16 instructions": Runtime(90 * _MIB, 87 * _MIB, 62 * _MIB, "AMD EPYC (AVX2 only), torch 2.13"),
+}
+
+
+def cpu_kind() -> str:
+    """This CPU's key in `CPU_RUNTIME`; a CPU whose flags cannot be read takes the larger, bf16 row."""
+    if cpu_flags() is None:
+        return "bf16 instructions"
+    return "bf16 instructions" if capability(torch.device("cpu")).bf16_fast else "no bf16 instructions"
+
 
 #: Where the runtime part is most of a plan's peak, the line that says how far it can be off: the constants are a
 #: transformer's, and a model of fewer kinds of kernel loads less (benchmarks/RESULTS.md, plan_vs_measured.py).
 RUNTIME_CAVEAT = (
-    "runtime is most of this peak, and it is a constant measured for a small transformer (Intel Xeon,",
+    "runtime is most of this peak, and it is a constant measured for a small transformer (per CPU kind,",
     "  torch 2.13): a model of fewer kinds of kernel loads less (iris-mlp 12-17 MiB less, so its plan came",
     "  out 12-19% high; digits-cnn within 3-8%), and other machines and torch versions differ",
 )
-
-#: Added by torch.compile's modules and one compiled kernel (bf16-true's fused update), same measurement.
-CPU_COMPILER = 61 * _MIB
 
 #: glibc's kept heap as a fraction of the tensors at the peak that live in its heap: all but ampkit's buffers
 #: (masters, Kahan buffers), allocated once at prepare, before a freed block raises the mmap threshold, so
@@ -57,9 +80,9 @@ def runtime_bytes(precision: str, device: torch.device) -> int:
     """The runtime part of `precision`'s measured peak on `device` (0 on CUDA: host memory is not counted)."""
     if device.type != "cpu":
         return 0
-    preset = PRESETS[precision]
-    framework = CPU_FRAMEWORK["fp32" if preset.compute_dtype == torch.float32 else "low-precision"]
-    return framework + (CPU_COMPILER if preset.compensated else 0)
+    preset, row = PRESETS[precision], CPU_RUNTIME[cpu_kind()]
+    framework = row.fp32 if preset.compute_dtype == torch.float32 else row.low_precision
+    return framework + (row.compiler if preset.compensated else 0)
 
 
 #: Setting any of these fixes glibc's thresholds (no dynamic rise): freed blocks of 128 KiB or more go back.
