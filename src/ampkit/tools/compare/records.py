@@ -10,8 +10,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, get_args
 
-from ampkit.tools.doctor.numerics.schema import NUMERICS_SCHEMA
-from ampkit.tools.records import Invalid, build, field, schema_of, validate
+from ampkit.tools.doctor.numerics.schema import NumericsResult
+from ampkit.tools.records import Invalid, build, contract, field, schema_of, validate
 
 Status = Literal["ok", "diverged", "skipped", "failed", "interrupted", "probe"]
 STATUSES: tuple[str, ...] = get_args(Status)
@@ -61,7 +61,7 @@ class Numerics:
     error: str | None = field("Why the numerics pass failed (the run itself is unaffected).")
     detail: dict[str, Any] | None = field(
         "The whole `ampkit doctor --numerics --json` result.",
-        schema={"anyOf": [{k: v for k, v in NUMERICS_SCHEMA.items() if k not in ("$schema", "$id")}, {"type": "null"}]},
+        schema={"anyOf": [schema_of(NumericsResult), {"type": "null"}]},
     )
 
 
@@ -267,12 +267,7 @@ class Report:
         return dataclasses.asdict(self)
 
 
-REPORT_SCHEMA: dict[str, Any] = {
-    "$schema": "https://json-schema.org/draft/2020-12/schema",
-    "$id": "https://ampkit.invalid/schemas/compare-report-v1.json",
-    "title": "ampkit compare report",
-    **schema_of(Report),
-}
+REPORT_SCHEMA: dict[str, Any] = contract(Report, "compare-report-v1", "ampkit compare report")
 
 
 def validate_report(report: dict[str, Any]) -> Report:
