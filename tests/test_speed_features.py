@@ -204,7 +204,9 @@ def trial_run(
                     model(x)
                 eval_calls += len(calls) - before
     messages = [str(w.message) for w in caught if "compile=True" in str(w.message)]
+    files = {w.filename for w in caught if "compile=True" in str(w.message)}
     return SimpleNamespace(
+        files=files,
         losses=losses,
         acc=acc,
         model=model,
@@ -225,6 +227,8 @@ def test_the_compile_trial_runs_eager_when_eager_measures_faster_and_training_st
     assert run.chosen == [None] * 6 + ["eager"] * 6
     assert run.compiled_calls == 1 + 3  # steps 8-12 ran the eager forward: the compiled one was not called
     [message] = run.messages
+    assert run.files == {__file__}  # the warning names the loop's acc.backward line, not ampkit's
+    assert len(run.acc.events) == 0  # the trial stopped listening once it had chosen
     assert "the compiled training step measured 2 ms vs eager 1 ms" in message
     assert "models (Sequential) run eagerly" in message and "'trial': False} keeps them compiled" in message
     torch.testing.assert_close(run.losses, eager, rtol=1e-5, atol=1e-6)
@@ -252,6 +256,7 @@ def test_trial_false_keeps_compiled_without_timing_eager():
     run = trial_run(eager_s=0.001, compiled_s=0.002, compile={"trial": False})
     assert run.compiled_calls == 12 and run.messages == []
     assert run.chosen == [None] * 12 and run.acc.compile_stats.eager_step_s is None
+    assert run.acc.compile_stats.first_backward_s is not None and len(run.acc.events) == 0
     assert run.acc.compile_stats.reason == "no trial: compile={'trial': False}"
     assert "trial" not in run.acc.compile_options  # ampkit's key, not passed to torch.compile
 

@@ -3,7 +3,9 @@
 state_dict keys and hooks stay the user's. Where the compiler is unavailable (no C++ compiler, an
 unsupported Python) or fails on the model, it runs eagerly with one warning that says why. The first
 call's and first backward's time (tracing, code generation) are kept apart in `CompileStats`. Then a
-short trial (`CompileTrial`) times eager against compiled training steps and keeps the faster.
+short trial (`CompileTrial`) times eager against compiled training steps and keeps the faster. The trial is a
+listener of the run's events (`ampkit.engine.events`), not a part of `acc.backward`: it stops listening once it has
+chosen, and a run without compile=True never carries it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 
 from ampkit.engine.distributed import gather_objects
+from ampkit.engine.events import Events, Listener, Run
 from ampkit.util.present import seconds
 
 TRIAL_STEPS = 3  # timed training steps of each kind (eager, compiled) in the trial
@@ -40,16 +43,6 @@ class CompileStats:
     eager_step_s: float | None = None  # the trial's median eager forward+backward, in seconds
     compiled_step_s: float | None = None  # the trial's median compiled forward+backward, in seconds
     reason: str | None = None  # why `chosen` (or why no trial runs)
-
-    def backward(self, loss: torch.Tensor, kwargs: dict[str, Any]) -> None:
-        """`loss.backward(**kwargs)`, timed where it is the compiled graph's first (its backward is generated
-        in that call)."""
-        if self.first_forward_s is None or self.first_backward_s is not None:
-            loss.backward(**kwargs) if kwargs else loss.backward()  # a call through an empty **{} costs ~0.5 µs
-        else:
-            start = time.perf_counter()
-            loss.backward(**kwargs)
-            self.first_backward_s = time.perf_counter() - start
 
 
 def compile_options(value: bool | Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -118,14 +111,16 @@ def unavailable_reason(device: torch.device, options: Mapping[str, Any]) -> str 
     return None
 
 
-class CompileTrial:
+class CompileTrial(Listener):
     """Whether compiling pays, measured. After the compile costs are paid (the first compiled forward and
-    its backward), the next training forwards (module in training mode, grad enabled) alternate eager and
-    compiled, TRIAL_STEPS of each, each timed from the forward to the end of the `acc.backward` after it
-    (with accumulation every micro-step counts; the optimizer step is outside). Then the faster by median
-    runs every model of the Accelerator for the rest of the run (a tie keeps compiled). Forwards in eval mode
-    or under no_grad run compiled and are not timed. Under torchrun all ranks take rank 0's choice. No trial
-    with compile={"trial": False} or cuda_graphs=True. `clock` is injectable (tests force either outcome)."""
+    its backward, timed from `on_backward_start` to `on_backward_end`), the next training forwards (module in
+    training mode, grad enabled) alternate eager and compiled, TRIAL_STEPS of each, each timed from the forward
+    to the end of the `acc.backward` after it (with accumulation every micro-step counts; the optimizer step is
+    outside). Then the faster by median runs every model of the Accelerator for the rest of the run (a tie keeps
+    compiled). Forwards in eval mode or under no_grad run compiled and are not timed. Under torchrun all ranks
+    take rank 0's choice. No trial with compile={"trial": False} or cuda_graphs=True (the first backward is still
+    timed). `listen(events)` starts it; it stops listening once nothing is left to measure. `clock` is
+    injectable (tests force either outcome)."""
 
     def __init__(
         self,
@@ -146,7 +141,15 @@ class CompileTrial:
         self.samples: dict[str, list[float]] = {"eager": [], "compiled": []}  # seconds per timed step
         self.measuring, self.eager = off is None, False  # eager: the trial chose eager
         self.timing: str | None = None  # the kind of the timed step in flight, until its backward ends
+        self.first_backward_start: float | None = None  # the compiled graph's first backward is in flight
+        self.events: Events | None = None
         stats.reason = off and f"no trial: {off}"
+
+    def listen(self, events: Events) -> None:
+        """Time the first backward and run the trial on `events` (the Accelerator's, before any other listener:
+        the clock is read next to the backward)."""
+        self.events = events
+        events.add(self)
 
     def kind(self, module: torch.nn.Module) -> str:
         """What a compiled model's forward runs during the trial ("eager" or "compiled"); a training
@@ -162,8 +165,21 @@ class CompileTrial:
             self.start = self.clock()
         return self.timing
 
-    def backward_ended(self) -> None:
-        """End the timed step (`acc.backward` calls it while `timing` is set); choose after the last one."""
+    def on_backward_start(self, acc: Run, loss: torch.Tensor) -> None:
+        if self.stats.first_forward_s is not None and self.stats.first_backward_s is None:
+            self.first_backward_start = time.perf_counter()  # the compiled graph's backward is generated in this call
+
+    def on_backward_end(self, acc: Run) -> None:
+        if self.first_backward_start is not None:
+            self.stats.first_backward_s = time.perf_counter() - self.first_backward_start
+            self.first_backward_start = None
+        elif self.timing:
+            self._timed_step_ended()
+        if not self.measuring and self.stats.first_backward_s is not None and self.events is not None:
+            self.events.remove(self)  # nothing left to measure: the run's backward carries no trial from here
+
+    def _timed_step_ended(self) -> None:
+        """End the timed step; choose after the last one."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # sync: the step's kernels have run when the clock is read (trial only)
         self.samples[self.timing or "compiled"].append(self.clock() - self.start)
@@ -184,7 +200,7 @@ class CompileTrial:
                 f"compile=True: the compiled training step measured {measured}; this Accelerator's models "
                 f"({', '.join(s.models)}) run eagerly (same results within rounding; compile={{'trial': "
                 f"False}} keeps them compiled)",
-                stacklevel=3,
+                stacklevel=6,  # _timed_step_ended, on_backward_end, Events.emit, acc.backward, the user's loop
             )
 
 
