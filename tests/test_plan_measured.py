@@ -16,9 +16,8 @@ from ampkit.hardware.capability import capability, cpu_flags
 from ampkit.tools.plan import Plan, PlanRow, plan_task, render_plan, runtime
 from ampkit.tools.plan.planner import SEARCH_LIMIT
 from ampkit.tools.plan.runtime import (
-    CPU_RUNTIME,
+    FITTED,
     FIXED_BY,
-    GLIBC_KEPT,
     allocator_bytes,
     glibc_keeps_freed,
     runtime_bytes,
@@ -88,18 +87,21 @@ def test_the_runtime_and_allocator_parts_follow_device_preset_and_glibcs_setting
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     glibc = platform.libc_ver()[0] == "glibc"
     assert glibc_keeps_freed() is glibc
-    assert allocator_bytes(10**8, CPU) == (round(10**8 * GLIBC_KEPT) if glibc else 0)
-    assert allocator_bytes(10**8, CPU, 4 * 10**7) == (round(6 * 10**7 * GLIBC_KEPT) if glibc else 0)
+    kept = runtime.fitted(CPU).glibc_kept
+    assert allocator_bytes(10**8, CPU) == (round(10**8 * kept) if glibc else 0)
+    assert allocator_bytes(10**8, CPU, 4 * 10**7) == (round(6 * 10**7 * kept) if glibc else 0)
     for key in FIXED_BY:
         monkeypatch.setenv(key, "131072")
         assert not glibc_keeps_freed() and allocator_bytes(10**8, CPU) == 0
         monkeypatch.delenv(key)
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=131072")
     assert not glibc_keeps_freed()
+    monkeypatch.delenv("GLIBC_TUNABLES")
     cuda = torch.device("cuda")  # max_memory_allocated counts live blocks only: neither part applies
     assert allocator_bytes(10**8, cuda) == 0 and runtime_bytes("bf16-true", cuda) == 0
-    for kind, row in CPU_RUNTIME.items():  # each kind of CPU's measured row, the compiler's part for bf16-true alone
-        monkeypatch.setattr(runtime, "cpu_kind", lambda kind=kind: kind)
+    for key, row in FITTED.items():  # each platform's measured row, the compiler's part for bf16-true alone
+        monkeypatch.setattr(runtime, "platform_key", lambda device, key=key: key)
+        assert allocator_bytes(10**8, CPU) == (round(10**8 * row.glibc_kept) if glibc else 0)
         assert runtime_bytes("fp32", CPU) == row.fp32 and runtime_bytes("fp16-mixed", CPU) == row.low_precision
         assert runtime_bytes("bf16-master", CPU) == runtime_bytes("bf16-mixed", CPU) == row.low_precision
         assert runtime_bytes("bf16-true", CPU) == row.low_precision + row.compiler
@@ -107,7 +109,8 @@ def test_the_runtime_and_allocator_parts_follow_device_preset_and_glibcs_setting
 
 def test_the_runtime_row_is_this_cpus_kind():
     bf16 = capability(CPU).bf16_fast or cpu_flags() is None
-    assert runtime.cpu_kind() == ("bf16 instructions" if bf16 else "no bf16 instructions")
+    assert runtime.platform_key(CPU) == ("cpu, bf16 instructions" if bf16 else "cpu, no bf16 instructions")
+    assert runtime.platform_key(torch.device("cuda")) == "cuda" and runtime.fitted(torch.device("cuda")).fp32 == 0
 
 
 def test_the_table_fits_100_columns_and_the_search_limit_is_said_once():

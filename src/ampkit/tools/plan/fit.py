@@ -4,8 +4,8 @@ Registered with `ampkit.engine.micro` on import (the engine does not import the 
 plan is made once, at the first `acc.split(batch)`, from the prepared model's structure (on the meta device:
 nothing allocated), the prepared optimizer's class and hyperparameters and that batch; the budget left for it is
 `memory / (1 + MARGIN)` less the whole batch's own bytes (the loader holds it while its micro-batches run) and, on a
-CPU, what the planner itself loads; with glibc's dynamic thresholds the margin is `GLIBC_MARGIN` wider (the heap it
-keeps moves by ±15 MiB between identical runs).
+CPU, what the planner itself loads; with glibc's dynamic thresholds the margin is wider (the heap it keeps moves by
+±15 MiB between identical runs). Both are the platform's row of `ampkit.tools.plan.runtime.FITTED`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from ampkit.engine.events import Run
 from ampkit.engine.micro import MARGIN, BatchDoesNotFitError, rows_of, tensor_bytes, use_sizer
 from ampkit.precision.policy import PRESETS
 from ampkit.tools.plan.planner import plan
-from ampkit.tools.plan.runtime import GLIBC_MARGIN, PLANNER_BYTES, glibc_keeps_freed, split_kept_bytes
+from ampkit.tools.plan.runtime import fitted, glibc_keeps_freed, split_kept_bytes
 from ampkit.tools.plan.script import meta_copy, model_fn, optimizer_fn, script_loss
 from ampkit.tools.plan.step import resized
 from ampkit.util.present import size as size_of
@@ -37,8 +37,9 @@ def largest_micro_batch(acc: Run, batch: Any, budget: int) -> tuple[int, str]:
     else:
         inputs, targets = batch, None  # the model's own loss (a dict of keyword inputs, say)
     rows, whole = rows_of(batch), tensor_bytes(batch)
-    margin = MARGIN + (GLIBC_MARGIN if acc.device.type == "cpu" and glibc_keeps_freed() else 0.0)
-    room = int(budget / (1 + margin)) - whole - (PLANNER_BYTES if acc.device.type == "cpu" else 0)
+    constants = fitted(acc.device)
+    margin = MARGIN + (constants.glibc_margin if glibc_keeps_freed() else 0.0)
+    room = int(budget / (1 + margin)) - whole - constants.planner_bytes
 
     def planned(size: int | None) -> Any:
         """The plan's row at `size` rows (None: the whole batch, with the search for the largest that fits)."""

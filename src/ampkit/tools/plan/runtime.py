@@ -6,8 +6,8 @@ live tensors `ampkit.tools.plan.tracker` counts:
 
 - **runtime**: what the first training steps load and never give back: libtorch's code pages, the thread pools,
   oneDNN's primitive cache, and, where a preset compiles its update (bf16-true's fused Kahan step), torch.compile's
-  modules and kernel. Measured constants per device and kind of CPU (`CPU_RUNTIME`;
-  `benchmarks/plan_vs_measured.py --runtime`).
+  modules and kernel. Measured constants per device and kind of CPU (`FITTED`, the one table of the planner's
+  constants; `benchmarks/plan_vs_measured.py --runtime`).
 - **allocator**: freed memory the allocator keeps mapped. glibc serves blocks under its dynamic mmap threshold
   (up to 32 MiB once a step has freed one that large) from its heaps and keeps their freed pages, so a steady
   step's RSS stands above its live bytes by an amount that depends on the order of allocations. Estimated as a
@@ -31,30 +31,68 @@ _MIB = 2**20
 
 
 @dataclass(frozen=True)
-class Runtime:
-    """The runtime part on one kind of CPU, and where it was measured."""
+class Fitted:
+    """The planner's measured and fitted constants on one platform, each part with where it came from."""
 
-    fp32: int  # fp32 compute
-    low_precision: int  # bf16 or fp16 compute (autocast or true)
-    compiler: int  # added by torch.compile's modules and one compiled kernel (bf16-true's fused update)
-    measured_on: str
+    fp32: int  # runtime part, fp32 compute
+    low_precision: int  # runtime part, bf16 or fp16 compute (autocast or true)
+    compiler: int  # runtime part added by torch.compile's modules and one compiled kernel (bf16-true's fused update)
+    runtime_measured_on: str
+    glibc_kept: float  # allocator part: glibc's kept heap as a fraction of the tensors at the peak in its heap
+    planner_bytes: int  # micro_batch="auto": the planner's own modules, resident once it has run
+    glibc_margin: float  # micro_batch="auto": the margin glibc's kept heap adds to the sizer's
+    allocator_fitted_on: str
 
 
-#: RSS high-water mark of a steady-state step above the pre-model baseline, in a fresh process, for a one-layer
-#: tiny-lm of a few thousand parameters (a transformer's kernels, no tensor of note; AdamW), Linux (glibc):
-#: `benchmarks/plan_vs_measured.py --runtime`. Keyed by whether the CPU has bf16 instructions: oneDNN's bf16
-#: kernels (AMX, AVX512-BF16) load more than the conversions a CPU without them runs its bf16 ops through.
-CPU_RUNTIME = {
-    "bf16 instructions": Runtime(91 * _MIB, 100 * _MIB, 61 * _MIB, "Intel Xeon (AMX), torch 2.13"),
-    "no bf16 instructions": Runtime(90 * _MIB, 87 * _MIB, 62 * _MIB, "AMD EPYC (AVX2 only), torch 2.13"),
+#: The runtime part: RSS high-water mark of a steady-state step above the pre-model baseline, in a fresh process,
+#: for a one-layer tiny-lm of a few thousand parameters (a transformer's kernels, no tensor of note; AdamW), Linux
+#: (glibc): `benchmarks/plan_vs_measured.py --runtime`. A CPU is keyed by whether it has bf16 instructions: oneDNN's
+#: bf16 kernels (AMX, AVX512-BF16) load more than the conversions a CPU without them runs its bf16 ops through.
+#: The allocator part: the measured part was 13-34% of the heap's tensors (MLP-stack LM of 34 M parameters at batch
+#: 512, tiny-lm medium and small; fp32, bf16-mixed, bf16-master, bf16-true; benchmarks/RESULTS.md). All but ampkit's
+#: buffers (masters, Kahan buffers) live in the heap: those are allocated once at prepare, before a freed block
+#: raises the mmap threshold, so mapped. The planner's own modules measured 10 MiB; an MLP split into 1,039-row
+#: micro-batches moved by 252-312 MiB over identical runs, hence the wider margin.
+#: CUDA (and any device but the CPU): a peak is `torch.cuda.max_memory_allocated`, live blocks only, so host memory
+#: (runtime, planner) and freed blocks (allocator) are no part of it.
+_XEON_GLIBC = "Intel Xeon (AMX), glibc 2.36, torch 2.13"
+FITTED = {
+    "cpu, bf16 instructions": Fitted(
+        91 * _MIB,
+        100 * _MIB,
+        61 * _MIB,
+        "Intel Xeon (AMX), torch 2.13; AMD EPYC (AVX512-BF16, no AMX): 89 / 98 / 161-171 MiB",
+        0.22,
+        16 * _MIB,
+        0.05,
+        _XEON_GLIBC,
+    ),
+    "cpu, no bf16 instructions": Fitted(
+        90 * _MIB,
+        87 * _MIB,
+        62 * _MIB,
+        "AMD EPYC (AVX2 only), torch 2.13",
+        0.22,
+        16 * _MIB,
+        0.05,
+        f"{_XEON_GLIBC} (not refitted on this kind: glibc's policy does not depend on the CPU)",
+    ),
+    "cuda": Fitted(0, 0, 0, "none: host memory is not counted", 0.0, 0, 0.0, "none: live blocks only"),
 }
 
 
-def cpu_kind() -> str:
-    """This CPU's key in `CPU_RUNTIME`; a CPU whose flags cannot be read takes the larger, bf16 row."""
+def platform_key(device: torch.device) -> str:
+    """`device`'s key in `FITTED`; a CPU whose flags cannot be read takes the larger, bf16 row."""
+    if device.type != "cpu":
+        return "cuda"
     if cpu_flags() is None:
-        return "bf16 instructions"
-    return "bf16 instructions" if capability(torch.device("cpu")).bf16_fast else "no bf16 instructions"
+        return "cpu, bf16 instructions"
+    return "cpu, bf16 instructions" if capability(device).bf16_fast else "cpu, no bf16 instructions"
+
+
+def fitted(device: torch.device) -> Fitted:
+    """The planner's constants for `device` (`FITTED`)."""
+    return FITTED[platform_key(device)]
 
 
 #: Where the runtime part is most of a plan's peak, the line that says how far it can be off: the constants are a
@@ -65,22 +103,10 @@ RUNTIME_CAVEAT = (
     "  out 12-19% high; digits-cnn within 3-8%), and other machines and torch versions differ",
 )
 
-#: glibc's kept heap as a fraction of the tensors at the peak that live in its heap: all but ampkit's buffers
-#: (masters, Kahan buffers), allocated once at prepare, before a freed block raises the mmap threshold, so
-#: mapped. Fitted: the measured part was 13-34% of them (MLP-stack LM of 34 M parameters at batch 512, tiny-lm
-#: medium and small; fp32, bf16-mixed, bf16-master, bf16-true; benchmarks/RESULTS.md).
-GLIBC_KEPT = 0.22
-#: micro_batch="auto" on a CPU: the planner's own modules, resident once it has run (measured: 10 MiB), and the
-#: wider margin glibc's kept heap needs (an MLP split into 1,039-row micro-batches: 252-312 MiB over identical runs).
-PLANNER_BYTES = 16 * 2**20
-GLIBC_MARGIN = 0.05
-
 
 def runtime_bytes(precision: str, device: torch.device) -> int:
     """The runtime part of `precision`'s measured peak on `device` (0 on CUDA: host memory is not counted)."""
-    if device.type != "cpu":
-        return 0
-    preset, row = PRESETS[precision], CPU_RUNTIME[cpu_kind()]
+    preset, row = PRESETS[precision], fitted(device)
     framework = row.fp32 if preset.compute_dtype == torch.float32 else row.low_precision
     return framework + (row.compiler if preset.compensated else 0)
 
@@ -101,9 +127,9 @@ def glibc_keeps_freed() -> bool:
 def allocator_bytes(peak: int, device: torch.device, buffers: int = 0) -> int:
     """The allocator part of a measured peak whose live tensors peak at `peak` bytes on `device`, `buffers` of
     them ampkit's long-lived buffers (outside glibc's heap)."""
-    if device.type != "cpu" or not glibc_keeps_freed():
+    if not glibc_keeps_freed():
         return 0
-    return round(max(0, peak - buffers) * GLIBC_KEPT)
+    return round(max(0, peak - buffers) * fitted(device).glibc_kept)
 
 
 def split_kept_bytes(components: dict[str, int], device: torch.device) -> int:
