@@ -215,7 +215,7 @@ def test_info_bench_json_validates_and_compares_each_dtype_with_the_table(capsys
             assert r["table"] == info["cpu"]["capabilities"][dtype]["supported"]
             assert r["fast_here"] == (r["ratio_to_fp32"] >= 1.1)
             assert r["agreement"] == agreement(r["table"], r["ratio_to_fp32"], busy=info["bench"]["load"]["busy"])
-    load = info["bench"]["load"]  # the machine check of `ampkit.tools.load`, the busier look of before and after
+    load = info["bench"]["load"]  # the machine check of `ampkit.tools.timing`, the busier look of before and after
     assert set(load) == {"load_average", "cores", "threads", "matmul_slowdown", "busy"}
     assert load["cores"] >= 1 and load["matmul_slowdown"] >= 1.0 and isinstance(load["busy"], bool)
     _validate(info)

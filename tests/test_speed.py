@@ -16,7 +16,7 @@ from ampkit.tools.compare.records import validate_report
 from ampkit.tools.compare.runner import compare_to_baseline
 from ampkit.tools.compare.speed import interval, outcome, paired_speedup, run_outcome
 from ampkit.tools.compare.summary import format_text, recommendation, verdict
-from ampkit.tools.load import check_load, describe_load, judge, own_load, worst
+from ampkit.tools.timing import check_load, describe_load, judge, own_load, worst
 from ampkit.util.present import times
 
 SAMPLE = json.loads((Path(__file__).parent / "fixtures" / "sample_report.json").read_text())
@@ -259,32 +259,32 @@ def test_a_load_average_that_still_carries_an_ended_job_is_checked_against_the_c
     # the 1-minute average; the cores busy now say the machine is idle
     import os
 
-    import ampkit.tools.load as load
+    import ampkit.tools.timing as timing
 
     monkeypatch.setattr(os, "cpu_count", lambda: 2)  # the 2-core machine: 2.8 is busy by the average alone
-    monkeypatch.setattr(load, "load_average", lambda: 2.8)
-    monkeypatch.setattr(load, "busy_cores", lambda seconds=load.LOOK_S: 0.1)
-    ended = load.check_load(measure=False)
+    monkeypatch.setattr(timing, "load_average", lambda: 2.8)
+    monkeypatch.setattr(timing, "busy_cores", lambda seconds=timing.LOOK_S: 0.1)
+    ended = timing.check_load(measure=False)
     assert not ended.busy and ended.load_average == 0.1
-    monkeypatch.setattr(load, "busy_cores", lambda seconds=load.LOOK_S: 1.9)  # still going: busy
-    assert load.check_load(measure=False).busy and load.check_load(measure=False).load_average == 1.9
-    monkeypatch.setattr(load, "busy_cores", lambda seconds=load.LOOK_S: None)  # the OS does not say: the average
-    assert load.check_load(measure=False).load_average == 2.8
+    monkeypatch.setattr(timing, "busy_cores", lambda seconds=timing.LOOK_S: 1.9)  # still going: busy
+    assert timing.check_load(measure=False).busy and timing.check_load(measure=False).load_average == 1.9
+    monkeypatch.setattr(timing, "busy_cores", lambda seconds=timing.LOOK_S: None)  # the OS does not say: the average
+    assert timing.check_load(measure=False).load_average == 2.8
 
 
 def test_one_slow_matmul_burst_is_looked_at_twice_and_the_calmer_kept(monkeypatch):
-    import ampkit.tools.load as load
+    import ampkit.tools.timing as timing
 
-    monkeypatch.setattr(load, "load_average", lambda: 0.2)
+    monkeypatch.setattr(timing, "load_average", lambda: 0.2)
     bursts = iter([4.9, 1.2])  # a hiccup, then the machine as it is
-    monkeypatch.setattr(load, "matmul_slowdown", lambda device=None: next(bursts))
-    look = load.check_load()
+    monkeypatch.setattr(timing, "matmul_slowdown", lambda device=None: next(bursts))
+    look = timing.check_load()
     assert not look.busy and look.matmul_slowdown == 1.2
     bursts = iter([3.5, 3.1])  # busy both times: busy
-    assert load.check_load().busy
+    assert timing.check_load().busy
     calm = iter([1.1])  # a calm first burst is not taken again
-    monkeypatch.setattr(load, "matmul_slowdown", lambda device=None: next(calm))
-    assert load.check_load().matmul_slowdown == 1.1
+    monkeypatch.setattr(timing, "matmul_slowdown", lambda device=None: next(calm))
+    assert timing.check_load().matmul_slowdown == 1.1
 
 
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="the cores busy now are read from Linux's /proc/stat")
@@ -292,7 +292,7 @@ def test_the_cores_busy_now_see_a_spinning_process():
     import subprocess
     import sys
 
-    from ampkit.tools.load import busy_cores
+    from ampkit.tools.timing import busy_cores
 
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:

@@ -191,12 +191,12 @@ class Gpu:
 
 @dataclass(kw_only=True)
 class Load:
-    """How busy the machine was while the runs were timed (`ampkit.tools.load.check_load`, the busiest look of those
+    """How busy the machine was while the runs were timed (`ampkit.tools.timing.check_load`, the busiest look of those
     before and after); absent in reports written before the check existed."""
 
     load_average: float | None = field(
         "1-minute load average less ampkit's own threads, or the cores busy in a quarter second's look where fewer "
-        "(ampkit.tools.load.busy_cores: the average lags a minute behind); null where the OS has none.",
+        "(ampkit.tools.timing.busy_cores: the average lags a minute behind); null where the OS has none.",
         minimum=0,
     )
     cores: int = field(minimum=1)

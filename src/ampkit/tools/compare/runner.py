@@ -30,7 +30,7 @@ from ampkit.tools.compare.turns import RunProgress
 from ampkit.tools.export import format_text as format_inference
 from ampkit.tools.export import measure as measure_inference
 from ampkit.tools.export import render_html_section
-from ampkit.tools.load import check_load, worst
+from ampkit.tools.timing import check_load, worst
 from ampkit.tools.plan import plan_task, plot_png
 from ampkit.util.files import OwnedFiles
 from ampkit.util.held_back import held_back

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ampkit.tools.load import describe_load
+from ampkit.tools.timing import describe_load
 from ampkit.util.present import times
 
 Outcome = Literal["faster", "slower", "same", "unclear"]

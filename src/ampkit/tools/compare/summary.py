@@ -28,7 +28,7 @@ from ampkit.tools.compare.wording import (
     numerics_findings as numerics_findings,  # re-exported: tests import it from here
 )
 from ampkit.tools.compare.wording import verdict as verdict  # re-exported: tests import it from here
-from ampkit.tools.load import describe_load
+from ampkit.tools.timing import describe_load
 from ampkit.util.present import NONE, as_text, indented, sig, size, table, times
 from ampkit.util.present import console as default_console
 

@@ -1,7 +1,7 @@
 """`ampkit info --bench`: a matmul micro-benchmark per dtype that checks the capability table against
 measured speed on this device (the `bench` of `INFO_SCHEMA`), and whether the measurement can tell.
 
-The machine is looked at before and after the timing (`ampkit.tools.load`, the check every timing shares); a
+The machine is looked at before and after the timing (`ampkit.tools.timing`, the check every timing shares); a
 ratio measured on a busy machine, or too close to the line to tell, neither confirms nor contradicts the
 table (`agreement`).
 """
@@ -19,7 +19,7 @@ from torch.utils import benchmark
 
 from ampkit.hardware import capability as hardware
 from ampkit.precision.policy import short_dtype_name
-from ampkit.tools.load import check_load, own_load, worst
+from ampkit.tools.timing import check_load, own_load, worst
 
 BENCH_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 """What `--bench` measures, fp32 first: the others are reported as a ratio to it."""
@@ -91,7 +91,7 @@ def agreement(table: bool | None, ratio: float | None, *, busy: bool) -> Agreeme
     """What a dtype's measured matmul ratio to fp32 says of the table's fact (True: fast, False: not), by one rule.
 
     - None: nothing to compare (the table does not know, or the dtype was not measured).
-    - "busy": the machine was busy (`ampkit.tools.load`). The dtypes are timed one after another, so a stall in
+    - "busy": the machine was busy (`ampkit.tools.timing`). The dtypes are timed one after another, so a stall in
       one of them moves the ratio by as much as the machine slows ops: not read either way (compare's rule for
       unpaired timings on a busy machine).
     - "noise": the ratio is within `NOISE` of `FAST_RATIO` (1.0× up to 1.21×): a few percent of timing noise

@@ -91,12 +91,12 @@ class Recommended:
 
 @dataclass(kw_only=True)
 class Load:
-    """How busy the machine was while the bench ran (ampkit.tools.load.check_load; the busier of the looks
+    """How busy the machine was while the bench ran (ampkit.tools.timing.check_load; the busier of the looks
     before and after): a busy machine's figures are not compared with the table."""
 
     load_average: float | None = field(
-        "1-minute load average less what the bench can have added (ampkit.tools.load.own_load), or the cores busy "
-        "in a quarter second's look where fewer (ampkit.tools.load.busy_cores); null where the OS has none.",
+        "1-minute load average less what the bench can have added (ampkit.tools.timing.own_load), or the cores busy "
+        "in a quarter second's look where fewer (ampkit.tools.timing.busy_cores); null where the OS has none.",
         minimum=0,
     )
     cores: int = field(minimum=1)

@@ -13,7 +13,7 @@ from rich.text import Text
 
 from ampkit.tools.info.bench import FAST_RATIO, NOISE, agreement
 from ampkit.tools.info.schema import Info
-from ampkit.tools.load import describe_load
+from ampkit.tools.timing import describe_load
 from ampkit.util import present
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ampkit.tools.doctor.perf import advisor
 from ampkit.tools.doctor.perf.finding import Finding
 from ampkit.tools.doctor.perf.sync_findings import syncs
-from ampkit.tools.load import check_load, describe_load
+from ampkit.tools.timing import check_load, describe_load
 from ampkit.util.present import article, count, flops, percent, seconds, size, times
 
 if TYPE_CHECKING:  # the rules read its figures: `gpu` (the reference GPU), `device_gpu`, `loaders`, ...
