@@ -8,7 +8,7 @@ Each part runs as a subprocess of its own with a timeout, so one that fails or h
 cell and the others still run:
 
 1. speed-up over fp32, and step time against the hand-written loop at the same precision:
-   `benchmarks/peers.py` (the MLP and the transformer, 1 thread, eager; rounds interleaved, medians);
+   `benchmarks/peers.py` (the MLP and the transformer, 1 thread, eager; rounds interleaved, paired ratios);
 2. peak memory of a training step per preset against fp32: `benchmarks/step_memory.py`, one fresh
    process per preset (`--quick`: its 3M-parameter stack, whose bf16 steps stay seconds on a CPU without bf16);
 3. `ampkit compare`'s verdict (its first line) on the default task, and how long the command took.

@@ -1,9 +1,10 @@
-"""The loop harness shared by the side-by-side benchmarks (`peers.py`, `param_scaling.py`).
+"""What the side-by-side benchmarks share (`peers.py`, `param_scaling.py`, ...), on top of `ampkit.tools.timing`.
 
 They compare training loops that run in one process on a machine other work shares, so one loop's
 figures are never measured in a quiet moment another loop missed: rounds are interleaved
-(A B C A B C ...), the first rounds are dropped as warm-up, and medians are taken. Also here: the
-machine's one-line description, the process's peak-memory readings and the RESULTS.md writer.
+(A B C A B C ...; `ampkit.tools.timing.interleaved`), the first rounds are dropped as warm-up, and ratios are
+paired round by round with an interval (`time_ratio`). Also here: the machine's one-line description and the
+RESULTS.md writer.
 """
 
 from __future__ import annotations
@@ -11,70 +12,36 @@ from __future__ import annotations
 import platform
 import re
 import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from ampkit.hardware.capability import cpu_flags
+from ampkit.tools.timing import interleaved, paired_speedup
+
+__all__ = ["interleaved", "machine", "medians", "paired_ratio", "spread", "time_ratio", "write_section"]
 
 
-def interleaved(
-    steps_of: dict[str, Callable[[], None]],
-    rounds: int,
-    steps: int,
-    warmup: int,
-    sync: Callable[[], None] = lambda: None,
-    on_error: Callable[[str, BaseException], None] | None = None,
-) -> dict[str, list[float]]:
-    """Seconds per step of each loop in every measured round (warm-up rounds dropped).
+def time_ratio(a: list[float], b: list[float]) -> tuple[float, float, float] | None:
+    """Loop a's time per step over loop b's, rounds side by side, with its 95% interval: the reciprocal of
+    `ampkit.tools.timing.paired_speedup(b, a)` (the geometric mean of the per-round ratios, a seeded bootstrap
+    interval), the estimator `ampkit compare` uses. A slow moment of the machine slows both loops of that round
+    and cancels out of the ratio, which a ratio of medians keeps. None with fewer than two rounds."""
+    paired = paired_speedup(b, a)
+    if paired is None:
+        return None
+    point, low, high = paired
+    return 1 / point, 1 / high, 1 / low
 
-    Each round runs `steps` calls of every loop in turn, timed between `sync()` calls (a CUDA
-    device runs ahead of the host: without the sync the host would time only the kernel launches).
-    With `on_error`, a loop that raises is reported there and left out of the later rounds;
-    without it, the error propagates.
-    """
-    times: dict[str, list[float]] = {name: [] for name in steps_of}
-    live = dict(steps_of)
-    for r in range(rounds + warmup):
-        for name, step in list(live.items()):
-            sync()
-            t0 = time.perf_counter()
-            try:
-                for _ in range(steps):
-                    step()
-                sync()
-            except Exception as exc:  # noqa: BLE001 - one broken loop must not end the others' run
-                if on_error is None:
-                    raise
-                on_error(name, exc)
-                del live[name]
-                continue
-            if r >= warmup:
-                times[name].append((time.perf_counter() - t0) / steps)
-    return times
+
+def paired_ratio(a: list[float], b: list[float]) -> float:
+    """`time_ratio`'s point (NaN with fewer than two rounds)."""
+    ratio = time_ratio(a, b)
+    return float("nan") if ratio is None else ratio[0]
 
 
 def medians(times: dict[str, list[float]]) -> dict[str, float]:
     return {name: statistics.median(ts) for name, ts in times.items() if ts}
-
-
-def paired_ratio(a: list[float], b: list[float]) -> float:
-    """Median over rounds of a[r] / b[r]: rounds ran side by side, so a slow moment of the machine
-    slows both loops of that round and cancels out of the ratio, which a ratio of medians keeps."""
-    return statistics.median(x / y for x, y in zip(a, b))
-
-
-def median_ci(values: list[float], z: float = 1.96) -> tuple[float, float] | None:
-    """A distribution-free ~95% confidence interval of the median: the order statistics k and n+1-k
-    with k = (n - z*sqrt(n)) / 2 (the binomial sign-test interval). None for fewer than 6 values."""
-    n = len(values)
-    k = int((n - z * n**0.5) / 2)
-    if n < 6 or k < 1:
-        return None
-    s = sorted(values)
-    return s[k - 1], s[n - k]
 
 
 def spread(ts: list[float]) -> float:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -51,6 +50,7 @@ try:
 except ImportError:  # run without PYTHONPATH=src: the check still starts, from this checkout
     sys.path.insert(0, str(ROOT / "src"))
     import ampkit
+from ampkit.tools import timing  # noqa: E402 - after the path is known
 
 PRESETS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "bf16-true", "fp8-mixed")
 # Bytes an AdamW update must read and write per parameter, per preset (weights, gradients, two moments, plus
@@ -132,23 +132,12 @@ class Row:
     extra: dict[str, float] = field(default_factory=dict)
 
 
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)  # sync: timing boundaries, outside the step
+sync = timing.sync_device  # timing boundaries, outside the step
 
 
 def copy_bandwidth(dev: torch.device, nbytes: int) -> float:
     """Bytes per second of a device-to-device copy (read + write counted), the best of five."""
-    a = torch.empty(nbytes // 4, dtype=torch.float32, device=dev)
-    b = torch.empty_like(a)
-    best = math.inf
-    for _ in range(5):
-        sync(dev)
-        t = time.perf_counter()
-        b.copy_(a)
-        sync(dev)
-        best = min(best, time.perf_counter() - t)
-    return 2 * a.nbytes / best
+    return timing.copy_bandwidth(dev, seconds=10.0, repeats=5, mib=max(1, nbytes >> 20))
 
 
 def count_syncs(fn: Callable[[], None], dev: torch.device, steps: int) -> float | None:
@@ -168,16 +157,7 @@ def count_syncs(fn: Callable[[], None], dev: torch.device, steps: int) -> float 
 
 def timed(fn: Callable[[], None], dev: torch.device, warmup: int, steps: int) -> float:
     """Median seconds of `fn` after `warmup` calls, synchronized around each call."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(steps):
-        sync(dev)
-        t = time.perf_counter()
-        fn()
-        sync(dev)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(timing.interleaved({"fn": fn}, steps, warmup=warmup, sync=lambda: sync(dev))["fn"])
 
 
 def batches(s: Size, batch: int, dev: torch.device, n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -19,8 +19,9 @@ device), each in the way its library documents:
 * Lightning Fabric: `Fabric(precision="32-true"/"bf16-mixed"/"bf16-true"/"16-mixed")`.
 
 Rounds are interleaved (A B C ... A B C ...), warm-up rounds are dropped, and each figure is a
-median over rounds. Ratios are medians of the per-round ratios (rounds ran side by side, so a slow
-moment of the machine cancels out). Per variant, one step (after the first) is also measured:
+median over rounds. Ratios are geometric means of the per-round ratios with a bootstrap interval
+(`ampkit.tools.timing.paired_speedup`, as `ampkit compare`; rounds ran side by side, so a slow moment of the
+machine cancels out). Per variant, one step (after the first) is also measured:
 
 * memory: the bytes of the model's weights, its gradients and everything else the wrapper and the
   optimizer hold (moments, fp32 master copies, Kahan buffers, scalers), read after the optimizer
@@ -66,7 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampkit
-from _timing import cpu_model, interleaved, machine, median_ci, paired_ratio, spread, write_section
+from _timing import cpu_model, interleaved, machine, paired_ratio, spread, time_ratio, write_section
 from ampkit.hardware.capability import capability, cpu_flags, resolve_device
 from ampkit.tools.compare.memory import proc_status, reset_peak_rss  # the same /proc readings ampkit compare uses
 
@@ -608,7 +609,12 @@ def run_model(model: Model, variants: list[Variant], device: torch.device, args:
     if any(loop.variant.compiled for loop in loops.values()):
         warmup = max(warmup, 1)  # compiled models recompile without the dtype hooks in the first round
     times = interleaved(
-        {n: stepper(loop) for n, loop in loops.items()}, rounds, steps, warmup, lambda: _sync(device), failed
+        {n: stepper(loop) for n, loop in loops.items()},
+        rounds,
+        steps=steps,
+        warmup=warmup,
+        sync=lambda: _sync(device),
+        on_error=failed,
     )
     for name, loop in loops.items():  # after the timed rounds: by then ampkit's compile trial has chosen
         stats = getattr(getattr(loop, "acc", None), "compile_stats", None)
@@ -713,8 +719,9 @@ def _ratio(rows: dict[str, Row], a: str, b: str) -> float | None:
 
 
 def _ci(rows: dict[str, Row], a: str, b: str) -> tuple[float, float] | None:
-    """~95% confidence interval of the median per-round ratio a/b."""
-    return median_ci([x / y for x, y in zip(rows[a].times_s, rows[b].times_s)])
+    """95% interval of the paired time ratio a/b (`_timing.time_ratio`)."""
+    ratio = time_ratio(rows[a].times_s, rows[b].times_s)
+    return None if ratio is None else ratio[1:]
 
 
 def _judge(r: float, limit: float, ci: tuple[float, float] | None) -> str:
@@ -1011,7 +1018,7 @@ def section(header: dict[str, Any], titles: dict[str, str], results: dict[str, l
         ),
         "- one process; same seed, initial weights, batches and optimizer (AdamW lr 1e-3, torch's default "
         "implementation) for every variant; interleaved rounds, warm-up dropped; ms/step is the median over "
-        "rounds, ratios the median of per-round ratios (< 1 is faster), spread half the interquartile range "
+        "rounds, ratios the geometric mean of per-round ratios (< 1 is faster), spread half the interquartile range "
         "of the round times.",
         "- first step: setup's first training step (optimizer state created; compile where asked). "
         "step peak +MiB: growth of the process's peak RSS during one later step (VmHWM reset via "

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 import ampkit
 from ampkit.cli.main import main
 from ampkit.engine.launch import ENV, launch_settings, read_env
-from ampkit.tools.compare.speed import paired_speedup
 from ampkit.tools.compare.summary import verdict
+from ampkit.tools.timing import paired_speedup
 from conftest import make_loader, make_model
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")

@@ -6,18 +6,23 @@ from __future__ import annotations
 import copy
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
+from ampkit.tools import timing
 from ampkit.tools.compare.records import validate_report
 from ampkit.tools.compare.runner import compare_to_baseline
-from ampkit.tools.compare.speed import interval, outcome, paired_speedup, run_outcome
+from ampkit.tools.compare.speed import interval, outcome, run_outcome
 from ampkit.tools.compare.summary import format_text, recommendation, verdict
-from ampkit.tools.timing import check_load, describe_load, judge, own_load, worst
+from ampkit.tools.timing import check_load, describe_load, judge, own_load, paired_speedup, worst
 from ampkit.util.present import times
+
+CPU = torch.device("cpu")
 
 SAMPLE = json.loads((Path(__file__).parent / "fixtures" / "sample_report.json").read_text())
 BUSY = {"load_average": 12.3, "cores": 2, "threads": 2, "matmul_slowdown": 3.1, "busy": True}
@@ -241,6 +246,69 @@ def test_runs_one_after_another_say_so_and_cannot_tell_on_a_busy_machine():
         "the runs ran one after another, so drift of the machine between them could "
         "not be separated) — speed decided"
     )
+
+
+# --- the timing module: rounds side by side, the probe ---------------------------------------------------
+def test_interleaved_runs_every_candidate_in_turn_drops_warmup_and_a_failing_one():
+    order: list[str] = []
+    rounds: list[int] = []
+
+    def call(name: str, fail_in: int | None = None):
+        def run() -> None:
+            order.append(name)
+            if fail_in is not None and len(rounds) == fail_in:
+                raise RuntimeError(f"{name} broke")
+
+        return run
+
+    failed: list[tuple[str, str]] = []
+    times = timing.interleaved(
+        {"a": call("a"), "b": call("b", fail_in=3), "c": call("c")},
+        3,
+        steps=2,
+        warmup=1,
+        on_error=lambda key, exc: failed.append((key, str(exc))),
+        on_round=rounds.append,
+    )
+    assert rounds == [0, 1, 2, 3]
+    assert order == ["a", "a", "b", "b", "c", "c"] * 2 + ["a", "a", "b", "c", "c"] + ["a", "a", "c", "c"]
+    assert failed == [("b", "b broke")]
+    assert [len(times[k]) for k in "abc"] == [3, 1, 3]  # warm-up round dropped; b left after its failure
+    assert all(t >= 0 for ts in times.values() for t in ts)
+    with pytest.raises(RuntimeError, match="b broke"):  # without on_error the error propagates
+        rounds.clear()
+        timing.interleaved({"b": call("b", fail_in=1)}, 2, on_round=rounds.append)
+
+
+def test_fastest_times_at_least_one_call_and_at_most_repeats():
+    calls: list[int] = []
+    best, n, total = timing.fastest(lambda: calls.append(1), CPU, 0.0)
+    assert n == 1 and len(calls) == 2 and 0 <= best <= total  # a warm-up call, then one timed
+    best, n, total = timing.fastest(lambda: time.sleep(0.001), CPU, 10.0, repeats=3)
+    assert n == 3 and 0.001 <= best <= total / 3 + 1e-9
+
+
+def test_matmul_rate_sizes_to_its_time_within_its_bounds():
+    fixed = timing.matmul_rate(CPU, torch.float32, 0.05, sizes=(64, 64), repeats=4)
+    assert fixed.size == 64 and fixed.calls == 4 and fixed.per_s > 0
+    none = timing.matmul_rate(CPU, torch.float32, 0.0, sizes=(32, 1024))  # no time: stays at the first size
+    assert none.size == 32 and none.calls == 1
+    grown = timing.matmul_rate(CPU, torch.float32, 0.4, sizes=(32, 256))
+    assert grown.size in (64, 128, 256) and grown.calls >= 1  # 32² takes microseconds: it doubles, up to 256
+    assert timing.copy_bandwidth(CPU, seconds=0.05, mib=4) > 0
+
+
+def test_the_benchmarks_time_ratio_is_the_reciprocal_of_compares_paired_speedup():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        from _timing import paired_ratio, time_ratio
+    finally:
+        sys.path.pop(0)
+    slow, fast = [2.0, 2.2, 1.9, 2.1], [1.0, 1.0, 1.05, 0.95]
+    point, low, high = timing.paired_speedup(fast, slow)  # slow's speed-up over fast: < 1
+    assert time_ratio(fast, slow) == pytest.approx((point, low, high))
+    assert time_ratio(slow, fast) == pytest.approx((1 / point, 1 / high, 1 / low))
+    assert paired_ratio(slow, fast) == pytest.approx(1 / point) and math.isnan(paired_ratio([1.0], [2.0]))
 
 
 # --- the load check --------------------------------------------------------------------------------

@@ -1,4 +1,12 @@
-"""Whether the machine was busy while something was timed: the one check every timing shares.
+"""How ampkit times, in one module: compare, `info --bench`, the doctor, export and the benchmarks use it.
+
+- **Rounds side by side** (`interleaved`): every candidate runs in turn each round (A B C A B C ...), warm-up
+  rounds dropped, so a slow moment of a shared machine lands on all of them.
+- **The paired speed-up with its interval** (`paired_speedup`): the geometric mean of the per-round ratios and
+  a seeded bootstrap interval of them.
+- **One probe of the device** (`matmul_rate`, `copy_bandwidth`): the fastest of timed calls, the device synced
+  around each.
+- **The load check**: whether the machine was busy while something was timed, below.
 
 Two signs, each measured, neither guessed: the load beyond what ampkit's own training adds (`own`: its threads),
 against the cores -- the 1-minute load average, or where the OS says so (Linux's /proc/stat) the cores busy in a
@@ -15,11 +23,161 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, overload
+from typing import Any, TypeVar, overload
 
+import numpy as np
 import torch
 
+K = TypeVar("K", bound=Hashable)
+
+
+# --- rounds side by side, and the paired speed-up -------------------------------------------------------
+def interleaved(
+    calls: Mapping[K, Callable[[], object]],
+    rounds: int,
+    *,
+    steps: int = 1,
+    warmup: int = 0,
+    sync: Callable[[], None] = lambda: None,
+    on_error: Callable[[K, BaseException], None] | None = None,
+    on_round: Callable[[int], None] | None = None,
+) -> dict[K, list[float]]:
+    """Seconds per call of each of `calls` in every measured round (the first `warmup` rounds dropped).
+
+    Each round runs `steps` calls of every candidate in turn, timed between `sync()` calls (a CUDA device runs
+    ahead of the host: without the sync the host would time only the kernel launches). With `on_error`, a
+    candidate that raises is reported there and left out of the later rounds; without it, the error propagates.
+    `on_round(r)` is told before round `r` (0-based, warm-up rounds included) starts.
+    """
+    times: dict[K, list[float]] = {key: [] for key in calls}
+    live = dict(calls)
+    for r in range(rounds + warmup):
+        if on_round is not None:
+            on_round(r)
+        for key, call in list(live.items()):
+            sync()
+            start = time.perf_counter()
+            try:
+                for _ in range(steps):
+                    call()
+                sync()
+            except Exception as exc:  # noqa: BLE001 - one broken candidate must not end the others' run
+                if on_error is None:
+                    raise
+                on_error(key, exc)
+                del live[key]
+                continue
+            if r >= warmup:
+                times[key].append((time.perf_counter() - start) / steps)
+    return times
+
+
+CONFIDENCE = 0.95
+RESAMPLES = 4000
+SEED = 0
+
+
+def paired_speedup(
+    base_s: Sequence[float | None], run_s: Sequence[float | None], *, seed: int = SEED, resamples: int = RESAMPLES
+) -> tuple[float, float, float] | None:
+    """(speed-up, low, high): the geometric mean of the paired ratios base/run and its `CONFIDENCE` bootstrap
+    interval (percentile, `resamples` resamples of the pairs from `seed`); None with fewer than two pairs."""
+    ratios = [
+        b / r
+        for b, r in zip(base_s, run_s)
+        if b is not None and r is not None and b > 0 and r > 0 and math.isfinite(b / r)
+    ]
+    if len(ratios) < 2:
+        return None
+    logs = np.log(np.asarray(ratios, dtype=np.float64))
+    picks = np.random.default_rng(seed).integers(0, len(logs), size=(resamples, len(logs)))
+    means = logs[picks].mean(axis=1)
+    tail = (1 - CONFIDENCE) / 2
+    low, high = np.quantile(means, [tail, 1 - tail])
+    return float(np.exp(logs.mean())), float(np.exp(low)), float(np.exp(high))
+
+
+# --- the probe: matmul FLOP/s and copy bandwidth ----------------------------------------------------------------
+def sync_device(device: torch.device) -> None:
+    """Wait for `device`'s queued work (a no-op on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # sync: a timing tool's own, around what it times
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def fastest(
+    run: Callable[[], object], device: torch.device, seconds: float, repeats: int | None = None
+) -> tuple[float, int, float]:
+    """(fastest, calls, total) seconds of timed calls of `run` after a warm-up call: as many as fit in about
+    `seconds` (at least one, at most `repeats`), each timed with the device synced around it."""
+    run()
+    sync_device(device)
+    best, calls, total = float("inf"), 0, 0.0
+    deadline = time.perf_counter() + seconds
+    while calls == 0 or (time.perf_counter() < deadline and (repeats is None or calls < repeats)):
+        start = time.perf_counter()
+        run()
+        sync_device(device)
+        took = time.perf_counter() - start
+        best, calls, total = min(best, took), calls + 1, total + took
+    return best, calls, total
+
+
+@dataclass(frozen=True)
+class Rate:
+    """What the probe measured: an n×n matmul's FLOP/s (or a copy's bytes/s) at its fastest call."""
+
+    size: int  # n of the n×n @ n×n matmul (MiB of the copy)
+    calls: int  # timed calls
+    seconds: float  # their time
+    per_s: float  # FLOP/s (bytes/s) of the fastest
+
+
+#: Matmul sizes per device type (first, largest): start small (a dtype without fast units, bf16 on an AVX2 CPU,
+#: runs ~50× slower than fp32 and must still fit its time) and double while a call of the next size would take
+#: under a quarter of the time, up to a size that keeps the fast units busy (a GPU needs thousands).
+MATMUL_N = {"cpu": (128, 1024), "cuda": (256, 8192), "mps": (256, 4096)}
+
+
+def matmul_rate(
+    device: torch.device,
+    dtype: torch.dtype,
+    seconds: float,
+    *,
+    sizes: tuple[int, int] | None = None,
+    repeats: int | None = None,
+) -> Rate:
+    """FLOP/s of the fastest n×n matmul in `dtype` on `device` within about `seconds` (at most `repeats` timed
+    calls), at torch's threads; `sizes` = (first, largest) n (`MATMUL_N`; equal: a fixed size)."""
+    n, largest = sizes or MATMUL_N.get(device.type, (256, 1024))
+    start, matmul = time.perf_counter(), _matmul(n, device, dtype)
+    best, _, _ = fastest(matmul, device, 0.0)
+    while n < largest and 8 * best <= seconds / 4:  # the next size is 8× the work
+        n *= 2
+        matmul = _matmul(n, device, dtype)
+        best, _, _ = fastest(matmul, device, 0.0)
+    left = max(0.0, seconds - (time.perf_counter() - start))
+    best, calls, total = fastest(matmul, device, left, repeats)
+    return Rate(size=n, calls=calls, seconds=total, per_s=2 * n**3 / max(best, 1e-12))
+
+
+def _matmul(n: int, device: torch.device, dtype: torch.dtype) -> Callable[[], object]:
+    # Operands made on the device: filling 8192² on the host and copying would eat the time.
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    return lambda: a @ b
+
+
+def copy_bandwidth(device: torch.device, seconds: float = 0.1, repeats: int = 5, mib: int = 64) -> float:
+    """Bytes/s of the fastest of up to `repeats` copies of a `mib` MiB fp32 tensor (read + write)."""
+    src = torch.ones(mib * 2**20 // 4, device=device)
+    dst = torch.empty_like(src)
+    return 2 * mib * 2**20 / fastest(lambda: dst.copy_(src), device, seconds, repeats)[0]
+
+
+# --- the load check ------------------------------------------------------------------------------------------
 #: Other work using more than this share of the cores makes the machine busy.
 BUSY_SHARE = 0.5
 

@@ -8,7 +8,8 @@ script) finish with it, and the figures it sets are what every verdict reads.
 from __future__ import annotations
 
 from ampkit.tools.compare.records import Report, Run
-from ampkit.tools.compare.speed import interval, paired_speedup, rerun_band
+from ampkit.tools.compare.speed import interval, rerun_band
+from ampkit.tools.timing import paired_speedup
 from ampkit.util.present import times
 
 

@@ -30,8 +30,8 @@ from ampkit.tools.compare.turns import RunProgress
 from ampkit.tools.export import format_text as format_inference
 from ampkit.tools.export import measure as measure_inference
 from ampkit.tools.export import render_html_section
-from ampkit.tools.timing import check_load, worst
 from ampkit.tools.plan import plan_task, plot_png
+from ampkit.tools.timing import check_load, worst
 from ampkit.util.files import OwnedFiles
 from ampkit.util.held_back import held_back
 from ampkit.util.version import ampkit_version

@@ -37,8 +37,8 @@ from ampkit.tools.compare.runner import default_precisions, new_report, plan_run
 from ampkit.tools.compare.summary import render_table
 from ampkit.tools.compare.turns import RunFailed, RunProgress, blank_run, run_isolated, throttled, unrunnable
 from ampkit.tools.doctor.run import check_script, script_traceback
-from ampkit.tools.timing import check_load, worst
 from ampkit.tools.records import build
+from ampkit.tools.timing import check_load, worst
 from ampkit.util.files import OwnedFiles
 
 GRACE = (60.0, 3.0)

@@ -2,7 +2,8 @@
 
 The speed-up is the geometric mean of paired per-round ratios (baseline round time / run round time: in an
 interleaved comparison the rounds took turns, so a slow moment of the machine lands on both sides of a pair),
-and its interval a seeded bootstrap of those ratios: the same figures give the same interval on every run.
+and its interval a seeded bootstrap of those ratios: the same figures give the same interval on every run
+(`ampkit.tools.timing.paired_speedup`, the estimator every timing of ampkit uses).
 Four outcomes, three of them conclusions: faster, slower, the same (the whole interval within ±5%), or
 "can't tell", which never counts as "no faster": a busy machine or disagreeing rounds are said as such.
 
@@ -13,43 +14,15 @@ far end of that rerun's interval), every interval is widened by that factor befo
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from typing import Any, Literal
 
-import numpy as np
-
-from ampkit.tools.timing import describe_load
+from ampkit.tools.timing import CONFIDENCE, describe_load
 from ampkit.util.present import times
 
 Outcome = Literal["faster", "slower", "same", "unclear"]
 
-CONFIDENCE = 0.95
-RESAMPLES = 4000
-SEED = 0
-
 #: An interval wholly inside this band is "same speed" (reruns of one preset differ about this much).
 SAME = (0.95, 1.05)
-
-
-def paired_speedup(
-    base_s: Sequence[float | None], run_s: Sequence[float | None], *, seed: int = SEED, resamples: int = RESAMPLES
-) -> tuple[float, float, float] | None:
-    """(speed-up, low, high): the geometric mean of the paired ratios base/run and its `CONFIDENCE` bootstrap
-    interval (percentile, `resamples` resamples of the pairs from `seed`); None with fewer than two pairs."""
-    ratios = [
-        b / r
-        for b, r in zip(base_s, run_s)
-        if b is not None and r is not None and b > 0 and r > 0 and math.isfinite(b / r)
-    ]
-    if len(ratios) < 2:
-        return None
-    logs = np.log(np.asarray(ratios, dtype=np.float64))
-    picks = np.random.default_rng(seed).integers(0, len(logs), size=(resamples, len(logs)))
-    means = logs[picks].mean(axis=1)
-    tail = (1 - CONFIDENCE) / 2
-    low, high = np.quantile(means, [tail, 1 - tail])
-    return float(np.exp(logs.mean())), float(np.exp(low)), float(np.exp(high))
 
 
 def outcome(

@@ -7,6 +7,7 @@ a machine whose speed drifts (other work, frequency scaling) drifts for all of t
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -26,6 +27,7 @@ from ampkit.hardware.capability import capability, describe, proc_field
 from ampkit.inference import PRECISIONS, RUNTIME, SUFFIX, Exported, export, load
 from ampkit.tools.export.report import InferenceReport, InferenceRow, Precision, check_out, verdict, write
 from ampkit.tools.tasks import get_task
+from ampkit.tools.timing import interleaved
 from ampkit.util.processes import die_with_parent
 
 #: CPU flags of int8 dot-product instructions (VNNI, AMX), as Linux names them in /proc/cpuinfo.
@@ -92,19 +94,19 @@ def auto_choice(device: torch.device | str = "cpu") -> tuple[Precision, str]:
 def _median_times(
     calls: Mapping[_Key, tuple[Callable[[], object], int]], rounds: int, progress: Callable[[str], None] = _quiet
 ) -> dict[_Key, float]:
-    """Median seconds per call of each `(call, repeats)`, timed `repeats` times per round, in turn."""
+    """Median seconds per call of each `(call, repeats)`, timed `repeats` times per round, in turn
+    (`ampkit.tools.timing.interleaved`)."""
     for call, _ in calls.values():
         call()  # warm-up
-    times: dict[_Key, list[float]] = {k: [] for k in calls}
     tick = _Ticker(progress)
-    for done in range(rounds):
-        tick(f"timing: round {done + 1} of {rounds}")
-        for key, (call, repeats) in calls.items():
-            start = time.perf_counter()
-            for _ in range(repeats):
-                call()
-            times[key].append((time.perf_counter() - start) / repeats)
-    return {k: statistics.median(v) for k, v in times.items()}
+    repeated = {key: functools.partial(_repeat, call, repeats) for key, (call, repeats) in calls.items()}
+    times = interleaved(repeated, rounds, on_round=lambda r: tick(f"timing: round {r + 1} of {rounds}"))
+    return {key: statistics.median(v) / calls[key][1] for key, v in times.items()}
+
+
+def _repeat(call: Callable[[], object], times: int) -> None:
+    for _ in range(times):
+        call()
 
 
 MEMORY_METHOD = (

@@ -8,18 +8,16 @@ table (`agreement`).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
-from torch.utils import benchmark
 
 from ampkit.hardware import capability as hardware
 from ampkit.precision.policy import short_dtype_name
-from ampkit.tools.timing import check_load, own_load, worst
+from ampkit.tools.timing import check_load, matmul_rate, own_load, worst
 
 BENCH_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 """What `--bench` measures, fp32 first: the others are reported as a ratio to it."""
@@ -35,21 +33,16 @@ NOISE = 1.1
 #: What a measured ratio says of the table's fact (`agreement`; the `agreement` of each bench result).
 Agreement = Literal["agrees", "disagrees", "busy", "noise"]
 
-# Matrix sizes tried: start small (a slow dtype may take a second for n=512 on a CPU without its
-# instructions) and double while the next size still fits the time box, up to a size that keeps the
-# fast units busy (a GPU needs thousands; a CPU is near peak by 1024).
-_START_N = {"cpu": 128, "cuda": 256, "mps": 256}
-_MAX_N = {"cpu": 1024, "cuda": 8192, "mps": 4096}
-
 
 def bench_matmul(
     device: str | torch.device, dtypes: Sequence[torch.dtype] = BENCH_DTYPES, seconds: float = 2.0
 ) -> dict[str, Any]:
     """Time n×n matmuls per dtype on `device` within `seconds` for all (the `bench` of `INFO_SCHEMA`).
 
-    Each dtype gets an equal share: the matrix size doubles while a matmul of the next would take under
-    a quarter of it, then as many as fit run (a 100x slower dtype gets a smaller matrix, the same time).
-    Throughput is 2n³ per matmul over their time; a dtype that fails records its error instead.
+    Each dtype gets an equal share of `ampkit.tools.timing.matmul_rate`, the probe every timing of ampkit uses:
+    the matrix size doubles while a matmul of the next would take under a quarter of it, then as many as fit
+    run (a 100x slower dtype gets a smaller matrix, the same time). Throughput is 2n³ over the fastest call's
+    time; a dtype that fails records its error instead.
     """
     dev = hardware.resolve_device(device)
     if not (isinstance(seconds, (int, float)) and seconds > 0 and math.isfinite(seconds)):
@@ -59,9 +52,7 @@ def bench_matmul(
     share = seconds / len(dtypes) if dtypes else 0.0
     start = time.perf_counter()
     before = check_load(dev)  # the machine as the bench found it and as it left it: the busier look is kept
-    # The Timer synchronises the current device around what it times: make that `dev` (cuda:1 is not the default).
-    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-        results = [_bench_one(dev, dtype, share) for dtype in dtypes]
+    results = [_bench_one(dev, dtype, share) for dtype in dtypes]
     load = worst(before, check_load(dev, own=own_load(torch.get_num_threads(), time.perf_counter() - start)))
     _compare_with_table(results, hardware.device_capabilities(dev), busy=load.busy)
     return {
@@ -107,13 +98,6 @@ def agreement(table: bool | None, ratio: float | None, *, busy: bool) -> Agreeme
     return "agrees" if (ratio >= FAST_RATIO) == table else "disagrees"
 
 
-def _matmul_timer(n: int, dtype: torch.dtype, device: torch.device) -> benchmark.Timer:
-    # Operands made on the device: filling 8192² on the host and copying would eat the time box. The
-    # Timer runs on torch's threads, not its default of 1.
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    return benchmark.Timer("a @ b", globals={"a": a, "b": b}, num_threads=torch.get_num_threads())
-
-
 def _bench_one(device: torch.device, dtype: torch.dtype, budget: float) -> dict[str, Any]:
     result: dict[str, Any] = {
         "dtype": short_dtype_name(dtype),
@@ -128,23 +112,9 @@ def _bench_one(device: torch.device, dtype: torch.dtype, budget: float) -> dict[
         "error": None,
     }
     try:
-        start = time.perf_counter()  # the budget's clock; the matmuls are timed by the Timer
-        n = _START_N.get(device.type, 256)
-        timer = _matmul_timer(n, dtype, device)
-        # `timeit(1)` runs two warm-up matmuls first: library init and kernel choice stay out of it.
-        per_call = timer.timeit(1).mean
-        # Double n while the next size (8x the work) would take under a quarter of the budget per call.
-        while n < _MAX_N.get(device.type, 1024) and 8 * per_call <= budget / 4:
-            n *= 2
-            timer = _matmul_timer(n, dtype, device)
-            per_call = timer.timeit(1).mean
-        left = budget - (time.perf_counter() - start)
-        measured = timer.timeit(max(1, int(left / max(per_call, 1e-9))))
+        rate = matmul_rate(device, dtype, budget)  # sized to the budget: `ampkit.tools.timing.MATMUL_N`
     except Exception as exc:  # a dtype this device cannot run is a result ("error"), not a crash
         result["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
         return result
-    elapsed = measured.raw_times[0]  # one run of `number_per_run` matmuls
-    result.update(size=n, iterations=measured.number_per_run, seconds=elapsed)
-    if elapsed > 0:
-        result["flops_per_s"] = 2 * n**3 * measured.number_per_run / elapsed
+    result.update(size=rate.size, iterations=rate.calls, seconds=rate.seconds, flops_per_s=rate.per_s)
     return result

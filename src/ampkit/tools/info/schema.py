@@ -115,7 +115,7 @@ class BenchResult:
     size: int | None = field("n of the n×n @ n×n matmul.", minimum=1)
     iterations: int = field(minimum=0)
     seconds: float = field("Time the timed iterations took.", minimum=0)
-    flops_per_s: float | None = field("2n³ per matmul.", exclusiveMinimum=0)
+    flops_per_s: float | None = field("2n³ over the fastest timed matmul's seconds.", exclusiveMinimum=0)
     ratio_to_fp32: float | None = field(exclusiveMinimum=0)
     table: bool | None = field("The capability table's fact for this dtype.")
     fast_here: bool | None = field("Measured: ratio_to_fp32 >= FAST_RATIO (null for fp32 or on error).")

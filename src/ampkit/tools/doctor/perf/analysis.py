@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +21,7 @@ from ampkit.precision.policy import short_dtype_name
 from ampkit.tools.doctor.perf import advisor, findings
 from ampkit.tools.doctor.perf.ops import OpStats, analyse
 from ampkit.tools.doctor.perf.schema import PHASES
+from ampkit.tools.timing import copy_bandwidth, matmul_rate
 from ampkit.util.present import article, seconds, times
 from ampkit.util.version import ampkit_version
 
@@ -44,49 +44,18 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SIZE = {"cpu": 256, "cuda": 4096, "mps": 2048}
 
 
-def sync_device(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # sync: the doctor's own, at window edges and around what it times
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
-def _fastest(run: Callable[[], object], device: torch.device, seconds: float, repeats: int) -> float:
-    """Seconds of the fastest of up to `repeats` calls of `run` (within ~`seconds`), after a warm-up call."""
-    run()
-    sync_device(device)
-    best = float("inf")
-    deadline = time.perf_counter() + seconds
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        sync_device(device)
-        best = min(best, time.perf_counter() - start)
-        if time.perf_counter() > deadline:
-            break
-    return best
-
-
-def copy_bandwidth(device: torch.device, seconds: float = 0.1, repeats: int = 5, mib: int = 64) -> float:
-    """Bytes/s of the fastest of up to `repeats` copies of a `mib` MiB fp32 tensor (read + write)."""
-    src = torch.ones(mib * 2**20 // 4, device=device)
-    dst = torch.empty_like(src)
-    return 2 * mib * 2**20 / _fastest(lambda: dst.copy_(src), device, seconds, repeats)
-
-
 def matmul_peaks(device: torch.device, dtype: torch.dtype, seconds: float = 0.3, repeats: int = 5) -> dict[int, float]:
     """{threads: FLOP/s} of the fastest of up to `repeats` n×n matmuls in `dtype` (within ~`seconds`), at
     torch's thread count and, on a CPU using several, at one: on a busy machine a multi-threaded matmul
     waits for its slowest thread to get a core, and the two figures side by side show it."""
     n = SIZE.get(device.type, 1024)
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     threads = torch.get_num_threads()
     counts = [threads, 1] if device.type == "cpu" and threads > 1 else [threads]
     peaks = {}
     for k in counts:
         torch.set_num_threads(k)
         try:
-            peaks[k] = 2 * n**3 / _fastest(lambda: a @ b, device, seconds / len(counts), repeats)
+            peaks[k] = matmul_rate(device, dtype, seconds / len(counts), sizes=(n, n), repeats=repeats).per_s
         finally:
             torch.set_num_threads(threads)
     return peaks

@@ -29,10 +29,11 @@ from ampkit.engine.data import DeviceLoader
 from ampkit.engine.events import Listener
 from ampkit.engine.optim import AmpOptimizer
 from ampkit.tools.doctor.perf import advisor
-from ampkit.tools.doctor.perf.analysis import Analysis, sync_device
+from ampkit.tools.doctor.perf.analysis import Analysis
 from ampkit.tools.doctor.perf.schema import PHASES
 from ampkit.tools.doctor.perf.sync import SyncWatcher
 from ampkit.tools.doctor.watch import DoctorError, Result, Watch, check_counts
+from ampkit.tools.timing import sync_device
 
 #: Most steps the profiler records (it slows each; op counts repeat from step to step).
 MAX_PROFILED_STEPS = 5
