@@ -608,7 +608,6 @@ LAYER_EXCEPTIONS: dict[tuple[str, str], str] = {}
 #: to narrow (ARCHITECTURE.md names them); the list may shrink, never grow.
 TYPE_ONLY_UP: dict[tuple[str, str], str] = {
     ("ampkit.engine.events", "ampkit.accelerator"): "watch_created hands the doctor the script's Accelerator",
-    ("ampkit.engine.prepare", "ampkit.accelerator"): "Prepared reads the Accelerator's settings",
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 
 import pytest
@@ -11,6 +12,7 @@ from torch import nn
 
 import ampkit
 from ampkit.checkpoint.payload import read
+from ampkit.config import CONFIG_FIELDS
 
 
 def test_the_accelerator_keeps_its_settings_frozen():
@@ -41,6 +43,28 @@ def test_a_bad_setting_is_refused_by_name(kwargs, error, named):
         ampkit.AcceleratorConfig(**kwargs)
     with pytest.raises(error, match=named):
         ampkit.Accelerator(device="cpu", **kwargs)
+
+
+def test_every_keyword_of_the_accelerator_is_a_setting_and_reaches_its_config():
+    keywords = set(inspect.signature(ampkit.Accelerator.__init__).parameters) - {"self", "scaler"}
+    assert keywords == CONFIG_FIELDS  # a new keyword without a field (or the reverse) would be dropped silently
+    changed = {
+        "keep_fp32": ("head",),
+        "step_scheduler_with_optimizer": False,
+        "channels_last": True,
+        "free_step_buffers": False,
+        "cast_outputs": False,
+        "divide_loss": False,
+        "epoch_end": "carry",
+        "micro_batch": 4,
+        "memory": "1GiB",
+        "log_every": 7,
+        "log_dir": "elsewhere",
+        "timeout": 30.0,
+    }
+    config = ampkit.Accelerator("fp32", 1, "cpu", **changed).config
+    assert {name: getattr(config, name) for name in changed} == changed
+    assert (config.precision, config.grad_accum_steps, config.device) == ("fp32", 1, "cpu")
 
 
 def test_keyword_only():

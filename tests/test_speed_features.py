@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import ampkit
+from ampkit.engine.events import Events, Listener
 from conftest import assert_bitwise_equal, make_loader, make_model
 
 STEPS = 8
@@ -257,8 +258,33 @@ def test_trial_false_keeps_compiled_without_timing_eager():
     assert run.compiled_calls == 12 and run.messages == []
     assert run.chosen == [None] * 12 and run.acc.compile_stats.eager_step_s is None
     assert run.acc.compile_stats.first_backward_s is not None and len(run.acc.events) == 0
+    idle = ampkit.Accelerator("fp32", device="cpu", compile=True)
+    assert len(idle.events) == 0  # the trial listens from the first compiled forward only
     assert run.acc.compile_stats.reason == "no trial: compile={'trial': False}"
     assert "trial" not in run.acc.compile_options  # ampkit's key, not passed to torch.compile
+
+
+def test_events_deliver_in_registration_order_and_first_puts_a_listener_ahead():
+    seen: list[str] = []
+
+    class Named(Listener):
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def on_backward_end(self, acc) -> None:
+            seen.append(self.name)
+
+    events, a, b, trial = Events(), Named("a"), Named("b"), Named("trial")
+    events.add(a)
+    events.add(b)
+    events.add(trial, first=True)
+    events.emit(Listener.on_backward_end, None)
+    assert seen == ["trial", "a", "b"]
+    with pytest.raises(ValueError, match="already listening"):
+        events.add(a, first=True)
+    with pytest.raises(TypeError, match="expected an ampkit.engine.events.Listener"):
+        events.add(object(), first=True)  # type: ignore[arg-type]
+    assert len(events) == 3
 
 
 def test_eval_and_no_grad_forwards_during_the_trial_run_compiled_and_are_not_timed():
@@ -501,7 +527,7 @@ def test_bf16_true_holds_8_bytes_per_parameter_between_adamw_steps(free):
     assert weights / n == 2 and kahan / n == 2 and state / n == 4
     assert (weights + kahan + state) / n == 8
     # no fp32 copy of the weights outlives prepare, and the optimizer sees none between steps
-    assert all(not m.originals for m in acc._prepared.originals.values())
+    assert all(not m for m in acc._prepared.registry.originals.values())
     assert all(s.numel() == 0 and s.grad is None for _, s in opt.weights.pairs)
     assert acc.free_step_buffers is free
 

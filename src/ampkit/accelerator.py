@@ -13,6 +13,7 @@ for x, y in loader:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from ampkit import checkpoint
-from ampkit.config import AcceleratorConfig
+from ampkit.config import CONFIG_FIELDS, AcceleratorConfig
 from ampkit.engine.compiler import CompileStats, CompileTrial, compile_setup
 from ampkit.engine.cycle import AccumulationCycle, warn_pending_at_exit
 from ampkit.engine.data import DeviceLoader, EpochCounter
@@ -40,8 +41,9 @@ from ampkit.engine.prepare import Prepared
 from ampkit.engine.scheduler import AmpScheduler
 from ampkit.engine.tracking import start_tracking
 from ampkit.engine.training_state import TrainingState
+from ampkit.engine.wiring import Wiring, unwrap
 from ampkit.errors import LossError
-from ampkit.hardware.capability import capability, resolve_device
+from ampkit.hardware.capability import resolve_device
 from ampkit.inference import export
 from ampkit.precision.fp8 import MIN_WEIGHT, fp8_training
 from ampkit.precision.keep import KeepSpec
@@ -86,35 +88,14 @@ class Accelerator(RankMethods):
         log_every: int = 50,
         log_dir: str | Path = "runs/ampkit",
     ) -> None:
+        settings = {name: value for name, value in locals().items() if name in CONFIG_FIELDS}  # all but scaler
         # What the script did not pass comes from the launcher (AMPKIT_* variables, `ampkit.engine.launch`).
         given = {"precision": precision, "grad_accum_steps": grad_accum_steps, "compile": compile}
         chosen = launch_settings(given)
         self.max_steps = chosen["max_steps"]
         if scaler is not None and not isinstance(scaler, LossScaler):
             raise TypeError(f"scaler={scaler!r}: expected an ampkit.LossScaler")
-        self.config = config = AcceleratorConfig(
-            **{name: chosen[name] for name in given},
-            device=device,
-            keep_fp32=keep_fp32,
-            step_scheduler_with_optimizer=step_scheduler_with_optimizer,
-            strategy=strategy,
-            backend=backend,
-            timeout=timeout,
-            channels_last=channels_last,
-            cuda_graphs=cuda_graphs,
-            free_step_buffers=free_step_buffers,
-            cast_outputs=cast_outputs,
-            divide_loss=divide_loss,
-            epoch_end=epoch_end,
-            fp8_recipe=fp8_recipe,
-            fp8_emulate=fp8_emulate,
-            fp8_min_weight=fp8_min_weight,
-            micro_batch=micro_batch,
-            memory=memory,
-            log_to=log_to,
-            log_every=log_every,
-            log_dir=log_dir,
-        )
+        self.config = config = AcceleratorConfig(**{**settings, **{name: chosen[name] for name in given}})
         self.distributed = DistributedContext.from_env()
         self.device = resolve_device(self.distributed.device_for(device))  # under torchrun: this rank's GPU
         rank0 = self.distributed.rank == 0
@@ -131,16 +112,33 @@ class Accelerator(RankMethods):
         self.compile_options = compile_setup(self.device, config.compile, cuda_graphs)  # torch.compile kwargs
         self.cuda_graphs = cuda_graphs and self.compile_options is not None
         self.compile_stats = CompileStats()
-        # eager or compiled? A listener, first on the events (its clock is read next to the backward)
-        self.compile_trial = CompileTrial(self.compile_stats, self.device, config.compile, self.cuda_graphs)
-        if self.compile_options is not None:
-            self.compile_trial.listen(self.events)
+        # eager or compiled? A listener of the events from the first compiled forward
+        self.compile_trial = CompileTrial(
+            self.compile_stats, self.device, self.events, config.compile, self.cuda_graphs
+        )
         start_tracking(self.events, config.log_to, config.log_every, config.log_dir, self.distributed.rank)
         self.micro = MicroBatcher(self, config.micro_batch, config.memory_bytes)  # acc.split(batch)
         if free_step_buffers is None:  # measured: benchmarks/RESULTS.md, "free_step_buffers"
             free_step_buffers = not (self.device.type == "cpu" and self.policy.master_weights)
         self.free_step_buffers = free_step_buffers  # resolved here; the other settings: acc.config.x only
-        self._prepared = Prepared(self)
+        self._prepared = Prepared(
+            Wiring(
+                policy=self.policy,
+                device=self.device,
+                cycle=self.cycle,
+                scaler=self.scaler,
+                events=self.events,
+                items=self.items,
+                strategy=self.strategy,
+                distributed=self.distributed,
+                micro=self.micro,
+                fp8=self.fp8,
+                compile_options=self.compile_options,
+                compile_trial=self.compile_trial,
+                cuda_graphs=self.cuda_graphs,
+                settings=config.prepare_settings(free_step_buffers, self.max_steps),
+            )
+        )
         self.state = TrainingState(self._prepared.optimizers, self.scaler)
         self._epochs = EpochCounter(self._prepared.loaders)  # acc.epochs(), acc.epoch
         # One training run, across resumes and ranks (rank 0's id): a checkpoint folder belongs to one run.
@@ -152,7 +150,10 @@ class Accelerator(RankMethods):
         """Prepare models, optimizers, DataLoaders and LR schedulers; return them in the same order.
         Models first (whatever the order given), so an optimizer finds its model's parameters
         already in their training dtype. One object in, one object out; several in, a tuple out."""
-        return self._prepared.prepare(*objs)
+        out = self._prepared.prepare(*objs)
+        if self.fp8 is not None:  # how many layers fp8 converts is known once its models are prepared
+            self.policy = dataclasses.replace(self.policy, reason=self.fp8.reason)
+        return out
 
     def backward(self, loss: torch.Tensor, *, num_items: int | torch.Tensor | None = None, **kwargs: Any) -> None:
         """`loss.backward()` with loss scaling and gradient accumulation (the loop's one changed line).
@@ -361,7 +362,7 @@ class Accelerator(RankMethods):
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module without DDP (ampkit's own changes are made in place, on the module)."""
-        return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        return unwrap(model)
 
     def fp32_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """`model`'s state_dict in fp32, each low-precision weight replaced by the fp32 value it stands
@@ -378,11 +379,6 @@ class Accelerator(RankMethods):
     ) -> Any:
         """`ampkit.export(model, ...)` of a prepared model from its fp32 truth (see `fp32_state_dict`)."""
         return export(model, example_inputs, precision, backend, out, acc=self)
-
-    @property
-    def bf16_runs(self) -> bool:
-        """This device runs bf16 at a useful speed."""
-        return capability(self.device).bf16_runs
 
     def __repr__(self) -> str:
         return (

@@ -20,6 +20,7 @@ from ampkit.engine.cycle import EPOCH_END
 from ampkit.engine.distributed import check_backend
 from ampkit.engine.micro import parse_micro_batch
 from ampkit.engine.tracking import check_tracking
+from ampkit.engine.wiring import Settings
 from ampkit.precision.fp8 import MIN_WEIGHT
 from ampkit.precision.policy import Precision
 from ampkit.util import validate as check
@@ -168,6 +169,19 @@ class AcceleratorConfig:
         """`memory` in bytes (None: not given)."""
         return None if self.memory is None else check.parse_memory(self.memory)
 
+    def prepare_settings(self, free_step_buffers: bool, max_steps: int | None) -> Settings:
+        """What `acc.prepare` reads of these settings (`free_step_buffers` resolved for the device; `max_steps`
+        from AMPKIT_MAX_STEPS)."""
+        return Settings(
+            keep_fp32=self.keep_fp32,
+            cast_outputs=self.cast_outputs,
+            channels_last=self.channels_last,
+            grad_accum_steps=self.grad_accum_steps,
+            step_scheduler_with_optimizer=self.step_scheduler_with_optimizer,
+            free_step_buffers=free_step_buffers,
+            max_steps=max_steps,
+        )
+
     def as_dict(self) -> dict[str, Any]:
         """The settings as JSON-able values (a Precision by its name, a module type by its qualified name)."""
         out: dict[str, Any] = {}
@@ -190,3 +204,7 @@ class AcceleratorConfig:
                 }
             out[field.name] = value
         return out
+
+
+#: The settings' names: every keyword of `Accelerator(...)` but `scaler` (an object, not a setting).
+CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(AcceleratorConfig))

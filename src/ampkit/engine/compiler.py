@@ -4,8 +4,8 @@ state_dict keys and hooks stay the user's. Where the compiler is unavailable (no
 unsupported Python) or fails on the model, it runs eagerly with one warning that says why. The first
 call's and first backward's time (tracing, code generation) are kept apart in `CompileStats`. Then a
 short trial (`CompileTrial`) times eager against compiled training steps and keeps the faster. The trial is a
-listener of the run's events (`ampkit.engine.events`), not a part of `acc.backward`: it stops listening once it has
-chosen, and a run without compile=True never carries it.
+listener of the run's events (`ampkit.engine.events`), not a part of `acc.backward`: it listens from the first
+compiled forward until it has chosen, and a run without compile=True never carries it.
 """
 
 from __future__ import annotations
@@ -119,13 +119,15 @@ class CompileTrial(Listener):
     outside). Then the faster by median runs every model of the Accelerator for the rest of the run (a tie keeps
     compiled). Forwards in eval mode or under no_grad run compiled and are not timed. Under torchrun all ranks
     take rank 0's choice. No trial with compile={"trial": False} or cuda_graphs=True (the first backward is still
-    timed). `listen(events)` starts it; it stops listening once nothing is left to measure. `clock` is
-    injectable (tests force either outcome)."""
+    timed). It listens to `events` from the first compiled forward (`compiled`), first among the listeners (its
+    clock is read next to the backward), and stops once nothing is left to measure. `clock` is injectable
+    (tests force either outcome)."""
 
     def __init__(
         self,
         stats: CompileStats,
         device: torch.device,
+        events: Events,
         compile: Any = True,
         cuda_graphs: bool = False,
         clock: Any = time.perf_counter,
@@ -142,14 +144,14 @@ class CompileTrial(Listener):
         self.measuring, self.eager = off is None, False  # eager: the trial chose eager
         self.timing: str | None = None  # the kind of the timed step in flight, until its backward ends
         self.first_backward_start: float | None = None  # the compiled graph's first backward is in flight
-        self.events: Events | None = None
+        self.events, self.listened = events, False
         stats.reason = off and f"no trial: {off}"
 
-    def listen(self, events: Events) -> None:
-        """Time the first backward and run the trial on `events` (the Accelerator's, before any other listener:
-        the clock is read next to the backward)."""
-        self.events = events
-        events.add(self)
+    def compiled(self) -> None:
+        """A model's first compiled forward ran: time its backward, then run the trial (once per run)."""
+        if not self.listened:
+            self.listened = True
+            self.events.add(self, first=True)
 
     def kind(self, module: torch.nn.Module) -> str:
         """What a compiled model's forward runs during the trial ("eager" or "compiled"); a training
@@ -175,7 +177,7 @@ class CompileTrial(Listener):
             self.first_backward_start = None
         elif self.timing:
             self._timed_step_ended()
-        if not self.measuring and self.stats.first_backward_s is not None and self.events is not None:
+        if not self.measuring and self.stats.first_backward_s is not None:
             self.events.remove(self)  # nothing left to measure: the run's backward carries no trial from here
 
     def _timed_step_ended(self) -> None:
@@ -242,6 +244,7 @@ class CompiledForward:
             return out
         self._first = False
         self.stats.first_forward_s = time.perf_counter() - start
+        self.trial.compiled()
         return out
 
     def __reduce__(self) -> Any:

@@ -125,13 +125,13 @@ class Events:
             Listener, ...
         ] = ()  # a new tuple per change; `if events.listeners:` is the emit sites' check
 
-    def add(self, listener: Listener) -> None:
-        """Start delivering events to `listener` (after those already registered)."""
+    def add(self, listener: Listener, *, first: bool = False) -> None:
+        """Start delivering events to `listener`, after those already registered (`first`: before them)."""
         if not isinstance(listener, Listener):
             raise TypeError(f"{listener!r}: expected an ampkit.engine.events.Listener")
         if any(listener is other for other in self.listeners):
             raise ValueError(f"{listener!r} is already listening")
-        self.listeners += (listener,)
+        self.listeners = (listener, *self.listeners) if first else (*self.listeners, listener)
 
     def remove(self, listener: Listener) -> None:
         """Stop delivering events to `listener` (a listener not registered is ignored)."""

@@ -107,8 +107,12 @@ def max_steps_reached(acc: Any) -> bool:
     many steps. Its prepared loaders then end their training passes (those iterated with autograd on:
     evaluation under torch.no_grad runs whole) and `acc.epochs()` ends; a loop that counts its own
     steps (`while step < n:`) needs its own limit."""
-    opts = acc.optimizers
-    return acc.max_steps is not None and bool(opts) and opts[0].attempted_steps >= acc.max_steps
+    return steps_spent(acc.optimizers, acc.max_steps)
+
+
+def steps_spent(optimizers: Sequence[Any], max_steps: int | None) -> bool:
+    """Whether the first of the prepared `optimizers` has run `max_steps` steps (`max_steps_reached`)."""
+    return max_steps is not None and bool(optimizers) and optimizers[0].attempted_steps >= max_steps
 
 
 def check_metric(name: Any, higher_is_better: Any) -> None:
