@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import io
+import linecache
 import shutil
 import warnings
 from types import SimpleNamespace
@@ -205,7 +206,11 @@ def trial_run(
                     model(x)
                 eval_calls += len(calls) - before
     messages = [str(w.message) for w in caught if "compile=True" in str(w.message)]
-    files = {w.filename for w in caught if "compile=True" in str(w.message)}
+    files = {
+        (w.filename, linecache.getline(w.filename, w.lineno).strip())
+        for w in caught
+        if "compile=True" in str(w.message)
+    }
     return SimpleNamespace(
         files=files,
         losses=losses,
@@ -228,7 +233,7 @@ def test_the_compile_trial_runs_eager_when_eager_measures_faster_and_training_st
     assert run.chosen == [None] * 6 + ["eager"] * 6
     assert run.compiled_calls == 1 + 3  # steps 8-12 ran the eager forward: the compiled one was not called
     [message] = run.messages
-    assert run.files == {__file__}  # the warning names the loop's acc.backward line, not ampkit's
+    assert run.files == {(__file__, "acc.backward(loss)")}  # the warning names the loop's line, not ampkit's
     assert len(run.acc.events) == 0  # the trial stopped listening once it had chosen
     assert "the compiled training step measured 2 ms vs eager 1 ms" in message
     assert "models (Sequential) run eagerly" in message and "'trial': False} keeps them compiled" in message

@@ -202,7 +202,7 @@ class CompileTrial(Listener):
                 f"compile=True: the compiled training step measured {measured}; this Accelerator's models "
                 f"({', '.join(s.models)}) run eagerly (same results within rounding; compile={{'trial': "
                 f"False}} keeps them compiled)",
-                stacklevel=6,  # _timed_step_ended, on_backward_end, Events.emit, acc.backward, the user's loop
+                stacklevel=5,  # _timed_step_ended, on_backward_end, Events.emit, acc.backward: the user's loop
             )
 
 
