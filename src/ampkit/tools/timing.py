@@ -154,11 +154,9 @@ def matmul_rate(
     calls), at torch's threads; `sizes` = (first, largest) n (`MATMUL_N`; equal: a fixed size)."""
     n, largest = sizes or MATMUL_N.get(device.type, (256, 1024))
     start, matmul = time.perf_counter(), _matmul(n, device, dtype)
-    best, _, _ = fastest(matmul, device, 0.0)
-    while n < largest and 8 * best <= seconds / 4:  # the next size is 8× the work
+    while n < largest and 8 * fastest(matmul, device, 0.0)[0] <= seconds / 4:  # the next size is 8× the work
         n *= 2
         matmul = _matmul(n, device, dtype)
-        best, _, _ = fastest(matmul, device, 0.0)
     left = max(0.0, seconds - (time.perf_counter() - start))
     best, calls, total = fastest(matmul, device, left, repeats)
     return Rate(size=n, calls=calls, seconds=total, per_s=2 * n**3 / max(best, 1e-12))
